@@ -1,0 +1,316 @@
+"""``@hlofold.fold``: the decorator for inference functions.
+
+The decorated function is traced once per input signature (like ``jax.jit``), folded with
+:func:`hlofold.fold_jaxpr`, and compiled. Parameters arrive either
+
+* **frozen** (``freeze=``): their values are baked in as constants, so ``K ⊙ s`` is computed
+  once at transform time and the program carries the folded kernels as constants; or
+* **as inputs**: the folded program is split by partial evaluation into a param-only
+  *prepare* part (folded kernels and biases) and a per-call *apply* part (conv + add). The
+  prepared values are cached, keyed on the identity of the (immutable) ``jax.Array`` inputs
+  they come from, so steady-state calls run only *apply*. :meth:`Folded.split` exposes the
+  two parts for callers that keep state themselves.
+
+Called under an enclosing transformation (inputs are tracers), the folded program is inlined
+with its kernel rescale in the graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import _compat as C
+from ._fold import fold_jaxpr
+from ._report import FOLDED, FoldReport
+
+
+def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
+         static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+         cache_prepared: bool = True):
+    """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
+
+    Args:
+      fun: an inference function, plain or already ``jax.jit``-ed (its static arguments are
+        respected).
+      freeze: argument numbers or names whose values are baked into the program as
+        constants (like ``torch.jit.freeze``). A different array passed later re-freezes.
+      static_argnums, static_argnames: as for ``jax.jit`` (for a plain ``fun``).
+      cache_prepared: cache the prepared (folded) parameters between calls. With ``False``
+        every call rescales the kernels (useful only for benchmarking).
+
+    Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
+    """
+    if fun is None:
+        return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
+                                 static_argnames=static_argnames, cache_prepared=cache_prepared)
+    return Folded(fun, freeze=freeze, static_argnums=static_argnums,
+                  static_argnames=static_argnames, cache_prepared=cache_prepared)
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    if isinstance(x, (int, str)):
+        return (x,)
+    return tuple(x)
+
+
+@dataclasses.dataclass
+class Split:
+    """The folded program split in two.
+
+    ``prepare(*args, **kw)`` computes, from the parameter inputs only, everything the
+    per-call part needs (folded kernels, biases); ``apply(prepared, *args, **kw)`` runs the
+    per-call part. ``apply`` reads only the inputs listed in ``per_call``; the ones in
+    ``prepared_from`` are not read (pass the same pytree structure; their values are ignored).
+    """
+
+    prepared_from: list[str]
+    per_call: list[str]
+    prepare_jaxpr: C.ClosedJaxpr | None
+    apply_jaxpr: C.ClosedJaxpr
+    _folded: "Folded"
+    _key: Any
+
+    def prepare(self, *args, **kwargs) -> list[jax.Array]:
+        prog, leaves = self._folded._program_for(args, kwargs)
+        self._check(prog)
+        return list(prog.prepare(*[leaves[i] for i in prog.known_idx]))
+
+    def apply(self, prepared: Sequence[jax.Array], *args, **kwargs):
+        prog, leaves = self._folded._program_for(args, kwargs)
+        self._check(prog)
+        outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
+        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+    def _check(self, prog):
+        if prog.key != self._key:
+            raise ValueError("hlofold: Split.prepare/apply called with inputs of another "
+                             "signature than the one the split was made for")
+
+
+@dataclasses.dataclass
+class _Program:
+    key: Any
+    original: C.ClosedJaxpr
+    folded: C.ClosedJaxpr
+    report: FoldReport
+    leaf_names: list[str]
+    out_tree: Any
+    full: Callable                 # jitted folded program (in-graph rescale)
+    known_idx: list[int]
+    unknown_idx: list[int]
+    prepare: Callable | None
+    apply: Callable | None
+    prepare_jaxpr: C.ClosedJaxpr | None = None
+    apply_jaxpr: C.ClosedJaxpr | None = None
+    frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
+    cached: tuple | None = None    # (known leaves, prepared values)
+
+
+class Folded:
+    """A folded inference function (see :func:`fold`)."""
+
+    def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared):
+        ji = C.jit_info(fun)
+        self._fun = fun
+        self._py = ji[0] if ji else fun
+        sa = set(_as_tuple(static_argnums)) | set(ji[1] if ji else ())
+        sn = set(_as_tuple(static_argnames)) | set(ji[2] if ji else ())
+        try:
+            self._sig = inspect.signature(self._py)
+        except (TypeError, ValueError):
+            self._sig = None
+        self._static = self._to_names(sa | sn, "static")
+        self._freeze = self._to_names(set(_as_tuple(freeze)), "freeze")
+        self._cache = cache_prepared
+        self._programs: dict[Any, _Program] = {}
+        functools.update_wrapper(self, self._py)
+
+    # ---- argument handling
+
+    def _positional(self) -> list[str]:
+        if self._sig is None:
+            return []
+        return [p.name for p in self._sig.parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def _to_names(self, items, what) -> frozenset:
+        pos = self._positional()
+        out = set()
+        for it in items:
+            if isinstance(it, int):
+                if self._sig is None:
+                    out.add(f"#{it}")
+                elif it < len(pos):
+                    out.add(pos[it])
+                else:
+                    raise ValueError(f"hlofold.fold: {what} argnum {it} is out of range for "
+                                     f"{getattr(self._py, '__name__', self._py)}{self._sig}")
+            else:
+                if self._sig is not None and it not in self._sig.parameters:
+                    raise ValueError(f"hlofold.fold: {what} argname {it!r} is not a parameter "
+                                     f"of {getattr(self._py, '__name__', self._py)}{self._sig}")
+                out.add(it)
+        return frozenset(out)
+
+    def _arguments(self, args, kwargs) -> dict[str, Any]:
+        if self._sig is None:
+            if kwargs:
+                out = {f"#{i}": a for i, a in enumerate(args)}
+                out.update(kwargs)
+                return out
+            return {f"#{i}": a for i, a in enumerate(args)}
+        bound = self._sig.bind(*args, **kwargs)
+        return dict(bound.arguments)
+
+    def _call_original(self, arguments: dict[str, Any]):
+        if self._sig is None:
+            pos = [v for k, v in arguments.items() if k.startswith("#")]
+            kw = {k: v for k, v in arguments.items() if not k.startswith("#")}
+            return self._fun(*pos, **kw)
+        ba = inspect.BoundArguments(self._sig, arguments)
+        return self._fun(*ba.args, **ba.kwargs)
+
+    # ---- programs
+
+    def _program_for(self, args, kwargs) -> tuple[_Program, list]:
+        arguments = self._arguments(args, kwargs)
+        static = {k: v for k, v in arguments.items() if k in self._static}
+        frozen = {k: v for k, v in arguments.items() if k in self._freeze}
+        dynamic = {k: v for k, v in arguments.items() if k not in self._static
+                   and k not in self._freeze}
+        leaves_p, tree = jax.tree_util.tree_flatten_with_path(dynamic)
+        leaves = [l for _, l in leaves_p]
+        frz_leaves = jax.tree_util.tree_leaves(frozen)
+        tracing = any(C.is_tracer(x) for x in leaves + frz_leaves)
+        if tracing and any(C.is_tracer(x) for x in frz_leaves):
+            # Frozen values that are tracers cannot be baked in: treat them as inputs.
+            dynamic = {k: v for k, v in arguments.items() if k not in self._static}
+            frozen = {}
+            leaves_p, tree = jax.tree_util.tree_flatten_with_path(dynamic)
+            leaves = [l for _, l in leaves_p]
+            frz_leaves = []
+        avals = tuple(C.shape_struct(C.aval_of(l)) for l in leaves)
+        try:
+            static_key = tuple(sorted(static.items()))
+            hash(static_key)
+        except TypeError as e:
+            raise TypeError(f"hlofold.fold: static arguments must be hashable: {e}") from None
+        key = (tree, avals, static_key, tuple(frozen), tuple(id(x) for x in frz_leaves))
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._build(key, arguments, static, frozen, leaves_p, tree, frz_leaves)
+            if len(self._programs) > 64:
+                self._programs.pop(next(iter(self._programs)))
+            self._programs[key] = prog
+        return prog, leaves
+
+    def _build(self, key, arguments, static, frozen, leaves_p, tree, frz_leaves) -> _Program:
+        names = [self._leaf_name(p) for p, _ in leaves_p]
+        leaves = [l for _, l in leaves_p]
+
+        def flat_fun(*dyn_leaves):
+            dyn = jax.tree_util.tree_unflatten(tree, dyn_leaves)
+            merged = {k: (static[k] if k in static else frozen[k] if k in frozen else dyn[k])
+                      for k in arguments}
+            return self._call_original(merged)
+
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(
+            *[C.shape_struct(C.aval_of(l)) for l in leaves])
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
+        by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
+        const_names = [by_id.get(id(c)) for c in closed.consts]
+        folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names)
+        full = jax.jit(C.jaxpr_as_fun(folded))
+
+        # Inputs feeding a kernel rescale in the graph are "prepared" once per value.
+        needed = set()
+        for s in report.sites:
+            if s.status == FOLDED and s.rescale == "in-graph":
+                needed.update(s.params)
+                if s.kernel:
+                    needed.update(s.kernel.split(", "))
+        known_idx = [i for i, n in enumerate(names) if n in needed]
+        unknown_idx = [i for i in range(len(names)) if i not in set(known_idx)]
+        prepare = apply = known_j = unknown_j = None
+        if known_idx:
+            unknowns = [i not in set(known_idx) for i in range(len(names))]
+            known_j, unknown_j, out_uk, _ = C.partial_eval(
+                folded, unknowns, [True] * len(folded.jaxpr.outvars))
+            assert all(out_uk), "every output is instantiated in the apply part"
+            prepare = jax.jit(C.jaxpr_as_fun(known_j))
+            apply = jax.jit(C.jaxpr_as_fun(unknown_j))
+        return _Program(key, closed, folded, report, names, out_tree, full, known_idx,
+                        unknown_idx, prepare, apply, known_j, unknown_j,
+                        frozen_refs=tuple(frz_leaves))
+
+    def _leaf_name(self, path) -> str:
+        if not path:
+            return "<arg>"
+        head, rest = path[0], path[1:]
+        name = getattr(head, "key", None)
+        if name is None:
+            return jax.tree_util.keystr(path)
+        if isinstance(name, str) and name.startswith("#"):
+            name = f"args[{name[1:]}]"
+        return f"{name}{jax.tree_util.keystr(tuple(rest))}"
+
+    # ---- calling
+
+    def __call__(self, *args, **kwargs):
+        prog, leaves = self._program_for(args, kwargs)
+        if any(C.is_tracer(x) for x in leaves):
+            outs = C.jaxpr_as_fun(prog.folded)(*leaves)
+        elif prog.prepare is None:
+            outs = prog.full(*leaves)
+        else:
+            known = [leaves[i] for i in prog.known_idx]
+            prepared = None
+            cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
+            if cacheable and prog.cached is not None and len(prog.cached[0]) == len(known) \
+                    and all(a is b for a, b in zip(prog.cached[0], known)):
+                prepared = prog.cached[1]
+            if prepared is None:
+                prepared = prog.prepare(*known)
+                if cacheable:
+                    prog.cached = (tuple(known), prepared)
+            outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
+        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+    def report(self, *args, **kwargs) -> FoldReport:
+        """The fold report for this input signature."""
+        return self._program_for(args, kwargs)[0].report
+
+    def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
+        """The folded jaxpr (inputs: the flattened non-static, non-frozen arguments)."""
+        return self._program_for(args, kwargs)[0].folded
+
+    def original_jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
+        """The jaxpr before folding."""
+        return self._program_for(args, kwargs)[0].original
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """The folded program (in-graph rescale for input params), lowered for these args."""
+        prog, leaves = self._program_for(args, kwargs)
+        return prog.full.lower(*leaves)
+
+    def split(self, *args, **kwargs) -> Split:
+        """The prepare/apply split for this input signature (see :class:`Split`)."""
+        prog, _ = self._program_for(args, kwargs)
+        if prog.prepare is None:  # nothing to prepare: everything is constant or unfolded
+            prog.prepare = jax.jit(lambda: [])
+            prog.apply = prog.full
+            prog.apply_jaxpr = prog.folded
+        return Split([prog.leaf_names[i] for i in prog.known_idx],
+                     [prog.leaf_names[i] for i in prog.unknown_idx], prog.prepare_jaxpr,
+                     prog.apply_jaxpr, self, prog.key)
+
+    def __repr__(self) -> str:
+        return f"<hlofold.fold of {getattr(self._py, '__qualname__', self._py)!r}>"

@@ -1,0 +1,129 @@
+"""Every use of JAX internals in hlofold lives here.
+
+hlofold reads and rebuilds jaxprs, which needs a few names that JAX keeps in ``jax.extend``
+or ``jax._src``. Keeping them in one module means a JAX upgrade touches one file.
+Tested against jax 0.10.x.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jex_core
+from jax._src import core as _core
+from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+Primitive = jex_core.Primitive
+check_jaxpr = jex_core.check_jaxpr
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+Tracer = _core.Tracer
+
+
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluate (or, under a trace, re-stage) an open jaxpr, keeping source info."""
+    return _core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
+    """Bind ``eqn``'s primitive on ``invals`` the way ``core.eval_jaxpr`` does.
+
+    The equation's source location and name stack are re-entered so that a retraced
+    equation keeps the user's file and line. Always returns a list of outputs.
+    """
+    bind_params = eqn.primitive.get_bind_params(params if params is not None else eqn.params)
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+@contextlib.contextmanager
+def source_of(eqn: JaxprEqn):
+    """Context in which newly staged equations carry ``eqn``'s source location."""
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        yield
+
+
+_LIBRARY_MARKERS = ("/jax/", "/jaxlib/", "/flax/", "/haiku/", "/equinox/", "/keras/",
+                    "/hlofold/", "/optax/", "/contextlib.py", "/functools.py")
+
+
+def user_location(eqn: JaxprEqn) -> tuple[str | None, int | None, str | None]:
+    """(file, line, function) of the first frame of ``eqn`` outside JAX and the NN libraries.
+
+    Falls back to JAX's own notion of the user frame (which may sit inside Flax/Haiku).
+    """
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return None, None, None
+    frames = list(_siu.user_frames(tb))
+    for fr in frames:
+        name = fr.file_name.replace("\\", "/")
+        if not any(m in name for m in _LIBRARY_MARKERS):
+            return fr.file_name, fr.start_line, fr.function_name
+    fr = _siu.user_frame(tb)
+    if fr is None:
+        return None, None, None
+    return fr.file_name, fr.start_line, fr.function_name
+
+
+def name_stack(eqn: JaxprEqn) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Dead-code elimination keeping every input and output (signature unchanged)."""
+    new, _ = _pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    return ClosedJaxpr(new, closed.consts)
+
+
+def hoist_consts(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
+    """Turn a closed jaxpr's constants into leading inputs: (open jaxpr, const values)."""
+    return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def partial_eval(closed: ClosedJaxpr, unknowns: Sequence[bool],
+                 instantiate: Sequence[bool]):
+    """Split ``closed`` into known and unknown parts (see ``pe.partial_eval_jaxpr_nounits``).
+
+    Returns ``(known, unknown, out_unknowns, residual_avals)``: ``known`` maps the known
+    inputs to (known outputs, residuals); ``unknown`` maps (residuals, unknown inputs) to the
+    unknown outputs.
+    """
+    return _pe.partial_eval_jaxpr_nounits(closed, list(unknowns), list(instantiate))
+
+
+def jit_info(fun: Callable) -> tuple[Callable, tuple[int, ...], tuple[str, ...]] | None:
+    """For a ``jax.jit``-wrapped function: (wrapped python function, static_argnums,
+    static_argnames). ``None`` for anything else."""
+    info = getattr(fun, "_jit_info", None)
+    inner = getattr(fun, "_fun", None)
+    if info is None or inner is None:
+        return None
+    return inner, tuple(info.static_argnums or ()), tuple(info.static_argnames or ())
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def aval_of(x):
+    """The abstract value of a concrete or traced input."""
+    return jax.typeof(x)
+
+
+def shape_struct(aval) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+# Higher-order primitives by name (names are stable; the objects move between modules).
+JIT_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})

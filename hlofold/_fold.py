@@ -1,0 +1,643 @@
+"""The jaxpr folder.
+
+``fold_jaxpr`` walks a closed jaxpr. For every root equation that a pattern is registered for
+(``conv_general_dilated``), it follows the root's output through a chain of per-output-channel
+affine operations, collapsing them algebraically into a running ``y·s + t``:
+
+    add c: t += c      sub c: t -= c      c - y: s, t = -s, c - t
+    mul c: s, t = s·c, t·c      div c: s, t = s/c, t/c      neg: s, t = -s, -t
+
+then rewrites the chain to ``conv(x, K ⊙ s) + broadcast_in_dim(t)``. ``K ⊙ s`` scales the
+kernel along its output-feature dimension, which is exact for any rank, stride, padding,
+dilation (lhs dilation included) and feature/batch grouping.
+
+The rewrite is *planned* first, outside any trace (constants are evaluated eagerly there, so
+``K ⊙ s`` of constant parameters is computed once, in float64 on the host), and then the program
+is *retraced* with ``jax.make_jaxpr`` of an interpreter that replays every equation and emits
+the folded form at the end of each chain. Nested jaxprs (``jit``, ``custom_jvp_call``,
+``custom_vjp_call``, ``remat``, ``closed_call``, ``cond`` branches, ``scan`` and ``while``
+bodies) are folded recursively, with known (constant) inputs followed into them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from . import _compat as C
+from ._patterns import (PATTERNS, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
+                        PassStep, Refusal, RootInfo, affine_step, pass_step)
+from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+
+# Largest constant sub-computation evaluated at transform time (elements per output).
+_MAX_CONST_EVAL = 1 << 26
+_REMAT_NAMES = frozenset({"checkpoint", "remat", "remat2"})
+_CALL_NAMES = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+
+
+def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = None,
+               const_names: Sequence[str] | None = None) -> tuple[C.ClosedJaxpr, FoldReport]:
+    """Fold every conv → per-channel-affine chain of ``closed``.
+
+    Args:
+      closed: the program, e.g. ``jax.make_jaxpr(f)(*args)``.
+      invar_names: optional names of the inputs (e.g. pytree paths); the report uses them to
+        say which inputs each folded site absorbed.
+      const_names: the same for ``closed.consts``.
+
+    Returns ``(folded, report)``. ``folded`` has the same inputs and outputs as ``closed``;
+    when nothing folds it *is* ``closed``.
+    """
+    if isinstance(closed, C.Jaxpr):
+        closed = C.ClosedJaxpr(closed, ())
+    if not isinstance(closed, C.ClosedJaxpr):
+        raise TypeError(f"fold_jaxpr expects a ClosedJaxpr (from jax.make_jaxpr), got "
+                        f"{type(closed).__name__}")
+    n_in = len(closed.jaxpr.invars)
+    names = list(invar_names) if invar_names is not None else [f"arg{i}" for i in range(n_in)]
+    if len(names) != n_in:
+        raise ValueError(f"invar_names has {len(names)} entries for {n_in} inputs")
+    cnames = list(const_names) if const_names is not None else [None] * len(closed.consts)
+    sites: list[FoldSite] = []
+    scope = _Scope(closed,
+                   known_in=[_NONE] * n_in,
+                   names_in=[_const(frozenset({n})) for n in names],
+                   const_names=cnames, path="top", sites=sites)
+    return scope.fold(), FoldReport(sites)
+
+
+def _NONE():
+    return None
+
+
+def _const(v):
+    return lambda: v
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass
+class _Site:
+    root_idx: int
+    eqn: C.JaxprEqn
+    info: RootInfo
+    steps: list                      # AffineStep | PassStep, ending with an AffineStep
+    end_idx: int
+    end_var: Any
+    end_axis: int
+    record: FoldSite
+    kernel_const: np.ndarray | None = None     # folded kernel, when computed at transform time
+    s_known: np.ndarray | None = None          # float64 s, when known at transform time
+    t_known: np.ndarray | None = None
+    has_shift: bool = False
+    t_traced: Any = None                       # t computed in the graph (set while emitting)
+
+
+class _Scope:
+    """Planning and emission for one (closed) jaxpr."""
+
+    def __init__(self, closed: C.ClosedJaxpr, known_in: list[Callable], names_in: list[Callable],
+                 const_names: list, path: str, sites: list[FoldSite]):
+        self.closed = closed
+        self.jaxpr = closed.jaxpr
+        self.path = path
+        self.sites = sites
+        self.known: dict[Any, Any] = {}
+        self.known_thunks: dict[Any, Callable] = dict(zip(self.jaxpr.invars, known_in))
+        self.name_thunks: dict[Any, Callable] = dict(zip(self.jaxpr.invars, names_in))
+        self.origins: dict[Any, frozenset] = {}
+        for v, val, nm in zip(self.jaxpr.constvars, closed.consts, const_names):
+            self.known[v] = val
+            self.origins[v] = frozenset({nm}) if nm else frozenset()
+        self.producer: dict[Any, tuple[int, C.JaxprEqn]] = {}
+        self.uses: dict[Any, list[tuple[int, int]]] = {}
+        self.out_uses: dict[Any, int] = {}
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            for pos, v in enumerate(eqn.invars):
+                if isinstance(v, C.Var):
+                    self.uses.setdefault(v, []).append((i, pos))
+            for v in eqn.outvars:
+                self.producer[v] = (i, eqn)
+        for v in self.jaxpr.outvars:
+            if isinstance(v, C.Var):
+                self.out_uses[v] = self.out_uses.get(v, 0) + 1
+        self.site_at_end: dict[int, _Site] = {}
+        self.skip: set[int] = set()
+        self.new_eqn: dict[int, tuple[dict, Callable]] = {}
+
+    # ---- known values and provenance (memoized, iterative: programs can be deep)
+
+    def value(self, atom) -> Any:
+        """Concrete value of ``atom`` if it is known at transform time, else None."""
+        if isinstance(atom, C.Literal):
+            return atom.val
+        if atom in self.known:
+            return self.known[atom]
+        stack = [atom]
+        while stack:
+            v = stack[-1]
+            if v in self.known:
+                stack.pop()
+                continue
+            if v in self.known_thunks:
+                self.known[v] = self.known_thunks[v]()
+                stack.pop()
+                continue
+            prod = self.producer.get(v)
+            if prod is None:
+                self.known[v] = None
+                stack.pop()
+                continue
+            _, eqn = prod
+            missing = [u for u in eqn.invars if isinstance(u, C.Var) and u not in self.known]
+            if missing:
+                stack.extend(missing)
+                continue
+            vals = [u.val if isinstance(u, C.Literal) else self.known[u] for u in eqn.invars]
+            outs: list[Any] = [None] * len(eqn.outvars)
+            if all(x is not None for x in vals) and _evaluable(eqn):
+                with jax.ensure_compile_time_eval():
+                    outs = C.bind_eqn(eqn, vals)
+            for o, val in zip(eqn.outvars, outs):
+                self.known[o] = val
+            stack.pop()
+        return self.known[atom]
+
+    def names(self, atom) -> frozenset:
+        """Names of the program inputs (or named constants) that ``atom`` derives from."""
+        if isinstance(atom, C.Literal):
+            return frozenset()
+        if atom in self.origins:
+            return self.origins[atom]
+        stack = [atom]
+        while stack:
+            v = stack[-1]
+            if v in self.origins:
+                stack.pop()
+                continue
+            if v in self.name_thunks:
+                self.origins[v] = self.name_thunks[v]()
+                stack.pop()
+                continue
+            prod = self.producer.get(v)
+            if prod is None:
+                self.origins[v] = frozenset()
+                stack.pop()
+                continue
+            ins = [u for u in prod[1].invars if isinstance(u, C.Var)]
+            missing = [u for u in ins if u not in self.origins]
+            if missing:
+                stack.extend(missing)
+                continue
+            acc = frozenset().union(*(self.origins[u] for u in ins)) if ins else frozenset()
+            for o in prod[1].outvars:
+                self.origins[o] = acc
+            stack.pop()
+        return self.origins[atom]
+
+    # ---- planning
+
+    def fold(self) -> C.ClosedJaxpr:
+        changed = False
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            pattern = PATTERNS.get(eqn.primitive.name)
+            if pattern is not None:
+                changed |= self._plan_site(i, eqn, pattern)
+            elif _has_subjaxprs(eqn):
+                changed |= self._plan_nested(i, eqn)
+        if not changed:
+            return self.closed
+        return C.dce(self._emit())
+
+    def _record(self, eqn, pattern, info, status, **kw) -> FoldSite:
+        file, line, fn = C.user_location(eqn)
+        rec = FoldSite(pattern=pattern.name, primitive=eqn.primitive.name, status=status,
+                       scope=self.path, file=file, line=line, function=fn,
+                       name_stack=C.name_stack(eqn),
+                       dtype=str(eqn.outvars[0].aval.dtype), **kw)
+        if isinstance(info, RootInfo):
+            rec.layout = info.layout
+            rec.in_channels, rec.out_channels, rec.groups = (info.in_channels,
+                                                             info.out_channels, info.groups)
+        self.sites.append(rec)
+        return rec
+
+    def _walk(self, eqn, info: RootInfo):
+        """Follow the root's output through the chain; return (steps, end_axis, stop_reason,
+        stop_is_refusal). ``steps`` ends with the last absorbable affine op."""
+        v, axis = eqn.outvars[0], info.channel_axis
+        steps: list = []
+        committed, committed_axis = 0, axis
+        reason, refusal = None, False
+        while True:
+            uses = self.uses.get(v, [])
+            n_out = self.out_uses.get(v, 0)
+            n = len(uses) + n_out
+            if n == 0:
+                reason = "value is unused"
+                break
+            if n > 1:
+                who = [self.jaxpr.eqns[j].primitive.name for j, _ in uses] + ["output"] * n_out
+                what = "the conv output" if v is eqn.outvars[0] else f"{_desc(v)} in the chain"
+                reason = f"{what} has {n} consumers ({', '.join(who)}); folding would change them"
+                refusal = True
+                break
+            if n_out:
+                reason = f"value is an output of the {self.path} program"
+                break
+            j, pos = uses[0]
+            e = self.jaxpr.eqns[j]
+            prim = e.primitive.name
+            if prim in AFFINE_STEPS:
+                r = affine_step(e, pos, axis, lambda u: self.producer.get(u, (0, None))[1])
+                if isinstance(r, Refusal):
+                    reason, refusal = r.reason, True
+                    break
+                steps.append(r)
+                committed, committed_axis = len(steps), axis
+            elif prim in PASS_STEPS and pos == 0:
+                r = pass_step(e, axis)
+                if isinstance(r, Refusal):
+                    reason = r.reason
+                    break
+                steps.append(PassStep(e))
+                axis = r
+            else:
+                reason = f"chain ends at {prim}"
+                break
+            v = e.outvars[0]
+        return steps[:committed], committed_axis, reason, refusal
+
+    def _plan_site(self, i, eqn, pattern) -> bool:
+        info = pattern.inspect_root(eqn)
+        if isinstance(info, Refusal):
+            self._record(eqn, pattern, None, REFUSED, reason=info.reason)
+            return False
+        steps, end_axis, stop, stop_is_refusal = self._walk(eqn, info)
+        affine = [s for s in steps if isinstance(s, AffineStep)]
+        absorbed = [s.eqn.primitive.name for s in steps]
+        if not affine:
+            status = REFUSED if stop_is_refusal else NO_PATTERN
+            self._record(eqn, pattern, info, status, reason=stop)
+            return False
+        if len(affine) == 1 and affine[0].kind in ("add", "sub"):
+            self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed,
+                         reason="already conv + per-channel bias")
+            return False
+
+        kernel = eqn.invars[info.kernel_index]
+        op_names = sorted({n for s in affine if s.operand is not None
+                           for n in self.names(s.operand.source) if n})
+        kernel_names = sorted(n for n in self.names(kernel) if n)
+        rec = self._record(eqn, pattern, info, FOLDED, absorbed=absorbed, params=op_names,
+                           kernel=", ".join(kernel_names) or None)
+        rec.note = f"chain stopped: {stop}" if stop else None
+        end_var = steps[-1].eqn.outvars[0]
+        site = _Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
+                     has_shift=any(s.kind in ("add", "sub", "rsub") for s in affine))
+
+        # s and t at transform time, when every operand is known.
+        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
+        if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
+            s_vec, t_vec = _collapse(affine, op_vals, info.out_channels)
+            bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_vec, (info.out_channels,))))
+            if bad.size:
+                return self._refuse(rec, f"scale s is not finite at {bad.size} channel(s) "
+                                         f"(first: {bad[:5].tolist()}); folding would turn "
+                                         "0·inf into NaN")
+            site.s_known, site.t_known = s_vec, t_vec
+            k_val = self.value(kernel)
+            if k_val is not None:
+                kd = np.dtype(kernel.aval.dtype)
+                k64 = np.asarray(k_val).astype(np.float64)
+                kp = k64 * _along(s_vec, info.kernel_axis, k64.ndim)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    kp_cast = kp.astype(kd)
+                overflow = np.isfinite(k64) & ~np.isfinite(kp_cast)
+                if overflow.any():
+                    return self._refuse(rec, f"the rescaled kernel overflows {kd} at "
+                                             f"{int(overflow.sum())} element(s)")
+                site.kernel_const = kp_cast
+        rec.rescale = "constant" if site.kernel_const is not None else "in-graph"
+
+        self.skip.add(i)
+        for s in steps[:-1]:
+            self.skip.add(self.producer[s.eqn.outvars[0]][0])
+        self.site_at_end[site.end_idx] = site
+        return True
+
+    def _refuse(self, rec: FoldSite, reason: str) -> bool:
+        rec.status, rec.reason, rec.rescale = REFUSED, reason, None
+        return False
+
+    def _operand_value(self, op: ChannelOperand):
+        val = self.value(op.source)
+        if val is None:
+            return None
+        arr = np.asarray(val)
+        for dt in op.casts:
+            arr = arr.astype(np.dtype(dt))
+        return arr.reshape(-1) if op.source_axis is not None else arr.reshape(())
+
+    # ---- nested jaxprs
+
+    def _child(self, sub: C.ClosedJaxpr, outer: Sequence[Any], known_mask: Sequence[bool],
+               label: str) -> C.ClosedJaxpr:
+        known_in, names_in = [], []
+        for atom, k in zip(outer, known_mask):
+            known_in.append((lambda a=atom: self.value(a)) if k else _NONE)
+            names_in.append(lambda a=atom: self.names(a))
+        child = _Scope(sub, known_in, names_in, [None] * len(sub.consts),
+                       f"{self.path}/{label}", self.sites)
+        return child.fold()
+
+    def _plan_nested(self, i, eqn) -> bool:
+        prim, params = eqn.primitive.name, eqn.params
+        label = f"{prim}({params['name']})" if isinstance(params.get("name"), str) else prim
+        if prim in _CALL_NAMES:
+            key = "jaxpr" if "jaxpr" in params else "call_jaxpr"
+            sub = params.get(key)
+            if not isinstance(sub, C.ClosedJaxpr):
+                return False
+            new = self._child(sub, eqn.invars, [True] * len(eqn.invars), label)
+            if new is sub:
+                return False
+            self.new_eqn[i] = ({**params, key: new}, lambda vals: vals)
+            return True
+        if prim in _REMAT_NAMES:
+            sub = C.ClosedJaxpr(params["jaxpr"], ())
+            new = self._child(sub, eqn.invars, [True] * len(eqn.invars), label)
+            if new is sub:
+                return False
+            open_j, consts = C.hoist_consts(new)
+            self.new_eqn[i] = ({**params, "jaxpr": open_j}, lambda vals: list(consts) + vals)
+            return True
+        if prim == "cond":
+            ops = eqn.invars[1:]
+            branches = params["branches"]
+            news = [self._child(b, ops, [True] * len(ops), f"cond[{k}]")
+                    for k, b in enumerate(branches)]
+            if all(n is b for n, b in zip(news, branches)):
+                return False
+            all_consts = [c for n in news for c in n.consts]
+            offs = np.cumsum([0] + [len(n.consts) for n in news]).tolist()
+            in_avals = [C.shape_struct(v.aval) for v in ops]
+            const_avals = [jax.ShapeDtypeStruct(np.shape(c), _dtype_of(c)) for c in all_consts]
+            new_branches = tuple(
+                _with_leading_consts(n, offs[k], offs[k + 1], const_avals, in_avals)
+                for k, n in enumerate(news))
+            self.new_eqn[i] = ({**params, "branches": new_branches},
+                               lambda vals: vals[:1] + list(all_consts) + vals[1:])
+            return True
+        if prim == "scan":
+            nc = params["num_consts"]
+            sub = params["jaxpr"]
+            new = self._child(sub, eqn.invars, [k < nc for k in range(len(eqn.invars))], label)
+            if new is sub:
+                return False
+            consts = list(new.consts)
+            body = _with_leading_consts(new, 0, len(consts),
+                                        [jax.ShapeDtypeStruct(np.shape(c), _dtype_of(c))
+                                         for c in consts],
+                                        [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+            new_params = {**params, "jaxpr": body, "num_consts": nc + len(consts)}
+            if "linear" in params:
+                new_params["linear"] = (False,) * len(consts) + tuple(params["linear"])
+            self.new_eqn[i] = (new_params, lambda vals: list(consts) + vals)
+            return True
+        if prim == "while":
+            cn, bn = params["cond_nconsts"], params["body_nconsts"]
+            sub = params["body_jaxpr"]
+            body_outer = eqn.invars[cn:]
+            new = self._child(sub, body_outer, [k < bn for k in range(len(body_outer))], label)
+            if new is sub:
+                return False
+            consts = list(new.consts)
+            body = _with_leading_consts(new, 0, len(consts),
+                                        [jax.ShapeDtypeStruct(np.shape(c), _dtype_of(c))
+                                         for c in consts],
+                                        [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+            self.new_eqn[i] = ({**params, "body_jaxpr": body, "body_nconsts": bn + len(consts)},
+                               lambda vals: vals[:cn] + list(consts) + vals[cn:])
+            return True
+        # Any other primitive carrying closed jaxprs: fold inside with nothing known.
+        new_params, changed = dict(params), False
+        for key, val in params.items():
+            if isinstance(val, C.ClosedJaxpr):
+                new = self._child(val, [None] * len(val.jaxpr.invars),
+                                  [False] * len(val.jaxpr.invars), f"{label}.{key}")
+                if new is not val:
+                    new_params[key], changed = new, True
+        if changed:
+            self.new_eqn[i] = (new_params, lambda vals: vals)
+        return changed
+
+    # ---- emission
+
+    def _emit(self) -> C.ClosedJaxpr:
+        jaxpr, consts = self.jaxpr, self.closed.consts
+
+        def run(*args):
+            env: dict[Any, Any] = {}
+
+            def read(a):
+                return a.val if isinstance(a, C.Literal) else env[a]
+
+            for v, c in zip(jaxpr.constvars, consts):
+                env[v] = c
+            for v, a in zip(jaxpr.invars, args):
+                env[v] = a
+            for i, eqn in enumerate(jaxpr.eqns):
+                if i in self.skip:
+                    continue
+                site = self.site_at_end.get(i)
+                if site is not None:
+                    env[site.end_var] = self._emit_site(site, read)
+                    continue
+                invals = [read(v) for v in eqn.invars]
+                if i in self.new_eqn:
+                    params, fix = self.new_eqn[i]
+                    outs = C.bind_eqn(eqn, fix(invals), params)
+                else:
+                    outs = C.bind_eqn(eqn, invals)
+                for v, o in zip(eqn.outvars, outs):
+                    if not isinstance(v, C.DropVar):
+                        env[v] = o
+            return [read(v) for v in jaxpr.outvars]
+
+        return jax.make_jaxpr(run)(*[C.shape_struct(v.aval) for v in jaxpr.invars])
+
+    def _emit_site(self, site: _Site, read):
+        eqn, info = site.eqn, site.info
+        kernel = eqn.invars[info.kernel_index]
+        affine = [s for s in site.steps if isinstance(s, AffineStep)]
+        end_dtype = np.dtype(site.end_var.aval.dtype)
+        with C.source_of(eqn):
+            if site.kernel_const is not None:
+                kp = site.kernel_const
+            else:
+                k = read(kernel)
+                kd = np.dtype(kernel.aval.dtype)
+                cdt = np.float64 if max(kd.itemsize, end_dtype.itemsize) > 4 and \
+                    jax.config.jax_enable_x64 else np.float32
+                if site.s_known is not None:
+                    s, t = site.s_known, site.t_known
+                else:
+                    vals = [None if st.operand is None else
+                            self._operand_traced(st.operand, read, cdt) for st in affine]
+                    s, t = _collapse(affine, vals, info.out_channels, xp=_jnp(cdt))
+                    site.t_traced = t
+                s = s.astype(cdt) if isinstance(s, np.ndarray) else s
+                kp = lax.convert_element_type(k, cdt) * _along_traced(s, info.kernel_axis,
+                                                                      len(kernel.aval.shape))
+                kp = lax.convert_element_type(kp, kd)
+            invals = [read(v) for v in eqn.invars]
+            invals[info.kernel_index] = kp
+            y = C.bind_eqn(eqn, invals)[0]
+            for st in site.steps:
+                if isinstance(st, PassStep):
+                    y = C.bind_eqn(st.eqn, [y])[0]
+            if site.has_shift:
+                t = site.t_known if site.t_known is not None else site.t_traced
+                shape = [1] * len(site.end_var.aval.shape)
+                if isinstance(t, np.ndarray):
+                    tb = np.asarray(t, np.float64).astype(end_dtype)
+                    if tb.ndim:
+                        shape[site.end_axis] = tb.shape[0]
+                    tb = tb.reshape(shape)
+                else:
+                    tb = lax.convert_element_type(t, end_dtype)
+                    dims = (site.end_axis,) if tb.ndim else ()
+                    if tb.ndim:
+                        shape[site.end_axis] = tb.shape[0]
+                    tb = lax.broadcast_in_dim(tb, tuple(shape), dims)
+                y = lax.add(y, tb)
+        return y
+
+    def _operand_traced(self, op: ChannelOperand, read, cdt):
+        known = self._operand_value(op)
+        if known is not None:
+            return known.astype(np.float64)
+        val = read(op.source)
+        for dt in op.casts:
+            val = lax.convert_element_type(val, dt)
+        val = lax.reshape(val, (op.size,)) if op.source_axis is not None else \
+            lax.reshape(val, ())
+        return lax.convert_element_type(val, cdt)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _np64:
+    """Array namespace for host arithmetic in float64."""
+
+    @staticmethod
+    def asarray(x):
+        return np.asarray(x, np.float64)
+
+
+def _jnp(cdt):
+    class _ns:
+        @staticmethod
+        def asarray(x):
+            if isinstance(x, np.ndarray) or np.isscalar(x):
+                return np.asarray(x, np.float64).astype(cdt)
+            return x
+    return _ns
+
+
+def _collapse(affine: list[AffineStep], vals: list, channels: int, xp=_np64):
+    """Collapse the absorbed ops into (s, t): vectors of length ``channels`` or scalars.
+
+    ``None`` stands for the identity (s = 1, t = 0) so no arithmetic is emitted for it.
+    """
+    s: Any = None
+    t: Any = None
+    for st, c in zip(affine, vals):
+        if c is not None:
+            c = xp.asarray(c)
+        if st.kind == "add":
+            t = c if t is None else t + c
+        elif st.kind == "sub":
+            t = -c if t is None else t - c
+        elif st.kind == "rsub":
+            s = xp.asarray(-1.0) if s is None else -s
+            t = c if t is None else c - t
+        elif st.kind == "mul":
+            s = c if s is None else s * c
+            t = None if t is None else t * c
+        elif st.kind == "div":
+            s = 1 / c if s is None else s / c
+            t = None if t is None else t / c
+        elif st.kind == "neg":
+            s = xp.asarray(-1.0) if s is None else -s
+            t = None if t is None else -t
+    s = xp.asarray(1.0) if s is None else s
+    t = xp.asarray(0.0) if t is None else t
+    if xp is _np64:
+        s = np.broadcast_to(s, (channels,)) if np.ndim(s) else s
+        t = np.broadcast_to(t, (channels,)) if np.ndim(t) else t
+        return np.asarray(s, np.float64), np.asarray(t, np.float64)
+    return s, t
+
+
+def _along(vec, axis: int, ndim: int) -> np.ndarray:
+    vec = np.asarray(vec)
+    if vec.ndim == 0:
+        return vec
+    shape = [1] * ndim
+    shape[axis] = vec.shape[0]
+    return vec.reshape(shape)
+
+
+def _along_traced(vec, axis: int, ndim: int):
+    if isinstance(vec, np.ndarray):
+        return _along(vec, axis, ndim)
+    if vec.ndim == 0:
+        return vec
+    shape = [1] * ndim
+    shape[axis] = vec.shape[0]
+    return lax.broadcast_in_dim(vec, tuple(shape), (axis,))
+
+
+def _desc(v) -> str:
+    return f"value {v.aval.str_short()}"
+
+
+def _dtype_of(c):
+    return getattr(c, "dtype", np.asarray(c).dtype)
+
+
+def _evaluable(eqn) -> bool:
+    if eqn.effects:
+        return False
+    for o in eqn.outvars:
+        if int(np.prod(getattr(o.aval, "shape", ()), dtype=np.int64)) > _MAX_CONST_EVAL:
+            return False
+    return True
+
+
+def _has_subjaxprs(eqn) -> bool:
+    for v in eqn.params.values():
+        if isinstance(v, (C.ClosedJaxpr, C.Jaxpr)):
+            return True
+        if isinstance(v, (tuple, list)) and any(isinstance(x, (C.ClosedJaxpr, C.Jaxpr))
+                                                 for x in v):
+            return True
+    return False
+
+
+def _with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in_avals):
+    """Rebuild ``closed`` (whose consts are ``all_consts[lo:hi]``) as a const-free closed
+    jaxpr taking ``(*all_consts, *inputs)``."""
+    n = len(const_avals)
+
+    def fn(*a):
+        return C.eval_jaxpr(closed.jaxpr, a[lo:hi], *a[n:])
+
+    return jax.make_jaxpr(fn)(*const_avals, *in_avals)

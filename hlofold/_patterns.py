@@ -1,0 +1,286 @@
+"""Rewrite patterns and the rules that walk a per-channel affine chain.
+
+A *pattern* is a named object with a one-line ``Pattern:`` docstring, registered by the
+primitive at its root (``PATTERNS[primitive_name]``). It knows, for its root equation, which
+output axis carries the features and which kernel axis produces them. The chain that follows
+the root is walked with two small rule tables, both keyed by primitive name:
+
+* ``AFFINE_STEPS``: ops that update the running ``(s, t)`` of ``y·s + t``
+  (add, sub, mul, div, neg by a scalar or a per-channel operand);
+* ``PASS_STEPS``: ops the chain passes through while the channel axis stays identifiable
+  (``convert_element_type`` between float types, unit-dim ``reshape``/``squeeze``/
+  ``broadcast_in_dim``, ``transpose``).
+
+Every failed match is reported as a reason string (``Refusal``), never an exception.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _compat as C
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a match failed, in words a user can act on."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+# --------------------------------------------------------------------------- roots
+
+
+@dataclasses.dataclass(frozen=True)
+class RootInfo:
+    """What a pattern learned about its root equation."""
+
+    channel_axis: int      # output axis that carries the features
+    kernel_index: int      # operand index of the kernel
+    kernel_axis: int       # kernel axis along which output features are produced
+    layout: str
+    in_channels: int
+    out_channels: int
+    groups: int
+
+
+_SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
+
+
+def _spec_letters(spec: tuple[int, ...], first: str, second: str) -> str:
+    rank = len(spec)
+    spatial = _SPATIAL.get(rank - 2, "".join(f"S{i}" for i in range(rank - 2)))
+    letters = [""] * rank
+    letters[spec[0]] = first
+    letters[spec[1]] = second
+    for pos, ch in zip(spec[2:], spatial):
+        letters[pos] = ch
+    return "".join(letters)
+
+
+def _is_float(dtype) -> bool:
+    return np.issubdtype(np.dtype(dtype), np.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvAffinePattern:
+    """Pattern: conv(x, K)·s + t  ->  conv(x, K ⊙ s) + broadcast_in_dim(t), s/t per output feature."""
+
+    name: str = "conv_affine"
+    root: str = "conv_general_dilated"
+
+    def inspect_root(self, eqn: C.JaxprEqn) -> RootInfo | Refusal:
+        dn = eqn.params["dimension_numbers"]
+        lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+        lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+        out = eqn.outvars[0].aval
+        layout = (f"{_spec_letters(lhs_spec, 'N', 'C')},{_spec_letters(rhs_spec, 'O', 'I')}"
+                  f"->{_spec_letters(out_spec, 'N', 'C')}")
+        groups = int(eqn.params.get("feature_group_count", 1))
+        info = RootInfo(channel_axis=out_spec[1], kernel_index=1, kernel_axis=rhs_spec[0],
+                        layout=layout, in_channels=int(lhs.shape[lhs_spec[1]]),
+                        out_channels=int(out.shape[out_spec[1]]), groups=groups)
+        if not (_is_float(rhs.dtype) and _is_float(out.dtype)):
+            return Refusal(f"integer convolution ({rhs.dtype} kernel, {out.dtype} output): "
+                           "folding a scale into an integer kernel is not exact")
+        if rhs.shape[rhs_spec[0]] != out.shape[out_spec[1]]:
+            return Refusal("kernel output-feature size differs from the output feature size")
+        # batch_group_count > 1 is fine: every output feature still comes from exactly one
+        # slice of the kernel along its output-feature dimension (checked numerically in tests).
+        return info
+
+
+CONV_AFFINE = ConvAffinePattern()
+
+PATTERNS: dict[str, ConvAffinePattern] = {CONV_AFFINE.root: CONV_AFFINE}
+
+
+# --------------------------------------------------------------------------- chain steps
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineStep:
+    """One absorbed op: ``kind`` in {add, sub, rsub, mul, div, neg}; ``operand`` the resolved
+    per-channel operand (None for neg)."""
+
+    eqn: C.JaxprEqn
+    kind: str
+    operand: "ChannelOperand | None"
+
+
+@dataclasses.dataclass(frozen=True)
+class PassStep:
+    """One op the chain passes through (shape op or float cast); replayed on the new conv."""
+
+    eqn: C.JaxprEqn
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelOperand:
+    """A per-channel operand traced back to its smallest source.
+
+    ``source`` is a Var or Literal whose only non-unit axis (``source_axis``, or None for a
+    scalar / all-unit shape) is the chain's channel axis; ``casts`` are the float casts the
+    program applied between the source and its use, in order.
+    """
+
+    source: Any
+    source_axis: int | None
+    casts: tuple[Any, ...]
+
+    @property
+    def size(self) -> int:
+        if self.source_axis is None:
+            return 1
+        return int(self.source.aval.shape[self.source_axis])
+
+
+def _axis_name(axis: int) -> str:
+    return f"axis {axis}"
+
+
+def _unit_reshape_map(old_shape, new_shape) -> dict[int, int] | None:
+    """Map old non-unit axes to new ones when a reshape only inserts/removes unit dims."""
+    old_nu = [i for i, d in enumerate(old_shape) if d != 1]
+    new_nu = [i for i, d in enumerate(new_shape) if d != 1]
+    if [old_shape[i] for i in old_nu] != [new_shape[i] for i in new_nu]:
+        return None
+    return dict(zip(old_nu, new_nu))
+
+
+def resolve_operand(atom, out_shape, channel_axis: int,
+                    producer: Callable[[Any], C.JaxprEqn | None]) -> ChannelOperand | Refusal:
+    """Decide whether ``atom`` (an operand of a binary op whose other input is the chain
+    value of shape ``out_shape``) varies only along ``channel_axis``.
+
+    Decided from shapes, walking back through ``broadcast_in_dim``, unit-dim ``reshape`` and
+    float ``convert_element_type`` to the smallest source: never from element counts.
+    """
+    rank = len(out_shape)
+    shape = tuple(atom.aval.shape)
+    if len(shape) == 0:
+        return ChannelOperand(atom, None, ())
+    if len(shape) != rank:
+        return Refusal(f"operand of rank {len(shape)} against a value of rank {rank}")
+    # axis_map: axis of the current value -> axis of the chain value (None: unit, unmapped)
+    axis_map: dict[int, int | None] = {i: i for i in range(rank)}
+    cur = atom
+    casts: list[Any] = []
+    first_bad: int | None = None
+    for _ in range(64):
+        cshape = tuple(cur.aval.shape)
+        bad = [i for i, d in enumerate(cshape) if d != 1 and axis_map.get(i) != channel_axis]
+        if not bad:
+            src_axis = next((i for i, d in enumerate(cshape)
+                             if d != 1 and axis_map.get(i) == channel_axis), None)
+            return ChannelOperand(cur, src_axis, tuple(casts))
+        if first_bad is None:
+            first_bad = axis_map.get(bad[0])
+        eqn = producer(cur) if isinstance(cur, C.Var) else None
+        if eqn is None:
+            break
+        prim = eqn.primitive.name
+        if prim == "broadcast_in_dim":
+            src = eqn.invars[0]
+            bdims = eqn.params["broadcast_dimensions"]
+            axis_map = {i: axis_map.get(int(b)) for i, b in enumerate(bdims)}
+            cur = src
+        elif prim == "reshape" and eqn.params.get("dimensions") is None:
+            src = eqn.invars[0]
+            m = _unit_reshape_map(tuple(src.aval.shape), cshape)
+            if m is None:
+                break
+            axis_map = {i: axis_map.get(m[i]) if i in m else None
+                        for i in range(len(src.aval.shape))}
+            cur = src
+        elif prim == "squeeze":
+            src = eqn.invars[0]
+            dims = set(int(d) for d in eqn.params["dimensions"])
+            kept = [i for i in range(len(src.aval.shape)) if i not in dims]
+            axis_map = {i: (axis_map.get(kept.index(i)) if i in kept else None)
+                        for i in range(len(src.aval.shape))}
+            cur = src
+        elif prim == "convert_element_type" and _is_float(eqn.invars[0].aval.dtype) \
+                and _is_float(eqn.params["new_dtype"]):
+            casts.insert(0, eqn.params["new_dtype"])
+            cur = eqn.invars[0]
+        else:
+            break
+    return Refusal(
+        f"operand varies along {_axis_name(first_bad)} (size {out_shape[first_bad]}), "
+        f"not only along the output-feature {_axis_name(channel_axis)}")
+
+
+# Affine steps: which operand position holds the chain value decides the kind.
+_BINARY_KIND = {
+    ("add", 0): "add", ("add", 1): "add",
+    ("sub", 0): "sub", ("sub", 1): "rsub",
+    ("mul", 0): "mul", ("mul", 1): "mul",
+    ("div", 0): "div",
+}
+AFFINE_STEPS = frozenset({"add", "sub", "mul", "div", "neg"})
+PASS_STEPS = frozenset({"convert_element_type", "reshape", "squeeze", "broadcast_in_dim",
+                        "transpose"})
+
+
+def affine_step(eqn: C.JaxprEqn, pos: int, channel_axis: int,
+                producer) -> AffineStep | Refusal:
+    """Absorb ``eqn`` (whose operand ``pos`` is the chain value) into ``y·s + t``."""
+    prim = eqn.primitive.name
+    out = eqn.outvars[0].aval
+    if not _is_float(out.dtype):
+        return Refusal(f"{prim} produces {out.dtype}, not a float")
+    if prim == "neg":
+        return AffineStep(eqn, "neg", None)
+    if len(eqn.invars) != 2:
+        return Refusal(f"{prim} with {len(eqn.invars)} operands")
+    kind = _BINARY_KIND.get((prim, pos))
+    if kind is None:
+        return Refusal(f"{prim} with the conv value as divisor is not affine")
+    other = eqn.invars[1 - pos]
+    if tuple(eqn.invars[pos].aval.shape) != tuple(out.shape):
+        return Refusal(f"{prim} broadcasts the conv value to a larger shape {tuple(out.shape)}")
+    op = resolve_operand(other, tuple(out.shape), channel_axis, producer)
+    if isinstance(op, Refusal):
+        return Refusal(f"{prim}: {op.reason}")
+    return AffineStep(eqn, kind, op)
+
+
+def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
+    """New channel axis after passing through ``eqn``, or why the chain cannot pass."""
+    prim = eqn.primitive.name
+    src = eqn.invars[0].aval
+    out = eqn.outvars[0].aval
+    if prim == "convert_element_type":
+        if not (_is_float(src.dtype) and _is_float(out.dtype)):
+            return Refusal(f"cast {src.dtype} -> {out.dtype} is not between float types")
+        return channel_axis
+    if src.shape[channel_axis] == 1 and prim != "transpose":
+        return Refusal(f"{prim} of a value whose channel axis has size 1 (ambiguous)")
+    if prim == "reshape":
+        if eqn.params.get("dimensions") is not None:
+            return Refusal("reshape with a dimension permutation")
+        m = _unit_reshape_map(tuple(src.shape), tuple(out.shape))
+        if m is None:
+            return Refusal(f"reshape {tuple(src.shape)} -> {tuple(out.shape)} merges or "
+                           "splits axes")
+        return m[channel_axis]
+    if prim == "squeeze":
+        dims = set(int(d) for d in eqn.params["dimensions"])
+        kept = [i for i in range(len(src.shape)) if i not in dims]
+        return kept.index(channel_axis)
+    if prim == "broadcast_in_dim":
+        bdims = tuple(int(b) for b in eqn.params["broadcast_dimensions"])
+        if tuple(out.shape[b] for b in bdims) != tuple(src.shape) or \
+                any(out.shape[i] != 1 for i in range(len(out.shape)) if i not in bdims):
+            return Refusal("broadcast_in_dim that replicates the conv value")
+        return bdims[channel_axis]
+    if prim == "transpose":
+        perm = tuple(int(p) for p in eqn.params["permutation"])
+        return perm.index(channel_axis)
+    return Refusal(f"chain ends at {prim}")

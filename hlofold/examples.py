@@ -1,0 +1,130 @@
+"""Built-in example networks in plain JAX (no NN library needed).
+
+``resnet(depth)`` builds a ResNet (basic blocks for depth 10/18/34, bottlenecks for 50/101)
+in NHWC with inference BatchNorm written the way Flax writes it, and parameters with
+realistic BN statistics (means ≠ 0, variances spread around 1, γ ≠ 1, β ≠ 0). The same
+network *without* BN (conv + bias, the limit of folding) is available through
+``resnet_apply(..., bn=False)`` with ``ideal_params``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_BLOCKS = {10: ("basic", [1, 1, 1, 1]), 18: ("basic", [2, 2, 2, 2]),
+           34: ("basic", [3, 4, 6, 3]), 50: ("bottleneck", [3, 4, 6, 3]),
+           101: ("bottleneck", [3, 4, 23, 3])}
+EPS = 1e-5
+
+
+def _bn_params(rng: np.random.Generator, c: int) -> dict:
+    return {"scale": (1.0 + 0.2 * rng.standard_normal(c)).astype(np.float32),
+            "bias": (0.1 * rng.standard_normal(c)).astype(np.float32),
+            "mean": (0.2 * rng.standard_normal(c)).astype(np.float32),
+            "var": np.exp(0.5 * rng.standard_normal(c)).astype(np.float32)}
+
+
+def _conv_params(rng, kh, kw, cin, cout):
+    std = np.sqrt(2.0 / (kh * kw * cin))
+    return (std * rng.standard_normal((kh, kw, cin, cout))).astype(np.float32)
+
+
+def init_resnet(depth: int = 18, *, width: int = 64, num_classes: int = 10, seed: int = 0,
+                in_channels: int = 3) -> dict:
+    """Parameters of a ResNet-``depth`` with realistic random BN statistics."""
+    if depth not in _BLOCKS:
+        raise ValueError(f"depth must be one of {sorted(_BLOCKS)}, got {depth}")
+    kind, counts = _BLOCKS[depth]
+    rng = np.random.default_rng(seed)
+    p = {"stem": {"conv": _conv_params(rng, 7, 7, in_channels, width),
+                  "bn": _bn_params(rng, width)}}
+    cin = width
+    expansion = 4 if kind == "bottleneck" else 1
+    for si, n in enumerate(counts):
+        cmid = width * 2 ** si
+        cout = cmid * expansion
+        for bi in range(n):
+            stride = 2 if (bi == 0 and si > 0) else 1
+            blk: dict = {}
+            if kind == "basic":
+                blk["conv1"], blk["bn1"] = _conv_params(rng, 3, 3, cin, cmid), _bn_params(rng, cmid)
+                blk["conv2"], blk["bn2"] = _conv_params(rng, 3, 3, cmid, cout), _bn_params(rng, cout)
+            else:
+                blk["conv1"], blk["bn1"] = _conv_params(rng, 1, 1, cin, cmid), _bn_params(rng, cmid)
+                blk["conv2"], blk["bn2"] = _conv_params(rng, 3, 3, cmid, cmid), _bn_params(rng, cmid)
+                blk["conv3"], blk["bn3"] = _conv_params(rng, 1, 1, cmid, cout), _bn_params(rng, cout)
+            if stride != 1 or cin != cout:
+                blk["proj"], blk["bn_proj"] = (_conv_params(rng, 1, 1, cin, cout),
+                                               _bn_params(rng, cout))
+            p[f"stage{si}_block{bi}"] = blk
+            cin = cout
+    p["head"] = {"w": (rng.standard_normal((cin, num_classes)) / np.sqrt(cin)).astype(np.float32),
+                 "b": np.zeros(num_classes, np.float32)}
+    return jax.tree.map(jnp.asarray, p)
+
+
+def ideal_params(params: dict) -> dict:
+    """The same network with every BN folded by hand (conv kernel·s, bias t): the ideal."""
+    def fold(conv, bn):
+        s = bn["scale"] / jnp.sqrt(bn["var"] + EPS)
+        return {"kernel": conv * s, "bias": bn["bias"] - bn["mean"] * s}
+    out = {}
+    for name, blk in params.items():
+        if name == "head":
+            out[name] = blk
+            continue
+        nb = {}
+        for k in blk:
+            if k.startswith("conv") or k == "proj":
+                bn_key = "bn" if k == "conv" else ("bn_proj" if k == "proj" else "bn" + k[4:])
+                nb[k] = fold(blk[k], blk[bn_key])
+        out[name] = nb
+    return out
+
+
+def _conv(x, k, stride=1):
+    pad = "SAME" if k.shape[0] > 1 else "VALID"
+    return lax.conv_general_dilated(x, k, (stride, stride), pad,
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _bn(y, bn):
+    # Flax linen's spelling: (y - mean) * (rsqrt(var + eps) * scale) + bias
+    return (y - bn["mean"]) * (lax.rsqrt(bn["var"] + EPS) * bn["scale"]) + bn["bias"]
+
+
+def _conv_bn(x, blk, conv_key, bn_key, stride, bn):
+    if bn:
+        return _bn(_conv(x, blk[conv_key], stride), blk[bn_key])
+    c = blk[conv_key]
+    return _conv(x, c["kernel"], stride) + c["bias"]
+
+
+def resnet_apply(params: dict, x: jax.Array, *, bn: bool = True) -> jax.Array:
+    """Logits of the ResNet for NHWC images ``x``. ``bn=False`` takes ``ideal_params``."""
+    relu = jax.nn.relu
+    x = relu(_conv_bn(x, params["stem"], "conv", "bn", 2, bn))
+    x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+    for name in params:
+        if not name.startswith("stage"):
+            continue
+        blk = params[name]
+        stride = 2 if name.endswith("block0") and not name.startswith("stage0") else 1
+        bottleneck = "conv3" in blk
+        h = relu(_conv_bn(x, blk, "conv1", "bn1", 1 if bottleneck else stride, bn))
+        if bottleneck:
+            h = relu(_conv_bn(h, blk, "conv2", "bn2", stride, bn))
+            h = _conv_bn(h, blk, "conv3", "bn3", 1, bn)
+        else:
+            h = _conv_bn(h, blk, "conv2", "bn2", 1, bn)
+        sc = _conv_bn(x, blk, "proj", "bn_proj", stride, bn) if "proj" in blk else x
+        x = relu(h + sc)
+    x = jnp.mean(x, axis=(1, 2))
+    return x @ params["head"]["w"] + params["head"]["b"]
+
+
+def count_bn(params: dict) -> int:
+    """Number of BatchNorm layers in ``params``."""
+    return sum(1 for blk in params.values() for k in blk if k.startswith("bn"))
