@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
@@ -64,7 +65,7 @@ def _spec_letters(spec: tuple[int, ...], first: str, second: str) -> str:
 
 
 def _is_float(dtype) -> bool:
-    return np.issubdtype(np.dtype(dtype), np.floating)
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +180,8 @@ def resolve_operand(atom, out_shape, channel_axis: int,
             src_axis = next((i for i, d in enumerate(cshape)
                              if d != 1 and axis_map.get(i) == channel_axis), None)
             return ChannelOperand(cur, src_axis, tuple(casts))
-        if first_bad is None:
-            first_bad = axis_map.get(bad[0])
+        # the deepest source seen so far is the most telling: report its axis
+        first_bad = axis_map.get(bad[0]) if axis_map.get(bad[0]) is not None else first_bad
         eqn = producer(cur) if isinstance(cur, C.Var) else None
         if eqn is None:
             break
@@ -211,9 +212,11 @@ def resolve_operand(atom, out_shape, channel_axis: int,
             cur = eqn.invars[0]
         else:
             break
+    same = " (same size as the channels: matched by axis, not size)" if \
+        first_bad is not None and out_shape[first_bad] == out_shape[channel_axis] else ""
     return Refusal(
         f"operand varies along {_axis_name(first_bad)} (size {out_shape[first_bad]}), "
-        f"not only along the output-feature {_axis_name(channel_axis)}")
+        f"not only along the output-feature {_axis_name(channel_axis)}{same}")
 
 
 # Affine steps: which operand position holds the chain value decides the kind.
