@@ -110,6 +110,7 @@ class _Scope:
         self.known_thunks: dict[Any, Callable] = dict(zip(self.jaxpr.invars, known_in))
         self.name_thunks: dict[Any, Callable] = dict(zip(self.jaxpr.invars, names_in))
         self.origins: dict[Any, frozenset] = {}
+        self.activation: dict[Any, bool] = {}
         for v, val, nm in zip(self.jaxpr.constvars, closed.consts, const_names):
             self.known[v] = val
             self.origins[v] = frozenset({nm}) if nm else frozenset()
@@ -199,6 +200,36 @@ class _Scope:
             stack.pop()
         return self.origins[atom]
 
+    def from_root(self, atom) -> bool:
+        """Whether ``atom`` is computed from the output of a pattern root (a convolution),
+        directly or through nested jaxprs: then it is an activation, never a parameter."""
+        if isinstance(atom, C.Literal):
+            return False
+        memo = self.activation
+        stack = [atom]
+        while stack:
+            v = stack[-1]
+            if v in memo:
+                stack.pop()
+                continue
+            prod = self.producer.get(v)
+            if prod is None:
+                memo[v] = False
+                stack.pop()
+                continue
+            eqn = prod[1]
+            ins = [u for u in eqn.invars if isinstance(u, C.Var)]
+            missing = [u for u in ins if u not in memo]
+            if missing:
+                stack.extend(missing)
+                continue
+            act = (eqn.primitive.name in PATTERNS or _contains_root(eqn)
+                   or any(memo[u] for u in ins))
+            for o in eqn.outvars:
+                memo[o] = act
+            stack.pop()
+        return memo[atom]
+
     # ---- planning
 
     def fold(self) -> C.ClosedJaxpr:
@@ -256,6 +287,11 @@ class _Scope:
                 r = affine_step(e, pos, axis, lambda u: self.producer.get(u, (0, None))[1])
                 if isinstance(r, Refusal):
                     reason, refusal = r.reason, True
+                    break
+                if r.operand is not None and self.from_root(r.operand.source):
+                    reason = (f"{prim}: operand is computed from a convolution output (a "
+                              "residual or a gate), not from parameters")
+                    refusal = True
                     break
                 steps.append(r)
                 committed, committed_axis = len(steps), axis
@@ -620,6 +656,32 @@ def _evaluable(eqn) -> bool:
         if int(np.prod(getattr(o.aval, "shape", ()), dtype=np.int64)) > _MAX_CONST_EVAL:
             return False
     return True
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, C.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, C.Jaxpr):
+                yield x
+
+
+def _contains_root(eqn) -> bool:
+    """Whether a nested jaxpr of ``eqn`` holds a pattern root (searched once per jaxpr)."""
+    for j in _subjaxprs(eqn):
+        key = id(j)
+        if key not in _ROOT_CACHE:
+            if len(_ROOT_CACHE) > 4096:
+                _ROOT_CACHE.clear()
+            _ROOT_CACHE[key] = (j, any(e.primitive.name in PATTERNS or _contains_root(e)
+                                       for e in j.eqns))
+        if _ROOT_CACHE[key][1]:
+            return True
+    return False
+
+
+_ROOT_CACHE: dict[int, tuple[Any, bool]] = {}
 
 
 def _has_subjaxprs(eqn) -> bool:

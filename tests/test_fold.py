@@ -285,6 +285,24 @@ def test_non_finite_scale_refused(bad):
     assert new is closed
 
 
+def test_one_by_one_outputs_residual_and_gate_are_not_parameters():
+    # batch 1 and a 1x1 spatial output: every activation is "per-channel" by shape. A
+    # residual add of two conv+BN branches and a squeeze-excite style gate must not fold.
+    x = jnp.asarray(RNG.standard_normal((1, 1, 1, 4)), jnp.float32)
+    k1 = jnp.asarray(RNG.standard_normal((1, 1, 4, 6)), jnp.float32)
+    k2 = jnp.asarray(RNG.standard_normal((1, 1, 4, 6)), jnp.float32)
+
+    def f(x, k1, k2, m, v, g, b):
+        h = (conv_nhwc(x, k1) - m) * g + b
+        sc = (conv_nhwc(x, k2) - m) / v
+        gate = jax.nn.sigmoid(jnp.mean(conv_nhwc(x, k2), axis=(1, 2), keepdims=True))
+        return h + sc, conv_nhwc(x, k1) * gate
+
+    new, rep = fold_and_check(f, x, k1, k2, *S.values(), folds=2)
+    reasons = [s.note or s.reason for s in rep.sites]
+    assert sum("computed from a convolution output" in r for r in reasons if r) == 3, reasons
+
+
 def test_integer_conv_refused():
     xi = jnp.ones((1, 4, 4, 2), jnp.int32)
     ki = jnp.ones((3, 3, 2, 3), jnp.int32)

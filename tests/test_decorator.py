@@ -1,0 +1,126 @@
+"""@hlofold.fold: pytrees, statics, freeze, the prepare/apply split and its cache."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+from hlofold import examples
+from tests.helpers import assert_close, assert_no_scaling_after_convs, primitives
+
+P = examples.init_resnet(10, width=8, seed=1)
+X = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), jnp.float32)
+NBN = examples.count_bn(P)
+REF = jax.jit(examples.resnet_apply)(P, X)
+
+
+def test_plain_and_jitted_inputs():
+    for f in (examples.resnet_apply, jax.jit(examples.resnet_apply)):
+        ff = hlofold.fold(f)
+        assert_close(REF, ff(P, X))
+        rep = ff.report(P, X)
+        assert rep.num_folded == NBN
+        assert {s.rescale for s in rep.folded} == {"in-graph"}
+        assert any("['stem']['bn']['mean']" in n for n in rep.folded[0].params)
+        assert_no_scaling_after_convs(ff.jaxpr(P, X))
+
+
+def test_apply_part_has_no_kernel_rescale_and_cache_is_used(monkeypatch):
+    ff = hlofold.fold(examples.resnet_apply)
+    sp = ff.split(P, X)
+    # the per-call part multiplies nothing: conv -> add -> relu ... (the head is a dot)
+    assert "mul" not in primitives(sp.apply_jaxpr)
+    assert "rsqrt" in primitives(sp.prepare_jaxpr)
+    assert any("['mean']" in n for n in sp.prepared_from)
+    assert sp.per_call[-1] == "x"
+    prepared = sp.prepare(P, X)
+    assert_close(REF, sp.apply(prepared, P, X))
+
+    prog = ff._program_for((P, X), {})[0]
+    calls = []
+    real = prog.prepare
+    prog.prepare = lambda *a: calls.append(1) or real(*a)
+    ff(P, X), ff(P, X), ff(P, X * 2)
+    assert len(calls) == 1, "prepared values are reused while the params are the same arrays"
+    P2 = jax.tree.map(lambda a: a * 1.01, P)
+    assert_close(jax.jit(examples.resnet_apply)(P2, X), ff(P2, X))
+    assert len(calls) == 2, "new parameter arrays are prepared again"
+
+
+def test_numpy_params_are_not_cached_by_identity():
+    pn = jax.tree.map(np.array, P)
+    ff = hlofold.fold(examples.resnet_apply)
+    assert_close(REF, ff(pn, X))
+    pn["stem"]["bn"]["mean"] += 1.0          # mutate in place: must be seen
+    ref2 = jax.jit(examples.resnet_apply)(pn, X)
+    assert_close(ref2, ff(pn, X))
+
+
+def test_freeze_by_number_and_name():
+    for freeze in (0, "params"):
+        ff = hlofold.fold(examples.resnet_apply, freeze=freeze)
+        assert_close(REF, ff(P, X))
+        rep = ff.report(P, X)
+        assert rep.num_folded == NBN and {s.rescale for s in rep.folded} == {"constant"}
+        assert any("['stem']['bn']['var']" in n for n in rep.folded[0].params)
+        prims = primitives(ff.jaxpr(P, X))
+        assert "rsqrt" not in prims and "mul" not in prims
+    with pytest.raises(ValueError, match="freeze argname 'nope'"):
+        hlofold.fold(examples.resnet_apply, freeze="nope")
+    with pytest.raises(ValueError, match="argnum 5 is out of range"):
+        hlofold.fold(examples.resnet_apply, freeze=5)
+
+
+def test_refreeze_on_new_arrays():
+    ff = hlofold.fold(examples.resnet_apply, freeze=0)
+    ff(P, X)
+    P2 = jax.tree.map(lambda a: a * 0.9, P)
+    assert_close(jax.jit(examples.resnet_apply)(P2, X), ff(P2, X))
+
+
+def test_static_argnums_of_jitted_input_and_pytree_io():
+    def f(params, batch, *, mode):
+        y = examples.resnet_apply(params, batch["img"])
+        return {"logits": y, "twice": y * 2} if mode == "dict" else (y,)
+
+    jf = jax.jit(f, static_argnames="mode")
+    ff = hlofold.fold(jf)
+    out = ff(P, {"img": X}, mode="dict")
+    assert set(out) == {"logits", "twice"}
+    assert_close(REF, out["logits"])
+    out2 = ff(P, {"img": X}, mode="tuple")
+    assert isinstance(out2, tuple) and len(out2) == 1
+    assert len(ff._programs) == 2                      # one program per static value
+
+    g = jax.jit(lambda n, params, x: examples.resnet_apply(params, x) * n, static_argnums=0)
+    fg = hlofold.fold(g)
+    assert_close(REF * 3, fg(3, P, X))
+
+
+def test_inside_enclosing_jit_and_vmap():
+    ff = hlofold.fold(examples.resnet_apply)
+    outer = jax.jit(lambda p, x: ff(p, x) + 1)
+    assert_close(REF + 1, outer(P, X))
+    jaxpr = jax.make_jaxpr(lambda p, x: ff(p, x))(P, X)
+    assert_no_scaling_after_convs(jaxpr)            # in-graph rescale on the kernel only
+    v = jax.vmap(lambda x: ff(P, x[None])[0])(X)
+    assert_close(REF, v)
+
+
+def test_lower_gives_folded_stablehlo():
+    ff = hlofold.fold(examples.resnet_apply, freeze=0)
+    text = ff.lower(P, X).as_text()
+    assert text.count("stablehlo.convolution") == 12
+    assert "rsqrt" not in text
+    unfolded = jax.jit(examples.resnet_apply).lower(P, X).as_text()
+    assert "rsqrt" in unfolded
+    compiled = ff.lower(P, X).compile()
+    assert_close(REF, compiled(X)[0] if isinstance(compiled(X), list) else compiled(X))
+
+
+def test_nothing_to_fold_passes_through():
+    f = hlofold.fold(lambda x: jnp.sin(x) * 2)
+    np.testing.assert_allclose(f(X), jnp.sin(X) * 2)
+    assert f.report(X).sites == []
