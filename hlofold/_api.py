@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -52,6 +53,15 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
                   static_argnames=static_argnames, cache_prepared=cache_prepared)
 
 
+_UNFOLDED = object()
+
+
+def _all_finite(values) -> bool:
+    checks = [jax.numpy.isfinite(v).all() for v in values
+              if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)]
+    return bool(all(jax.device_get(checks))) if checks else True
+
+
 def _as_tuple(x) -> tuple:
     if x is None:
         return ()
@@ -78,9 +88,16 @@ class Split:
     _key: Any
 
     def prepare(self, *args, **kwargs) -> list[jax.Array]:
+        """Raises ``FloatingPointError`` when a folded value is not finite (e.g. a BN
+        scale of inf): such parameters cannot be folded."""
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
-        return list(prog.prepare(*[leaves[i] for i in prog.known_idx]))
+        prepared = list(prog.prepare(*[leaves[i] for i in prog.known_idx]))
+        if not _all_finite(prepared):
+            raise FloatingPointError("hlofold: the folded parameters are not finite (a "
+                                     "BatchNorm scale is inf or NaN?); these parameters "
+                                     "cannot be folded — call the original function")
+        return prepared
 
     def apply(self, prepared: Sequence[jax.Array], *args, **kwargs):
         prog, leaves = self._folded._program_for(args, kwargs)
@@ -110,6 +127,7 @@ class _Program:
     prepare_jaxpr: C.ClosedJaxpr | None = None
     apply_jaxpr: C.ClosedJaxpr | None = None
     frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
+    unfolded: Callable | None = None  # the original program, for fail-closed fallback
     cached: tuple | None = None    # (known leaves, prepared values)
 
 
@@ -279,9 +297,22 @@ class Folded:
                 prepared = prog.cached[1]
             if prepared is None:
                 prepared = prog.prepare(*known)
+                if not _all_finite(prepared):
+                    # Fail closed: a non-finite folded kernel/bias (s = inf or NaN, e.g.
+                    # σ² = 0 with ε = 0) would not reproduce y·s + t. Run the original.
+                    warnings.warn(
+                        "hlofold: the folded parameters are not finite for these inputs (a "
+                        "BatchNorm scale is inf or NaN?); running the unfolded program",
+                        RuntimeWarning, stacklevel=2)
+                    prepared = _UNFOLDED
                 if cacheable:
                     prog.cached = (tuple(known), prepared)
-            outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
+            if prepared is _UNFOLDED:
+                if prog.unfolded is None:
+                    prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original))
+                outs = prog.unfolded(*leaves)
+            else:
+                outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     def report(self, *args, **kwargs) -> FoldReport:

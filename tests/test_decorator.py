@@ -124,3 +124,21 @@ def test_nothing_to_fold_passes_through():
     f = hlofold.fold(lambda x: jnp.sin(x) * 2)
     np.testing.assert_allclose(f(X), jnp.sin(X) * 2)
     assert f.report(X).sites == []
+
+
+def test_non_finite_input_params_fall_back_to_the_original():
+    bad = jax.tree.map(lambda a: a, P)
+    bad["stem"]["bn"]["var"] = bad["stem"]["bn"]["var"].at[0].set(-1e-5)  # var + eps = 0
+    ref = jax.jit(examples.resnet_apply)(bad, X)
+    ff = hlofold.fold(examples.resnet_apply)
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        out = ff(bad, X)
+    np.testing.assert_array_equal(np.isnan(ref), np.isnan(out))
+    assert_close(np.nan_to_num(ref), np.nan_to_num(out))
+    with pytest.raises(FloatingPointError, match="not finite"):
+        ff.split(bad, X).prepare(bad, X)
+    # frozen: the site is refused at transform time instead, and the result is the same
+    fz = hlofold.fold(examples.resnet_apply, freeze=0)
+    rep = fz.report(bad, X)
+    assert rep.sites[0].status == "refused" and "not finite" in rep.sites[0].reason
+    np.testing.assert_array_equal(np.isnan(ref), np.isnan(fz(bad, X)))
