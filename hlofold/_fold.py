@@ -132,80 +132,12 @@ class _Scope:
 
     # ---- known values and provenance (memoized, iterative: programs can be deep)
 
-    def value(self, atom) -> Any:
-        """Concrete value of ``atom`` if it is known at transform time, else None."""
+    def _backward(self, atom, memo: dict, literal, leaf, combine):
+        """Memoized walk from ``atom`` back to the inputs: ``leaf(v)`` gives the value of a
+        variable without a producer in this scope,
+        ``combine(eqn, input_values)`` the values of an equation's outputs."""
         if isinstance(atom, C.Literal):
-            return atom.val
-        if atom in self.known:
-            return self.known[atom]
-        stack = [atom]
-        while stack:
-            v = stack[-1]
-            if v in self.known:
-                stack.pop()
-                continue
-            if v in self.known_thunks:
-                self.known[v] = self.known_thunks[v]()
-                stack.pop()
-                continue
-            prod = self.producer.get(v)
-            if prod is None:
-                self.known[v] = None
-                stack.pop()
-                continue
-            _, eqn = prod
-            missing = [u for u in eqn.invars if isinstance(u, C.Var) and u not in self.known]
-            if missing:
-                stack.extend(missing)
-                continue
-            vals = [u.val if isinstance(u, C.Literal) else self.known[u] for u in eqn.invars]
-            outs: list[Any] = [None] * len(eqn.outvars)
-            if all(x is not None for x in vals) and _evaluable(eqn):
-                with jax.ensure_compile_time_eval():
-                    outs = C.bind_eqn(eqn, vals)
-            for o, val in zip(eqn.outvars, outs):
-                self.known[o] = val
-            stack.pop()
-        return self.known[atom]
-
-    def names(self, atom) -> frozenset:
-        """Names of the program inputs (or named constants) that ``atom`` derives from."""
-        if isinstance(atom, C.Literal):
-            return frozenset()
-        if atom in self.origins:
-            return self.origins[atom]
-        stack = [atom]
-        while stack:
-            v = stack[-1]
-            if v in self.origins:
-                stack.pop()
-                continue
-            if v in self.name_thunks:
-                self.origins[v] = self.name_thunks[v]()
-                stack.pop()
-                continue
-            prod = self.producer.get(v)
-            if prod is None:
-                self.origins[v] = frozenset()
-                stack.pop()
-                continue
-            ins = [u for u in prod[1].invars if isinstance(u, C.Var)]
-            missing = [u for u in ins if u not in self.origins]
-            if missing:
-                stack.extend(missing)
-                continue
-            acc = frozenset().union(*(self.origins[u] for u in ins)) if ins else frozenset()
-            for o in prod[1].outvars:
-                self.origins[o] = acc
-            stack.pop()
-        return self.origins[atom]
-
-    def from_root(self, atom) -> bool:
-        """Whether ``atom`` is computed from the output of a pattern root (a convolution),
-        directly or through nested jaxprs: then it is an activation, never a parameter."""
-        if isinstance(atom, C.Literal):
-            return False
-        memo = self.activation
+            return literal(atom)
         stack = [atom]
         while stack:
             v = stack[-1]
@@ -214,21 +146,48 @@ class _Scope:
                 continue
             prod = self.producer.get(v)
             if prod is None:
-                memo[v] = False
+                memo[v] = leaf(v)
                 stack.pop()
                 continue
             eqn = prod[1]
-            ins = [u for u in eqn.invars if isinstance(u, C.Var)]
-            missing = [u for u in ins if u not in memo]
+            missing = [u for u in eqn.invars if isinstance(u, C.Var) and u not in memo]
             if missing:
                 stack.extend(missing)
                 continue
-            act = (eqn.primitive.name in PATTERNS or _contains_root(eqn)
-                   or any(memo[u] for u in ins))
-            for o in eqn.outvars:
-                memo[o] = act
+            ins = [literal(u) if isinstance(u, C.Literal) else memo[u] for u in eqn.invars]
+            for o, val in zip(eqn.outvars, combine(eqn, ins)):
+                memo[o] = val
             stack.pop()
         return memo[atom]
+
+    def value(self, atom) -> Any:
+        """Concrete value of ``atom`` if it is known at transform time, else None."""
+        def leaf(v):
+            return self.known_thunks[v]() if v in self.known_thunks else None
+
+        def combine(eqn, vals):
+            if all(x is not None for x in vals) and _evaluable(eqn):
+                with jax.ensure_compile_time_eval():
+                    return C.bind_eqn(eqn, vals)
+            return [None] * len(eqn.outvars)
+        return self._backward(atom, self.known, lambda a: a.val, leaf, combine)
+
+    def names(self, atom) -> frozenset:
+        """Names of the program inputs (or named constants) that ``atom`` derives from."""
+        def leaf(v):
+            return self.name_thunks[v]() if v in self.name_thunks else frozenset()
+
+        def combine(eqn, vals):
+            return [frozenset().union(*vals)] * len(eqn.outvars)
+        return self._backward(atom, self.origins, lambda a: frozenset(), leaf, combine)
+
+    def from_root(self, atom) -> bool:
+        """Whether ``atom`` is computed from the output of a pattern root (a convolution),
+        directly or through nested jaxprs: then it is an activation, never a parameter."""
+        def combine(eqn, vals):
+            act = eqn.primitive.name in PATTERNS or any(vals) or _contains_root(eqn)
+            return [act] * len(eqn.outvars)
+        return self._backward(atom, self.activation, lambda a: False, lambda v: False, combine)
 
     # ---- planning
 
