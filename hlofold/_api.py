@@ -62,6 +62,14 @@ def _all_finite(values) -> bool:
     return bool(all(jax.device_get(checks))) if checks else True
 
 
+def _leaf_key(x):
+    """Cheap per-call signature of one input: shape, dtype, weak type (or Python type)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or C.is_tracer(x):
+        return C.shape_struct(C.aval_of(x))
+    return (x.shape, dtype, bool(getattr(x, "weak_type", False)))
+
+
 def _as_tuple(x) -> tuple:
     if x is None:
         return ()
@@ -203,18 +211,16 @@ class Folded:
         frozen = {k: v for k, v in arguments.items() if k in self._freeze}
         dynamic = {k: v for k, v in arguments.items() if k not in self._static
                    and k not in self._freeze}
-        leaves_p, tree = jax.tree_util.tree_flatten_with_path(dynamic)
-        leaves = [l for _, l in leaves_p]
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
         frz_leaves = jax.tree_util.tree_leaves(frozen)
         tracing = any(C.is_tracer(x) for x in leaves + frz_leaves)
         if tracing and any(C.is_tracer(x) for x in frz_leaves):
             # Frozen values that are tracers cannot be baked in: treat them as inputs.
             dynamic = {k: v for k, v in arguments.items() if k not in self._static}
             frozen = {}
-            leaves_p, tree = jax.tree_util.tree_flatten_with_path(dynamic)
-            leaves = [l for _, l in leaves_p]
+            leaves, tree = jax.tree_util.tree_flatten(dynamic)
             frz_leaves = []
-        avals = tuple(C.shape_struct(C.aval_of(l)) for l in leaves)
+        avals = tuple(_leaf_key(l) for l in leaves)
         try:
             static_key = tuple(sorted(static.items()))
             hash(static_key)
@@ -223,6 +229,7 @@ class Folded:
         key = (tree, avals, static_key, tuple(frozen), tuple(id(x) for x in frz_leaves))
         prog = self._programs.get(key)
         if prog is None:
+            leaves_p = jax.tree_util.tree_flatten_with_path(dynamic)[0]
             prog = self._build(key, arguments, static, frozen, leaves_p, tree, frz_leaves)
             if len(self._programs) > 64:
                 self._programs.pop(next(iter(self._programs)))
