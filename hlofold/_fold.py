@@ -197,7 +197,7 @@ class _Scope:
             pattern = PATTERNS.get(eqn.primitive.name)
             if pattern is not None:
                 changed |= self._plan_site(i, eqn, pattern)
-            elif _has_subjaxprs(eqn):
+            elif _contains_root(eqn):       # nested jaxprs without a root are left as they are
                 changed |= self._plan_nested(i, eqn)
         if not changed:
             return self.closed
@@ -487,8 +487,8 @@ class _Scope:
                     s, t = _collapse(affine, vals, info.out_channels, xp=_jnp(cdt))
                     site.t_traced = t
                 s = s.astype(cdt) if isinstance(s, np.ndarray) else s
-                kp = lax.convert_element_type(k, cdt) * _along_traced(s, info.kernel_axis,
-                                                                      len(kernel.aval.shape))
+                kp = _jnp(cdt).mul(lax.convert_element_type(k, cdt),
+                                   _along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
                 kp = lax.convert_element_type(kp, kd)
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
@@ -529,20 +529,47 @@ class _Scope:
 
 
 class _np64:
-    """Array namespace for host arithmetic in float64."""
+    """Arithmetic on the host in float64 (all operands known at transform time)."""
 
     @staticmethod
     def asarray(x):
         return np.asarray(x, np.float64)
 
+    add, sub, mul, div = (np.add, np.subtract, np.multiply, np.divide)
+    neg = staticmethod(np.negative)
+
 
 def _jnp(cdt):
+    """Arithmetic staged with ``lax`` in ``cdt`` (no ``jnp`` dispatch: folding stays cheap);
+    operands that are known stay NumPy constants."""
+
+    def lift(x):
+        if isinstance(x, np.ndarray) or np.isscalar(x):
+            return np.asarray(x, np.float64).astype(cdt)
+        return x
+
+    def binary(np_op, lax_op):
+        def op(a, b):
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+                return np_op(a, b).astype(cdt)
+            # scalars are broadcast explicitly; equal ranks rely on lax's size-1 broadcasting
+            shape = np.broadcast_shapes(np.shape(a), np.shape(b))
+            a, b = (x if np.ndim(x) or not shape else
+                    (np.broadcast_to(x, shape) if isinstance(x, np.ndarray)
+                     else lax.broadcast_in_dim(x, shape, ())) for x in (a, b))
+            return lax_op(a, b)
+        return staticmethod(op)
+
     class _ns:
+        asarray = staticmethod(lift)
+        add = binary(np.add, lax.add)
+        sub = binary(np.subtract, lax.sub)
+        mul = binary(np.multiply, lax.mul)
+        div = binary(np.divide, lax.div)
+
         @staticmethod
-        def asarray(x):
-            if isinstance(x, np.ndarray) or np.isscalar(x):
-                return np.asarray(x, np.float64).astype(cdt)
-            return x
+        def neg(x):
+            return np.negative(x) if isinstance(x, np.ndarray) else lax.neg(x)
     return _ns
 
 
@@ -557,21 +584,21 @@ def _collapse(affine: list[AffineStep], vals: list, channels: int, xp=_np64):
         if c is not None:
             c = xp.asarray(c)
         if st.kind == "add":
-            t = c if t is None else t + c
+            t = c if t is None else xp.add(t, c)
         elif st.kind == "sub":
-            t = -c if t is None else t - c
+            t = xp.neg(c) if t is None else xp.sub(t, c)
         elif st.kind == "rsub":
-            s = xp.asarray(-1.0) if s is None else -s
-            t = c if t is None else c - t
+            s = xp.asarray(-1.0) if s is None else xp.neg(s)
+            t = c if t is None else xp.sub(c, t)
         elif st.kind == "mul":
-            s = c if s is None else s * c
-            t = None if t is None else t * c
+            s = c if s is None else xp.mul(s, c)
+            t = None if t is None else xp.mul(t, c)
         elif st.kind == "div":
-            s = 1 / c if s is None else s / c
-            t = None if t is None else t / c
+            s = xp.div(xp.asarray(1.0), c) if s is None else xp.div(s, c)
+            t = None if t is None else xp.div(t, c)
         elif st.kind == "neg":
-            s = xp.asarray(-1.0) if s is None else -s
-            t = None if t is None else -t
+            s = xp.asarray(-1.0) if s is None else xp.neg(s)
+            t = None if t is None else xp.neg(t)
     s = xp.asarray(1.0) if s is None else s
     t = xp.asarray(0.0) if t is None else t
     if xp is _np64:
@@ -641,16 +668,6 @@ def _contains_root(eqn) -> bool:
 
 
 _ROOT_CACHE: dict[int, tuple[Any, bool]] = {}
-
-
-def _has_subjaxprs(eqn) -> bool:
-    for v in eqn.params.values():
-        if isinstance(v, (C.ClosedJaxpr, C.Jaxpr)):
-            return True
-        if isinstance(v, (tuple, list)) and any(isinstance(x, (C.ClosedJaxpr, C.Jaxpr))
-                                                 for x in v):
-            return True
-    return False
 
 
 def _with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in_avals):
