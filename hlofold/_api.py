@@ -56,10 +56,15 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
 _UNFOLDED = object()
 
 
-def _all_finite(values) -> bool:
-    checks = [jax.numpy.isfinite(v).all() for v in values
-              if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)]
-    return bool(all(jax.device_get(checks))) if checks else True
+def _with_finite_flag(fun: Callable) -> Callable:
+    """``fun`` returning ``(values, all_finite)``: one executable, checked on the device."""
+    def wrapped(*args):
+        vals = fun(*args)
+        flags = [jax.numpy.isfinite(v).all() for v in vals
+                 if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)]
+        ok = jax.numpy.all(jax.numpy.stack(flags)) if flags else jax.numpy.bool_(True)
+        return vals, ok
+    return jax.jit(wrapped)
 
 
 def _leaf_key(x):
@@ -100,8 +105,9 @@ class Split:
         scale of inf): such parameters cannot be folded."""
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
-        prepared = list(prog.prepare(*[leaves[i] for i in prog.known_idx]))
-        if not _all_finite(prepared):
+        prepared, finite = prog.prepare(*[leaves[i] for i in prog.known_idx])
+        prepared = list(prepared)
+        if not bool(finite):
             raise FloatingPointError("hlofold: the folded parameters are not finite (a "
                                      "BatchNorm scale is inf or NaN?); these parameters "
                                      "cannot be folded — call the original function")
@@ -270,7 +276,7 @@ class Folded:
             known_j, unknown_j, out_uk, _ = C.partial_eval(
                 folded, unknowns, [True] * len(folded.jaxpr.outvars))
             assert all(out_uk), "every output is instantiated in the apply part"
-            prepare = jax.jit(C.jaxpr_as_fun(known_j))
+            prepare = _with_finite_flag(C.jaxpr_as_fun(known_j))
             apply = jax.jit(C.jaxpr_as_fun(unknown_j))
         return _Program(key, closed, folded, report, names, out_tree, full, known_idx,
                         unknown_idx, prepare, apply, known_j, unknown_j,
@@ -303,8 +309,8 @@ class Folded:
                     and all(a is b for a, b in zip(prog.cached[0], known)):
                 prepared = prog.cached[1]
             if prepared is None:
-                prepared = prog.prepare(*known)
-                if not _all_finite(prepared):
+                prepared, finite = prog.prepare(*known)
+                if not bool(finite):
                     # Fail closed: a non-finite folded kernel/bias (s = inf or NaN, e.g.
                     # σ² = 0 with ε = 0) would not reproduce y·s + t. Run the original.
                     warnings.warn(
@@ -343,7 +349,7 @@ class Folded:
         """The prepare/apply split for this input signature (see :class:`Split`)."""
         prog, _ = self._program_for(args, kwargs)
         if prog.prepare is None:  # nothing to prepare: everything is constant or unfolded
-            prog.prepare = jax.jit(lambda: [])
+            prog.prepare = _with_finite_flag(lambda: [])
             prog.apply = prog.full
             prog.apply_jaxpr = prog.folded
         return Split([prog.leaf_names[i] for i in prog.known_idx],
