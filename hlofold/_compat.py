@@ -80,12 +80,6 @@ def name_stack(eqn: JaxprEqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
-def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Dead-code elimination keeping every input and output (signature unchanged)."""
-    new, _ = _pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-    return ClosedJaxpr(new, closed.consts)
-
-
 def hoist_consts(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
     """Turn a closed jaxpr's constants into leading inputs: (open jaxpr, const values)."""
     return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
@@ -114,6 +108,30 @@ def jit_info(fun: Callable) -> tuple[Callable, tuple[int, ...], tuple[str, ...]]
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, _core.Tracer)
+
+
+def trace(fun: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
+    """Stage ``fun(*args)`` (a flat list of outputs or one output) into a closed jaxpr.
+
+    Like ``jax.make_jaxpr`` without its ``jit`` machinery, which dominates the cost of
+    tracing the many small functions that splice folded sites into a program.
+    """
+    from jax._src import linear_util as lu
+
+    def flat(*args):
+        out = fun(*args)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    dbg = _core.DebugInfo("hlofold", getattr(fun, "__name__", "fold"), None, None)
+    in_avals = [_core.ShapedArray(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+                for a in avals]
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=dbg), in_avals)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def new_var(aval) -> Var:
+    """A fresh jaxpr variable of type ``aval``."""
+    return _core.Var(aval)
 
 
 def aval_of(x):

@@ -201,7 +201,7 @@ class _Scope:
                 changed |= self._plan_nested(i, eqn)
         if not changed:
             return self.closed
-        return C.dce(self._emit())
+        return _dce(self._emit())
 
     def _record(self, eqn, pattern, info, status, **kw) -> FoldSite:
         file, line, fn = C.user_location(eqn)
@@ -361,7 +361,7 @@ class _Scope:
             new = self._child(sub, eqn.invars, [True] * len(eqn.invars), label)
             if new is sub:
                 return False
-            self.new_eqn[i] = ({**params, key: new}, lambda vals: vals)
+            self.new_eqn[i] = ({**params, key: new}, 0, [])
             return True
         if prim in _REMAT_NAMES:
             sub = C.ClosedJaxpr(params["jaxpr"], ())
@@ -369,7 +369,7 @@ class _Scope:
             if new is sub:
                 return False
             open_j, consts = C.hoist_consts(new)
-            self.new_eqn[i] = ({**params, "jaxpr": open_j}, lambda vals: list(consts) + vals)
+            self.new_eqn[i] = ({**params, "jaxpr": open_j}, 0, consts)
             return True
         if prim == "cond":
             ops = eqn.invars[1:]
@@ -385,8 +385,7 @@ class _Scope:
             new_branches = tuple(
                 _with_leading_consts(n, offs[k], offs[k + 1], const_avals, in_avals)
                 for k, n in enumerate(news))
-            self.new_eqn[i] = ({**params, "branches": new_branches},
-                               lambda vals: vals[:1] + list(all_consts) + vals[1:])
+            self.new_eqn[i] = ({**params, "branches": new_branches}, 1, all_consts)
             return True
         if prim == "scan":
             nc = params["num_consts"]
@@ -402,7 +401,7 @@ class _Scope:
             new_params = {**params, "jaxpr": body, "num_consts": nc + len(consts)}
             if "linear" in params:
                 new_params["linear"] = (False,) * len(consts) + tuple(params["linear"])
-            self.new_eqn[i] = (new_params, lambda vals: list(consts) + vals)
+            self.new_eqn[i] = (new_params, 0, consts)
             return True
         if prim == "while":
             cn, bn = params["cond_nconsts"], params["body_nconsts"]
@@ -417,7 +416,7 @@ class _Scope:
                                          for c in consts],
                                         [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
             self.new_eqn[i] = ({**params, "body_jaxpr": body, "body_nconsts": bn + len(consts)},
-                               lambda vals: vals[:cn] + list(consts) + vals[cn:])
+                               cn, consts)
             return True
         # Any other primitive carrying closed jaxprs: fold inside with nothing known.
         new_params, changed = dict(params), False
@@ -428,43 +427,62 @@ class _Scope:
                 if new is not val:
                     new_params[key], changed = new, True
         if changed:
-            self.new_eqn[i] = (new_params, lambda vals: vals)
+            self.new_eqn[i] = (new_params, 0, [])
         return changed
 
     # ---- emission
 
     def _emit(self) -> C.ClosedJaxpr:
-        jaxpr, consts = self.jaxpr, self.closed.consts
+        """Splice the plan into the program: untouched equations are kept as they are (no
+        retrace), each folded site is traced on its own and inlined where its chain ended,
+        and rebuilt higher-order equations get their hoisted constants as new constvars."""
+        jaxpr = self.jaxpr
+        constvars, consts = list(jaxpr.constvars), list(self.closed.consts)
 
-        def run(*args):
-            env: dict[Any, Any] = {}
+        def new_const(value) -> Any:
+            v = C.new_var(C.aval_of(value))
+            constvars.append(v)
+            consts.append(value)
+            return v
 
-            def read(a):
-                return a.val if isinstance(a, C.Literal) else env[a]
+        eqns = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in self.skip:
+                continue
+            site = self.site_at_end.get(i)
+            if site is not None:
+                eqns.extend(self._site_eqns(site, new_const))
+            elif i in self.new_eqn:
+                params, at, extra = self.new_eqn[i]
+                ins = list(eqn.invars)
+                ins[at:at] = [new_const(c) for c in extra]
+                eqns.append(eqn.replace(params=params, invars=ins))
+            else:
+                eqns.append(eqn)
+        return C.ClosedJaxpr(jaxpr.replace(constvars=constvars, eqns=eqns), consts)
 
-            for v, c in zip(jaxpr.constvars, consts):
-                env[v] = c
-            for v, a in zip(jaxpr.invars, args):
-                env[v] = a
-            for i, eqn in enumerate(jaxpr.eqns):
-                if i in self.skip:
-                    continue
-                site = self.site_at_end.get(i)
-                if site is not None:
-                    env[site.end_var] = self._emit_site(site, read)
-                    continue
-                invals = [read(v) for v in eqn.invars]
-                if i in self.new_eqn:
-                    params, fix = self.new_eqn[i]
-                    outs = C.bind_eqn(eqn, fix(invals), params)
-                else:
-                    outs = C.bind_eqn(eqn, invals)
-                for v, o in zip(eqn.outvars, outs):
-                    if not isinstance(v, C.DropVar):
-                        env[v] = o
-            return [read(v) for v in jaxpr.outvars]
+    def _site_eqns(self, site: _Site, new_const) -> list:
+        """The equations of one folded site, reading the scope's variables."""
+        atoms = list(dict.fromkeys(
+            [v for v in site.eqn.invars if isinstance(v, C.Var)] +
+            [st.operand.source for st in site.steps if isinstance(st, AffineStep)
+             and st.operand is not None and isinstance(st.operand.source, C.Var)]))
+        index = {a: k for k, a in enumerate(atoms)}
 
-        return jax.make_jaxpr(run)(*[C.shape_struct(v.aval) for v in jaxpr.invars])
+        def fn(*vals):
+            return self._emit_site(site, lambda a: a.val if isinstance(a, C.Literal)
+                                   else vals[index[a]])
+
+        sub = C.trace(fn, [a.aval for a in atoms])
+        ren: dict[Any, Any] = dict(zip(sub.jaxpr.invars, atoms))
+        ren.update((cv, new_const(c)) for cv, c in zip(sub.jaxpr.constvars, sub.consts))
+        out = sub.jaxpr.outvars[0]
+        eqns = []
+        for e in sub.jaxpr.eqns:
+            outs = [site.end_var if o is out else o for o in e.outvars]
+            eqns.append(e.replace(invars=[ren.get(v, v) if isinstance(v, C.Var) else v
+                                          for v in e.invars], outvars=outs))
+        return eqns
 
     def _emit_site(self, site: _Site, read):
         eqn, info = site.eqn, site.info
@@ -487,9 +505,9 @@ class _Scope:
                     s, t = _collapse(affine, vals, info.out_channels, xp=_jnp(cdt))
                     site.t_traced = t
                 s = s.astype(cdt) if isinstance(s, np.ndarray) else s
-                kp = _jnp(cdt).mul(lax.convert_element_type(k, cdt),
+                kp = _jnp(cdt).mul(_cast(k, cdt),
                                    _along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
-                kp = lax.convert_element_type(kp, kd)
+                kp = _cast(kp, kd)
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
             y = C.bind_eqn(eqn, invals)[0]
@@ -505,7 +523,7 @@ class _Scope:
                         shape[site.end_axis] = tb.shape[0]
                     tb = tb.reshape(shape)
                 else:
-                    tb = lax.convert_element_type(t, end_dtype)
+                    tb = _cast(t, end_dtype)
                     dims = (site.end_axis,) if tb.ndim else ()
                     if tb.ndim:
                         shape[site.end_axis] = tb.shape[0]
@@ -519,10 +537,11 @@ class _Scope:
             return known.astype(np.float64)
         val = read(op.source)
         for dt in op.casts:
-            val = lax.convert_element_type(val, dt)
-        val = lax.reshape(val, (op.size,)) if op.source_axis is not None else \
-            lax.reshape(val, ())
-        return lax.convert_element_type(val, cdt)
+            val = _cast(val, dt)
+        shape = (op.size,) if op.source_axis is not None else ()
+        if tuple(val.shape) != shape:
+            val = lax.reshape(val, shape)
+        return _cast(val, cdt)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -606,6 +625,30 @@ def _collapse(affine: list[AffineStep], vals: list, channels: int, xp=_np64):
         t = np.broadcast_to(t, (channels,)) if np.ndim(t) else t
         return np.asarray(s, np.float64), np.asarray(t, np.float64)
     return s, t
+
+
+def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """Drop the equations of this scope whose results nobody reads (the per-channel
+    operand plumbing a fold leaves behind). Effectful equations stay; nested jaxprs are not
+    entered (they were already folded and cleaned when they changed)."""
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if isinstance(v, C.Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(o in live for o in eqn.outvars if not isinstance(o, C.DropVar)):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if isinstance(v, C.Var))
+    kept.reverse()
+    used = [v in live for v in jaxpr.constvars]
+    new = jaxpr.replace(constvars=[v for v, u in zip(jaxpr.constvars, used) if u], eqns=kept)
+    return C.ClosedJaxpr(new, [c for c, u in zip(closed.consts, used) if u])
+
+
+def _cast(x, dtype):
+    """``convert_element_type`` only when the dtype changes (no equation otherwise)."""
+    if np.dtype(x.dtype) == np.dtype(dtype) and not getattr(x, "weak_type", False):
+        return x
+    return lax.convert_element_type(x, dtype)
 
 
 def _along(vec, axis: int, ndim: int) -> np.ndarray:

@@ -173,16 +173,23 @@ def resolve_operand(atom, out_shape, channel_axis: int,
     cur = atom
     casts: list[Any] = []
     first_bad: int | None = None
+    found: ChannelOperand | None = None
     for _ in range(64):
         cshape = tuple(cur.aval.shape)
         bad = [i for i, d in enumerate(cshape) if d != 1 and axis_map.get(i) != channel_axis]
+        eqn = producer(cur) if isinstance(cur, C.Var) else None
         if not bad:
             src_axis = next((i for i, d in enumerate(cshape)
                              if d != 1 and axis_map.get(i) == channel_axis), None)
-            return ChannelOperand(cur, src_axis, tuple(casts))
-        # the deepest source seen so far is the most telling: report its axis
-        first_bad = axis_map.get(bad[0]) if axis_map.get(bad[0]) is not None else first_bad
-        eqn = producer(cur) if isinstance(cur, C.Var) else None
+            found = ChannelOperand(cur, src_axis, tuple(casts))
+            # keep walking through shape-only ops to the smallest source (e.g. the (C,)
+            # vector behind a (1, 1, 1, C) broadcast), so nothing is re-broadcast
+            if eqn is None or eqn.primitive.name not in ("broadcast_in_dim", "reshape",
+                                                          "squeeze"):
+                return found
+        else:
+            # the deepest source seen so far is the most telling: report its axis
+            first_bad = axis_map.get(bad[0]) if axis_map.get(bad[0]) is not None else first_bad
         if eqn is None:
             break
         prim = eqn.primitive.name
@@ -212,6 +219,8 @@ def resolve_operand(atom, out_shape, channel_axis: int,
             cur = eqn.invars[0]
         else:
             break
+    if found is not None:
+        return found
     same = " (same size as the channels: matched by axis, not size)" if \
         first_bad is not None and out_shape[first_bad] == out_shape[channel_axis] else ""
     return Refusal(
