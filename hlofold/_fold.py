@@ -445,13 +445,13 @@ class _Scope:
             consts.append(value)
             return v
 
+        site_eqns = self._all_site_eqns(new_const)
         eqns = []
         for i, eqn in enumerate(jaxpr.eqns):
             if i in self.skip:
                 continue
-            site = self.site_at_end.get(i)
-            if site is not None:
-                eqns.extend(self._site_eqns(site, new_const))
+            if i in site_eqns:
+                eqns.extend(site_eqns[i])
             elif i in self.new_eqn:
                 params, at, extra = self.new_eqn[i]
                 ins = list(eqn.invars)
@@ -461,28 +461,46 @@ class _Scope:
                 eqns.append(eqn)
         return C.ClosedJaxpr(jaxpr.replace(constvars=constvars, eqns=eqns), consts)
 
-    def _site_eqns(self, site: _Site, new_const) -> list:
-        """The equations of one folded site, reading the scope's variables."""
+    def _all_site_eqns(self, new_const) -> dict[int, list]:
+        """The equations of every folded site of this scope, keyed by where each goes.
+
+        All sites are traced together (one trace is much cheaper than one per site), then
+        the traced equations are split by the site whose result they feed."""
+        sites = [self.site_at_end[i] for i in sorted(self.site_at_end)]
+        if not sites:
+            return {}
         atoms = list(dict.fromkeys(
+            v for site in sites for v in
             [v for v in site.eqn.invars if isinstance(v, C.Var)] +
             [st.operand.source for st in site.steps if isinstance(st, AffineStep)
              and st.operand is not None and isinstance(st.operand.source, C.Var)]))
         index = {a: k for k, a in enumerate(atoms)}
 
         def fn(*vals):
-            return self._emit_site(site, lambda a: a.val if isinstance(a, C.Literal)
-                                   else vals[index[a]])
+            def read(a):
+                return a.val if isinstance(a, C.Literal) else vals[index[a]]
+            return [self._emit_site(site, read) for site in sites]
 
         sub = C.trace(fn, [a.aval for a in atoms])
         ren: dict[Any, Any] = dict(zip(sub.jaxpr.invars, atoms))
         ren.update((cv, new_const(c)) for cv, c in zip(sub.jaxpr.constvars, sub.consts))
-        out = sub.jaxpr.outvars[0]
-        eqns = []
-        for e in sub.jaxpr.eqns:
-            outs = [site.end_var if o is out else o for o in e.outvars]
-            eqns.append(e.replace(invars=[ren.get(v, v) if isinstance(v, C.Var) else v
-                                          for v in e.invars], outvars=outs))
-        return eqns
+        owner: dict[Any, int] = {}
+        final: dict[Any, Any] = {}
+        for k, (site, out) in enumerate(zip(sites, sub.jaxpr.outvars)):
+            owner[out] = k
+            final[out] = site.end_var
+        by_site: list[list] = [[] for _ in sites]
+        for e in reversed(sub.jaxpr.eqns):
+            k = next((owner[o] for o in e.outvars if o in owner), None)
+            if k is None:       # feeds no site result (cannot happen: nothing is dead here)
+                continue
+            for v in e.invars:
+                if isinstance(v, C.Var):
+                    owner.setdefault(v, k)
+            by_site[k].append(e.replace(
+                invars=[ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars],
+                outvars=[final.get(o, o) for o in e.outvars]))
+        return {site.end_idx: list(reversed(eqs)) for site, eqs in zip(sites, by_site)}
 
     def _emit_site(self, site: _Site, read):
         eqn, info = site.eqn, site.info

@@ -154,6 +154,21 @@ def _unit_reshape_map(old_shape, new_shape) -> dict[int, int] | None:
     return dict(zip(old_nu, new_nu))
 
 
+def _channel_through_reshape(src_shape, out_shape, axis: int) -> int | None:
+    """Where a reshape puts axis ``axis`` of ``src_shape``, if it survives as one axis of the
+    same size with the same number of elements before it (other axes may merge or split)."""
+    c = src_shape[axis]
+    before = int(np.prod(src_shape[:axis], dtype=np.int64))
+    acc = 1
+    for j, d in enumerate(out_shape):
+        if acc == before and d == c:
+            return j
+        acc *= d
+        if acc > before:
+            return None
+    return None
+
+
 def resolve_operand(atom, out_shape, channel_axis: int,
                     producer: Callable[[Any], C.JaxprEqn | None]) -> ChannelOperand | Refusal:
     """Decide whether ``atom`` (an operand of a binary op whose other input is the chain
@@ -277,11 +292,11 @@ def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
     if prim == "reshape":
         if eqn.params.get("dimensions") is not None:
             return Refusal("reshape with a dimension permutation")
-        m = _unit_reshape_map(tuple(src.shape), tuple(out.shape))
-        if m is None:
+        j = _channel_through_reshape(tuple(src.shape), tuple(out.shape), channel_axis)
+        if j is None:
             return Refusal(f"reshape {tuple(src.shape)} -> {tuple(out.shape)} merges or "
-                           "splits axes")
-        return m[channel_axis]
+                           "splits the channel axis")
+        return j
     if prim == "squeeze":
         dims = set(int(d) for d in eqn.params["dimensions"])
         kept = [i for i in range(len(src.shape)) if i not in dims]

@@ -107,6 +107,27 @@ def test_spellings_fold(spelling, frozen):
     assert users == ["add"]
 
 
+def test_chain_through_transpose_and_merging_reshape():
+    def f(x, k, m, v, g, b):
+        y = conv_nhwc(x, k)                          # (N, H, W, C)
+        y = jnp.transpose(y, (0, 3, 1, 2))           # NCHW: channel now axis 1
+        y = (y - m[:, None, None]) * lax.rsqrt(v[:, None, None] + 1e-5)
+        y = y.reshape(y.shape[0], y.shape[1], -1)    # (N, C, H*W): channel kept
+        return y * g[:, None] + b[:, None]
+    new, rep = fold_and_check(f, X, K, *S.values(), folds=1)
+    assert rep.sites[0].absorbed == ["transpose", "sub", "mul", "reshape", "mul", "add"]
+    assert_no_scaling_after_convs(new)
+
+
+def test_reshape_that_splits_the_channel_stops_the_chain():
+    def f(x, k, g):
+        y = conv_nhwc(x, k) * g                      # folds
+        return y.reshape(2, 8, 8, 2, 3) * 3.0        # channel split: the chain ends
+    new, rep = fold_and_check(f, X, K, S["gamma"], folds=1)
+    assert rep.sites[0].absorbed == ["mul"]
+    assert "splits the channel axis" in rep.sites[0].note
+
+
 def test_scale_only_chain_has_no_add():
     f = lambda x, k, g: conv_nhwc(x, k) * g
     new, rep = fold_and_check(f, X, K, S["gamma"], folds=1)
