@@ -216,7 +216,7 @@ class _Scope:
         self.sites.append(rec)
         return rec
 
-    def _walk(self, eqn, info: RootInfo):
+    def _walk(self, eqn, info: RootInfo, pattern):
         """Follow the root's output through the chain; return (steps, end_axis, stop_reason,
         stop_is_refusal). ``steps`` ends with the last absorbable affine op."""
         v, axis = eqn.outvars[0], info.channel_axis
@@ -246,6 +246,8 @@ class _Scope:
                 r = affine_step(e, pos, axis, lambda u: self.producer.get(u, (0, None))[1])
                 if isinstance(r, Refusal):
                     reason, refusal = r.reason, True
+                    if r.axis is not None and v is eqn.outvars[0]:
+                        reason += f"; axis {r.axis} is {pattern.explain_axis(eqn, r.axis)}"
                     break
                 if r.operand is not None and self.from_root(r.operand.source):
                     reason = (f"{prim}: operand is computed from a convolution output (a "
@@ -272,7 +274,7 @@ class _Scope:
         if isinstance(info, Refusal):
             self._record(eqn, pattern, None, REFUSED, reason=info.reason)
             return False
-        steps, end_axis, stop, stop_is_refusal = self._walk(eqn, info)
+        steps, end_axis, stop, stop_is_refusal = self._walk(eqn, info, pattern)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
         if not affine:
@@ -285,6 +287,11 @@ class _Scope:
             return False
 
         kernel = eqn.invars[info.kernel_index]
+        if self.from_root(kernel):
+            self._record(eqn, pattern, info, REFUSED, absorbed=absorbed,
+                         reason="the kernel (rhs) is computed from a convolution/dot output "
+                                "(an activation, e.g. attention), not from parameters")
+            return False
         op_names = sorted({n for s in affine if s.operand is not None
                            for n in self.names(s.operand.source) if n})
         kernel_names = sorted(n for n in self.names(kernel) if n)

@@ -26,9 +26,10 @@ from . import _compat as C
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Why a match failed, in words a user can act on."""
+    """Why a match failed, in words a user can act on (``axis``: the offending axis, if any)."""
 
     reason: str
+    axis: int | None = None
 
     def __str__(self) -> str:
         return self.reason
@@ -96,9 +97,80 @@ class ConvAffinePattern:
         return info
 
 
+    def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:
+        out_spec = eqn.params["dimension_numbers"].out_spec
+        if axis == out_spec[0]:
+            return "the batch axis"
+        return "a spatial axis"
+
+    def input_channel(self, eqn: C.JaxprEqn) -> tuple[int, int] | Refusal:
+        """(lhs feature axis, kernel input-feature axis) for folding an affine *before* the
+        conv; refused where the padded or dilated zeros would not see the shift."""
+        p = eqn.params
+        dn = p["dimension_numbers"]
+        if any(lo or hi for lo, hi in p["padding"]):
+            return Refusal(f"padding {tuple(map(tuple, p['padding']))}: the padded border "
+                           "would not see the shift t (only VALID/zero padding is exact)")
+        if any(d != 1 for d in p["lhs_dilation"]):
+            return Refusal("lhs dilation (transposed conv): the inserted zeros would not see t")
+        if p.get("batch_group_count", 1) != 1:
+            return Refusal("batch_group_count > 1")
+        return dn.lhs_spec[1], dn.rhs_spec[1]
+
+
 CONV_AFFINE = ConvAffinePattern()
 
-PATTERNS: dict[str, ConvAffinePattern] = {CONV_AFFINE.root: CONV_AFFINE}
+
+def _dot_dims(eqn):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    lhs_free = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    return tuple(lc), tuple(rc), tuple(lb), tuple(rb), lhs_free, rhs_free
+
+
+@dataclasses.dataclass(frozen=True)
+class DotAffinePattern:
+    """Pattern: dot(x, W)·s + t  ->  dot(x, W ⊙ s) + broadcast_in_dim(t), s/t per rhs feature."""
+
+    name: str = "dot_affine"
+    root: str = "dot_general"
+
+    def inspect_root(self, eqn: C.JaxprEqn) -> RootInfo | Refusal:
+        lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
+        lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+        layout = f"dot{tuple(lhs.shape)}x{tuple(rhs.shape)}->{tuple(out.shape)}"
+        if not (_is_float(rhs.dtype) and _is_float(out.dtype)):
+            return Refusal(f"integer dot ({rhs.dtype} rhs, {out.dtype} output)")
+        if len(rhs_free) != 1:
+            return Refusal(f"the rhs has {len(rhs_free)} free dimensions; one output-feature "
+                           "dimension is needed to rescale")
+        return RootInfo(channel_axis=len(lb) + len(lhs_free), kernel_index=1,
+                        kernel_axis=rhs_free[0], layout=layout,
+                        in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
+                        out_channels=int(rhs.shape[rhs_free[0]]), groups=1)
+
+    def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:
+        lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
+        if axis < len(lb):
+            return "a batch dimension of the dot"
+        if axis < len(lb) + len(lhs_free):
+            return "a free dimension of the lhs (the activations)"
+        return "a free dimension of the rhs"
+
+    def input_channel(self, eqn: C.JaxprEqn) -> tuple[int, int] | Refusal:
+        lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
+        if lb:
+            return Refusal("dot with batch dimensions")
+        if len(lc) != 1:
+            return Refusal(f"dot contracting {len(lc)} dimensions")
+        return lc[0], rc[0]
+
+
+DOT_AFFINE = DotAffinePattern()
+
+PATTERNS: dict[str, ConvAffinePattern | DotAffinePattern] = {
+    CONV_AFFINE.root: CONV_AFFINE, DOT_AFFINE.root: DOT_AFFINE}
 
 
 # --------------------------------------------------------------------------- chain steps
@@ -240,7 +312,7 @@ def resolve_operand(atom, out_shape, channel_axis: int,
         first_bad is not None and out_shape[first_bad] == out_shape[channel_axis] else ""
     return Refusal(
         f"operand varies along {_axis_name(first_bad)} (size {out_shape[first_bad]}), "
-        f"not only along the output-feature {_axis_name(channel_axis)}{same}")
+        f"not only along the output-feature {_axis_name(channel_axis)}{same}", first_bad)
 
 
 # Affine steps: which operand position holds the chain value decides the kind.
@@ -274,7 +346,7 @@ def affine_step(eqn: C.JaxprEqn, pos: int, channel_axis: int,
         return Refusal(f"{prim} broadcasts the conv value to a larger shape {tuple(out.shape)}")
     op = resolve_operand(other, tuple(out.shape), channel_axis, producer)
     if isinstance(op, Refusal):
-        return Refusal(f"{prim}: {op.reason}")
+        return Refusal(f"{prim}: {op.reason}", op.axis)
     return AffineStep(eqn, kind, op)
 
 
