@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat as C
-from ._patterns import (PATTERNS, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
+from ._patterns import (PATTERNS, FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
                         PassStep, Refusal, RootInfo, affine_step, pass_step)
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 
@@ -95,6 +95,24 @@ class _Site:
     t_known: np.ndarray | None = None
     has_shift: bool = False
     t_traced: Any = None                       # t computed in the graph (set while emitting)
+    fwd: "_Forward | None" = None              # affine folded in from *before* the root
+
+
+@dataclasses.dataclass
+class _Forward:
+    """An affine chain in front of the root: ``root(x·s + t, K) = root(x, K ⊙ s) + b``."""
+
+    steps: list                  # AffineSteps, in program order
+    source: Any                  # x: the value before the chain
+    k_in_axis: int               # kernel axis contracted with the input features
+    groups: int
+    record: FoldSite
+    s_known: np.ndarray | None = None
+    t_known: np.ndarray | None = None
+
+    @property
+    def has_shift(self) -> bool:
+        return any(s.kind in ("add", "sub", "rsub") for s in self.steps)
 
 
 class _Scope:
@@ -277,63 +295,158 @@ class _Scope:
         steps, end_axis, stop, stop_is_refusal = self._walk(eqn, info, pattern)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
-        if not affine:
-            status = REFUSED if stop_is_refusal else NO_PATTERN
-            self._record(eqn, pattern, info, status, reason=stop)
-            return False
-        if len(affine) == 1 and affine[0].kind in ("add", "sub"):
-            self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed,
-                         reason="already conv + per-channel bias")
-            return False
+        backward = bool(affine) and not (len(affine) == 1 and affine[0].kind in ("add", "sub"))
+        fwd = self._plan_forward(eqn, pattern, info)
+        if not backward:
+            if not affine:
+                if not (fwd is not None and stop == "value is unused"):
+                    self._record(eqn, pattern, info, REFUSED if stop_is_refusal else NO_PATTERN,
+                                 reason=stop)
+            else:
+                self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed,
+                             reason="already conv + per-channel bias")
+            if fwd is None:
+                return False
+            steps, end_axis = [], info.channel_axis
 
         kernel = eqn.invars[info.kernel_index]
-        if self.from_root(kernel):
-            self._record(eqn, pattern, info, REFUSED, absorbed=absorbed,
-                         reason="the kernel (rhs) is computed from a convolution/dot output "
-                                "(an activation, e.g. attention), not from parameters")
-            return False
-        op_names = sorted({n for s in affine if s.operand is not None
-                           for n in self.names(s.operand.source) if n})
         kernel_names = sorted(n for n in self.names(kernel) if n)
-        rec = self._record(eqn, pattern, info, FOLDED, absorbed=absorbed, params=op_names,
-                           kernel=", ".join(kernel_names) or None)
-        rec.note = f"chain stopped: {stop}" if stop else None
-        end_var = steps[-1].eqn.outvars[0]
+        if self.from_root(kernel):
+            reason = ("the kernel (rhs) is computed from a convolution/dot output "
+                      "(an activation, e.g. attention), not from parameters")
+            if backward:
+                self._record(eqn, pattern, info, REFUSED, absorbed=absorbed, reason=reason)
+            if fwd is not None:
+                self._refuse(fwd.record, reason)
+            return False
+        rec = None
+        if backward:
+            op_names = sorted({n for s in affine if s.operand is not None
+                               for n in self.names(s.operand.source) if n})
+            rec = self._record(eqn, pattern, info, FOLDED, absorbed=absorbed, params=op_names,
+                               kernel=", ".join(kernel_names) or None)
+            rec.note = f"chain stopped: {stop}" if stop else None
+        if fwd is not None:
+            fwd.record.kernel = ", ".join(kernel_names) or None
+        end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
         site = _Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
-                     has_shift=any(s.kind in ("add", "sub", "rsub") for s in affine))
+                     has_shift=any(s.kind in ("add", "sub", "rsub") for s in affine), fwd=fwd)
 
-        # s and t at transform time, when every operand is known.
+        # Everything that is known at transform time is computed now, in float64.
+        k_val = self.value(kernel)
+        k64 = None if k_val is None else np.asarray(k_val).astype(np.float64)
+        b64 = None
+        if fwd is not None:
+            vals = [None if s.operand is None else self._operand_value(s.operand)
+                    for s in fwd.steps]
+            if all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None):
+                s_in, t_in = _collapse(fwd.steps, vals, info.in_channels)
+                bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_in, (info.in_channels,))))
+                if bad.size:
+                    self._refuse(fwd.record, f"input scale s is not finite at {bad.size} "
+                                             f"channel(s) (first: {bad[:5].tolist()})")
+                    if not backward:
+                        return False
+                    site.fwd = fwd = None
+                else:
+                    fwd.s_known, fwd.t_known = s_in, t_in
+                    if k64 is not None:
+                        s2 = _group_matrix_np(s_in, info.out_channels, fwd.groups)
+                        t2 = _group_matrix_np(t_in, info.out_channels, fwd.groups)
+                        b64 = np.sum(k64 * _place_np(t2, info.kernel_axis, fwd.k_in_axis,
+                                                     k64.ndim),
+                                     axis=tuple(a for a in range(k64.ndim)
+                                                if a != info.kernel_axis))
+                        k64 = k64 * _place_np(s2, info.kernel_axis, fwd.k_in_axis, k64.ndim)
+            else:
+                k64 = None     # the input scale is computed in the graph
+        site.has_shift |= fwd is not None and fwd.has_shift
         op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
         if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
             s_vec, t_vec = _collapse(affine, op_vals, info.out_channels)
             bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_vec, (info.out_channels,))))
             if bad.size:
+                if fwd is not None:
+                    self._refuse(fwd.record, "the scale after the root is not finite")
                 return self._refuse(rec, f"scale s is not finite at {bad.size} channel(s) "
                                          f"(first: {bad[:5].tolist()}); folding would turn "
                                          "0·inf into NaN")
             site.s_known, site.t_known = s_vec, t_vec
-            k_val = self.value(kernel)
-            if k_val is not None:
+            if k64 is not None and (fwd is None or fwd.s_known is not None):
                 kd = np.dtype(kernel.aval.dtype)
-                k64 = np.asarray(k_val).astype(np.float64)
                 kp = k64 * _along(s_vec, info.kernel_axis, k64.ndim)
                 with np.errstate(over="ignore", invalid="ignore"):
                     kp_cast = kp.astype(kd)
-                overflow = np.isfinite(k64) & ~np.isfinite(kp_cast)
+                overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
                 if overflow.any():
+                    if fwd is not None:
+                        self._refuse(fwd.record, "the rescaled kernel overflows")
                     return self._refuse(rec, f"the rescaled kernel overflows {kd} at "
                                              f"{int(overflow.sum())} element(s)")
                 site.kernel_const = kp_cast
-        rec.rescale = "constant" if site.kernel_const is not None else "in-graph"
+                if b64 is not None:
+                    site.t_known = s_vec * b64 + t_vec
+        rescale = "constant" if site.kernel_const is not None else "in-graph"
+        for r in (rec, fwd.record if fwd is not None else None):
+            if r is not None:
+                r.rescale = rescale
 
-        self.skip.add(i)
+        if steps:
+            self.skip.add(i)
         for s in steps[:-1]:
             self.skip.add(self.producer[s.eqn.outvars[0]][0])
         self.site_at_end[site.end_idx] = site
         return True
 
-    def _refuse(self, rec: FoldSite, reason: str) -> bool:
-        rec.status, rec.reason, rec.rescale = REFUSED, reason, None
+    def _plan_forward(self, eqn, pattern, info: RootInfo) -> _Forward | None:
+        """Follow the root's lhs back through per-input-channel affine ops (single consumer
+        each). Returns the forward fold, or None (no chain, or refused: then recorded)."""
+        axis = pattern.lhs_channel_axis(eqn)
+        if axis is None:
+            return None
+        producer = lambda u: self.producer.get(u, (0, None))[1]
+        v, steps, reason = eqn.invars[0], [], None
+        while isinstance(v, C.Var) and v in self.producer:
+            e = self.producer[v][1]
+            if e.primitive.name not in AFFINE_STEPS:
+                break
+            n = len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
+            if n != 1:
+                reason = f"the root's input (or a value before it) has {n} consumers"
+                break
+            cands = []
+            for pos in range(len(e.invars)):
+                if not isinstance(e.invars[pos], C.Var):
+                    continue
+                r = affine_step(e, pos, axis, producer)
+                if isinstance(r, AffineStep) and (r.operand is None
+                                                  or not self.from_root(r.operand.source)):
+                    cands.append((pos, r))
+            if len(cands) != 1:
+                if len(cands) > 1:
+                    reason = "both operands of the op before the root look per-channel"
+                break
+            steps.append(cands[0][1])
+            v = e.invars[cands[0][0]]
+        if not steps:
+            return None
+        steps.reverse()
+        fpat = FORWARD[eqn.primitive.name]
+        names = sorted({n for s in steps if s.operand is not None
+                        for n in self.names(s.operand.source) if n})
+        ic = pattern.input_channel(eqn)
+        absorbed = [s.eqn.primitive.name for s in steps]
+        if isinstance(ic, Refusal):
+            self._record(eqn, fpat, info, REFUSED, absorbed=absorbed, params=names,
+                         reason=ic.reason)
+            return None
+        rec = self._record(eqn, fpat, info, FOLDED, absorbed=absorbed, params=names)
+        rec.note = f"chain stopped: {reason}" if reason else None
+        return _Forward(steps, v, ic[1], info.groups, rec)
+
+    def _refuse(self, rec: FoldSite | None, reason: str) -> bool:
+        if rec is not None:
+            rec.status, rec.reason, rec.rescale = REFUSED, reason, None
         return False
 
     def _operand_value(self, op: ChannelOperand):
@@ -479,8 +592,10 @@ class _Scope:
         atoms = list(dict.fromkeys(
             v for site in sites for v in
             [v for v in site.eqn.invars if isinstance(v, C.Var)] +
-            [st.operand.source for st in site.steps if isinstance(st, AffineStep)
-             and st.operand is not None and isinstance(st.operand.source, C.Var)]))
+            [st.operand.source for st in site.steps + (site.fwd.steps if site.fwd else [])
+             if isinstance(st, AffineStep) and st.operand is not None
+             and isinstance(st.operand.source, C.Var)] +
+            ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else [])))
         index = {a: k for k, a in enumerate(atoms)}
 
         def fn(*vals):
@@ -510,10 +625,11 @@ class _Scope:
         return {site.end_idx: list(reversed(eqs)) for site, eqs in zip(sites, by_site)}
 
     def _emit_site(self, site: _Site, read):
-        eqn, info = site.eqn, site.info
+        eqn, info, fwd = site.eqn, site.info, site.fwd
         kernel = eqn.invars[info.kernel_index]
         affine = [s for s in site.steps if isinstance(s, AffineStep)]
         end_dtype = np.dtype(site.end_var.aval.dtype)
+        t = site.t_known
         with C.source_of(eqn):
             if site.kernel_const is not None:
                 kp = site.kernel_const
@@ -522,25 +638,44 @@ class _Scope:
                 kd = np.dtype(kernel.aval.dtype)
                 cdt = np.float64 if max(kd.itemsize, end_dtype.itemsize) > 4 and \
                     jax.config.jax_enable_x64 else np.float32
+                xp = _jnp(cdt)
+                kc = _cast(k, cdt)
+                b = None
+                if fwd is not None:
+                    if fwd.s_known is not None:
+                        s_in, t_in = fwd.s_known, fwd.t_known
+                    else:
+                        vals = [None if st.operand is None else
+                                self._operand_traced(st.operand, read, cdt)
+                                for st in fwd.steps]
+                        s_in, t_in = _collapse(fwd.steps, vals, info.in_channels, xp=xp)
+                    nd, ko, ki = len(kernel.aval.shape), info.kernel_axis, fwd.k_in_axis
+                    if fwd.has_shift:
+                        t2 = _group_matrix_traced(xp.asarray(t_in), info.out_channels,
+                                                  fwd.groups)
+                        b = _reduce_but(xp.mul(kc, _place_traced(t2, ko, ki, nd)), ko)
+                    s2 = _group_matrix_traced(xp.asarray(s_in), info.out_channels, fwd.groups)
+                    kc = xp.mul(kc, _place_traced(s2, ko, ki, nd))
                 if site.s_known is not None:
                     s, t = site.s_known, site.t_known
                 else:
                     vals = [None if st.operand is None else
                             self._operand_traced(st.operand, read, cdt) for st in affine]
-                    s, t = _collapse(affine, vals, info.out_channels, xp=_jnp(cdt))
-                    site.t_traced = t
-                s = s.astype(cdt) if isinstance(s, np.ndarray) else s
-                kp = _jnp(cdt).mul(_cast(k, cdt),
-                                   _along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
+                    s, t = _collapse(affine, vals, info.out_channels, xp=xp)
+                s = xp.asarray(s)
+                if b is not None:
+                    t = xp.add(xp.mul(s, b), xp.asarray(t))
+                kp = xp.mul(kc, _along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
                 kp = _cast(kp, kd)
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
+            if fwd is not None:
+                invals[0] = read(fwd.source)
             y = C.bind_eqn(eqn, invals)[0]
             for st in site.steps:
                 if isinstance(st, PassStep):
                     y = C.bind_eqn(st.eqn, [y])[0]
             if site.has_shift:
-                t = site.t_known if site.t_known is not None else site.t_traced
                 shape = [1] * len(site.end_var.aval.shape)
                 if isinstance(t, np.ndarray):
                     tb = np.asarray(t, np.float64).astype(end_dtype)
@@ -667,6 +802,57 @@ def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     used = [v in live for v in jaxpr.constvars]
     new = jaxpr.replace(constvars=[v for v, u in zip(jaxpr.constvars, used) if u], eqns=kept)
     return C.ClosedJaxpr(new, [c for c, u in zip(closed.consts, used) if u])
+
+
+def _group_matrix_np(vec, out_channels: int, groups: int):
+    """Per-input-channel ``vec`` (length C_in, or a scalar) as the (O, C_in/G) matrix of the
+    kernel entries it multiplies: output channel o reads the inputs of group o // (O/G)."""
+    vec = np.asarray(vec, np.float64)
+    if vec.ndim == 0:
+        return vec
+    return np.repeat(vec.reshape(groups, -1), out_channels // groups, axis=0)
+
+
+def _group_matrix_traced(vec, out_channels: int, groups: int):
+    if isinstance(vec, np.ndarray):
+        return _group_matrix_np(vec, out_channels, groups)
+    if vec.ndim == 0:
+        return vec
+    ipg = vec.shape[0] // groups
+    m = lax.broadcast_in_dim(lax.reshape(vec, (groups, ipg)),
+                             (groups, out_channels // groups, ipg), (0, 2))
+    return lax.reshape(m, (out_channels, ipg))
+
+
+def _place_np(m, o_axis: int, i_axis: int, ndim: int):
+    """The (O, I) matrix ``m`` shaped to multiply a kernel with those axes."""
+    if np.ndim(m) == 0:
+        return m
+    if o_axis > i_axis:
+        m = m.T
+    shape = [1] * ndim
+    shape[o_axis], shape[i_axis] = (m.shape[0], m.shape[1]) if o_axis < i_axis else \
+        (m.shape[1], m.shape[0])
+    return m.reshape(shape)
+
+
+def _place_traced(m, o_axis: int, i_axis: int, ndim: int):
+    if isinstance(m, np.ndarray) or np.ndim(m) == 0:
+        return _place_np(m, o_axis, i_axis, ndim) if isinstance(m, np.ndarray) else m
+    if o_axis > i_axis:
+        m = lax.transpose(m, (1, 0))
+    shape = [1] * ndim
+    lo, hi = sorted((o_axis, i_axis))
+    shape[lo], shape[hi] = m.shape[0], m.shape[1]
+    return lax.reshape(m, tuple(shape))
+
+
+def _reduce_but(x, axis: int):
+    """Sum ``x`` over every axis but ``axis``."""
+    axes = tuple(a for a in range(x.ndim) if a != axis)
+    if isinstance(x, np.ndarray):
+        return np.sum(x, axis=axes)
+    return lax.reduce_sum(x, axes)
 
 
 def _cast(x, dtype):

@@ -103,6 +103,9 @@ class ConvAffinePattern:
             return "the batch axis"
         return "a spatial axis"
 
+    def lhs_channel_axis(self, eqn: C.JaxprEqn) -> int | None:
+        return eqn.params["dimension_numbers"].lhs_spec[1]
+
     def input_channel(self, eqn: C.JaxprEqn) -> tuple[int, int] | Refusal:
         """(lhs feature axis, kernel input-feature axis) for folding an affine *before* the
         conv; refused where the padded or dilated zeros would not see the shift."""
@@ -158,6 +161,10 @@ class DotAffinePattern:
             return "a free dimension of the lhs (the activations)"
         return "a free dimension of the rhs"
 
+    def lhs_channel_axis(self, eqn: C.JaxprEqn) -> int | None:
+        lc = _dot_dims(eqn)[0]
+        return lc[0] if len(lc) == 1 else None
+
     def input_channel(self, eqn: C.JaxprEqn) -> tuple[int, int] | Refusal:
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         if lb:
@@ -168,6 +175,19 @@ class DotAffinePattern:
 
 
 DOT_AFFINE = DotAffinePattern()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardAffinePattern:
+    """Pattern: root(x·s + t, K)  ->  root(x, K ⊙_in s) + root(t, K), s/t per input feature."""
+
+    name: str
+    root: str
+
+
+FORWARD: dict[str, ForwardAffinePattern] = {
+    "conv_general_dilated": ForwardAffinePattern("affine_conv", "conv_general_dilated"),
+    "dot_general": ForwardAffinePattern("affine_dot", "dot_general")}
 
 PATTERNS: dict[str, ConvAffinePattern | DotAffinePattern] = {
     CONV_AFFINE.root: CONV_AFFINE, DOT_AFFINE.root: DOT_AFFINE}

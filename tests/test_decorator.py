@@ -21,7 +21,9 @@ def test_plain_and_jitted_inputs():
         ff = hlofold.fold(f)
         assert_close(REF, ff(P, X))
         rep = ff.report(P, X)
-        assert rep.num_folded == NBN
+        # every BN, plus the mean-pool's 1/(H·W) folded forward into the head's Dense
+        assert rep.num_folded == NBN + 1
+        assert [s.pattern for s in rep.folded].count("conv_affine") == NBN
         assert {s.rescale for s in rep.folded} == {"in-graph"}
         assert any("['stem']['bn']['mean']" in n for n in rep.folded[0].params)
         assert_no_scaling_after_convs(ff.jaxpr(P, X))
@@ -63,7 +65,7 @@ def test_freeze_by_number_and_name():
         ff = hlofold.fold(examples.resnet_apply, freeze=freeze)
         assert_close(REF, ff(P, X))
         rep = ff.report(P, X)
-        assert rep.num_folded == NBN and {s.rescale for s in rep.folded} == {"constant"}
+        assert rep.num_folded == NBN + 1 and {s.rescale for s in rep.folded} == {"constant"}
         assert any("['stem']['bn']['var']" in n for n in rep.folded[0].params)
         prims = primitives(ff.jaxpr(P, X))
         assert "rsqrt" not in prims and "mul" not in prims

@@ -145,8 +145,10 @@ def test_resnet_with_dense_bn_head():
     x = jnp.asarray(RNG.standard_normal((2, 32, 32, 3)), jnp.float32)
     ff = hlofold.fold(f)
     rep = ff.report(p, head_bn, x)
-    assert rep.num_folded == examples.count_bn(p) + 1
-    assert [s.primitive for s in rep.folded].count("dot_general") == 1
+    # every conv BN, the head BN, and the mean-pool's 1/(H·W) folded forward into the head
+    assert rep.num_folded == examples.count_bn(p) + 2
+    assert [s.pattern for s in rep.folded].count("dot_affine") == 1
+    assert [s.pattern for s in rep.folded].count("affine_dot") == 1
     assert_close(f(p, head_bn, x), ff(p, head_bn, x))
     fz = hlofold.fold(f, freeze=(0, 1))
     assert_close(f(p, head_bn, x), fz(p, head_bn, x))
