@@ -32,7 +32,7 @@ from ._report import FOLDED, FoldReport
 
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
-         cache_prepared: bool = True):
+         cache_prepared: bool = True, float32_kernels: bool = False):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
     Args:
@@ -43,14 +43,18 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
       static_argnums, static_argnames: as for ``jax.jit`` (for a plain ``fun``).
       cache_prepared: cache the prepared (folded) parameters between calls. With ``False``
         every call rescales the kernels (useful only for benchmarking).
+      float32_kernels: for bf16/fp16 convolutions, keep the folded kernel in float32 and run
+        the convolution in float32 (accuracy over speed). See :meth:`Folded.measure_precision`.
 
     Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
     """
     if fun is None:
         return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
-                                 static_argnames=static_argnames, cache_prepared=cache_prepared)
+                                 static_argnames=static_argnames, cache_prepared=cache_prepared,
+                                 float32_kernels=float32_kernels)
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
-                  static_argnames=static_argnames, cache_prepared=cache_prepared)
+                  static_argnames=static_argnames, cache_prepared=cache_prepared,
+                  float32_kernels=float32_kernels)
 
 
 _UNFOLDED = object()
@@ -148,7 +152,9 @@ class _Program:
 class Folded:
     """A folded inference function (see :func:`fold`)."""
 
-    def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared):
+    def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
+                 float32_kernels=False):
+        self._float32_kernels = float32_kernels
         ji = C.jit_info(fun)
         self._fun = fun
         self._py = ji[0] if ji else fun
@@ -258,7 +264,8 @@ class Folded:
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
         by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
         const_names = [by_id.get(id(c)) for c in closed.consts]
-        folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names)
+        folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names,
+                                    float32_kernels=self._float32_kernels)
         full = jax.jit(C.jaxpr_as_fun(folded))
 
         # Inputs feeding a kernel rescale in the graph are "prepared" once per value.
@@ -297,6 +304,9 @@ class Folded:
 
     def __call__(self, *args, **kwargs):
         prog, leaves = self._program_for(args, kwargs)
+        return jax.tree_util.tree_unflatten(prog.out_tree, self._call_leaves(prog, leaves))
+
+    def _call_leaves(self, prog: _Program, leaves: list) -> list:
         if any(C.is_tracer(x) for x in leaves):
             outs = C.jaxpr_as_fun(prog.folded)(*leaves)
         elif prog.prepare is None:
@@ -326,11 +336,21 @@ class Folded:
                 outs = prog.unfolded(*leaves)
             else:
                 outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
-        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+        return list(outs)
 
     def report(self, *args, **kwargs) -> FoldReport:
         """The fold report for this input signature."""
         return self._program_for(args, kwargs)[0].report
+
+    def measure_precision(self, *args, **kwargs) -> dict:
+        """Error of the unfolded and the folded program against a float32 reference of the
+        same network (every bf16/fp16 value carried in float32), on these inputs. The figures
+        are also stored in ``report(*args).precision``."""
+        from ._precision import measure
+        prog, leaves = self._program_for(args, kwargs)
+        result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l)), leaves)
+        prog.report.precision = result
+        return result
 
     def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
         """The folded jaxpr (inputs: the flattened non-static, non-frozen arguments)."""

@@ -39,7 +39,8 @@ _CALL_NAMES = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_c
 
 
 def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = None,
-               const_names: Sequence[str] | None = None) -> tuple[C.ClosedJaxpr, FoldReport]:
+               const_names: Sequence[str] | None = None,
+               float32_kernels: bool = False) -> tuple[C.ClosedJaxpr, FoldReport]:
     """Fold every conv → per-channel-affine chain of ``closed``.
 
     Args:
@@ -47,6 +48,9 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
       invar_names: optional names of the inputs (e.g. pytree paths); the report uses them to
         say which inputs each folded site absorbed.
       const_names: the same for ``closed.consts``.
+      float32_kernels: keep folded kernels of bf16/fp16 convolutions in float32 and run those
+        convolutions in float32 (more accurate, slower); by default ``K ⊙ s`` is computed in
+        float32 (float64 for constants) and rounded once to the kernel dtype.
 
     Returns ``(folded, report)``. ``folded`` has the same inputs and outputs as ``closed``;
     when nothing folds it *is* ``closed``.
@@ -65,8 +69,14 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     scope = _Scope(closed,
                    known_in=[_NONE] * n_in,
                    names_in=[_const(frozenset({n})) for n in names],
-                   const_names=cnames, path="top", sites=sites)
+                   const_names=cnames, path="top", sites=sites,
+                   opts=_Options(float32_kernels=float32_kernels))
     return scope.fold(), FoldReport(sites)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    float32_kernels: bool = False
 
 
 def _NONE():
@@ -119,7 +129,8 @@ class _Scope:
     """Planning and emission for one (closed) jaxpr."""
 
     def __init__(self, closed: C.ClosedJaxpr, known_in: list[Callable], names_in: list[Callable],
-                 const_names: list, path: str, sites: list[FoldSite]):
+                 const_names: list, path: str, sites: list[FoldSite], opts: "_Options"):
+        self.opts = opts
         self.closed = closed
         self.jaxpr = closed.jaxpr
         self.path = path
@@ -373,7 +384,7 @@ class _Scope:
                                          "0·inf into NaN")
             site.s_known, site.t_known = s_vec, t_vec
             if k64 is not None and (fwd is None or fwd.s_known is not None):
-                kd = np.dtype(kernel.aval.dtype)
+                kd = self._kernel_dtype(kernel)
                 kp = k64 * _along(s_vec, info.kernel_axis, k64.ndim)
                 with np.errstate(over="ignore", invalid="ignore"):
                     kp_cast = kp.astype(kd)
@@ -397,6 +408,13 @@ class _Scope:
             self.skip.add(self.producer[s.eqn.outvars[0]][0])
         self.site_at_end[site.end_idx] = site
         return True
+
+    def _kernel_dtype(self, kernel) -> np.dtype:
+        """The dtype the folded kernel is rounded to."""
+        kd = np.dtype(kernel.aval.dtype)
+        if self.opts.float32_kernels and kd.itemsize < 4:
+            return np.dtype(np.float32)
+        return kd
 
     def _plan_forward(self, eqn, pattern, info: RootInfo) -> _Forward | None:
         """Follow the root's lhs back through per-input-channel affine ops (single consumer
@@ -467,7 +485,7 @@ class _Scope:
             known_in.append((lambda a=atom: self.value(a)) if k else _NONE)
             names_in.append(lambda a=atom: self.names(a))
         child = _Scope(sub, known_in, names_in, [None] * len(sub.consts),
-                       f"{self.path}/{label}", self.sites)
+                       f"{self.path}/{label}", self.sites, self.opts)
         return child.fold()
 
     def _plan_nested(self, i, eqn) -> bool:
@@ -666,12 +684,20 @@ class _Scope:
                 if b is not None:
                     t = xp.add(xp.mul(s, b), xp.asarray(t))
                 kp = xp.mul(kc, _along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
-                kp = _cast(kp, kd)
+                kp = _cast(kp, self._kernel_dtype(kernel))
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
             if fwd is not None:
                 invals[0] = read(fwd.source)
-            y = C.bind_eqn(eqn, invals)[0]
+            out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
+            if np.dtype(kp.dtype) != np.dtype(kernel.aval.dtype):   # float32_kernels
+                invals[0] = _cast(invals[0], kp.dtype)
+                params = dict(eqn.params)
+                if params.get("preferred_element_type") is not None:
+                    params["preferred_element_type"] = np.dtype(np.float32)
+                y = _cast(C.bind_eqn(eqn, invals, params)[0], out_dtype)
+            else:
+                y = C.bind_eqn(eqn, invals)[0]
             for st in site.steps:
                 if isinstance(st, PassStep):
                     y = C.bind_eqn(st.eqn, [y])[0]

@@ -56,6 +56,7 @@ class FoldReport:
     """
 
     sites: list[FoldSite] = dataclasses.field(default_factory=list)
+    precision: dict | None = None     # set by Folded.measure_precision (low-precision nets)
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -81,7 +82,8 @@ class FoldReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"num_folded": self.num_folded, "num_refused": self.num_refused,
-                "counts": self.counts(), "sites": [s.to_dict() for s in self.sites]}
+                "counts": self.counts(), "precision": self.precision,
+                "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -91,6 +93,12 @@ class FoldReport:
         head = (f"hlofold: {c.get(FOLDED, 0)} folded, {c.get(REFUSED, 0)} refused, "
                 f"{c.get(CANONICAL, 0)} already conv+bias, {c.get(NO_PATTERN, 0)} without a pattern "
                 f"({len(self.sites)} sites)")
+        p = self.precision
+        if p and p.get("reference"):
+            head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "
+                     f"{p['max_abs_err_unfolded']:.3g} ({p['rel_err_unfolded']:.2e} rel), "
+                     f"folded {p['max_abs_err_folded']:.3g} ({p['rel_err_folded']:.2e} rel), "
+                     f"ratio {p['ratio']:.2f}")
         if not self.sites:
             return head
         rows = [("#", "status", "op", "layout", "ch", "absorbed", "rescale", "location", "note")]
