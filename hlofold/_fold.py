@@ -428,10 +428,6 @@ class _Scope:
             e = self.producer[v][1]
             if e.primitive.name not in AFFINE_STEPS:
                 break
-            n = len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
-            if n != 1:
-                reason = f"the root's input (or a value before it) has {n} consumers"
-                break
             cands = []
             for pos in range(len(e.invars)):
                 if not isinstance(e.invars[pos], C.Var):
@@ -444,12 +440,18 @@ class _Scope:
                 if len(cands) > 1:
                     reason = "both operands of the op before the root look per-channel"
                 break
+            n = len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
+            if n != 1:
+                reason = f"the root's input (or a value before it) has {n} consumers"
+                break
             steps.append(cands[0][1])
             v = e.invars[cands[0][0]]
+        fpat = FORWARD[eqn.primitive.name]
         if not steps:
+            if reason is not None:     # an affine op was there, but could not be taken
+                self._record(eqn, fpat, info, REFUSED, reason=reason)
             return None
         steps.reverse()
-        fpat = FORWARD[eqn.primitive.name]
         names = sorted({n for s in steps if s.operand is not None
                         for n in self.names(s.operand.source) if n})
         ic = pattern.input_channel(eqn)

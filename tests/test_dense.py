@@ -117,6 +117,16 @@ def test_channel_from_lhs_refused():
     assert "axis 0" in rep.sites[0].reason and "lhs" in rep.sites[0].reason
 
 
+def test_channel_from_batch_dim_refused():
+    w = jnp.asarray(RNG.standard_normal((3, 5, 3)), jnp.float32)       # (b, k, f), f == b
+    x = jnp.asarray(RNG.standard_normal((3, 4, 5)), jnp.float32)       # (b, n, k)
+    g = RNG.standard_normal(3).astype(np.float32)
+    f = lambda x, w, g: jnp.einsum("bnk,bkf->bnf", x, w) * g[:, None, None]   # per batch
+    new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x, w, g))
+    assert rep.num_folded == 0
+    assert "batch dimension" in rep.sites[0].reason
+
+
 def test_activation_rhs_refused():
     q = jnp.asarray(RNG.standard_normal((4, 8)), jnp.float32)
     wk = jnp.asarray(RNG.standard_normal((8, 8)), jnp.float32)

@@ -144,7 +144,8 @@ def test_multi_consumer_input_refused():
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")), xn
     new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x, k, m))
     assert rep.num_folded == 0
-    assert not any(s.pattern == "affine_conv" for s in rep.sites)   # no chain was taken
+    site = next(s for s in rep.sites if s.pattern == "affine_conv")
+    assert site.status == "refused" and "2 consumers" in site.reason
 
 
 def test_per_pixel_input_affine_not_folded():
