@@ -6,10 +6,19 @@ Public API:
 * :func:`fold_jaxpr` — the jaxpr-to-jaxpr transformation behind it.
 * :class:`FoldReport`, :class:`FoldSite` — what was folded, where, and why not the rest.
 * :class:`Folded`, :class:`Split` — the decorated function and its prepare/apply split.
+* :func:`lower`, :func:`export` — folded StableHLO text / ``jax.export`` artifacts.
+* :func:`fold_stablehlo` — fold StableHLO modules other tools made (text, bytecode, exports).
+* :func:`verify` — compare original and folded programs on every backend present.
 """
 from ._api import Folded, Split, fold
+from ._artifacts import fold_stablehlo
+from ._export import export, lower
 from ._fold import fold_jaxpr
 from ._report import FoldReport, FoldSite
+from ._stablehlo import StableHLOError
+from ._verify import VerificationError, VerifyReport, verify
 
-__all__ = ["fold", "fold_jaxpr", "FoldReport", "FoldSite", "Folded", "Split"]
+__all__ = ["fold", "fold_jaxpr", "FoldReport", "FoldSite", "Folded", "Split", "lower",
+           "export", "fold_stablehlo", "verify", "VerifyReport", "VerificationError",
+           "StableHLOError"]
 __version__ = "0.1.0"

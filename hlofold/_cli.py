@@ -112,6 +112,118 @@ def demo(args) -> int:
     return 0 if ok else 1
 
 
+class _UsageError(Exception):
+    """Bad input: reported on stderr with exit code 2."""
+
+
+def _atomic_write(path: str, data) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder: readers never
+    see a partial file, and nothing is left behind on failure."""
+    import os
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _UsageError(f"output folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hlofold-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _load(path: str):
+    import os
+    from ._stablehlo import StableHLOError
+    if not os.path.isfile(path):
+        raise _UsageError(f"{path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise _UsageError(f"{path}: {e.strerror}") from None
+
+
+def _inputs(args_path, specs):
+    import numpy as np
+    if args_path:
+        try:
+            with np.load(args_path) as z:
+                arrays = [z[k] for k in z.files]
+        except Exception as e:
+            raise _UsageError(f"{args_path}: not a readable .npz file ({e})") from None
+        if len(arrays) != len(specs):
+            raise _UsageError(f"{args_path} holds {len(arrays)} arrays; the program takes "
+                              f"{len(specs)}")
+        for i, (a, sp) in enumerate(zip(arrays, specs)):
+            if tuple(a.shape) != tuple(sp.shape):
+                raise _UsageError(f"input {i}: shape {a.shape}, expected {tuple(sp.shape)}")
+        return [a.astype(sp.dtype) for a, sp in zip(arrays, specs)]
+    rng = np.random.default_rng(0)
+    out = []
+    for sp in specs:
+        if any(not isinstance(d, int) for d in sp.shape):
+            raise _UsageError("the program has symbolic shapes: give --inputs")
+        dt = np.dtype(sp.dtype)
+        if np.issubdtype(dt, np.integer) or dt == np.bool_:
+            out.append(rng.integers(0, 2, sp.shape).astype(dt))
+        else:
+            # positive values: an input may be a BatchNorm variance (rsqrt of a negative
+            # number would make every output NaN and the comparison vacuous)
+            out.append(rng.uniform(0.5, 1.5, sp.shape).astype(dt))
+    return out
+
+
+def _verify_artifacts(original, folded, inputs_path, backends):
+    from ._artifacts import input_specs
+    from ._verify import verify
+    specs = input_specs(original)
+    args = _inputs(inputs_path, specs)
+    return verify(original, folded, *args, backends=backends, raise_on_failure=False)
+
+
+def cmd_fold(args) -> int:
+    import json
+    import os
+    from ._artifacts import fold_stablehlo
+    if os.path.abspath(args.output) == os.path.abspath(args.input):
+        raise _UsageError("the output must not overwrite the input")
+    data = _load(args.input)
+    folded, report = fold_stablehlo(data)
+    print(report)
+    if args.verify:
+        vrep = _verify_artifacts(data, folded, args.inputs, args.backends)
+        print(vrep)
+        if not vrep.passed:
+            print(f"hlofold: verification failed; {args.output} not written", file=sys.stderr)
+            return 1
+    if args.report:
+        _atomic_write(args.report, json.dumps(report.to_dict(), indent=2))
+    _atomic_write(args.output, folded)
+    print(f"wrote {args.output} ({report.num_folded} folded)", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    import json
+    orig, folded = _load(args.original), _load(args.folded)
+    vrep = _verify_artifacts(orig, folded, args.inputs, args.backends)
+    print(vrep)
+    if args.json:
+        _atomic_write(args.json, json.dumps(vrep.to_dict(), indent=2))
+    return 0 if vrep.passed else 1
+
+
+def cmd_report(args) -> int:
+    from ._artifacts import report_stablehlo
+    rep = report_stablehlo(_load(args.input))
+    print(rep.to_json(indent=2) if args.json else rep)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="hlofold", description="Fold inference BatchNorm into convolutions in JAX programs.")
@@ -123,6 +235,28 @@ def main(argv=None) -> int:
     p_demo.add_argument("--size", type=int, default=64, help="image height and width")
     p_demo.add_argument("--rounds", type=int, default=20,
                         help="timing rounds (0 skips the latency comparison)")
+    backends = dict(type=lambda s: [b for b in s.split(",") if b], default=None,
+                    help="comma-separated platforms to verify on (default: all present)")
+    p_fold = sub.add_parser("fold", help="fold a StableHLO artifact (.mlir text, MLIR "
+                                         "bytecode, or a serialized jax.export file)")
+    p_fold.add_argument("input")
+    p_fold.add_argument("-o", "--output", required=True)
+    p_fold.add_argument("--report", help="write the fold report as JSON here")
+    p_fold.add_argument("--verify", action="store_true",
+                        help="run original and folded; refuse to write a folded artifact "
+                             "that differs beyond tolerance")
+    p_fold.add_argument("--inputs", help=".npz of inputs for --verify (default: random)")
+    p_fold.add_argument("--backends", **backends)
+    p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
+    p_ver.add_argument("original")
+    p_ver.add_argument("folded")
+    p_ver.add_argument("--inputs", help=".npz of inputs (default: random, fixed seed)")
+    p_ver.add_argument("--backends", **backends)
+    p_ver.add_argument("--json", help="write the verification report as JSON here")
+    p_rep = sub.add_parser("report", help="what would fold in an artifact, and why not the "
+                                          "rest (writes nothing)")
+    p_rep.add_argument("input")
+    p_rep.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -132,7 +266,12 @@ def main(argv=None) -> int:
             if getattr(args, name) < 1:
                 parser.error(f"--{name} must be at least 1")
         return demo(args)
-    return 2  # pragma: no cover
+    from ._stablehlo import StableHLOError
+    try:
+        return {"fold": cmd_fold, "verify": cmd_verify, "report": cmd_report}[args.command](args)
+    except (_UsageError, StableHLOError) as e:
+        print(f"hlofold {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

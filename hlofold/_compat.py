@@ -145,3 +145,27 @@ def shape_struct(aval) -> jax.ShapeDtypeStruct:
 
 # Higher-order primitives by name (names are stable; the objects move between modules).
 JIT_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+# ---------------------------------------------------------------------- StableHLO / MLIR
+
+bfloat16 = jax.numpy.bfloat16
+
+
+def mlir():
+    """jaxlib's bundled MLIR Python bindings: ``(ir, stablehlo, func)``."""
+    from jax.extend.mlir import ir
+    from jax.extend.mlir.dialects import func, stablehlo
+    return ir, stablehlo, func
+
+
+def mlir_context():
+    """A fresh MLIR context with the dialects JAX registers (stablehlo, chlo, func, ...)."""
+    from jax._src.interpreters import mlir as _jmlir
+    return _jmlir.make_ir_context()
+
+
+def module_to_portable_artifact(module) -> bytes:
+    """Serialize a module as JAX serializes exported modules (a StableHLO portable artifact)."""
+    from jax._src.export import _export
+    return _export._module_to_bytecode(module)

@@ -104,7 +104,8 @@ class FoldReport:
         rows = [("#", "status", "op", "layout", "ch", "absorbed", "rescale", "location", "note")]
         for i, s in enumerate(self.sites):
             ch = "" if s.out_channels is None else (
-                f"{s.in_channels}->{s.out_channels}" + (f" g{s.groups}" if s.groups != 1 else ""))
+                (f"{s.in_channels}->" if s.in_channels is not None else "") +
+                f"{s.out_channels}" + (f" g{s.groups}" if s.groups != 1 else ""))
             loc = s.location
             if s.file is not None:
                 loc = f"{s.file.rsplit('/', 1)[-1]}:{s.line}"

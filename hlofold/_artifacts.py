@@ -1,0 +1,172 @@
+"""StableHLO artifacts: MLIR text, MLIR bytecode, serialized ``jax.export`` files.
+
+``fold_stablehlo`` takes any of them (or an in-memory ``jax.export.Exported``), runs the
+StableHLO pass, and gives back the same kind of artifact. ``module_callable`` turns a
+StableHLO module into a function JAX can run on any backend, for verification.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _compat as C
+from ._report import FoldReport
+from ._stablehlo import StableHLOError, fold_module_text
+
+ir = C.mlir()[0]
+
+TEXT, BYTECODE, EXPORT = "mlir-text", "mlir-bytecode", "jax-export"
+_MLIR_MAGIC = b"ML\xefR"
+
+
+@dataclasses.dataclass
+class Artifact:
+    kind: str
+    module: Any                   # str (text) or bytes (bytecode) of the StableHLO module
+    exported: Any = None          # the jax.export.Exported, for EXPORT
+
+
+def read_artifact(data) -> Artifact:
+    """Recognize ``data`` (bytes, str, Exported, or a path) and return its module."""
+    if isinstance(data, os.PathLike):
+        data = _read_file(os.fspath(data))
+    if isinstance(data, jax.export.Exported):
+        return Artifact(EXPORT, data.mlir_module(), data)
+    if isinstance(data, str):
+        if "func.func" in data or "module" in data:
+            return Artifact(TEXT, data)
+        if os.path.exists(data):
+            return read_artifact(_read_file(data))
+        raise StableHLOError("text that is not an MLIR module (no module or func.func)")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected StableHLO text, bytes, a path or a jax.export.Exported, "
+                        f"got {type(data).__name__}")
+    data = bytes(data)
+    if not data.strip():
+        raise StableHLOError("empty input")
+    if data.startswith(_MLIR_MAGIC):
+        return Artifact(BYTECODE, data)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and ("func.func" in text or "module" in text):
+        return Artifact(TEXT, text)
+    try:
+        exp = jax.export.deserialize(bytearray(data))
+        return Artifact(EXPORT, exp.mlir_module(), exp)
+    except Exception:
+        pass
+    raise StableHLOError("unknown artifact: not MLIR text, MLIR bytecode or a serialized "
+                         "jax.export file")
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise StableHLOError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _module_bytes(module, as_bytecode: bool):
+    if not as_bytecode:
+        return str(module)
+    import io
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
+
+
+def fold_stablehlo(data) -> tuple[Any, FoldReport]:
+    """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
+
+    Text in, text out; MLIR bytecode in, bytecode out; a serialized ``jax.export`` file in,
+    a serialized file out (an ``Exported`` in, an ``Exported`` out) that
+    ``jax.export.deserialize(...).call(...)`` runs. The input is never modified.
+    """
+    art = read_artifact(data)
+    module, report = fold_module_text(art.module)
+    with module.context:
+        if art.kind == TEXT:
+            return _module_bytes(module, False), report
+        if art.kind == BYTECODE:
+            return _module_bytes(module, True), report
+        new = dataclasses.replace(art.exported,
+                                  mlir_module_serialized=C.module_to_portable_artifact(module))
+    if isinstance(data, jax.export.Exported):
+        return new, report
+    return bytes(new.serialize()), report
+
+
+def report_stablehlo(data) -> FoldReport:
+    """What ``fold_stablehlo`` would fold, and why not the rest (nothing is written)."""
+    return fold_stablehlo(data)[1]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _main_signature(text_or_bytes):
+    """(input avals, output avals) of the module's public @main."""
+    ctx = C.mlir_context()
+    with ctx:
+        module = ir.Module.parse(text_or_bytes)
+        main = None
+        for op in module.body.operations:
+            if op.operation.name == "func.func" and \
+                    ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                main = op
+        if main is None:
+            raise StableHLOError("the module has no @main function")
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+
+        def aval(t):
+            rt = ir.RankedTensorType(t)
+            dt = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": C.bfloat16,
+                  "i32": np.int32, "i64": np.int64, "i8": np.int8, "i1": np.bool_,
+                  "ui8": np.uint8, "i16": np.int16}.get(str(rt.element_type))
+            if dt is None:
+                raise StableHLOError(f"unsupported element type {rt.element_type}")
+            return jax.ShapeDtypeStruct(tuple(rt.shape), dt)
+        return [aval(t) for t in ftype.inputs], [aval(t) for t in ftype.results]
+
+
+def module_callable(data, platform: str = "cpu"):
+    """A function running the StableHLO module ``data`` (any artifact kind) through JAX.
+
+    For a ``jax.export`` artifact this is its own ``call``; for a bare module, an export of
+    the module's signature whose body is replaced by the module.
+    """
+    art = read_artifact(data)
+    if art.kind == EXPORT:
+        exp = art.exported
+
+        def call_flat(*leaves):   # the flat inputs of ``input_specs``
+            a, kw = jax.tree_util.tree_unflatten(exp.in_tree, leaves)
+            return exp.call(*a, **kw)
+        return call_flat
+    ins, outs = _main_signature(art.module)
+
+    def zeros(*_):
+        return tuple(jax.numpy.zeros(o.shape, o.dtype) for o in outs)
+    shell = jax.export.export(jax.jit(zeros), platforms=[platform])(*ins)
+    ctx = C.mlir_context()
+    with ctx:
+        module = ir.Module.parse(art.module)
+        payload = C.module_to_portable_artifact(module)
+    exp = dataclasses.replace(shell, fun_name="stablehlo_module", mlir_module_serialized=payload,
+                              module_kept_var_idx=tuple(range(len(ins))))
+    return exp.call
+
+
+def input_specs(data) -> list[jax.ShapeDtypeStruct]:
+    """The input shapes and dtypes of an artifact."""
+    art = read_artifact(data)
+    if art.kind == EXPORT:
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in art.exported.in_avals]
+    return _main_signature(art.module)[0]

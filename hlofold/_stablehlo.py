@@ -1,0 +1,695 @@
+"""Folding at the StableHLO level, for modules hlofold did not make.
+
+TF, PyTorch/XLA, hand-written modules and plain ``jax.export`` artifacts carry BatchNorm as
+``stablehlo.batch_norm_inference`` or as the decomposed arithmetic JAX and XLA emit
+(``convolution → subtract/multiply/add/divide`` with ``broadcast_in_dim`` of per-channel
+values, with ``convert`` casts). This pass walks every ``stablehlo.convolution`` (and
+``stablehlo.dot_general``), follows its result through such a chain — into private functions
+that continue it — collapses the chain into ``y·s + t`` and rewrites it to
+``convolution(x, K ⊙ s) + broadcast_in_dim(t)``:
+
+* operands that are constants (possibly computed from constants) give a new constant kernel
+  and no multiply at all;
+* operands that are function arguments give a multiply on the kernel, never on activations.
+
+The rules are the jaxpr folder's: every folded value has one consumer, operands vary along
+the output-feature dimension only (decided axis by axis, never by size; for
+``batch_norm_inference`` its ``feature_index`` must *be* that dimension), and ``s`` must be
+finite. Everything else is reported with a reason. Built on jaxlib's MLIR bindings; no text
+is parsed by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import _compat as C
+from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+
+ir, stablehlo, func_dialect = C.mlir()
+
+_BINARY = {"stablehlo.add": "add", "stablehlo.subtract": "sub", "stablehlo.multiply": "mul",
+           "stablehlo.divide": "div"}
+_ROOTS = ("stablehlo.convolution", "stablehlo.dot_general")
+
+
+class StableHLOError(ValueError):
+    """The input is not a StableHLO module hlofold can read."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(ir.RankedTensorType(value.type).shape)
+
+
+def _etype(value):
+    return ir.RankedTensorType(value.type).element_type
+
+
+def _np_dtype(etype) -> np.dtype | None:
+    s = str(etype)
+    return {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
+            "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}.get(s)
+
+
+def _is_float(value) -> bool:
+    return _np_dtype(_etype(value)) is not None
+
+
+def _owner_op(value):
+    """The defining op of ``value``, or None for block arguments."""
+    if isinstance(value, ir.BlockArgument):
+        return None
+    owner = value.owner
+    return owner if isinstance(owner, ir.Operation) else owner.operation
+
+
+def _name(op) -> str:
+    return op.name if isinstance(op, ir.Operation) else op.operation.name
+
+
+def _dims(attr) -> list[int]:
+    return list(ir.DenseI64ArrayAttr(attr))
+
+
+def _location(op) -> tuple[str | None, int | None]:
+    loc = op.location
+    try:
+        fl = ir.FileLineColLoc(loc) if not isinstance(loc, ir.FileLineColLoc) else loc
+        name = str(fl.filename)
+        return ("<input>" if name in ("-", "") else name), int(fl.line)
+    except Exception:   # a fused/name/unknown location: keep its text
+        text = str(loc)
+        return (None, None) if text == "loc(unknown)" else (text, None)
+
+
+def _dense_to_numpy(attr) -> np.ndarray | None:
+    """Values of a dense elements attribute (None where the bindings cannot read them)."""
+    a = ir.DenseElementsAttr(attr)
+    t = ir.RankedTensorType(a.type)
+    dt = _np_dtype(t.element_type)
+    if dt is None:
+        return None
+    shape = tuple(t.shape)
+    if a.is_splat:
+        v = a.get_splat_value()
+        try:
+            return np.full(shape, ir.FloatAttr(v).value, dtype=np.float64).astype(dt)
+        except Exception:
+            return None
+    if dt in (np.dtype(np.float32), np.dtype(np.float64)):
+        arr = np.array(a)
+        return arr.reshape(shape) if arr.dtype == dt else None
+    return None   # bf16/fp16 non-splat: read as unknown (the fold then stays in the graph)
+
+
+def _numpy_to_dense(arr: np.ndarray, etype):
+    arr = np.ascontiguousarray(arr)
+    if str(etype) == "bf16":
+        return ir.DenseElementsAttr.get(arr.astype(C.bfloat16).view(np.uint16),
+                                        type=ir.RankedTensorType.get(arr.shape, etype))
+    if str(etype) == "f16":
+        return ir.DenseElementsAttr.get(arr.astype(np.float16).view(np.uint16),
+                                        type=ir.RankedTensorType.get(arr.shape, etype))
+    return ir.DenseElementsAttr.get(arr.astype(_np_dtype(etype)),
+                                    type=ir.RankedTensorType.get(arr.shape, etype))
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+@dataclasses.dataclass
+class _Operand:
+    value: Any                 # smallest per-channel source
+    axis: int | None           # its channel axis (None: scalar-like)
+    casts: tuple               # element types converted to, in order
+    size: int
+
+
+@dataclasses.dataclass
+class _Step:
+    op: Any
+    kind: str                  # add/sub/rsub/mul/div/neg/bn/convert
+    operand: _Operand | None = None
+    bn: dict | None = None     # batch_norm_inference operands
+
+
+class _Evaluator:
+    """Values of constant sub-expressions (float64 on the host), memoized."""
+
+    _UNARY = {"stablehlo.negate": np.negative, "stablehlo.sqrt": np.sqrt,
+              "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a), "stablehlo.exponential": np.exp}
+    _BIN = {"stablehlo.add": np.add, "stablehlo.subtract": np.subtract,
+            "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
+            "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
+
+    def __init__(self):
+        self.memo: dict[Any, np.ndarray | None] = {}
+
+    def __call__(self, value) -> np.ndarray | None:
+        key = value
+        if key in self.memo:
+            return self.memo[key]
+        out = self._eval(value)
+        self.memo[key] = out
+        return out
+
+    def _eval(self, value):
+        op = _owner_op(value)
+        if op is None or not _is_float(value):
+            return None
+        name = _name(op)
+        dt = _np_dtype(_etype(value))
+        with np.errstate(all="ignore"):
+            if name == "stablehlo.constant":
+                return _dense_to_numpy(op.attributes["value"])
+            ins = [self(v) for v in op.operands]
+            if any(x is None for x in ins):
+                return None
+            if name in self._UNARY:
+                return self._UNARY[name](ins[0].astype(np.float64)).astype(dt)
+            if name in self._BIN:
+                return self._BIN[name](ins[0].astype(np.float64),
+                                       ins[1].astype(np.float64)).astype(dt)
+            if name == "stablehlo.convert":
+                return ins[0].astype(dt)
+            if name == "stablehlo.reshape":
+                return ins[0].reshape(_shape(value))
+            if name == "stablehlo.broadcast_in_dim":
+                dims = _dims(op.attributes["broadcast_dimensions"])
+                shape = _shape(value)
+                src = ins[0]
+                exp = [1] * len(shape)
+                for i, d in enumerate(dims):
+                    exp[d] = src.shape[i]
+                return np.broadcast_to(src.reshape(exp), shape).astype(dt)
+        return None
+
+
+def _unit_map(old, new):
+    onu = [i for i, d in enumerate(old) if d != 1]
+    nnu = [i for i, d in enumerate(new) if d != 1]
+    if [old[i] for i in onu] != [new[i] for i in nnu]:
+        return None
+    return dict(zip(onu, nnu))
+
+
+def _resolve(value, out_shape, axis) -> _Operand | str:
+    """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``."""
+    shape = _shape(value)
+    if len(shape) not in (0, len(out_shape)):
+        return f"operand of rank {len(shape)} against rank {len(out_shape)}"
+    amap = {i: i for i in range(len(shape))}
+    cur, casts, found, bad_axis = value, [], None, None
+    for _ in range(64):
+        cshape = _shape(cur)
+        bad = [i for i, d in enumerate(cshape) if d != 1 and amap.get(i) != axis]
+        op = _owner_op(cur)
+        if not bad:
+            src = next((i for i, d in enumerate(cshape) if d != 1 and amap.get(i) == axis), None)
+            found = _Operand(cur, src, tuple(casts), cshape[src] if src is not None else 1)
+            if op is None or _name(op) not in ("stablehlo.broadcast_in_dim",
+                                               "stablehlo.reshape"):
+                return found
+        elif amap.get(bad[0]) is not None:
+            bad_axis = amap.get(bad[0])
+        if op is None:
+            break
+        name = _name(op)
+        if name == "stablehlo.broadcast_in_dim":
+            dims = _dims(op.attributes["broadcast_dimensions"])
+            amap = {i: amap.get(d) for i, d in enumerate(dims)}
+            cur = op.operands[0]
+        elif name == "stablehlo.reshape":
+            src = op.operands[0]
+            m = _unit_map(_shape(src), cshape)
+            if m is None:
+                break
+            amap = {i: amap.get(m[i]) if i in m else None for i in range(len(_shape(src)))}
+            cur = src
+        elif name == "stablehlo.convert" and found is None and _is_float(op.operands[0]):
+            casts.insert(0, _etype(cur))
+            cur = op.operands[0]
+        else:
+            break
+    if found is not None:
+        return found
+    same = " (same size as the channels: matched by axis, not size)" if \
+        bad_axis is not None and out_shape[bad_axis] == out_shape[axis] else ""
+    where = f"dimension {bad_axis}" if bad_axis is not None else "a non-feature dimension"
+    return (f"operand varies along {where}, not only along the output-feature dimension "
+            f"{axis}{same}")
+
+
+def _root_info(op):
+    """(output feature dim, kernel operand index, kernel feature dim, layout text) or a reason."""
+    name = _name(op)
+    if name == "stablehlo.convolution":
+        dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension,
+                str(op.attributes["dimension_numbers"]))
+    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    lb, lc = list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions)
+    rb, rc = list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions)
+    lhs, rhs = _shape(op.operands[0]), _shape(op.operands[1])
+    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs)) if d not in rb + rc]
+    if len(rfree) != 1:
+        return f"the rhs has {len(rfree)} free dimensions"
+    return (len(lb) + len(lfree), 1, rfree[0], f"dot {lhs}x{rhs}")
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+class _Pass:
+    def __init__(self, module):
+        self.module = module
+        self.sites: list[FoldSite] = []
+        self.eval = _Evaluator()
+        self.symbols = {}
+        for op in module.body.operations:
+            if _name(op) == "func.func":
+                self.symbols[ir.StringAttr(op.attributes["sym_name"]).value] = op
+
+    def run(self) -> FoldReport:
+        for fname, fop in list(self.symbols.items()):
+            block = fop.regions[0].blocks[0]
+            roots = [op for op in block.operations if _name(op) in _ROOTS]
+            for op in roots:
+                self._site(op.operation if not isinstance(op, ir.Operation) else op, fname)
+        return FoldReport(self.sites)
+
+    def _record(self, op, fname, status, **kw) -> FoldSite:
+        file, line = _location(op)
+        shape = _shape(op.results[0])
+        info = _root_info(op)
+        rec = FoldSite(pattern="stablehlo_" + ("conv" if "conv" in _name(op) else "dot") +
+                       "_affine", primitive=_name(op), status=status, scope=f"@{fname}",
+                       file=file, line=line, dtype=str(_etype(op.results[0])), **kw)
+        if not isinstance(info, str):
+            rec.layout = info[3]
+            rec.out_channels = int(shape[info[0]])
+        self.sites.append(rec)
+        return rec
+
+    # -- chain walk
+
+    def _inline_call(self, call, arg_index) -> str | None:
+        """Inline a private callee into the caller when the chain continues in it; else say
+        why the chain ends at the call."""
+        callee_name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        callee = self.symbols.get(callee_name)
+        if callee is None or "sym_visibility" not in callee.attributes or \
+                ir.StringAttr(callee.attributes["sym_visibility"]).value != "private":
+            return f"chain continues into @{callee_name}, which is not a private function"
+        body = callee.regions[0].blocks[0]
+        arg = body.arguments[arg_index]
+        uses = list(arg.uses)
+        if len(uses) != 1 or _name(uses[0].owner) not in (*_BINARY, "stablehlo.negate",
+                                                          "stablehlo.convert",
+                                                          "stablehlo.batch_norm_inference"):
+            first = _name(uses[0].owner) if uses else "nothing"
+            return f"chain ends at call @{callee_name} (its argument feeds {first})"
+        mapping = {}
+        for a, v in zip(body.arguments, call.operands):
+            mapping[a] = v
+        ret = None
+        with ir.InsertionPoint(call):
+            for op in body.operations:
+                if _name(op) == "func.return":
+                    ret = op
+                    break
+                new = op.clone()
+                for i, v in enumerate(new.operands):
+                    for src, dst in mapping.items():
+                        if v == src:
+                            new.operands[i] = dst
+                            break
+                for old_r, new_r in zip(op.results, new.results):
+                    mapping[old_r] = new_r
+        for r, v in zip(call.results, ret.operands):
+            r.replace_all_uses_with(next((dst for src, dst in mapping.items() if src == v), v))
+        call.erase()
+        return None
+
+    def _walk(self, root, axis):
+        v = root.results[0]
+        steps, committed, stop, refusal = [], 0, None, False
+        while True:
+            uses = list(v.uses)
+            if len(uses) != 1:
+                if len(uses) > 1:
+                    stop = f"a value in the chain has {len(uses)} consumers"
+                    refusal = True
+                else:
+                    stop = "value is unused"
+                break
+            user, pos = uses[0].owner, uses[0].operand_number
+            name = _name(user)
+            if name == "func.return":
+                stop = "value is returned"
+                break
+            if name == "func.call":
+                why = self._inline_call(user, pos)
+                if why is None:
+                    continue
+                stop = why
+                break
+            if name in _BINARY:
+                kind = {"add": "add", "mul": "mul"}.get(_BINARY[name])
+                if _BINARY[name] == "sub":
+                    kind = "sub" if pos == 0 else "rsub"
+                elif _BINARY[name] == "div":
+                    kind = "div" if pos == 0 else None
+                if kind is None:
+                    stop, refusal = "divide with the conv value as divisor is not affine", True
+                    break
+                op = _resolve(user.operands[1 - pos], _shape(v), axis)
+                if isinstance(op, str):
+                    stop, refusal = f"{name}: {op}", True
+                    break
+                if _owner_op(op.value) is not None and self._from_root(op.value):
+                    stop, refusal = f"{name}: operand is computed from an activation", True
+                    break
+                steps.append(_Step(user, kind, op))
+                committed = len(steps)
+            elif name == "stablehlo.negate":
+                steps.append(_Step(user, "neg"))
+                committed = len(steps)
+            elif name == "stablehlo.convert" and _is_float(user.results[0]):
+                steps.append(_Step(user, "convert"))
+            elif name == "stablehlo.batch_norm_inference" and pos == 0:
+                fi = ir.IntegerAttr(user.attributes["feature_index"]).value
+                if fi != axis:
+                    stop = (f"batch_norm_inference feature_index {fi} is not the output-feature "
+                            f"dimension {axis}" + (" (same size: matched by dimension, not "
+                                                   "size)" if _shape(v)[fi] == _shape(v)[axis]
+                                                   else ""))
+                    refusal = True
+                    break
+                eps = ir.FloatAttr(user.attributes["epsilon"]).value
+                bn = {k: user.operands[i] for i, k in enumerate(
+                    ["x", "scale", "offset", "mean", "variance"])}
+                bn["epsilon"] = eps
+                steps.append(_Step(user, "bn", bn=bn))
+                committed = len(steps)
+            else:
+                stop = f"chain ends at {name}"
+                break
+            v = user.results[0]
+        return steps[:committed], stop, refusal
+
+    def _from_root(self, value) -> bool:
+        seen, stack = set(), [value]
+        while stack:
+            v = stack.pop()
+            op = _owner_op(v)
+            if op is None:
+                continue
+            if _name(op) in _ROOTS:
+                return True
+            for o in op.operands:
+                if o not in seen:
+                    seen.add(o)
+                    stack.append(o)
+        return False
+
+    # -- folding
+
+    def _site(self, root, fname):
+        info = _root_info(root)
+        if isinstance(info, str):
+            self._record(root, fname, REFUSED, reason=info)
+            return
+        out_axis, kidx, kaxis, _ = info
+        if not _is_float(root.results[0]):
+            self._record(root, fname, REFUSED, reason="not a float root")
+            return
+        steps, stop, refusal = self._walk(root, out_axis)
+        absorbed = [_name(s.op).split(".")[-1] for s in steps]
+        real = [s for s in steps if s.kind != "convert"]
+        if not real:
+            self._record(root, fname, REFUSED if refusal else NO_PATTERN, reason=stop)
+            return
+        if len(real) == 1 and real[0].kind in ("add", "sub"):
+            self._record(root, fname, CANONICAL, absorbed=absorbed,
+                         reason="already conv + per-channel bias")
+            return
+        kernel = root.operands[kidx]
+        if _owner_op(kernel) is not None and self._from_root(kernel):
+            self._record(root, fname, REFUSED, absorbed=absorbed,
+                         reason="the kernel is computed from an activation")
+            return
+        C_out = _shape(root.results[0])[out_axis]
+
+        # operand values: known (float64) or None
+        vals, known = [], True
+        for s in real:
+            if s.kind == "bn":
+                bn_vals = {k: self._vec(s.bn[k], C_out) for k in
+                           ("scale", "offset", "mean", "variance")}
+                vals.append(bn_vals)
+                known &= all(x is not None for x in bn_vals.values())
+            elif s.operand is not None:
+                x = self._operand_np(s.operand)
+                vals.append(x)
+                known &= x is not None
+            else:
+                vals.append(None)
+        rec = self._record(root, fname, FOLDED, absorbed=absorbed,
+                           note=f"chain stopped: {stop}" if stop else None)
+        end_op = steps[-1].op
+        end_value = end_op.results[0]
+        k_np = self.eval(kernel)
+        kdt = _etype(kernel)
+        out_t = end_value.type
+        with ir.Location.unknown(), ir.InsertionPoint(end_op):
+            if known:
+                s_vec, t_vec = _collapse_np(real, vals, C_out)
+                bad = np.flatnonzero(~np.isfinite(s_vec))
+                if bad.size:
+                    rec.status, rec.reason = REFUSED, (
+                        f"scale s is not finite at {bad.size} channel(s) (first: "
+                        f"{bad[:5].tolist()}); folding would turn 0·inf into NaN")
+                    return
+                s_val, t_val = s_vec, t_vec
+            else:
+                s_val, t_val = self._collapse_ir(real, C_out)
+            if known and k_np is not None:
+                kp = k_np.astype(np.float64) * _along(s_vec, kaxis, k_np.ndim)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    kp_cast = kp.astype(_np_dtype(kdt))
+                if (np.isfinite(kp) & ~np.isfinite(kp_cast)).any():
+                    rec.status, rec.reason = REFUSED, "the rescaled kernel overflows its dtype"
+                    return
+                new_k = stablehlo.ConstantOp(_numpy_to_dense(kp_cast, kdt)).result
+                rec.rescale = "constant"
+            else:
+                s_ir = self._const_or(s_val, C_out)
+                s_b = stablehlo.BroadcastInDimOp(
+                    ir.RankedTensorType.get(_shape(kernel), ir.F32Type.get()), s_ir,
+                    ir.DenseI64ArrayAttr.get([kaxis])).result
+                k32 = self._convert(kernel, ir.F32Type.get())
+                new_k = self._convert(stablehlo.MulOp(k32, s_b).result, kdt)
+                rec.rescale = "in-graph"
+            operands = list(root.operands)
+            operands[kidx] = new_k
+            attrs = {n: root.attributes[n] for n in root.attributes}
+            y = ir.Operation.create(_name(root), results=[root.results[0].type],
+                                    operands=operands, attributes=attrs,
+                                    loc=root.location).results[0]
+            for s in steps:        # replay the casts of the chain on the new result
+                if s.kind == "convert":
+                    y = self._convert(y, _etype(s.op.results[0]))
+            t_ir = self._const_or(t_val, C_out)
+            t_ir = self._convert(t_ir, _etype(end_value))
+            t_b = stablehlo.BroadcastInDimOp(out_t, t_ir,
+                                             ir.DenseI64ArrayAttr.get([out_axis])).result
+            new_out = stablehlo.AddOp(y, t_b).result
+        end_value.replace_all_uses_with(new_out)
+        for s in reversed(steps):
+            s.op.erase()
+        root.erase()
+
+    def _vec(self, value, c):
+        x = self.eval(value)
+        return None if x is None else np.broadcast_to(np.asarray(x, np.float64).reshape(-1)
+                                                      if np.size(x) > 1 else
+                                                      np.asarray(x, np.float64).reshape(()),
+                                                      (c,)).astype(np.float64)
+
+    def _operand_np(self, op: _Operand):
+        x = self.eval(op.value)
+        if x is None:
+            return None
+        for et in op.casts:
+            x = x.astype(_np_dtype(et))
+        return np.asarray(x, np.float64).reshape(-1) if op.axis is not None else \
+            np.asarray(x, np.float64).reshape(())
+
+    # -- IR builders (inside an insertion point)
+
+    def _convert(self, value, etype):
+        if str(_etype(value)) == str(etype):
+            return value
+        return stablehlo.ConvertOp(ir.RankedTensorType.get(_shape(value), etype), value).result
+
+    def _const_or(self, val, c):
+        if isinstance(val, np.ndarray):
+            arr = np.broadcast_to(np.asarray(val, np.float32), (c,))
+            return stablehlo.ConstantOp(_numpy_to_dense(arr, ir.F32Type.get())).result
+        return val
+
+    def _vector_ir(self, op: _Operand, c):
+        """The operand as a tensor<c x f32> in the graph."""
+        v = op.value
+        for et in op.casts:
+            v = self._convert(v, et)
+        v = self._convert(v, ir.F32Type.get())
+        flat = stablehlo.ReshapeOp(ir.RankedTensorType.get([op.size], ir.F32Type.get()),
+                                   v).result if _shape(v) != (op.size,) else v
+        if op.size == c:
+            return flat
+        return stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([c], ir.F32Type.get()),
+                                          stablehlo.ReshapeOp(ir.RankedTensorType.get(
+                                              [], ir.F32Type.get()), flat).result,
+                                          ir.DenseI64ArrayAttr.get([])).result
+
+    def _collapse_ir(self, steps, c):
+        def const(v):
+            return stablehlo.ConstantOp(_numpy_to_dense(np.full(c, v, np.float32),
+                                                        ir.F32Type.get())).result
+        s = t = None    # None: the identity (s = 1, t = 0), so no op is emitted for it
+        mul = lambda a, b: b if a is None else stablehlo.MulOp(a, b).result
+        neg = lambda a: None if a is None else stablehlo.NegOp(a).result
+        for st in steps:
+            if st.kind == "bn":
+                vec = {}
+                for k in ("scale", "offset", "mean", "variance"):
+                    v = self._convert(st.bn[k], ir.F32Type.get())
+                    vec[k] = v
+                eps = stablehlo.ConstantOp(_numpy_to_dense(
+                    np.full(c, st.bn["epsilon"], np.float32), ir.F32Type.get())).result
+                inv = stablehlo.RsqrtOp(stablehlo.AddOp(vec["variance"], eps).result).result
+                sc = stablehlo.MulOp(vec["scale"], inv).result
+                s = mul(s, sc)
+                centered = stablehlo.NegOp(vec["mean"]).result if t is None else \
+                    stablehlo.SubtractOp(t, vec["mean"]).result
+                t = stablehlo.AddOp(stablehlo.MulOp(centered, sc).result, vec["offset"]).result
+                continue
+            if st.kind == "neg":
+                s, t = (const(-1.0) if s is None else neg(s)), neg(t)
+                continue
+            x = self._vector_ir(st.operand, c)
+            if st.kind == "add":
+                t = x if t is None else stablehlo.AddOp(t, x).result
+            elif st.kind == "sub":
+                t = stablehlo.NegOp(x).result if t is None else stablehlo.SubtractOp(t, x).result
+            elif st.kind == "rsub":
+                s = const(-1.0) if s is None else neg(s)
+                t = x if t is None else stablehlo.SubtractOp(x, t).result
+            elif st.kind == "mul":
+                s, t = mul(s, x), (None if t is None else stablehlo.MulOp(t, x).result)
+            elif st.kind == "div":
+                s = stablehlo.DivOp(const(1.0), x).result if s is None else \
+                    stablehlo.DivOp(s, x).result
+                t = None if t is None else stablehlo.DivOp(t, x).result
+        return (const(1.0) if s is None else s), (const(0.0) if t is None else t)
+
+
+def _collapse_np(steps, vals, c):
+    s, t = np.ones(c), np.zeros(c)
+    with np.errstate(all="ignore"):
+        for st, x in zip(steps, vals):
+            if st.kind == "bn":
+                sc = x["scale"] / np.sqrt(x["variance"] + st.bn["epsilon"])
+                s, t = s * sc, (t - x["mean"]) * sc + x["offset"]
+            elif st.kind == "neg":
+                s, t = -s, -t
+            elif st.kind == "add":
+                t = t + x
+            elif st.kind == "sub":
+                t = t - x
+            elif st.kind == "rsub":
+                s, t = -s, x - t
+            elif st.kind == "mul":
+                s, t = s * x, t * x
+            elif st.kind == "div":
+                s, t = s / x, t / x
+    return np.broadcast_to(s, (c,)).astype(np.float64), np.broadcast_to(t, (c,)).astype(
+        np.float64)
+
+
+def _along(vec, axis, ndim):
+    shape = [1] * ndim
+    shape[axis] = -1
+    return np.asarray(vec).reshape(shape)
+
+
+def _dce(module):
+    """Erase side-effect-free ops whose results nobody uses (left behind by the rewrite)."""
+    pure = {"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+            "stablehlo.convert", "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply",
+            "stablehlo.divide", "stablehlo.negate", "stablehlo.rsqrt", "stablehlo.sqrt"}
+    changed = True
+    while changed:
+        changed = False
+        for fop in module.body.operations:
+            if _name(fop) != "func.func":
+                continue
+            for op in reversed(list(fop.regions[0].blocks[0].operations)):
+                if _name(op) in pure and all(len(list(r.uses)) == 0 for r in op.results):
+                    op.erase()
+                    changed = True
+    # private functions no longer called anywhere (their calls were inlined away)
+    called = set()
+    for fop in module.body.operations:
+        if _name(fop) == "func.func":
+            for op in fop.regions[0].blocks[0].operations:
+                if _name(op) == "func.call":
+                    called.add(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+    for fop in list(module.body.operations):
+        if _name(fop) == "func.func" and "sym_visibility" in fop.attributes and \
+                ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and \
+                ir.StringAttr(fop.attributes["sym_name"]).value not in called:
+            fop.erase()
+
+
+def fold_module_text(text_or_bytes) -> tuple[Any, FoldReport]:
+    """Parse, fold and return ``(module, report)`` (module in hlofold's MLIR context)."""
+    ctx = C.mlir_context()
+    with ctx, ir.Location.unknown():
+        try:
+            module = ir.Module.parse(text_or_bytes)
+        except Exception as e:   # MLIRError: keep the diagnostic, drop the traceback
+            what = "truncated or corrupt MLIR bytecode" if isinstance(
+                text_or_bytes, (bytes, bytearray)) else "not a readable MLIR module"
+            detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
+            raise StableHLOError(f"{what}: {detail}") from None
+        _check_stablehlo(module)
+        report = _Pass(module).run()
+        _dce(module)
+        if not module.operation.verify():
+            raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
+    return module, report
+
+
+def _check_stablehlo(module):
+    names = set()
+    for fop in module.body.operations:
+        names.add(_name(fop))
+        if _name(fop) == "func.func":
+            for op in fop.regions[0].blocks[0].operations:
+                names.add(_name(op).split(".")[0])
+    unknown = {n for n in names if n not in ("func", "stablehlo", "chlo", "func.func",
+                                             "sdy", "mhlo", "shardy", "builtin")}
+    if not any(_name(f) == "func.func" for f in module.body.operations):
+        raise StableHLOError("the module has no func.func: not a StableHLO program")
+    if unknown:
+        raise StableHLOError(f"the module uses dialects hlofold does not handle: "
+                             f"{sorted(unknown)}")
