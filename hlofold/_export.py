@@ -8,8 +8,14 @@ import jax
 from ._api import Folded, fold
 
 
+def _nothing_frozen(freeze) -> bool:
+    return freeze is None or (isinstance(freeze, (tuple, list)) and not freeze)
+
+
 def _folded(f: Callable, freeze, kw) -> Folded:
-    return f if isinstance(f, Folded) and not freeze and not kw else fold(f, freeze=freeze, **kw)
+    if isinstance(f, Folded) and _nothing_frozen(freeze) and not kw:
+        return f
+    return fold(f, freeze=() if freeze is None else freeze, **kw)
 
 
 def lower(f: Callable, *args, freeze: Any = (), **fold_options) -> str:
@@ -28,4 +34,20 @@ def export(f: Callable, *args_or_specs, platforms: Sequence[str] | None = None,
     .call(...)`` runs it. Frozen arguments must be concrete arrays and are baked in.
     """
     folded = _folded(f, freeze, fold_options)
-    return jax.export.export(jax.jit(folded), platforms=platforms)(*args_or_specs)
+    if _nothing_frozen(freeze):
+        return jax.export.export(jax.jit(folded), platforms=platforms)(*args_or_specs)
+    # Frozen arguments are closed over (concrete, so they are baked in as constants); the
+    # exported function takes the remaining positional arguments.
+    names = folded._positional()
+    frozen = {i for i, n in enumerate(names) if n in folded._freeze and i < len(args_or_specs)}
+    if not frozen:
+        raise ValueError("hlofold.export: freeze= must name positional arguments that are "
+                         "passed")
+    held = {i: args_or_specs[i] for i in frozen}
+    rest = [a for i, a in enumerate(args_or_specs) if i not in frozen]
+
+    def with_frozen(*dyn):
+        it = iter(dyn)
+        return folded(*[held[i] if i in held else next(it)
+                        for i in range(len(args_or_specs))])
+    return jax.export.export(jax.jit(with_frozen), platforms=platforms)(*rest)
