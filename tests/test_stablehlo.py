@@ -30,6 +30,7 @@ EXPECTED = {  # file: (folded, refused, reason fragment of the refusal)
     "conv_bias_bn.mlir": (1, 0, None),
     "multi_consumer.mlir": (0, 1, "2 consumers"),
     "resnet_block_jax.mlir": (2, 0, None),
+    "chain_across_call.mlir": (1, 0, None),
 }
 
 
