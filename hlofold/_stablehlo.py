@@ -271,6 +271,7 @@ class _Pass:
         self.module = module
         self.sites: list[FoldSite] = []
         self.eval = _Evaluator()
+        self.activation: dict[Any, bool] = {}
         self.symbols = {}
         for op in module.body.operations:
             if _name(op) == "func.func":
@@ -405,19 +406,31 @@ class _Pass:
         return steps[:committed], stop, refusal
 
     def _from_root(self, value) -> bool:
-        seen, stack = set(), [value]
+        """Whether ``value`` is computed from a conv/dot result (an activation). Memoized
+        per op (op objects stay pinned in the memo, so entries never go stale): one walk
+        over the program in all, not one per operand."""
+        top = _owner_op(value)
+        if top is None:
+            return False
+        memo = self.activation
+        stack = [top]
         while stack:
-            v = stack.pop()
-            op = _owner_op(v)
-            if op is None:
+            op = stack[-1]
+            if op in memo:
+                stack.pop()
                 continue
             if _name(op) in _ROOTS:
-                return True
-            for o in op.operands:
-                if o not in seen:
-                    seen.add(o)
-                    stack.append(o)
-        return False
+                memo[op] = True
+                stack.pop()
+                continue
+            producers = [p for p in (_owner_op(v) for v in op.operands) if p is not None]
+            missing = [p for p in producers if p not in memo]
+            if missing:
+                stack.extend(missing)
+                continue
+            memo[op] = any(memo[p] for p in producers)
+            stack.pop()
+        return memo[top]
 
     # -- folding
 
@@ -515,6 +528,7 @@ class _Pass:
         for s in reversed(steps):
             s.op.erase()
         root.erase()
+        self.eval.memo.clear()     # values are keyed by address: drop them after erasing
 
     def _vec(self, value, c):
         x = self.eval(value)
