@@ -157,6 +157,9 @@ class _Scope:
                 self.out_uses[v] = self.out_uses.get(v, 0) + 1
         self.site_at_end: dict[int, _Site] = {}
         self.skip: set[int] = set()
+        # equations on the backward chain of an earlier root (folded or canonical): a later
+        # root's forward chain must not take them (one op, one owner)
+        self.claimed: set[int] = set()
         self.new_eqn: dict[int, tuple[dict, Callable]] = {}
 
     # ---- known values and provenance (memoized, iterative: programs can be deep)
@@ -225,7 +228,10 @@ class _Scope:
         for i, eqn in enumerate(self.jaxpr.eqns):
             pattern = PATTERNS.get(eqn.primitive.name)
             if pattern is not None:
-                changed |= self._plan_site(i, eqn, pattern)
+                # transform-time arithmetic on hostile values (σ² = 0, inf, NaN) is checked
+                # explicitly (refusals name it); NumPy's own warnings would only be noise
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    changed |= self._plan_site(i, eqn, pattern)
             elif _contains_root(eqn):       # nested jaxprs without a root are left as they are
                 changed |= self._plan_nested(i, eqn)
         if not changed:
@@ -304,6 +310,7 @@ class _Scope:
             self._record(eqn, pattern, None, REFUSED, reason=info.reason)
             return False
         steps, end_axis, stop, stop_is_refusal = self._walk(eqn, info, pattern)
+        self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
         backward = bool(affine) and not (len(affine) == 1 and affine[0].kind in ("add", "sub"))
@@ -318,7 +325,10 @@ class _Scope:
                              reason="already conv + per-channel bias")
             if fwd is None:
                 return False
-            steps, end_axis = [], info.channel_axis
+            if not affine:
+                steps, end_axis = [], info.channel_axis
+            # else: a canonical bias after the root is merged into the forward fold's bias,
+            # so the result is conv + one bias and folding again changes nothing
 
         kernel = eqn.invars[info.kernel_index]
         kernel_names = sorted(n for n in self.names(kernel) if n)
@@ -394,6 +404,15 @@ class _Scope:
                         self._refuse(fwd.record, "the rescaled kernel overflows")
                     return self._refuse(rec, f"the rescaled kernel overflows {kd} at "
                                              f"{int(overflow.sum())} element(s)")
+                lost = _underflowing_channels(kp, kp_cast, info.kernel_axis)
+                if lost.size:
+                    if fwd is not None:
+                        self._refuse(fwd.record, "the rescaled kernel underflows")
+                    return self._refuse(rec, f"the rescaled kernel underflows {kd} in "
+                                             f"{lost.size} output channel(s) (first: "
+                                             f"{lost[:5].tolist()}): K·s falls below the "
+                                             f"{kd} normal range (unfolded, conv·s is "
+                                             "rounded instead)")
                 site.kernel_const = kp_cast
                 if b64 is not None:
                     site.t_known = s_vec * b64 + t_vec
@@ -425,8 +444,8 @@ class _Scope:
         producer = lambda u: self.producer.get(u, (0, None))[1]
         v, steps, reason = eqn.invars[0], [], None
         while isinstance(v, C.Var) and v in self.producer:
-            e = self.producer[v][1]
-            if e.primitive.name not in AFFINE_STEPS:
+            k, e = self.producer[v]
+            if e.primitive.name not in AFFINE_STEPS or k in self.claimed:
                 break
             cands = []
             for pos in range(len(e.invars)):
@@ -813,6 +832,21 @@ def _collapse(affine: list[AffineStep], vals: list, channels: int, xp=_np64):
         t = np.broadcast_to(t, (channels,)) if np.ndim(t) else t
         return np.asarray(s, np.float64), np.asarray(t, np.float64)
     return s, t
+
+
+def _underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.ndarray:
+    """Output channels whose rescaled kernel slice loses more to rounding than rounding to
+    normal numbers can lose (4 ulps, L1-relative): ``K·s`` fell into the subnormal range or
+    to zero, e.g. a tiny BN scale in fp16. Rounding normal numbers loses at most half an ulp,
+    so only underflow is flagged, never ordinary rounding."""
+    if kp.size == 0:
+        return np.zeros(0, np.int64)
+    eps = float(jax.numpy.finfo(kp_cast.dtype).eps)
+    axes = tuple(a for a in range(kp.ndim) if a != axis)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.sum(np.abs(kp_cast.astype(np.float64) - kp), axis=axes)
+        norm = np.sum(np.abs(kp), axis=axes)
+        return np.flatnonzero((norm > 0) & (err > 4 * eps * norm))
 
 
 def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

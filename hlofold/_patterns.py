@@ -9,7 +9,7 @@ the root is walked with two small rule tables, both keyed by primitive name:
   (add, sub, mul, div, neg by a scalar or a per-channel operand);
 * ``PASS_STEPS``: ops the chain passes through while the channel axis stays identifiable
   (``convert_element_type`` between float types, unit-dim ``reshape``/``squeeze``/
-  ``broadcast_in_dim``, ``transpose``).
+  ``broadcast_in_dim``, ``transpose``, ``with_sharding_constraint``).
 
 Every failed match is reported as a reason string (``Refusal``), never an exception.
 """
@@ -344,7 +344,7 @@ _BINARY_KIND = {
 }
 AFFINE_STEPS = frozenset({"add", "sub", "mul", "div", "neg"})
 PASS_STEPS = frozenset({"convert_element_type", "reshape", "squeeze", "broadcast_in_dim",
-                        "transpose"})
+                        "transpose", "sharding_constraint"})
 
 
 def affine_step(eqn: C.JaxprEqn, pos: int, channel_axis: int,
@@ -378,6 +378,8 @@ def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
     if prim == "convert_element_type":
         if not (_is_float(src.dtype) and _is_float(out.dtype)):
             return Refusal(f"cast {src.dtype} -> {out.dtype} is not between float types")
+        return channel_axis
+    if prim == "sharding_constraint":     # replayed on the folded conv's output, same shape
         return channel_axis
     if src.shape[channel_axis] == 1 and prim != "transpose":
         return Refusal(f"{prim} of a value whose channel axis has size 1 (ambiguous)")
