@@ -32,7 +32,7 @@ from ._report import FOLDED, FoldReport
 
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
-         cache_prepared: bool = True, float32_kernels: bool = False):
+         cache_prepared: bool = True, float32_kernels: bool = False, verify: bool = False):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
     Args:
@@ -45,19 +45,67 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         every call rescales the kernels (useful only for benchmarking).
       float32_kernels: for bf16/fp16 convolutions, keep the folded kernel in float32 and run
         the convolution in float32 (accuracy over speed). See :meth:`Folded.measure_precision`.
+      verify: fail closed. On the first call for each input signature, run the folded and
+        the original program on those inputs and compare every output: NaN and inf at the
+        same places, and ``max|Δ| ≤ rtol·max|ref| + atol`` over the finite values, with
+        ``(rtol, atol)`` from :func:`verify_tolerance` by output dtype — float32/float64:
+        ``(1e-4, 1e-5)``, float16: ``(1e-2, 1e-3)``, bfloat16: ``(6e-2, 6e-3)``, anything
+        else exact. These bounds catch a wrong fold (errors of the order of the outputs),
+        not rounding; :meth:`Folded.measure_precision` measures that. Past the tolerance it
+        warns (``RuntimeWarning`` naming the folded sites, ``file:line``) and runs the
+        original program for that signature from then on. Calls whose inputs are tracers
+        (under an enclosing transformation) are not verified.
 
     Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
     """
     if fun is None:
         return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
                                  static_argnames=static_argnames, cache_prepared=cache_prepared,
-                                 float32_kernels=float32_kernels)
+                                 float32_kernels=float32_kernels, verify=verify)
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
                   static_argnames=static_argnames, cache_prepared=cache_prepared,
-                  float32_kernels=float32_kernels)
+                  float32_kernels=float32_kernels, verify=verify)
 
 
 _UNFOLDED = object()
+
+
+def verify_tolerance(dtype) -> tuple[float, float] | None:
+    """``(rtol, atol)`` for ``fold(..., verify=True)``: an output of this dtype passes when
+    ``max|Δ| ≤ rtol·max|ref| + atol`` over its finite values. ``None``: compared exactly.
+
+    float32/float64 ``(1e-4, 1e-5)``; float16 ``(1e-2, 1e-3)`` (10 ulps); bfloat16
+    ``(6e-2, 6e-3)`` (8 ulps): room for the rounding a fold moves through a deep network,
+    far below the error of a wrong fold (a wrong scale or bias errs by O(max|ref|)).
+    """
+    dt = np.dtype(dtype)
+    if dt == np.dtype(jax.numpy.bfloat16):
+        return 6e-2, 6e-3
+    if dt == np.dtype(np.float16):
+        return 1e-2, 1e-3
+    if jax.numpy.issubdtype(dt, jax.numpy.inexact):
+        return 1e-4, 1e-5
+    return None
+
+
+def _mismatch(ref, out) -> str | None:
+    """Why ``out`` is not ``ref`` within :func:`verify_tolerance` (None: it is)."""
+    r, o = np.asarray(ref), np.asarray(out)
+    if r.shape != o.shape or r.dtype != o.dtype:
+        return f"{o.dtype}{list(o.shape)} instead of {r.dtype}{list(r.shape)}"
+    tol = verify_tolerance(r.dtype)
+    if tol is None:
+        return None if np.array_equal(r, o) else "values differ"
+    r, o = r.astype(np.float64), o.astype(np.float64)
+    if not (np.array_equal(np.isnan(r), np.isnan(o)) and
+            np.array_equal(np.where(np.isinf(r), r, 0), np.where(np.isinf(o), o, 0))):
+        return "NaN/inf at other places"
+    fin = np.isfinite(r)
+    if not fin.any():
+        return None
+    err = float(np.max(np.abs(r[fin] - o[fin])))
+    bound = tol[0] * float(np.max(np.abs(r[fin]))) + tol[1]
+    return None if err <= bound else f"max|Δ| = {err:.3g} > {bound:.3g}"
 
 
 def _with_finite_flag(fun: Callable) -> Callable:
@@ -71,12 +119,34 @@ def _with_finite_flag(fun: Callable) -> Callable:
     return jax.jit(wrapped)
 
 
+def _explicit_sharding(x):
+    """``x``'s sharding when it is part of its type (a mesh with Explicit axes), else None."""
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding) and \
+            jax.sharding.AxisType.Explicit in sh.mesh.axis_types:
+        return sh
+    return None
+
+
 def _leaf_key(x):
-    """Cheap per-call signature of one input: shape, dtype, weak type (or Python type)."""
+    """Cheap per-call signature of one input: shape, dtype, weak type (or Python type), and
+    the sharding where it is part of the type (explicit mesh axes)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None or C.is_tracer(x):
         return C.shape_struct(C.aval_of(x))
-    return (x.shape, dtype, bool(getattr(x, "weak_type", False)))
+    key = (x.shape, dtype, bool(getattr(x, "weak_type", False)))
+    sh = _explicit_sharding(x)
+    return key if sh is None else key + (sh,)
+
+
+def _trace_struct(x) -> jax.ShapeDtypeStruct:
+    """The abstract value ``x`` is traced as: with explicit mesh axes its sharding is part of
+    its type, and the traced program (and the jit around it) must keep it."""
+    st = C.shape_struct(C.aval_of(x))
+    sh = None if C.is_tracer(x) else _explicit_sharding(x)
+    if sh is None:
+        return st
+    return jax.ShapeDtypeStruct(st.shape, st.dtype, weak_type=st.weak_type, sharding=sh)
 
 
 def _as_tuple(x) -> tuple:
@@ -147,14 +217,16 @@ class _Program:
     frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
     unfolded: Callable | None = None  # the original program, for fail-closed fallback
     cached: tuple | None = None    # (known leaves, prepared values)
+    verified: bool | None = None   # verify=True: None until the first call compared
 
 
 class Folded:
     """A folded inference function (see :func:`fold`)."""
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
-                 float32_kernels=False):
+                 float32_kernels=False, verify=False):
         self._float32_kernels = float32_kernels
+        self._verify = verify
         ji = C.jit_info(fun)
         self._fun = fun
         self._py = ji[0] if ji else fun
@@ -168,6 +240,7 @@ class Folded:
         self._freeze = self._to_names(set(_as_tuple(freeze)), "freeze")
         self._cache = cache_prepared
         self._programs: dict[Any, _Program] = {}
+        self._failed: set = set()      # verify=True: signatures whose fold was found wrong
         functools.update_wrapper(self, self._py)
 
     # ---- argument handling
@@ -259,7 +332,7 @@ class Folded:
             return self._call_original(merged)
 
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(
-            *[C.shape_struct(C.aval_of(l)) for l in leaves])
+            *[_trace_struct(l) for l in leaves])
         out_tree = jax.tree_util.tree_structure(out_shape)
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
         by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
@@ -304,10 +377,61 @@ class Folded:
 
     def __call__(self, *args, **kwargs):
         prog, leaves = self._program_for(args, kwargs)
-        return jax.tree_util.tree_unflatten(prog.out_tree, self._call_leaves(prog, leaves))
+        if self._failed and prog.verified is None and any(C.is_tracer(x) for x in leaves) \
+                and self._shape_sig(args, kwargs) in self._failed:
+            prog.verified = False     # traced calls of a signature that failed verification
+        outs = self._call_leaves(prog, leaves)
+        if prog.verified is False and self._verify:
+            self._failed.add(self._shape_sig(args, kwargs))
+        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+    def _shape_sig(self, args, kwargs):
+        """Structure, shapes and dtypes of every non-static argument (frozen ones included)
+        and the static values: the signature a verify failure applies to, concrete or
+        traced."""
+        arguments = self._arguments(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(
+            {k: v for k, v in arguments.items() if k not in self._static})
+        return (tree, tuple((tuple(np.shape(l)), str(getattr(l, "dtype", type(l))))
+                            for l in leaves),
+                tuple(sorted((k, v) for k, v in arguments.items() if k in self._static)))
+
+    def _unfolded(self, prog: _Program) -> Callable:
+        if prog.unfolded is None:
+            prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original))
+        return prog.unfolded
 
     def _call_leaves(self, prog: _Program, leaves: list) -> list:
-        if any(C.is_tracer(x) for x in leaves):
+        tracing = any(C.is_tracer(x) for x in leaves)
+        if prog.verified is False:        # verify=True found the fold wrong for this signature
+            if tracing:
+                return list(C.jaxpr_as_fun(prog.original)(*leaves))
+            return list(self._unfolded(prog)(*leaves))
+        outs = self._call_folded(prog, leaves, tracing)
+        if self._verify and prog.verified is None and not tracing:
+            outs = self._verify_call(prog, leaves, outs)
+        return outs
+
+    def _verify_call(self, prog: _Program, leaves: list, outs: list) -> list:
+        """Compare the folded outputs with the original program's on these inputs; on a
+        mismatch warn and switch this signature to the original program."""
+        ref = list(self._unfolded(prog)(*leaves))
+        bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
+               if (why := _mismatch(r, o)) is not None]
+        prog.verified = not bad
+        if not bad:
+            return outs
+        sites = ", ".join(f"{s.pattern} at {s.location}" for s in prog.report.folded)
+        k, why = bad[0]
+        warnings.warn(
+            f"hlofold: verify: the folded program differs from the original on output {k} "
+            f"({why}; {len(bad)} of {len(outs)} outputs differ); folded sites: "
+            f"{sites or 'none'}; running the original program for this input signature",
+            RuntimeWarning, stacklevel=4)
+        return ref
+
+    def _call_folded(self, prog: _Program, leaves: list, tracing: bool) -> list:
+        if tracing:
             outs = C.jaxpr_as_fun(prog.folded)(*leaves)
         elif prog.prepare is None:
             outs = prog.full(*leaves)
@@ -326,14 +450,12 @@ class Folded:
                     warnings.warn(
                         "hlofold: the folded parameters are not finite for these inputs (a "
                         "BatchNorm scale is inf or NaN?); running the unfolded program",
-                        RuntimeWarning, stacklevel=2)
+                        RuntimeWarning, stacklevel=4)
                     prepared = _UNFOLDED
                 if cacheable:
                     prog.cached = (tuple(known), prepared)
             if prepared is _UNFOLDED:
-                if prog.unfolded is None:
-                    prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original))
-                outs = prog.unfolded(*leaves)
+                outs = self._unfolded(prog)(*leaves)
             else:
                 outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
         return list(outs)

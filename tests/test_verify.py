@@ -1,0 +1,102 @@
+"""fold(..., verify=True): fail closed when the folded program is wrong."""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+import hlofold._compat as C
+import hlofold._fold
+from hlofold import examples
+from hlofold._api import _mismatch, verify_tolerance
+from tests.helpers import assert_close
+
+P = examples.init_resnet(10, width=8, seed=2)
+X = jnp.asarray(np.random.default_rng(1).standard_normal((2, 16, 16, 3)), jnp.float32)
+REF = jax.jit(examples.resnet_apply)(P, X)
+
+
+@pytest.fixture
+def broken_fold(monkeypatch):
+    """A fold that is wrong: every collapsed scale s is 1.5× what it should be."""
+    real = hlofold._fold._collapse
+
+    def wrong(*args, **kwargs):
+        s, t = real(*args, **kwargs)
+        return s * 1.5, t
+    monkeypatch.setattr(hlofold._fold, "_collapse", wrong)
+
+
+@pytest.mark.parametrize("freeze", [(), 0], ids=["inputs", "frozen"])
+def test_broken_fold_warns_and_runs_the_original(broken_fold, freeze):
+    ff = hlofold.fold(examples.resnet_apply, freeze=freeze, verify=True)
+    with pytest.warns(RuntimeWarning, match="verify: the folded program differs") as rec:
+        out = ff(P, X)
+    # the original program's result (frozen: the original with the params as constants)
+    leaves = jax.tree.leaves((P, X) if freeze == () else X)
+    original = jax.jit(C.jaxpr_as_fun(ff.original_jaxpr(P, X)))(*leaves)[0]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(original))
+    assert_close(REF, out)
+    msg = str(rec[0].message)
+    assert "examples.py:" in msg and "conv_affine at" in msg            # names the folded sites
+    assert rec[0].filename == __file__                                 # points at the caller
+    # from then on the original program, without another warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(np.asarray(ff(P, X)), np.asarray(original))
+        X2 = X * 0.5
+        assert_close(jax.jit(examples.resnet_apply)(P, X2), ff(P, X2))
+        # and inside an enclosing jit, too
+        assert_close(REF, jax.jit(lambda p, x: ff(p, x))(P, X))
+    # without verify, the broken fold would have been used silently
+    wrong = hlofold.fold(examples.resnet_apply, freeze=freeze)(P, X)
+    assert float(jnp.max(jnp.abs(wrong - REF))) > 1e-2 * float(jnp.max(jnp.abs(REF)))
+
+
+@pytest.mark.parametrize("freeze", [(), 0], ids=["inputs", "frozen"])
+def test_correct_fold_does_not_warn(freeze):
+    ff = hlofold.fold(examples.resnet_apply, freeze=freeze, verify=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close(REF, ff(P, X))
+        assert_close(REF, ff(P, X))
+    prog = ff._program_for((P, X), {})[0]
+    assert prog.verified is True and ff.report(P, X).num_folded == examples.count_bn(P) + 1
+
+
+def test_verify_compares_nan_and_inf_positions():
+    """NaN and inf must sit at the same places (infs with the same sign); finite values
+    within the dtype's tolerance; non-float outputs exactly."""
+    nan, inf = np.nan, np.inf
+    f32 = lambda *v: np.array(v, np.float32)
+    assert _mismatch(f32(1, nan, inf), f32(1 + 1e-6, nan, inf)) is None
+    assert "NaN/inf" in _mismatch(f32(1, nan), f32(nan, 1))
+    assert "NaN/inf" in _mismatch(f32(1, inf), f32(1, -inf))
+    assert "max|Δ|" in _mismatch(f32(1, 2), f32(1, 2.01))
+    assert _mismatch(f32(nan, nan), f32(nan, nan)) is None
+    assert _mismatch(np.array([1, 2]), np.array([1, 3])) == "values differ"
+    assert "instead of" in _mismatch(f32(1, 2), f32(1, 2, 3))
+
+
+def test_verify_tolerance():
+    assert verify_tolerance(jnp.float32) == (1e-4, 1e-5)
+    assert verify_tolerance(np.float64) == (1e-4, 1e-5)
+    assert verify_tolerance(jnp.float16) == (1e-2, 1e-3)
+    assert verify_tolerance(jnp.bfloat16) == (6e-2, 6e-3)
+    assert verify_tolerance(jnp.int32) is None
+
+
+def test_bf16_fold_passes_verify():
+    """A correct bf16 fold stays within the bf16 tolerance (rounding is not a failure)."""
+    pb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), P)
+    xb = X.astype(jnp.bfloat16)
+    for freeze in ((), 0):
+        ff = hlofold.fold(examples.resnet_apply, freeze=freeze, verify=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ff(pb, xb)
+        assert ff._program_for((pb, xb), {})[0].verified is True
