@@ -157,7 +157,7 @@ def test_hostile_activations_with_a_zero_scale():
     ("std-zero", {"frozen": REFUSED, "inputs": FALLBACK}),     # (x − m)/0
     ("mean-nan", {"frozen": FOLDED, "inputs": FALLBACK}),
     ("mean-inf", {"frozen": FOLDED, "inputs": FALLBACK}),      # K·(−inf) sums to NaN: same
-])
+], ids=["std-zero", "mean-nan", "mean-inf"])
 def test_hostile_input_standardization(case, expect):
     m, sd = normal(3), RNG.uniform(0.5, 2, 3).astype(np.float32)
     if case == "std-zero":
