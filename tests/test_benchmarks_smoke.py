@@ -1,0 +1,76 @@
+"""``python -m benchmarks.run --quick`` runs end to end and writes its JSON, Markdown and PNG.
+
+A smoke test of the benchmark machinery (tiny networks, few rounds, cheap XLA code
+generation): every model builds, every variant runs and agrees with the unfolded program, and
+the HLO fusion counts are there. It says nothing about performance.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("matplotlib")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ["resnet18", "resnet50", "mobilenetv2"]
+VARIANTS = ["a", "b", "b'", "c", "d"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out),
+                           "--name", "smoke"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    return proc, out, time.perf_counter() - t0
+
+
+def test_quick_outputs(quick_run):
+    proc, out, seconds = quick_run
+    assert (out / "smoke.json").is_file(), proc.stderr[-3000:]
+    assert (out / "smoke.md").is_file()
+    assert (out / "smoke.png").stat().st_size > 1000
+    result = json.loads((out / "smoke.json").read_text())
+    assert result["config"]["quick"] is True
+    m = result["machine"]
+    for key in ("cpu_model", "sched_affinity_cpus", "device_kind", "jax", "jaxlib", "flax",
+                "hlofold"):
+        assert m.get(key) not in (None, ""), key
+    assert [mk["key"] for mk in result["models"]] == MODELS
+    md = (out / "smoke.md").read_text()
+    assert "Quick (smoke) run" in md and "## Summary" in md and m["cpu_model"] in md
+    for mk in result["models"]:
+        assert mk["title"] in md
+        assert mk["info"]["num_bn"] > 0 and mk["info"]["num_blocks"] > 0
+        for b in mk["batches"]:
+            assert "a" in b["latency_s"] and "d" in b["latency_s"]
+            assert b["hlo"]["a"]["fusions_in_blocks"] > 0
+            assert b["hlo"]["d"]["fusions_per_block"]
+            assert b["fold"]["report_counts"].get("folded", 0) >= mk["info"]["num_bn"]
+    print(f"quick benchmark: {seconds:.0f} s")
+
+
+def test_quick_every_variant_ran(quick_run):
+    proc, out, _ = quick_run
+    result = json.loads((out / "smoke.json").read_text())
+    failures = {(mk["key"], b["batch"]): b["errors"] for mk in result["models"]
+                for b in mk["batches"] if b["errors"]}
+    assert not failures and proc.returncode == 0, failures or proc.stderr[-3000:]
+    for mk in result["models"]:
+        for b in mk["batches"]:
+            assert sorted(b["latency_s"]) == sorted(VARIANTS)
+            for v in VARIANTS:
+                # float32 rounding of a folded program, relative to the largest logit
+                assert b["max_abs_diff_vs_a"][v] <= 1e-5 * b["max_abs_logit_a"] + 1e-6, (mk, v)
+            for prog in ("a", "b_apply", "b_prepare", "c", "d"):
+                assert prog in b["hlo"] and prog in b["memory"]
+            # folding removes the BN arithmetic: never more fusions than unfolded
+            assert b["hlo"]["b_apply"]["fusions_in_blocks"] <= b["hlo"]["a"]["fusions_in_blocks"]
