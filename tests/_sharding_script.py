@@ -136,6 +136,11 @@ def check(name, fun, params, x, mesh, model: bool, n_bn: int, n_constraints: int
     g_unf, g_fold = count_all_gathers(unfolded), count_all_gathers(folded)
     assert g_fold <= g_unf, f"{name}: {g_fold} all-gathers folded, {g_unf} unfolded"
 
+    # host (uncommitted) inputs: the jit's in_shardings place them, out_shardings hold
+    host = ff(jax.device_get(params), np.asarray(x))
+    close(ref, host)
+    same_shardings(host.sharding, out_sh, f"{name}: output sharding from host inputs")
+
     # the steady-state part: prepared (folded) kernels in, conv + bias only
     sp = ff.split(params, x)
     prepared = sp.prepare(params, x)

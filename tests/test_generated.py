@@ -25,7 +25,8 @@ Properties, for every program:
 3. the number of folded ``conv_affine`` sites equals the number of sites that are safe by
    construction (computed by the generator: the affine ops before the first value with a
    second reader, folded unless they are empty or a single add/sub, which is canonical);
-4. the folded program computes the same outputs within the tolerance model of ``_tol``;
+4. the folded program computes the same outputs within the tolerance model of ``_bound``
+   (float32) and ``_bf16_bound`` (bfloat16, against a float32 run of the same net);
 5. folding the folded program again returns the same object and folds nothing.
 
 The default hypothesis profile is "ci" (200 derandomized examples, see conftest.py). Locally,
