@@ -35,6 +35,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -677,9 +678,10 @@ def to_markdown(result: dict, png: str | None = None) -> str:
              f"XLA_FLAGS=`{m['XLA_FLAGS'] or '(unset)'}`")
     L.append(f"- Date (UTC): {m['date_utc']}")
     c = result.get("code", {})
+    dirty = [d for d, k in (("hlofold/", "hlofold_dirty"), ("benchmarks/", "benchmarks_dirty"))
+             if c.get(k)]
     L.append(f"- Code: git {c.get('git_commit')}"
-             + (" with uncommitted changes in hlofold/" if c.get("hlofold_dirty") else "")
-             + (" and benchmarks/" if c.get("benchmarks_dirty") else "")
+             + (f" with uncommitted changes in {' and '.join(dirty)}" if dirty else "")
              + f", hlofold sources sha256 {c.get('hlofold_sources_sha256')}")
     L.append(f"- Timing: {cfg['warmup']} warm-up calls per variant, then {cfg['rounds']} rounds; each "
              "round calls every variant once, in an order rotated by one each round; every call is "
@@ -1094,7 +1096,7 @@ def main(argv=None) -> int:
         models.append(entry)
         del net
     argv_s = argv if argv is not None else sys.argv[1:]
-    cmdline = ("python -m benchmarks.run " + " ".join(argv_s)).strip()
+    cmdline = ("python -m benchmarks.run " + shlex.join(argv_s)).strip()
     result = {"machine": machine, "code": code, "config": cfg, "models": models,
               "command": cmdline, "total_runtime_s": _now() - t_start,
               "process_memory": _rss_mb(), "device_memory": _device_memory()}

@@ -21,11 +21,18 @@ MODELS = ["resnet18", "resnet50", "mobilenetv2"]
 VARIANTS = ["a", "b", "b'", "c", "d"]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+def test_quick_benchmark(tmp_path):
+    # One test (not several sharing a fixture) so that pytest-xdist runs the benchmark once.
+    proc, out, seconds = _quick_run(tmp_path)
+    _check_outputs(proc, out)
+    _check_every_variant_ran(proc, out)
+    print(f"quick benchmark: {seconds:.0f} s")
+
+
+def _quick_run(out):
     env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)   # --quick then uses its cheap code generation flags
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out),
                            "--name", "smoke"], cwd=ROOT, env=env, capture_output=True,
@@ -33,8 +40,7 @@ def quick_run(tmp_path_factory):
     return proc, out, time.perf_counter() - t0
 
 
-def test_quick_outputs(quick_run):
-    proc, out, seconds = quick_run
+def _check_outputs(proc, out):
     assert (out / "smoke.json").is_file(), proc.stderr[-3000:]
     assert (out / "smoke.md").is_file()
     assert (out / "smoke.png").stat().st_size > 1000
@@ -55,11 +61,9 @@ def test_quick_outputs(quick_run):
             assert b["hlo"]["a"]["fusions_in_blocks"] > 0
             assert b["hlo"]["d"]["fusions_per_block"]
             assert b["fold"]["report_counts"].get("folded", 0) >= mk["info"]["num_bn"]
-    print(f"quick benchmark: {seconds:.0f} s")
 
 
-def test_quick_every_variant_ran(quick_run):
-    proc, out, _ = quick_run
+def _check_every_variant_ran(proc, out):
     result = json.loads((out / "smoke.json").read_text())
     failures = {(mk["key"], b["batch"]): b["errors"] for mk in result["models"]
                 for b in mk["batches"] if b["errors"]}
