@@ -21,7 +21,9 @@ def test_walkthrough_committed_without_outputs():
         if cell.cell_type == "code":
             assert not cell.get("outputs") and cell.get("execution_count") is None, \
                 "commit notebooks/walkthrough.ipynb without outputs"
-    assert "Exporting and folding StableHLO artifacts" in nb.cells[-1].source
+    assert any("Exporting and folding StableHLO artifacts" in c.source for c in nb.cells)
+    assert any("hlofold.export" in c.source for c in nb.cells if c.cell_type == "code")
+    assert any('"fold", src' in c.source for c in nb.cells if c.cell_type == "code")
 
 
 def test_walkthrough_executes(monkeypatch):
