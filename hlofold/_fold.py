@@ -628,6 +628,70 @@ class _Scope:
         sites = [self.site_at_end[i] for i in sorted(self.site_at_end)]
         if not sites:
             return {}
+        # Sites of the same structure and shapes whose rescale is entirely in the graph trace
+        # to the same equations up to renaming: trace one per group, clone it for the rest.
+        groups: dict[Any, list] = {}
+        traced = []
+        for site in sites:
+            key = self._template_key(site)
+            if key is None or key not in groups:
+                traced.append(site)
+            if key is not None:
+                groups.setdefault(key, []).append(site)
+        out = self._traced_site_eqns(traced, new_const)
+        for members in groups.values():
+            first = members[0]
+            atoms = self._site_atoms(first)
+            for site in members[1:]:
+                out[site.end_idx] = _clone_eqns(out[first.end_idx], atoms,
+                                                self._site_atoms(site), first.end_var,
+                                                site.end_var)
+        return out
+
+    def _site_atoms(self, site) -> list:
+        return list(dict.fromkeys(
+            [v for v in site.eqn.invars if isinstance(v, C.Var)] +
+            [st.operand.source for st in site.steps + (site.fwd.steps if site.fwd else [])
+             if isinstance(st, AffineStep) and st.operand is not None
+             and isinstance(st.operand.source, C.Var)] +
+            ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else [])))
+
+    def _template_key(self, site):
+        """A hashable description of everything ``_emit_site`` depends on, for sites whose
+        rescale is entirely in the graph; None when the site is not eligible."""
+        if site.kernel_const is not None or site.s_known is not None or site.fwd is not None:
+            return None
+        atoms = self._site_atoms(site)
+        raw = ([v for v in site.eqn.invars if isinstance(v, C.Var)] +
+               [st.operand.source for st in site.steps if isinstance(st, AffineStep)
+                and st.operand is not None and isinstance(st.operand.source, C.Var)])
+        try:
+            key = (site.eqn.primitive.name, tuple(sorted(site.eqn.params.items())),
+                   tuple((a.aval.shape, str(a.aval.dtype), getattr(a.aval, "weak_type", False))
+                         for a in atoms),
+                   tuple(atoms.index(v) for v in raw),
+                   tuple((st.kind, None if st.operand is None else
+                          (st.operand.source_axis, st.operand.size, tuple(map(str,
+                                                                             st.operand.casts)),
+                           isinstance(st.operand.source, C.Literal) and
+                           repr(st.operand.source.val)))
+                         if isinstance(st, AffineStep) else
+                         (st.eqn.primitive.name, tuple(sorted(st.eqn.params.items())))
+                         for st in site.steps),
+                   (site.info.channel_axis, site.info.kernel_index, site.info.kernel_axis,
+                    site.info.groups), site.end_axis, site.has_shift,
+                   str(site.end_var.aval.dtype), tuple(site.end_var.aval.shape),
+                   self.opts.float32_kernels)
+            hash(key)
+        except TypeError:
+            return None
+        if any(self._operand_value(st.operand) is not None for st in site.steps
+               if isinstance(st, AffineStep) and st.operand is not None):
+            return None
+        return key
+
+    def _traced_site_eqns(self, sites, new_const) -> dict[int, list]:
+        """Trace ``sites`` together and split the equations per site."""
         atoms = list(dict.fromkeys(
             v for site in sites for v in
             [v for v in site.eqn.invars if isinstance(v, C.Var)] +
@@ -864,6 +928,23 @@ def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     used = [v in live for v in jaxpr.constvars]
     new = jaxpr.replace(constvars=[v for v, u in zip(jaxpr.constvars, used) if u], eqns=kept)
     return C.ClosedJaxpr(new, [c for c, u in zip(closed.consts, used) if u])
+
+
+def _clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end) -> list:
+    """``eqns`` (one site's equations, reading ``from_atoms``, ending in ``from_end``) renamed
+    for another site: inputs mapped to ``to_atoms``, fresh variables inside, ``to_end`` out."""
+    ren: dict[Any, Any] = dict(zip(from_atoms, to_atoms))
+    ren[from_end] = to_end
+    out = []
+    for e in eqns:
+        ins = [ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars]
+        outs = []
+        for o in e.outvars:
+            if o not in ren:
+                ren[o] = C.new_var(o.aval)
+            outs.append(ren[o])
+        out.append(e.replace(invars=ins, outvars=outs))
+    return out
 
 
 def _group_matrix_np(vec, out_channels: int, groups: int):

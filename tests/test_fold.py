@@ -457,3 +457,20 @@ def test_report_location_and_json():
     import json
     assert json.loads(rep.to_json())["num_folded"] == 1 == d["num_folded"]
     assert "folded" in str(rep) and "test_fold.py" in str(rep)
+
+
+def test_repeated_blocks_share_one_traced_template():
+    """Sites of identical structure are traced once and cloned: the clones must be valid,
+    distinct equations (every variable defined once) with the right numbers."""
+    from hlofold import examples
+    p = examples.init_resnet(18, width=8)          # stages of 2 identical basic blocks
+    x = jnp.asarray(RNG.standard_normal((2, 32, 32, 3)), jnp.float32)
+    closed = jax.make_jaxpr(examples.resnet_apply)(p, x)
+    leaves = jax.tree.leaves((p, x))
+    new, rep = hlofold.fold_jaxpr(closed)
+    C.check_jaxpr(new.jaxpr)
+    defined = [o for e in new.jaxpr.eqns for o in e.outvars]
+    assert len(defined) == len(set(defined))
+    assert [s.pattern for s in rep.folded].count("conv_affine") == examples.count_bn(p)
+    assert_no_scaling_after_convs(new)
+    assert_close(run(closed, *leaves), run(new, *leaves))
