@@ -25,17 +25,6 @@ def _block_excerpt(text: str, lines_after: int = 7) -> str:
     return "(no convolution found)"
 
 
-def _median_ms(fn, rounds: int) -> float:
-    import numpy as np
-    import jax
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
-
-
 def demo(args) -> int:
     import jax
     import jax.numpy as jnp
@@ -137,7 +126,6 @@ def _atomic_write(path: str, data) -> None:
 
 def _load(path: str):
     import os
-    from ._stablehlo import StableHLOError
     if not os.path.isfile(path):
         raise _UsageError(f"{path}: no such file")
     try:

@@ -21,10 +21,8 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
 DropVar = jex_core.DropVar
-Primitive = jex_core.Primitive
 check_jaxpr = jex_core.check_jaxpr
 jaxpr_as_fun = jex_core.jaxpr_as_fun
-Tracer = _core.Tracer
 
 
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:

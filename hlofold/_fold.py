@@ -361,7 +361,7 @@ class _Scope:
             vals = [None if s.operand is None else self._operand_value(s.operand)
                     for s in fwd.steps]
             if all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None):
-                s_in, t_in = _collapse(fwd.steps, vals, info.in_channels)
+                s_in, t_in = _collapse(_kinds(fwd.steps), vals, info.in_channels)
                 bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_in, (info.in_channels,))))
                 if bad.size:
                     self._refuse(fwd.record, f"input scale s is not finite at {bad.size} "
@@ -384,7 +384,7 @@ class _Scope:
         site.has_shift |= fwd is not None and fwd.has_shift
         op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
         if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
-            s_vec, t_vec = _collapse(affine, op_vals, info.out_channels)
+            s_vec, t_vec = _collapse(_kinds(affine), op_vals, info.out_channels)
             bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_vec, (info.out_channels,))))
             if bad.size:
                 if fwd is not None:
@@ -649,6 +649,7 @@ class _Scope:
         return out
 
     def _site_atoms(self, site) -> list:
+        """The scope variables a folded site's equations read (kernel, input, operands)."""
         return list(dict.fromkeys(
             [v for v in site.eqn.invars if isinstance(v, C.Var)] +
             [st.operand.source for st in site.steps + (site.fwd.steps if site.fwd else [])
@@ -692,13 +693,7 @@ class _Scope:
 
     def _traced_site_eqns(self, sites, new_const) -> dict[int, list]:
         """Trace ``sites`` together and split the equations per site."""
-        atoms = list(dict.fromkeys(
-            v for site in sites for v in
-            [v for v in site.eqn.invars if isinstance(v, C.Var)] +
-            [st.operand.source for st in site.steps + (site.fwd.steps if site.fwd else [])
-             if isinstance(st, AffineStep) and st.operand is not None
-             and isinstance(st.operand.source, C.Var)] +
-            ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else [])))
+        atoms = list(dict.fromkeys(v for site in sites for v in self._site_atoms(site)))
         index = {a: k for k, a in enumerate(atoms)}
 
         def fn(*vals):
@@ -751,7 +746,8 @@ class _Scope:
                         vals = [None if st.operand is None else
                                 self._operand_traced(st.operand, read, cdt)
                                 for st in fwd.steps]
-                        s_in, t_in = _collapse(fwd.steps, vals, info.in_channels, xp=xp)
+                        s_in, t_in = _collapse(_kinds(fwd.steps), vals, info.in_channels,
+                                               xp=xp)
                     nd, ko, ki = len(kernel.aval.shape), info.kernel_axis, fwd.k_in_axis
                     if fwd.has_shift:
                         t2 = _group_matrix_traced(xp.asarray(t_in), info.out_channels,
@@ -764,7 +760,7 @@ class _Scope:
                 else:
                     vals = [None if st.operand is None else
                             self._operand_traced(st.operand, read, cdt) for st in affine]
-                    s, t = _collapse(affine, vals, info.out_channels, xp=xp)
+                    s, t = _collapse(_kinds(affine), vals, info.out_channels, xp=xp)
                 s = xp.asarray(s)
                 if b is not None:
                     t = xp.add(xp.mul(s, b), xp.asarray(t))
@@ -863,30 +859,36 @@ def _jnp(cdt):
     return _ns
 
 
-def _collapse(affine: list[AffineStep], vals: list, channels: int, xp=_np64):
-    """Collapse the absorbed ops into (s, t): vectors of length ``channels`` or scalars.
+def _kinds(steps) -> list[str]:
+    return [st.kind for st in steps]
+
+
+def _collapse(kinds: Sequence[str], vals: list, channels: int, xp=_np64):
+    """Collapse absorbed ops (``kinds``: add/sub/rsub/mul/div/neg, with operand ``vals``)
+    into (s, t): vectors of length ``channels`` or scalars. ``xp`` is the arithmetic: NumPy
+    float64 on the host, ``lax`` in a trace, or StableHLO ops (``hlofold._stablehlo``).
 
     ``None`` stands for the identity (s = 1, t = 0) so no arithmetic is emitted for it.
     """
     s: Any = None
     t: Any = None
-    for st, c in zip(affine, vals):
+    for kind, c in zip(kinds, vals):
         if c is not None:
             c = xp.asarray(c)
-        if st.kind == "add":
+        if kind == "add":
             t = c if t is None else xp.add(t, c)
-        elif st.kind == "sub":
+        elif kind == "sub":
             t = xp.neg(c) if t is None else xp.sub(t, c)
-        elif st.kind == "rsub":
+        elif kind == "rsub":
             s = xp.asarray(-1.0) if s is None else xp.neg(s)
             t = c if t is None else xp.sub(c, t)
-        elif st.kind == "mul":
+        elif kind == "mul":
             s = c if s is None else xp.mul(s, c)
             t = None if t is None else xp.mul(t, c)
-        elif st.kind == "div":
+        elif kind == "div":
             s = xp.div(xp.asarray(1.0), c) if s is None else xp.div(s, c)
             t = None if t is None else xp.div(t, c)
-        elif st.kind == "neg":
+        elif kind == "neg":
             s = xp.asarray(-1.0) if s is None else xp.neg(s)
             t = None if t is None else xp.neg(t)
     s = xp.asarray(1.0) if s is None else s

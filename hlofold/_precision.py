@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat as C
+from ._fold import _subjaxprs
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "checkpoint", "remat",
@@ -63,10 +64,7 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
             else:
                 raise ReferenceUnavailable(f"{prim} without a jaxpr")
         else:
-            if any(isinstance(v, (C.ClosedJaxpr, C.Jaxpr)) or
-                   (isinstance(v, tuple) and any(isinstance(x, (C.ClosedJaxpr, C.Jaxpr))
-                                                 for x in v))
-                   for v in params.values()):
+            if any(True for _ in _subjaxprs(eqn)):
                 raise ReferenceUnavailable(f"{prim} (control flow) is not interpreted")
             if _is_low(params.get("preferred_element_type")):
                 params = {**params, "preferred_element_type": np.dtype(np.float32)}

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
+from ._fold import _collapse
+from ._patterns import _unit_reshape_map
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -190,14 +192,6 @@ class _Evaluator:
         return None
 
 
-def _unit_map(old, new):
-    onu = [i for i, d in enumerate(old) if d != 1]
-    nnu = [i for i, d in enumerate(new) if d != 1]
-    if [old[i] for i in onu] != [new[i] for i in nnu]:
-        return None
-    return dict(zip(onu, nnu))
-
-
 def _resolve(value, out_shape, axis) -> _Operand | str:
     """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``."""
     shape = _shape(value)
@@ -226,7 +220,7 @@ def _resolve(value, out_shape, axis) -> _Operand | str:
             cur = op.operands[0]
         elif name == "stablehlo.reshape":
             src = op.operands[0]
-            m = _unit_map(_shape(src), cshape)
+            m = _unit_reshape_map(_shape(src), cshape)
             if m is None:
                 break
             amap = {i: amap.get(m[i]) if i in m else None for i in range(len(_shape(src)))}
@@ -460,20 +454,7 @@ class _Pass:
             return
         C_out = _shape(root.results[0])[out_axis]
 
-        # operand values: known (float64) or None
-        vals, known = [], True
-        for s in real:
-            if s.kind == "bn":
-                bn_vals = {k: self._vec(s.bn[k], C_out) for k in
-                           ("scale", "offset", "mean", "variance")}
-                vals.append(bn_vals)
-                known &= all(x is not None for x in bn_vals.values())
-            elif s.operand is not None:
-                x = self._operand_np(s.operand)
-                vals.append(x)
-                known &= x is not None
-            else:
-                vals.append(None)
+        known = self._np_chain(real, C_out)      # (kinds, float64 operands) or None
         rec = self._record(root, fname, FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None)
         end_op = steps[-1].op
@@ -483,7 +464,9 @@ class _Pass:
         out_t = end_value.type
         with ir.Location.unknown(), ir.InsertionPoint(end_op):
             if known:
-                s_vec, t_vec = _collapse_np(real, vals, C_out)
+                with np.errstate(all="ignore"):
+                    s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in _collapse(
+                        *known, C_out))
                 bad = np.flatnonzero(~np.isfinite(s_vec))
                 if bad.size:
                     rec.status, rec.reason = REFUSED, (
@@ -492,7 +475,8 @@ class _Pass:
                     return
                 s_val, t_val = s_vec, t_vec
             else:
-                s_val, t_val = self._collapse_ir(real, C_out)
+                s_val, t_val = _collapse(*self._ir_chain(real, C_out), C_out,
+                                         xp=_IrArith(C_out))
             if known and k_np is not None:
                 kp = k_np.astype(np.float64) * _along(s_vec, kaxis, k_np.ndim)
                 with np.errstate(over="ignore", invalid="ignore"):
@@ -574,69 +558,74 @@ class _Pass:
                                               [], ir.F32Type.get()), flat).result,
                                           ir.DenseI64ArrayAttr.get([])).result
 
-    def _collapse_ir(self, steps, c):
-        def const(v):
-            return stablehlo.ConstantOp(_numpy_to_dense(np.full(c, v, np.float32),
-                                                        ir.F32Type.get())).result
-        s = t = None    # None: the identity (s = 1, t = 0), so no op is emitted for it
-        mul = lambda a, b: b if a is None else stablehlo.MulOp(a, b).result
-        neg = lambda a: None if a is None else stablehlo.NegOp(a).result
+    def _np_chain(self, steps, c):
+        """The chain as (kinds, float64 operands), ``batch_norm_inference`` spelled out as
+        sub μ, mul γ/√(σ²+ε), add β; None when an operand is not known at transform time."""
+        kinds, vals = [], []
         for st in steps:
             if st.kind == "bn":
-                vec = {}
-                for k in ("scale", "offset", "mean", "variance"):
-                    v = self._convert(st.bn[k], ir.F32Type.get())
-                    vec[k] = v
-                eps = stablehlo.ConstantOp(_numpy_to_dense(
-                    np.full(c, st.bn["epsilon"], np.float32), ir.F32Type.get())).result
-                inv = stablehlo.RsqrtOp(stablehlo.AddOp(vec["variance"], eps).result).result
-                sc = stablehlo.MulOp(vec["scale"], inv).result
-                s = mul(s, sc)
-                centered = stablehlo.NegOp(vec["mean"]).result if t is None else \
-                    stablehlo.SubtractOp(t, vec["mean"]).result
-                t = stablehlo.AddOp(stablehlo.MulOp(centered, sc).result, vec["offset"]).result
+                v = {k: self._vec(st.bn[k], c) for k in ("scale", "offset", "mean", "variance")}
+                if any(x is None for x in v.values()):
+                    return None
+                with np.errstate(all="ignore"):
+                    sc = v["scale"] / np.sqrt(v["variance"] + st.bn["epsilon"])
+                kinds += ["sub", "mul", "add"]
+                vals += [v["mean"], sc, v["offset"]]
                 continue
-            if st.kind == "neg":
-                s, t = (const(-1.0) if s is None else neg(s)), neg(t)
-                continue
-            x = self._vector_ir(st.operand, c)
-            if st.kind == "add":
-                t = x if t is None else stablehlo.AddOp(t, x).result
-            elif st.kind == "sub":
-                t = stablehlo.NegOp(x).result if t is None else stablehlo.SubtractOp(t, x).result
-            elif st.kind == "rsub":
-                s = const(-1.0) if s is None else neg(s)
-                t = x if t is None else stablehlo.SubtractOp(x, t).result
-            elif st.kind == "mul":
-                s, t = mul(s, x), (None if t is None else stablehlo.MulOp(t, x).result)
-            elif st.kind == "div":
-                s = stablehlo.DivOp(const(1.0), x).result if s is None else \
-                    stablehlo.DivOp(s, x).result
-                t = None if t is None else stablehlo.DivOp(t, x).result
-        return (const(1.0) if s is None else s), (const(0.0) if t is None else t)
+            x = None if st.operand is None else self._operand_np(st.operand)
+            if st.operand is not None and x is None:
+                return None
+            kinds.append(st.kind)
+            vals.append(x)
+        return kinds, vals
 
-
-def _collapse_np(steps, vals, c):
-    s, t = np.ones(c), np.zeros(c)
-    with np.errstate(all="ignore"):
-        for st, x in zip(steps, vals):
+    def _ir_chain(self, steps, c):
+        """The same chain with operands as tensor<c x f32> values in the graph."""
+        f32 = ir.F32Type.get()
+        kinds, vals = [], []
+        for st in steps:
             if st.kind == "bn":
-                sc = x["scale"] / np.sqrt(x["variance"] + st.bn["epsilon"])
-                s, t = s * sc, (t - x["mean"]) * sc + x["offset"]
-            elif st.kind == "neg":
-                s, t = -s, -t
-            elif st.kind == "add":
-                t = t + x
-            elif st.kind == "sub":
-                t = t - x
-            elif st.kind == "rsub":
-                s, t = -s, x - t
-            elif st.kind == "mul":
-                s, t = s * x, t * x
-            elif st.kind == "div":
-                s, t = s / x, t / x
-    return np.broadcast_to(s, (c,)).astype(np.float64), np.broadcast_to(t, (c,)).astype(
-        np.float64)
+                v = {k: self._convert(st.bn[k], f32) for k in
+                     ("scale", "offset", "mean", "variance")}
+                eps = stablehlo.ConstantOp(_numpy_to_dense(
+                    np.full(c, st.bn["epsilon"], np.float32), f32)).result
+                sc = stablehlo.MulOp(v["scale"], stablehlo.RsqrtOp(
+                    stablehlo.AddOp(v["variance"], eps).result).result).result
+                kinds += ["sub", "mul", "add"]
+                vals += [v["mean"], sc, v["offset"]]
+                continue
+            kinds.append(st.kind)
+            vals.append(None if st.operand is None else self._vector_ir(st.operand, c))
+        return kinds, vals
+
+
+class _IrArith:
+    """The arithmetic ``_collapse`` needs, as StableHLO ops on tensor<c x f32> (constants
+    for host values); used inside an insertion point."""
+
+    def __init__(self, c: int):
+        self.c = c
+
+    def asarray(self, x):
+        if isinstance(x, (np.ndarray, float, int)):
+            arr = np.broadcast_to(np.asarray(x, np.float32), (self.c,))
+            return stablehlo.ConstantOp(_numpy_to_dense(arr, ir.F32Type.get())).result
+        return x
+
+    def add(self, a, b):
+        return stablehlo.AddOp(a, b).result
+
+    def sub(self, a, b):
+        return stablehlo.SubtractOp(a, b).result
+
+    def mul(self, a, b):
+        return stablehlo.MulOp(a, b).result
+
+    def div(self, a, b):
+        return stablehlo.DivOp(a, b).result
+
+    def neg(self, a):
+        return stablehlo.NegOp(a).result
 
 
 def _along(vec, axis, ndim):

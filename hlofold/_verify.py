@@ -121,17 +121,12 @@ def accumulation_length(prog, args) -> int:
     best = 1
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
         closed = jax.make_jaxpr(prog)(*args)
+        from ._fold import _subjaxprs
         stack = [closed.jaxpr]
         while stack:
-            j = stack.pop()
-            for e in j.eqns:
+            for e in stack.pop().eqns:
                 best = max(best, _eqn_acc(e))
-                for v in e.params.values():
-                    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-                        if isinstance(x, C.ClosedJaxpr):
-                            stack.append(x.jaxpr)
-                        elif isinstance(x, C.Jaxpr):
-                            stack.append(x)
+                stack.extend(_subjaxprs(e))
         return best
     from ._artifacts import read_artifact
     ir = C.mlir()[0]

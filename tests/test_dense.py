@@ -4,11 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
 import hlofold
-import hlofold._compat as C
 from tests.helpers import assert_close, assert_no_scaling_after_convs, primitives
 
 RNG = np.random.default_rng(3)

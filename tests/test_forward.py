@@ -9,7 +9,7 @@ from jax import lax
 
 import hlofold
 import hlofold._compat as C
-from tests.helpers import assert_close, conv_consumers, primitives
+from tests.helpers import assert_close, conv_consumers
 
 RNG = np.random.default_rng(7)
 
@@ -68,7 +68,6 @@ def test_valid_convs(case):
     for new, rep in fold_check(f, x, k, mean, std, folds=1, freeze_from=1):
         site = rep.folded[0]
         assert site.pattern == "affine_conv" and site.absorbed == ["sub", "div"]
-        prims = primitives(new)
         # the conv reads x itself: nothing between the input and the conv
         conv = next(e for e in new.jaxpr.eqns if e.primitive.name == "conv_general_dilated")
         assert conv.invars[0] is new.jaxpr.invars[0]
