@@ -32,7 +32,8 @@ from ._report import FOLDED, FoldReport
 
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
-         cache_prepared: bool = True, float32_kernels: bool = False, verify: bool = False):
+         cache_prepared: bool = True, float32_kernels: bool = False, verify: bool = False,
+         in_graph: bool = False):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
     Args:
@@ -55,16 +56,26 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         warns (``RuntimeWarning`` naming the folded sites, ``file:line``) and runs the
         original program for that signature from then on. Calls whose inputs are tracers
         (under an enclosing transformation) are not verified.
+      in_graph: what a call under an enclosing transformation (``jax.jit(fold(f))``,
+        ``vmap``) does with sites whose parameters are traced, so that ``K ⊙ s`` would be
+        recomputed on every call. ``False`` (default): leave them unfolded — the program is
+        the original one there, never slower (on XLA:CPU the rescale costs more than it
+        saves); :meth:`traced_report` says so per site. To fold everything under your own
+        jit, prepare outside it: ``sp = folded.split(params, x)``, ``prepared =
+        sp.prepare(params, x)``, then ``jax.jit(lambda p, x: sp.apply(p, params, x))``.
+        ``True``: rescale in the graph, each site guarded at run time (a non-finite folded
+        kernel or bias runs the original equations); fp16/fp8 kernels stay unfolded there.
 
     Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
     """
     if fun is None:
         return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
                                  static_argnames=static_argnames, cache_prepared=cache_prepared,
-                                 float32_kernels=float32_kernels, verify=verify)
+                                 float32_kernels=float32_kernels, verify=verify,
+                                 in_graph=in_graph)
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
                   static_argnames=static_argnames, cache_prepared=cache_prepared,
-                  float32_kernels=float32_kernels, verify=verify)
+                  float32_kernels=float32_kernels, verify=verify, in_graph=in_graph)
 
 
 _UNFOLDED = object()
@@ -132,8 +143,9 @@ def _leaf_key(x):
     """Cheap per-call signature of one input: shape, dtype, weak type (or Python type), and
     the sharding where it is part of the type (explicit mesh axes)."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None or C.is_tracer(x):
-        return C.shape_struct(C.aval_of(x))
+    if dtype is None or C.is_tracer(x):   # the same key as a concrete array of that type
+        a = C.aval_of(x)
+        return (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
     key = (x.shape, dtype, bool(getattr(x, "weak_type", False)))
     sh = _explicit_sharding(x)
     return key if sh is None else key + (sh,)
@@ -147,6 +159,33 @@ def _trace_struct(x) -> jax.ShapeDtypeStruct:
     if sh is None:
         return st
     return jax.ShapeDtypeStruct(st.shape, st.dtype, weak_type=st.weak_type, sharding=sh)
+
+
+def _check_not_deleted(arrays) -> None:
+    for a in arrays:
+        if isinstance(a, jax.Array) and a.is_deleted():
+            raise RuntimeError(f"hlofold: an input array has been deleted or donated "
+                               f"(shape={a.shape}, dtype={a.dtype}); jax.jit would raise too")
+
+
+def _frozen_leaf_key(x):
+    """Cache key of one frozen value: arrays by identity (jax.Array is immutable; NumPy
+    arrays are compared by content on every call, see ``_same_contents``), Python scalars
+    by type and value."""
+    if isinstance(x, (bool, int, float, complex, str, type(None))):
+        return (type(x), x)
+    _check_not_deleted([x])
+    return (type(x), id(x))
+
+
+def _same_contents(copies, leaves) -> bool:
+    """Whether every frozen NumPy array still holds the values it was folded with."""
+    for i, c in copies:
+        x = leaves[i]
+        if x.shape != c.shape or x.dtype != c.dtype or not np.array_equal(
+                x, c, equal_nan=bool(np.issubdtype(c.dtype, np.inexact))):
+            return False
+    return True
 
 
 def _as_tuple(x) -> tuple:
@@ -208,6 +247,7 @@ class _Program:
     leaf_names: list[str]
     out_tree: Any
     full: Callable                 # jitted folded program (in-graph rescale)
+    fold_args: dict                # invar/const names, to fold the original in another mode
     known_idx: list[int]
     unknown_idx: list[int]
     prepare: Callable | None
@@ -215,18 +255,23 @@ class _Program:
     prepare_jaxpr: C.ClosedJaxpr | None = None
     apply_jaxpr: C.ClosedJaxpr | None = None
     frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
+    frozen_copies: tuple = ()      # (index, copy) of frozen NumPy arrays: checked every call
+    donated: tuple = ()            # flat input positions donated (from a jitted input)
     unfolded: Callable | None = None  # the original program, for fail-closed fallback
+    reference: Callable | None = None  # the original program without donation (verify)
     cached: tuple | None = None    # (known leaves, prepared values)
     verified: bool | None = None   # verify=True: None until the first call compared
+    variants: dict = dataclasses.field(default_factory=dict)   # in_graph mode -> (jaxpr, report)
 
 
 class Folded:
     """A folded inference function (see :func:`fold`)."""
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
-                 float32_kernels=False, verify=False):
+                 float32_kernels=False, verify=False, in_graph=False):
         self._float32_kernels = float32_kernels
         self._verify = verify
+        self.in_graph = bool(in_graph)
         ji = C.jit_info(fun)
         self._fun = fun
         self._py = ji[0] if ji else fun
@@ -238,10 +283,13 @@ class Folded:
             self._sig = None
         self._static = self._to_names(sa | sn, "static")
         self._freeze = self._to_names(set(_as_tuple(freeze)), "freeze")
+        # donation of a jitted input is kept for the per-call inputs it names
+        self._donate = self._to_names(set(ji[3]) | set(ji[4]), "donate") if ji else frozenset()
         self._cache = cache_prepared
         self._programs: dict[Any, _Program] = {}
         self._failed: set = set()      # verify=True: signatures whose fold was found wrong
         functools.update_wrapper(self, self._py)
+        self.__wrapped__ = fun        # the function as given (jitted or not)
 
     # ---- argument handling
 
@@ -306,13 +354,21 @@ class Folded:
             leaves, tree = jax.tree_util.tree_flatten(dynamic)
             frz_leaves = []
         avals = tuple(_leaf_key(l) for l in leaves)
+        # As strict as jax.jit: static values by type and value, frozen values by pytree
+        # structure (dict keys, static fields of modules) and identity or value.
         try:
-            static_key = tuple(sorted(static.items()))
-            hash(static_key)
+            static_key = tuple((k, type(v), v) for k, v in sorted(static.items(),
+                                                                   key=lambda kv: kv[0]))
+            frz_key = (jax.tree_util.tree_structure(frozen),
+                       tuple(_frozen_leaf_key(x) for x in frz_leaves))
+            key = (tree, avals, static_key, frz_key)
+            hash(key)
         except TypeError as e:
-            raise TypeError(f"hlofold.fold: static arguments must be hashable: {e}") from None
-        key = (tree, avals, static_key, tuple(frozen), tuple(id(x) for x in frz_leaves))
+            raise TypeError(f"hlofold.fold: static arguments (and the static fields of frozen "
+                            f"arguments) must be hashable: {e}") from None
         prog = self._programs.get(key)
+        if prog is not None and not _same_contents(prog.frozen_copies, frz_leaves):
+            prog = None           # a frozen NumPy array was changed in place: fold again
         if prog is None:
             leaves_p = jax.tree_util.tree_flatten_with_path(dynamic)[0]
             prog = self._build(key, arguments, static, frozen, leaves_p, tree, frz_leaves)
@@ -338,8 +394,10 @@ class Folded:
         by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
         const_names = [by_id.get(id(c)) for c in closed.consts]
         folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names,
-                                    float32_kernels=self._float32_kernels)
-        full = jax.jit(C.jaxpr_as_fun(folded))
+                                    float32_kernels=self._float32_kernels, in_graph="prepared")
+        donated = tuple(i for i, (p, _) in enumerate(leaves_p)
+                        if p and getattr(p[0], "key", None) in self._donate)
+        full = jax.jit(C.jaxpr_as_fun(folded), donate_argnums=donated)
 
         # Inputs feeding a kernel rescale in the graph are "prepared" once per value.
         needed = set()
@@ -357,10 +415,17 @@ class Folded:
                 folded, unknowns, [True] * len(folded.jaxpr.outvars))
             assert all(out_uk), "every output is instantiated in the apply part"
             prepare = _with_finite_flag(C.jaxpr_as_fun(known_j))
-            apply = jax.jit(C.jaxpr_as_fun(unknown_j))
-        return _Program(key, closed, folded, report, names, out_tree, full, known_idx,
+            n_res = len(unknown_j.jaxpr.invars) - len(unknown_idx)
+            apply = jax.jit(C.jaxpr_as_fun(unknown_j), donate_argnums=tuple(
+                n_res + j for j, i in enumerate(unknown_idx) if i in donated))
+        return _Program(key, closed, folded, report, names, out_tree, full,
+                        {"invar_names": names, "const_names": const_names}, known_idx,
                         unknown_idx, prepare, apply, known_j, unknown_j,
-                        frozen_refs=tuple(frz_leaves))
+                        frozen_refs=tuple(frz_leaves),
+                        frozen_copies=tuple((i, np.array(x, copy=True))
+                                            for i, x in enumerate(frz_leaves)
+                                            if isinstance(x, np.ndarray)),
+                        donated=donated)
 
     def _leaf_name(self, path) -> str:
         if not path:
@@ -394,12 +459,23 @@ class Folded:
             {k: v for k, v in arguments.items() if k not in self._static})
         return (tree, tuple((tuple(np.shape(l)), str(getattr(l, "dtype", type(l))))
                             for l in leaves),
-                tuple(sorted((k, v) for k, v in arguments.items() if k in self._static)))
+                tuple((k, type(v), v) for k, v in sorted(arguments.items(),
+                                                          key=lambda kv: kv[0])
+                      if k in self._static))
 
     def _unfolded(self, prog: _Program) -> Callable:
         if prog.unfolded is None:
-            prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original))
+            prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original),
+                                    donate_argnums=prog.donated)
         return prog.unfolded
+
+    def _reference(self, prog: _Program) -> Callable:
+        """The original program, never donating (verify runs it before the folded one)."""
+        if not prog.donated:
+            return self._unfolded(prog)
+        if prog.reference is None:
+            prog.reference = jax.jit(C.jaxpr_as_fun(prog.original))
+        return prog.reference
 
     def _call_leaves(self, prog: _Program, leaves: list) -> list:
         tracing = any(C.is_tracer(x) for x in leaves)
@@ -407,15 +483,14 @@ class Folded:
             if tracing:
                 return list(C.jaxpr_as_fun(prog.original)(*leaves))
             return list(self._unfolded(prog)(*leaves))
-        outs = self._call_folded(prog, leaves, tracing)
         if self._verify and prog.verified is None and not tracing:
-            outs = self._verify_call(prog, leaves, outs)
-        return outs
+            ref = list(self._reference(prog)(*leaves))   # first: the folded call may donate
+            return self._verify_call(prog, ref, self._call_folded(prog, leaves, tracing))
+        return self._call_folded(prog, leaves, tracing)
 
-    def _verify_call(self, prog: _Program, leaves: list, outs: list) -> list:
+    def _verify_call(self, prog: _Program, ref: list, outs: list) -> list:
         """Compare the folded outputs with the original program's on these inputs; on a
         mismatch warn and switch this signature to the original program."""
-        ref = list(self._unfolded(prog)(*leaves))
         bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
                if (why := _mismatch(r, o)) is not None]
         prog.verified = not bad
@@ -430,9 +505,19 @@ class Folded:
             RuntimeWarning, stacklevel=4)
         return ref
 
+    def _variant(self, prog: _Program, mode: str) -> tuple[C.ClosedJaxpr, FoldReport]:
+        """The original program folded with ``in_graph=mode`` (see :func:`fold_jaxpr`)."""
+        if mode not in prog.variants:
+            prog.variants[mode] = fold_jaxpr(prog.original, **prog.fold_args, in_graph=mode,
+                                             float32_kernels=self._float32_kernels)
+        return prog.variants[mode]
+
+    def _traced_mode(self) -> str:
+        return "guarded" if self.in_graph else "never"
+
     def _call_folded(self, prog: _Program, leaves: list, tracing: bool) -> list:
         if tracing:
-            outs = C.jaxpr_as_fun(prog.folded)(*leaves)
+            outs = C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])(*leaves)
         elif prog.prepare is None:
             outs = prog.full(*leaves)
         else:
@@ -441,6 +526,7 @@ class Folded:
             cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
             if cacheable and prog.cached is not None and len(prog.cached[0]) == len(known) \
                     and all(a is b for a, b in zip(prog.cached[0], known)):
+                _check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
                 prepared = prog.cached[1]
             if prepared is None:
                 prepared, finite = prog.prepare(*known)
@@ -461,8 +547,14 @@ class Folded:
         return list(outs)
 
     def report(self, *args, **kwargs) -> FoldReport:
-        """The fold report for this input signature."""
+        """The fold report for this input signature (direct calls)."""
         return self._program_for(args, kwargs)[0].report
+
+    def traced_report(self, *args, **kwargs) -> FoldReport:
+        """What a call under an enclosing transformation (``jax.jit(folded)``) folds, for
+        inputs of this signature: sites whose parameters would be traced there are reported
+        unfolded with the reason (``in_graph=False``) or guarded in the graph (``True``)."""
+        return self._variant(self._program_for(args, kwargs)[0], self._traced_mode())[1]
 
     def measure_precision(self, *args, **kwargs) -> dict:
         """Error of the unfolded and the folded program against a float32 reference of the
@@ -483,9 +575,10 @@ class Folded:
         return self._program_for(args, kwargs)[0].original
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """The folded program (in-graph rescale for input params), lowered for these args."""
+        """The folded program, lowered for these args: input parameters are rescaled in the
+        graph, each such site guarded at run time (see ``in_graph`` of :func:`fold_jaxpr`)."""
         prog, leaves = self._program_for(args, kwargs)
-        return prog.full.lower(*leaves)
+        return jax.jit(C.jaxpr_as_fun(self._variant(prog, "guarded")[0])).lower(*leaves)
 
     def split(self, *args, **kwargs) -> Split:
         """The prepare/apply split for this input signature (see :class:`Split`)."""

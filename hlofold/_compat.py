@@ -94,14 +94,17 @@ def partial_eval(closed: ClosedJaxpr, unknowns: Sequence[bool],
     return _pe.partial_eval_jaxpr_nounits(closed, list(unknowns), list(instantiate))
 
 
-def jit_info(fun: Callable) -> tuple[Callable, tuple[int, ...], tuple[str, ...]] | None:
+def jit_info(fun: Callable) -> tuple[Callable, tuple[int, ...], tuple[str, ...],
+                                     tuple[int, ...], tuple[str, ...]] | None:
     """For a ``jax.jit``-wrapped function: (wrapped python function, static_argnums,
-    static_argnames). ``None`` for anything else."""
+    static_argnames, donate_argnums, donate_argnames). ``None`` for anything else."""
     info = getattr(fun, "_jit_info", None)
     inner = getattr(fun, "_fun", None)
     if info is None or inner is None:
         return None
-    return inner, tuple(info.static_argnums or ()), tuple(info.static_argnames or ())
+    return (inner, tuple(info.static_argnums or ()), tuple(info.static_argnames or ()),
+            tuple(getattr(info, "donate_argnums", None) or ()),
+            tuple(getattr(info, "donate_argnames", None) or ()))
 
 
 def is_tracer(x: Any) -> bool:

@@ -13,8 +13,13 @@ def _nothing_frozen(freeze) -> bool:
 
 
 def _folded(f: Callable, freeze, kw) -> Folded:
-    if isinstance(f, Folded) and _nothing_frozen(freeze) and not kw:
-        return f
+    """``f`` folded for an artifact: parameters that are arguments of the artifact are
+    rescaled in its graph (guarded), so ``in_graph`` defaults to True here."""
+    kw = {"in_graph": True, **kw}
+    if isinstance(f, Folded):
+        if _nothing_frozen(freeze) and f.in_graph == kw["in_graph"] and len(kw) == 1:
+            return f
+        f = f.__wrapped__
     return fold(f, freeze=() if freeze is None else freeze, **kw)
 
 

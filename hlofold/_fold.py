@@ -31,6 +31,7 @@ from . import _compat as C
 from ._patterns import (PATTERNS, FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
                         PassStep, Refusal, RootInfo, affine_step, pass_step)
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+from ._rules import precision_refusal, rounding_refusal, runtime_refusal, scale_refusal
 
 # Largest constant sub-computation evaluated at transform time (elements per output).
 _MAX_CONST_EVAL = 1 << 26
@@ -40,7 +41,8 @@ _CALL_NAMES = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_c
 
 def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = None,
                const_names: Sequence[str] | None = None,
-               float32_kernels: bool = False) -> tuple[C.ClosedJaxpr, FoldReport]:
+               float32_kernels: bool = False,
+               in_graph: str = "guarded") -> tuple[C.ClosedJaxpr, FoldReport]:
     """Fold every conv → per-channel-affine chain of ``closed``.
 
     Args:
@@ -51,10 +53,24 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
       float32_kernels: keep folded kernels of bf16/fp16 convolutions in float32 and run those
         convolutions in float32 (more accurate, slower); by default ``K ⊙ s`` is computed in
         float32 (float64 for constants) and rounded once to the kernel dtype.
+      in_graph: what to do with a site whose parameters are not known at transform time, so
+        that ``K ⊙ s`` has to be computed in the program:
+
+        * ``"guarded"`` (default): fold, and guard the site at run time — when the rescaled
+          kernel or the bias is not finite (σ² = 0 with ε = 0, an inf γ, an overflow), the
+          site runs its original equations instead. Kernels of a narrower range than
+          float32 (fp16, fp8) are refused: their rounding cannot be checked in the graph.
+        * ``"prepared"``: fold without a guard; the caller computes the parameter-only part
+          once and checks it (what :func:`hlofold.fold` does with its prepare step).
+        * ``"never"``: leave such sites unfolded (reported with the reason). The rescale
+          would run on every call, which costs more than it saves where the backend already
+          fuses the BatchNorm epilogue into the convolution (XLA:CPU).
 
     Returns ``(folded, report)``. ``folded`` has the same inputs and outputs as ``closed``;
     when nothing folds it *is* ``closed``.
     """
+    if in_graph not in IN_GRAPH_MODES:
+        raise ValueError(f"in_graph must be one of {IN_GRAPH_MODES}, got {in_graph!r}")
     if isinstance(closed, C.Jaxpr):
         closed = C.ClosedJaxpr(closed, ())
     if not isinstance(closed, C.ClosedJaxpr):
@@ -70,13 +86,23 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
                    known_in=[_NONE] * n_in,
                    names_in=[_const(frozenset({n})) for n in names],
                    const_names=cnames, path="top", sites=sites,
-                   opts=_Options(float32_kernels=float32_kernels))
+                   opts=_Options(float32_kernels=float32_kernels, in_graph=in_graph))
     return scope.fold(), FoldReport(sites)
+
+
+IN_GRAPH_MODES = ("guarded", "prepared", "never")
+# name scope of the run-time guard of a site (a ``cond``: folded | original equations); a
+# guard is already folded, so folding again leaves it alone (idempotence)
+GUARD_SCOPE = "hlofold_guard"
+NOT_PREPARED = ("the parameters are not known at transform time (traced under an enclosing "
+                "transformation), so K·s would be recomputed on every call; left unfolded — "
+                "prepare outside your jit (Folded.split) or pass in_graph=True")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
     float32_kernels: bool = False
+    in_graph: str = "guarded"
 
 
 def _NONE():
@@ -106,6 +132,7 @@ class _Site:
     has_shift: bool = False
     t_traced: Any = None                       # t computed in the graph (set while emitting)
     fwd: "_Forward | None" = None              # affine folded in from *before* the root
+    guard: bool = False                        # run-time check, original equations as fallback
 
 
 @dataclasses.dataclass
@@ -232,6 +259,10 @@ class _Scope:
                 # explicitly (refusals name it); NumPy's own warnings would only be noise
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                     changed |= self._plan_site(i, eqn, pattern)
+            elif is_guard(eqn):         # an already folded site: reported, never changed
+                branch = eqn.params["branches"][1]
+                self._child(branch, eqn.invars[1:], [False] * len(branch.jaxpr.invars),
+                            "guard")
             elif _contains_root(eqn):       # nested jaxprs without a root are left as they are
                 changed |= self._plan_nested(i, eqn)
         if not changed:
@@ -349,6 +380,24 @@ class _Scope:
             rec.note = f"chain stopped: {stop}" if stop else None
         if fwd is not None:
             fwd.record.kernel = ", ".join(kernel_names) or None
+        kd = self._kernel_dtype(kernel)
+        hint = ("" if self.opts.float32_kernels or kd.itemsize >= 4 else
+                "; fold with float32_kernels=True to keep a float32 kernel")
+        if backward:
+            why = precision_refusal(kd, [eqn.outvars[0].aval.dtype] +
+                                    [st.eqn.outvars[0].aval.dtype for st in steps], hint)
+            if why:
+                if fwd is not None:
+                    self._refuse(fwd.record, "the fold after the root is refused")
+                return self._refuse(rec, why)
+        if fwd is not None:
+            why = precision_refusal(kd, [st.eqn.outvars[0].aval.dtype for st in fwd.steps],
+                                    hint)
+            if why:
+                self._refuse(fwd.record, why)
+                if not backward:
+                    return False
+                fwd = None
         end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
         site = _Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
                      has_shift=any(s.kind in ("add", "sub", "rsub") for s in affine), fwd=fwd)
@@ -362,10 +411,9 @@ class _Scope:
                     for s in fwd.steps]
             if all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None):
                 s_in, t_in = _collapse(_kinds(fwd.steps), vals, info.in_channels)
-                bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_in, (info.in_channels,))))
-                if bad.size:
-                    self._refuse(fwd.record, f"input scale s is not finite at {bad.size} "
-                                             f"channel(s) (first: {bad[:5].tolist()})")
+                why = scale_refusal(s_in, "input scale s")
+                if why:
+                    self._refuse(fwd.record, why)
                     if not backward:
                         return False
                     site.fwd = fwd = None
@@ -385,41 +433,36 @@ class _Scope:
         op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
         if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
             s_vec, t_vec = _collapse(_kinds(affine), op_vals, info.out_channels)
-            bad = np.flatnonzero(~np.isfinite(np.broadcast_to(s_vec, (info.out_channels,))))
-            if bad.size:
+            why = scale_refusal(s_vec)
+            if why:
                 if fwd is not None:
                     self._refuse(fwd.record, "the scale after the root is not finite")
-                return self._refuse(rec, f"scale s is not finite at {bad.size} channel(s) "
-                                         f"(first: {bad[:5].tolist()}); folding would turn "
-                                         "0·inf into NaN")
+                return self._refuse(rec, why)
             site.s_known, site.t_known = s_vec, t_vec
             if k64 is not None and (fwd is None or fwd.s_known is not None):
-                kd = self._kernel_dtype(kernel)
                 kp = k64 * _along(s_vec, info.kernel_axis, k64.ndim)
+                why = rounding_refusal(kp, kd, info.kernel_axis)
+                if why:
+                    if fwd is not None:
+                        self._refuse(fwd.record, "the rescaled kernel is refused")
+                    return self._refuse(rec, why)
                 with np.errstate(over="ignore", invalid="ignore"):
                     kp_cast = kp.astype(kd)
-                overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
-                if overflow.any():
-                    if fwd is not None:
-                        self._refuse(fwd.record, "the rescaled kernel overflows")
-                    return self._refuse(rec, f"the rescaled kernel overflows {kd} at "
-                                             f"{int(overflow.sum())} element(s)")
-                lost = _underflowing_channels(kp, kp_cast, info.kernel_axis)
-                if lost.size:
-                    if fwd is not None:
-                        self._refuse(fwd.record, "the rescaled kernel underflows")
-                    return self._refuse(rec, f"the rescaled kernel underflows {kd} in "
-                                             f"{lost.size} output channel(s) (first: "
-                                             f"{lost[:5].tolist()}): K·s falls below the "
-                                             f"{kd} normal range (unfolded, conv·s is "
-                                             "rounded instead)")
                 site.kernel_const = kp_cast
                 if b64 is not None:
                     site.t_known = s_vec * b64 + t_vec
         rescale = "constant" if site.kernel_const is not None else "in-graph"
+        if rescale == "in-graph" and self.opts.in_graph != "prepared":
+            why = NOT_PREPARED if self.opts.in_graph == "never" else runtime_refusal(kd)
+            if why:
+                if fwd is not None:
+                    self._refuse(fwd.record, why)
+                return self._refuse(rec, why)
+            # the scale is only known at run time: check it there
+            site.guard = site.s_known is None or (fwd is not None and fwd.s_known is None)
         for r in (rec, fwd.record if fwd is not None else None):
             if r is not None:
-                r.rescale = rescale
+                r.rescale, r.guarded = rescale, site.guard
 
         if steps:
             self.skip.add(i)
@@ -485,7 +528,7 @@ class _Scope:
 
     def _refuse(self, rec: FoldSite | None, reason: str) -> bool:
         if rec is not None:
-            rec.status, rec.reason, rec.rescale = REFUSED, reason, None
+            rec.status, rec.reason, rec.rescale, rec.guarded = REFUSED, reason, None, False
         return False
 
     def _operand_value(self, op: ChannelOperand):
@@ -649,18 +692,23 @@ class _Scope:
         return out
 
     def _site_atoms(self, site) -> list:
-        """The scope variables a folded site's equations read (kernel, input, operands)."""
+        """The scope variables a folded site's equations read (kernel, input, operands; for
+        a guarded site also every operand of its original equations)."""
+        internal = {site.eqn.outvars[0]} | {st.eqn.outvars[0] for st in site.steps}
         return list(dict.fromkeys(
             [v for v in site.eqn.invars if isinstance(v, C.Var)] +
             [st.operand.source for st in site.steps + (site.fwd.steps if site.fwd else [])
              if isinstance(st, AffineStep) and st.operand is not None
              and isinstance(st.operand.source, C.Var)] +
-            ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else [])))
+            ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else []) +
+            ([v for st in site.steps for v in st.eqn.invars
+              if isinstance(v, C.Var) and v not in internal] if site.guard else [])))
 
     def _template_key(self, site):
         """A hashable description of everything ``_emit_site`` depends on, for sites whose
         rescale is entirely in the graph; None when the site is not eligible."""
-        if site.kernel_const is not None or site.s_known is not None or site.fwd is not None:
+        if site.kernel_const is not None or site.s_known is not None or site.fwd is not None \
+                or site.guard:
             return None
         atoms = self._site_atoms(site)
         raw = ([v for v in site.eqn.invars if isinstance(v, C.Var)] +
@@ -766,6 +814,32 @@ class _Scope:
                     t = xp.add(xp.mul(s, b), xp.asarray(t))
                 kp = xp.mul(kc, _along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
                 kp = _cast(kp, self._kernel_dtype(kernel))
+            if site.guard:
+                # run-time check of what transform time could not see (σ² = 0, inf γ,
+                # overflow): a non-finite kernel or bias runs the site's original equations
+                ok = _all_finite(kp)
+                if site.has_shift and not isinstance(t, np.ndarray):
+                    ok = lax.bitwise_and(ok, _all_finite(_cast(t, end_dtype)))
+                with jax.named_scope(GUARD_SCOPE):
+                    return lax.cond(ok, lambda: self._folded_value(site, read, kp, t),
+                                    lambda: self._original_value(site, read))
+            return self._folded_value(site, read, kp, t)
+
+    def _original_value(self, site: _Site, read):
+        """The site's original equations, replayed (the guard's fallback)."""
+        y = C.bind_eqn(site.eqn, [read(v) for v in site.eqn.invars])[0]
+        prev = site.eqn.outvars[0]
+        for st in site.steps:
+            y = C.bind_eqn(st.eqn, [y if v is prev else read(v) for v in st.eqn.invars])[0]
+            prev = st.eqn.outvars[0]
+        return y
+
+    def _folded_value(self, site: _Site, read, kp, t):
+        """``root(x, kp)``, the chain's shape ops replayed, plus the bias ``t``."""
+        eqn, info, fwd = site.eqn, site.info, site.fwd
+        kernel = eqn.invars[info.kernel_index]
+        end_dtype = np.dtype(site.end_var.aval.dtype)
+        with C.source_of(eqn):
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
             if fwd is not None:
@@ -900,19 +974,14 @@ def _collapse(kinds: Sequence[str], vals: list, channels: int, xp=_np64):
     return s, t
 
 
-def _underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.ndarray:
-    """Output channels whose rescaled kernel slice loses more to rounding than rounding to
-    normal numbers can lose (4 ulps, L1-relative): ``K·s`` fell into the subnormal range or
-    to zero, e.g. a tiny BN scale in fp16. Rounding normal numbers loses at most half an ulp,
-    so only underflow is flagged, never ordinary rounding."""
-    if kp.size == 0:
-        return np.zeros(0, np.int64)
-    eps = float(jax.numpy.finfo(kp_cast.dtype).eps)
-    axes = tuple(a for a in range(kp.ndim) if a != axis)
-    with np.errstate(invalid="ignore", over="ignore"):
-        err = np.sum(np.abs(kp_cast.astype(np.float64) - kp), axis=axes)
-        norm = np.sum(np.abs(kp), axis=axes)
-        return np.flatnonzero((norm > 0) & (err > 4 * eps * norm))
+def is_guard(eqn) -> bool:
+    """Whether ``eqn`` is the run-time guard of a folded site."""
+    return eqn.primitive.name == "cond" and GUARD_SCOPE in C.name_stack(eqn)
+
+
+def _all_finite(x):
+    f = lax.is_finite(x)
+    return lax.reduce_and(f, tuple(range(f.ndim))) if f.ndim else f
 
 
 def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

@@ -31,6 +31,7 @@ class FoldSite:
     dtype: str = ""
     absorbed: list[str] = dataclasses.field(default_factory=list)   # e.g. ["sub", "mul", "add"]
     rescale: str | None = None        # "constant" (at transform time) or "in-graph" (input params)
+    guarded: bool = False             # in-graph: checked at run time, original ops as fallback
     params: list[str] = dataclasses.field(default_factory=list)     # pytree paths of absorbed operands
     kernel: str | None = None         # pytree path of the kernel, when it is an input
     reason: str | None = None         # why not folded
@@ -111,7 +112,7 @@ class FoldReport:
                 loc = f"{s.file.rsplit('/', 1)[-1]}:{s.line}"
             note = s.reason or _compact(s.params) or (s.note or "")
             rows.append((str(i), s.status, _short(s.primitive), s.layout, ch, "·".join(s.absorbed),
-                         s.rescale or "", loc, note))
+                         (s.rescale or "") + ("+guard" if s.guarded else ""), loc, note))
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
         lines = [head]
         for r in rows:

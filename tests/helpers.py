@@ -8,16 +8,21 @@ import hlofold._compat as C
 SCALING = {"mul", "sub", "div", "neg"}
 
 
-def walk_eqns(closed):
-    """Every equation of ``closed`` and of every jaxpr nested in it."""
+def walk_eqns(closed, fallbacks=False):
+    """Every equation of ``closed`` and of every jaxpr nested in it; the fallback branch of
+    a folded site's run-time guard (its original equations) only with ``fallbacks``."""
+    from hlofold._fold import is_guard
     jaxpr = closed.jaxpr if isinstance(closed, C.ClosedJaxpr) else closed
     for eqn in jaxpr.eqns:
         yield eqn, jaxpr
+        if is_guard(eqn) and not fallbacks:
+            yield from walk_eqns(eqn.params["branches"][1])
+            continue
         for v in eqn.params.values():
             subs = v if isinstance(v, (tuple, list)) else [v]
             for s in subs:
                 if isinstance(s, (C.ClosedJaxpr, C.Jaxpr)):
-                    yield from walk_eqns(s)
+                    yield from walk_eqns(s, fallbacks)
 
 
 def conv_consumers(closed, root="conv_general_dilated"):

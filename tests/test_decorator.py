@@ -102,13 +102,40 @@ def test_static_argnums_of_jitted_input_and_pytree_io():
 
 
 def test_inside_enclosing_jit_and_vmap():
+    """Under the user's jit the parameters are tracers: by default the sites stay unfolded
+    (the rescale would run every call) and the traced report says why; in_graph=True
+    rescales in the graph, guarded."""
     ff = hlofold.fold(examples.resnet_apply)
     outer = jax.jit(lambda p, x: ff(p, x) + 1)
     assert_close(REF + 1, outer(P, X))
+    rep = ff.traced_report(P, X)
+    assert rep.num_folded == 0 and rep.num_refused == NBN + 1, str(rep)
+    assert all("prepare outside your jit" in s.reason for s in rep.refused)
+    assert ff.report(P, X).num_folded == NBN + 1    # direct calls fold (prepare step)
     jaxpr = jax.make_jaxpr(lambda p, x: ff(p, x))(P, X)
-    assert_no_scaling_after_convs(jaxpr)            # in-graph rescale on the kernel only
+    assert primitives(jaxpr) == primitives(jax.make_jaxpr(examples.resnet_apply)(P, X))
     v = jax.vmap(lambda x: ff(P, x[None])[0])(X)
     assert_close(REF, v)
+
+    fg = hlofold.fold(examples.resnet_apply, in_graph=True)
+    assert_close(REF + 1, jax.jit(lambda p, x: fg(p, x) + 1)(P, X))
+    rep = fg.traced_report(P, X)
+    assert rep.num_folded == NBN + 1 and all(s.guarded for s in rep.folded), str(rep)
+    jaxpr = jax.make_jaxpr(lambda p, x: fg(p, x))(P, X)
+    assert_no_scaling_after_convs(jaxpr)            # in-graph rescale on the kernel only
+    assert primitives(jaxpr).count("cond") == NBN + 1   # one run-time guard per site
+
+
+def test_split_folds_everything_under_the_users_jit():
+    """The documented way to fold every site under your own jit: prepare outside it."""
+    ff = hlofold.fold(examples.resnet_apply)
+    sp = ff.split(P, X)
+    prepared = sp.prepare(P, X)
+    apply = jax.jit(lambda pr, x: sp.apply(pr, P, x))
+    assert_close(REF, apply(prepared, X))
+    jaxpr = jax.make_jaxpr(lambda pr, x: sp.apply(pr, P, x))(prepared, X)
+    assert_no_scaling_after_convs(jaxpr)
+    assert "cond" not in primitives(jaxpr) and "rsqrt" not in primitives(jaxpr)
 
 
 def test_lower_gives_folded_stablehlo():

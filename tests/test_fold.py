@@ -230,12 +230,20 @@ def test_preferred_element_type_bf16():
         return (y - m) * (lax.rsqrt(v + 1e-5) * g) + b
 
     closed = jax.make_jaxpr(f)(x, k, *S.values())
-    new, rep = hlofold.fold_jaxpr(closed)
+    # a bf16 kernel accumulated in float32: rounding K·s to bf16 would cost float32 accuracy
+    for frozen in (False, True):
+        c = jax.make_jaxpr(lambda x: f(x, k, *S.values()))(x) if frozen else closed
+        new, rep = hlofold.fold_jaxpr(c)
+        assert rep.num_folded == 0 and new is c, str(rep)
+        assert "the kernel is bfloat16 but the chain computes in float32" in \
+            rep.refused[0].reason
+    # float32_kernels=True folds it with a float32 kernel: float32 accuracy
+    new, rep = hlofold.fold_jaxpr(closed, float32_kernels=True)
     assert rep.num_folded == 1
     ref = run(closed, x, k, *S.values())[0]
     out = run(new, x, k, *S.values())[0]
-    # the folded bf16 kernel is rounded once: bf16 rounding of the kernel, not of float32
-    assert float(jnp.max(jnp.abs(ref - out))) <= 2e-2 * float(jnp.max(jnp.abs(ref)))
+    assert out.dtype == ref.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(ref - out))) <= 1e-5 * float(jnp.max(jnp.abs(ref)))
 
 
 # --------------------------------------------------------------------------- refusals

@@ -84,10 +84,10 @@ class Chain:
         aff = [o for o in ops if o.kind in AFFINE]
         if not aff:
             return False
-        if len(aff) == 1:
-            kind = aff[0].kind
-            return not (kind in ("add", "sub"))   # add (either side) / sub: canonical
-        return True
+        if len(aff) == 1 and aff[0].kind in ("add", "sub"):
+            return False                          # add (either side) / sub: canonical
+        # a bf16 kernel whose chain computes in float32 is refused (precision rule)
+        return not self.f32
 
 
 @dataclasses.dataclass

@@ -148,7 +148,9 @@ def test_flax_linen(use_bias, jit, frozen, rescale):
 
 @pytest.mark.parametrize("frozen,rescale", MODES)
 def test_flax_linen_bfloat16(frozen, rescale):
-    """bf16 compute (``dtype=bfloat16``), float32 parameters: every BN folds, bf16-close."""
+    """bf16 compute (``dtype=bfloat16``), float32 parameters: Flax's BatchNorm computes in
+    float32, so a bf16 kernel is refused by default (reason named) and every BN folds with
+    ``float32_kernels=True``, bf16-close."""
     model = _linen_model(use_bias=True, dtype=jnp.bfloat16)
     x = _image(3)
     variables = _linen_randomize(model.init(jax.random.key(0), x), seed=4)
@@ -157,7 +159,10 @@ def test_flax_linen_bfloat16(frozen, rescale):
         return model.apply(variables, x)
 
     args = (variables, x)
-    folded = hlofold.fold(f, freeze=0 if frozen else ())
+    report = hlofold.fold(f, freeze=0 if frozen else ()).report(*args)
+    assert report.num_folded == 0 and report.num_refused == 2, str(report)
+    assert all("float32_kernels=True" in s.reason for s in report.refused)
+    folded = hlofold.fold(f, freeze=0 if frozen else (), float32_kernels=True)
     report = folded.report(*args)
     print(report)
     assert report.num_folded == 2, str(report)

@@ -42,9 +42,25 @@ def bf16_net(depth=8, width=16):
 
 
 @pytest.mark.parametrize("freeze", [(), 0])
-def test_bf16_folding_is_no_less_accurate(freeze):
+def test_bf16_kernel_feeding_float32_batchnorm_is_refused(freeze):
+    """Flax computes BatchNorm in float32 even with ``dtype=bfloat16`` (the float32
+    statistics promote it): rounding K·s to bf16 would lose accuracy the unfolded program
+    keeps, so by default the fold is refused and the reason names the way out."""
     net, v, x = bf16_net()
     ff = hlofold.fold(net.apply, freeze=freeze)
+    rep = ff.report(v, x)
+    assert rep.num_folded == 0 and rep.num_refused == 8, str(rep)
+    for s in rep.refused:
+        assert "kernel is bfloat16 but the chain computes in float32" in s.reason
+        assert "float32_kernels=True" in s.reason
+    np.testing.assert_array_equal(np.asarray(ff(v, x), np.float32),
+                                  np.asarray(jax.jit(net.apply)(v, x), np.float32))
+
+
+@pytest.mark.parametrize("freeze", [(), 0])
+def test_bf16_folding_is_no_less_accurate(freeze):
+    net, v, x = bf16_net()
+    ff = hlofold.fold(net.apply, freeze=freeze, float32_kernels=True)
     rep = ff.report(v, x)
     assert rep.num_folded == 8
     p = ff.measure_precision(v, x)

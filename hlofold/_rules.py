@@ -1,0 +1,95 @@
+"""The safety rules a fold must pass, shared by the jaxpr and the StableHLO path.
+
+Each rule takes plain values (dtypes, NumPy arrays) and returns ``None`` when the fold is safe,
+or the reason it is refused, in words a user can act on. The IR adapters decide *where* a
+rule applies; the rule itself lives here once.
+
+* ``scale_refusal``: ``s`` must be finite (σ² = 0 with ε = 0, an inf or NaN γ would turn
+  ``0·inf`` into NaN).
+* ``precision_refusal``: the folded kernel is rounded to the kernel's dtype. When the chain
+  computes in a wider type than the kernel (a bf16 conv with ``preferred_element_type=f32``,
+  a bf16 conv followed by a float32 BatchNorm, an fp8 kernel), that rounding loses accuracy
+  the unfolded program keeps, so the fold is refused.
+* ``rounding_refusal``: ``K·s`` rounded to the kernel dtype must neither overflow nor
+  underflow a whole output channel (fp16 and narrower).
+* ``runtime_refusal``: a kernel rescaled in the graph (its parameters are not known at
+  transform time) cannot be range-checked before it runs; for dtypes whose range is narrower
+  than float32's that is refused.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jax.numpy as jnp
+
+_F32 = jnp.finfo(np.float32)
+
+
+def scale_refusal(s, what: str = "scale s") -> str | None:
+    """``s`` (float64, per channel or scalar) is not finite somewhere."""
+    s = np.atleast_1d(np.asarray(s))
+    bad = np.flatnonzero(~np.isfinite(s))
+    if not bad.size:
+        return None
+    return (f"{what} is not finite at {bad.size} channel(s) (first: {bad[:5].tolist()}); "
+            "folding would turn 0·inf into NaN")
+
+
+def _float(dt) -> np.dtype | None:
+    dt = np.dtype(dt)
+    return dt if jnp.issubdtype(dt, jnp.floating) else None
+
+
+def precision_refusal(kernel_dtype, math_dtypes, hint: str = "") -> str | None:
+    """The chain computes in a float type wider than the (folded) kernel's dtype."""
+    kd = np.dtype(kernel_dtype)
+    widths = [d for d in map(_float, math_dtypes) if d is not None]
+    if not widths:
+        return None
+    widest = max(widths, key=lambda d: d.itemsize)
+    if widest.itemsize <= kd.itemsize:
+        return None
+    return (f"the kernel is {kd} but the chain computes in {widest}: K·s rounded to {kd} "
+            f"would lose accuracy the unfolded program keeps{hint}")
+
+
+def rounding_refusal(kp: np.ndarray, kd, axis: int) -> str | None:
+    """``kp`` (the rescaled kernel, float64) rounded to ``kd`` overflows, or underflows a
+    whole output channel along ``axis``."""
+    kd = np.dtype(kd)
+    with np.errstate(over="ignore", invalid="ignore"):
+        kp_cast = kp.astype(kd)
+    overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
+    if overflow.any():
+        return f"the rescaled kernel overflows {kd} at {int(overflow.sum())} element(s)"
+    lost = underflowing_channels(kp, kp_cast, axis)
+    if lost.size:
+        return (f"the rescaled kernel underflows {kd} in {lost.size} output channel(s) "
+                f"(first: {lost[:5].tolist()}): K·s falls below the {kd} normal range "
+                "(unfolded, conv·s is rounded instead)")
+    return None
+
+
+def underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.ndarray:
+    """Output channels whose rescaled kernel slice loses more to rounding than rounding to
+    normal numbers can lose (4 ulps, L1-relative): ``K·s`` fell into the subnormal range or
+    to zero, e.g. a tiny BN scale in fp16. Rounding normal numbers loses at most half an ulp,
+    so only underflow is flagged, never ordinary rounding."""
+    if kp.size == 0:
+        return np.zeros(0, np.int64)
+    eps = float(jnp.finfo(kp_cast.dtype).eps)
+    axes = tuple(a for a in range(kp.ndim) if a != axis)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.sum(np.abs(kp_cast.astype(np.float64) - kp), axis=axes)
+        norm = np.sum(np.abs(kp), axis=axes)
+        return np.flatnonzero((norm > 0) & (err > 4 * eps * norm))
+
+
+def runtime_refusal(kernel_dtype) -> str | None:
+    """A kernel of this dtype rescaled in the graph cannot be range-checked first."""
+    kd = np.dtype(kernel_dtype)
+    if _float(kd) is None or jnp.finfo(kd).maxexp >= _F32.maxexp:   # bf16: float32's range
+        return None
+    return (f"the {kd} kernel would be rescaled in the graph, where K·s cannot be checked for "
+            f"overflow or underflow of {kd} before it runs; fold with the parameters known "
+            "(freeze=, constants, or a prepare step)")

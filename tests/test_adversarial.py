@@ -1,0 +1,185 @@
+"""Regression tests for the miscompiles and crashes found by adversarial testing (issue 14).
+Each test failed before its fix; each names the class of bug it guards against."""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlofold
+import hlofold._compat as C
+from tests.helpers import assert_close, primitives
+
+RNG = np.random.default_rng(14)
+DN = ("NHWC", "HWIO", "NHWC")
+
+
+def conv(x, k, **kw):
+    return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=DN, **kw)
+
+
+def arr(*shape, dtype=jnp.float32, lo=None):
+    a = RNG.standard_normal(shape)
+    return jnp.asarray(np.abs(a) + lo if lo is not None else a, dtype)
+
+
+# --------------------------------------------------------------- 1. low-precision kernels
+
+
+@pytest.mark.parametrize("kdt", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("spelling", ["preferred_f32", "f32_batchnorm"])
+def test_low_precision_kernel_feeding_float32_math_is_refused(kdt, spelling):
+    """A kernel narrower than the chain's arithmetic: rounding K·s to the kernel dtype loses
+    accuracy the unfolded program keeps (bf16 rel err 1.6e-3, fp8 3.2e-2 before)."""
+    x, k = arr(2, 6, 6, 4, dtype=kdt), arr(3, 3, 4, 8, dtype=kdt)
+    s, t = arr(8, lo=0.5), arr(8)
+
+    def f(x, k, s, t):
+        if spelling == "preferred_f32":
+            y = conv(x, k, preferred_element_type=jnp.float32)
+        else:
+            y = conv(x, k, preferred_element_type=jnp.float32 if kdt == jnp.float8_e4m3fn
+                     else None).astype(jnp.float32)
+        return y * s + t
+
+    for g, args in ((f, (x, k, s, t)), (lambda x: f(x, k, s, t), (x,))):
+        closed = jax.make_jaxpr(g)(*args)
+        new, rep = hlofold.fold_jaxpr(closed)
+        assert rep.num_folded == 0 and new is closed, str(rep)
+        assert "but the chain computes in float32" in rep.refused[0].reason
+        # float32_kernels=True folds with float32 accuracy
+        new, rep = hlofold.fold_jaxpr(closed, float32_kernels=True, in_graph="prepared")
+        assert rep.num_folded == 1, str(rep)
+        ref, out = C.jaxpr_as_fun(closed)(*args)[0], C.jaxpr_as_fun(new)(*args)[0]
+        if spelling == "preferred_f32":
+            assert_close(ref, out, rtol=1e-5, atol=1e-6)
+
+
+def test_verify_no_longer_disables_an_fp16_fold_that_was_more_accurate():
+    """fp16 conv accumulating in float32: refused by default, so verify=True has nothing to
+    reject; with float32_kernels the fold passes verify."""
+    x, k = arr(2, 6, 6, 4, dtype=jnp.float16), arr(3, 3, 4, 8, dtype=jnp.float16)
+    s, t = arr(8, lo=0.5), arr(8)
+    f = lambda x, k, s, t: conv(x, k, preferred_element_type=jnp.float32) * s + t
+    for opts in ({}, {"float32_kernels": True}):
+        ff = hlofold.fold(f, verify=True, **opts)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ff(x, k, s, t)
+        assert ff.report(x, k, s, t).num_folded == (1 if opts else 0)
+
+
+# ---------------------------------------------------------- 2-4, 7. caches as strict as jit
+
+
+def test_freeze_keys_on_pytree_structure():
+    def g(p, x):
+        return x * p.get("a", 1.0) + p.get("b", 0.0)
+    b = jnp.array([2.0, 3.0])
+    fg = hlofold.fold(g, freeze=0)
+    x = jnp.ones(2)
+    np.testing.assert_array_equal(fg({"a": b}, x), [2.0, 3.0])
+    np.testing.assert_array_equal(fg({"b": b}, x), jax.jit(g)({"b": b}, x))   # [3, 4]
+
+
+def test_freeze_keys_on_static_fields_of_modules():
+    eqx = pytest.importorskip("equinox")
+    c1 = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+    c2 = eqx.nn.Conv2d(3, 4, 3, stride=2, key=jax.random.key(0))
+    c2 = eqx.tree_at(lambda m: (m.weight, m.bias), c2, (c1.weight, c1.bias))
+    fe = hlofold.fold(lambda m, x: m(x), freeze=0)
+    x = jnp.ones((3, 8, 8))
+    assert fe(c1, x).shape == (4, 6, 6)
+    assert fe(c2, x).shape == c2(x).shape == (4, 3, 3)
+
+
+def test_frozen_numpy_array_changed_in_place_is_refolded():
+    p = np.array([1.0, 2.0], np.float32)
+    fh = hlofold.fold(lambda p, x: x * p, freeze=0)
+    np.testing.assert_array_equal(fh(p, jnp.ones(2)), [1.0, 2.0])
+    p[:] = 5.0
+    np.testing.assert_array_equal(fh(p, jnp.ones(2)), [5.0, 5.0])
+
+
+def test_static_arguments_keyed_on_type():
+    fs = hlofold.fold(lambda x, n: x * n, static_argnums=1)
+    assert fs(jnp.arange(3), 2).dtype == jnp.int32
+    assert fs(jnp.arange(3), 2.0).dtype == jnp.float32
+    ft = hlofold.fold(lambda x, flag: x + (100 if flag is True else 1), static_argnums=1)
+    np.testing.assert_array_equal(ft(jnp.arange(4), 1), [1, 2, 3, 4])
+    np.testing.assert_array_equal(ft(jnp.arange(4), True), [100, 101, 102, 103])
+
+
+def test_deleted_parameters_raise_like_jit():
+    x, k = arr(2, 6, 6, 4), arr(3, 3, 4, 8)
+    s, t = arr(8, lo=0.5), arr(8)
+    f = lambda k, s, t, x: conv(x, k) * s + t
+    for freeze in ((), (0, 1, 2)):
+        ff = hlofold.fold(f, freeze=freeze)
+        kk = k + 0
+        ff(kk, s, t, x)                      # caches prepared (or frozen) values of kk
+        kk.delete()
+        with pytest.raises(RuntimeError, match="deleted"):
+            ff(kk, s, t, x)
+        with pytest.raises(RuntimeError, match="deleted"):
+            jax.jit(f)(kk, s, t, x)
+
+
+def test_donation_of_a_jitted_input_is_kept():
+    k, s, t = arr(3, 3, 4, 4), arr(4, lo=0.5), arr(4)    # output can reuse x's buffer
+    f = jax.jit(lambda k, s, t, x: conv(x, k) * s + t, donate_argnums=3)
+    x_np = np.asarray(arr(2, 6, 6, 4))
+    x0 = jnp.asarray(x_np)
+    ref = jax.jit(lambda k, s, t, x: conv(x, k) * s + t)(k, s, t, x0)
+    f(k, s, t, x0)
+    assert x0.is_deleted()                                # what jax.jit does
+    for call in (hlofold.fold(f), hlofold.fold(f, verify=True)):
+        x = jnp.asarray(x_np)
+        assert_close(ref, call(k, s, t, x))
+        assert x.is_deleted()
+
+
+# ------------------------------------------------ 5-6. run-time checks of in-graph rescales
+
+
+def bn_net(x, k, g, b, m, v):
+    return jax.nn.relu((conv(x, k) - m) * lax.rsqrt(v) * g + b)   # ε = 0
+
+
+def test_guard_runs_the_original_when_variance_is_zero_at_run_time():
+    x, k = arr(2, 6, 6, 3), arr(3, 3, 3, 4)
+    g, b, m = jnp.ones(4), jnp.zeros(4), jnp.full(4, 0.1)
+    closed = jax.make_jaxpr(bn_net)(x, k, g, b, m, jnp.ones(4))
+    new, rep = hlofold.fold_jaxpr(closed)
+    assert rep.num_folded == 1 and rep.folded[0].guarded and "+guard" in str(rep)
+    C.check_jaxpr(new.jaxpr)
+    assert primitives(new).count("cond") == 1
+    for v in (jnp.ones(4), jnp.array([1.0, 0.0, 2.0, 1.0])):        # σ² = 0 in channel 1
+        ref = np.asarray(C.jaxpr_as_fun(closed)(x, k, g, b, m, v)[0])
+        out = np.asarray(C.jaxpr_as_fun(new)(x, k, g, b, m, v)[0])
+        np.testing.assert_array_equal(np.isnan(ref), np.isnan(out))
+        np.testing.assert_array_equal(np.isposinf(ref), np.isposinf(out))
+        fin = np.isfinite(ref)
+        assert_close(ref[fin], out[fin])
+    again, rep2 = hlofold.fold_jaxpr(new)                        # idempotent, still reported
+    assert again is new and rep2.num_folded == 0 and rep2.sites[0].status == "canonical"
+
+
+def test_fp16_kernel_rescaled_in_graph_is_refused():
+    """fp16: K·s overflowed in the graph under jax.jit(fold(f)) (8/16 outputs inf)."""
+    x = arr(1, 4, 4, 2, dtype=jnp.float16) * 0.01
+    k = jnp.full((1, 1, 2, 2), 60000.0, jnp.float16)
+    s, t = jnp.asarray([4.0, 0.5], jnp.float16), jnp.zeros(2, jnp.float16)
+    f = lambda x, k, s, t: conv(x, k) * s + t
+    closed = jax.make_jaxpr(f)(x, k, s, t)
+    new, rep = hlofold.fold_jaxpr(closed)
+    assert rep.num_folded == 0 and new is closed
+    assert "cannot be checked for overflow" in rep.refused[0].reason
+    ff = hlofold.fold(f, in_graph=True)
+    out = jax.jit(ff)(x, k, s, t)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(f)(x, k, s, t)))
