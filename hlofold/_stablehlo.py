@@ -29,6 +29,7 @@ from . import _compat as C
 from ._fold import _collapse
 from ._patterns import _unit_reshape_map
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+from ._rules import precision_refusal, rounding_refusal, runtime_refusal, scale_refusal
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -103,10 +104,11 @@ def _dense_to_numpy(attr) -> np.ndarray | None:
             return np.full(shape, ir.FloatAttr(v).value, dtype=np.float64).astype(dt)
         except Exception:
             return None
-    if dt in (np.dtype(np.float32), np.dtype(np.float64)):
+    if dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
         arr = np.array(a)
         return arr.reshape(shape) if arr.dtype == dt else None
-    return None   # bf16/fp16 non-splat: read as unknown (the fold then stays in the graph)
+    return None   # bf16 non-splat: the bindings cannot read it (the fold stays in the graph,
+    # guarded; bf16 has float32's range, so only a non-finite s can go wrong there)
 
 
 def _numpy_to_dense(arr: np.ndarray, etype):
@@ -320,11 +322,7 @@ class _Pass:
                     ret = op
                     break
                 new = op.clone()
-                for i, v in enumerate(new.operands):
-                    for src, dst in mapping.items():
-                        if v == src:
-                            new.operands[i] = dst
-                            break
+                _remap_operands(new, mapping)
                 for old_r, new_r in zip(op.results, new.results):
                     mapping[old_r] = new_r
         for r, v in zip(call.results, ret.operands):
@@ -457,6 +455,14 @@ class _Pass:
         known = self._np_chain(real, C_out)      # (kinds, float64 operands) or None
         rec = self._record(root, fname, FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None)
+        kd = _np_dtype(_etype(kernel))
+        why = precision_refusal(kd, [_np_dtype(_etype(root.results[0]))] + [
+            _np_dtype(_etype(st.op.results[0])) for st in steps]) if kd is not None else None
+        if why is None and not (known and self.eval(kernel) is not None):
+            why = runtime_refusal(kd)          # the rescale would run in the graph
+        if why:
+            rec.status, rec.reason = REFUSED, why
+            return
         end_op = steps[-1].op
         end_value = end_op.results[0]
         k_np = self.eval(kernel)
@@ -467,11 +473,9 @@ class _Pass:
                 with np.errstate(all="ignore"):
                     s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in _collapse(
                         *known, C_out))
-                bad = np.flatnonzero(~np.isfinite(s_vec))
-                if bad.size:
-                    rec.status, rec.reason = REFUSED, (
-                        f"scale s is not finite at {bad.size} channel(s) (first: "
-                        f"{bad[:5].tolist()}); folding would turn 0·inf into NaN")
+                why = scale_refusal(s_vec)
+                if why:
+                    rec.status, rec.reason = REFUSED, why
                     return
                 s_val, t_val = s_vec, t_vec
             else:
@@ -479,11 +483,12 @@ class _Pass:
                                          xp=_IrArith(C_out))
             if known and k_np is not None:
                 kp = k_np.astype(np.float64) * _along(s_vec, kaxis, k_np.ndim)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    kp_cast = kp.astype(_np_dtype(kdt))
-                if (np.isfinite(kp) & ~np.isfinite(kp_cast)).any():
-                    rec.status, rec.reason = REFUSED, "the rescaled kernel overflows its dtype"
+                why = rounding_refusal(kp, kd, kaxis)
+                if why:
+                    rec.status, rec.reason = REFUSED, why
                     return
+                with np.errstate(over="ignore", invalid="ignore"):
+                    kp_cast = kp.astype(kd)
                 new_k = stablehlo.ConstantOp(_numpy_to_dense(kp_cast, kdt)).result
                 rec.rescale = "constant"
             else:
@@ -494,25 +499,62 @@ class _Pass:
                 k32 = self._convert(kernel, ir.F32Type.get())
                 new_k = self._convert(stablehlo.MulOp(k32, s_b).result, kdt)
                 rec.rescale = "in-graph"
-            operands = list(root.operands)
-            operands[kidx] = new_k
-            attrs = {n: root.attributes[n] for n in root.attributes}
-            y = ir.Operation.create(_name(root), results=[root.results[0].type],
-                                    operands=operands, attributes=attrs,
-                                    loc=root.location).results[0]
-            for s in steps:        # replay the casts of the chain on the new result
-                if s.kind == "convert":
-                    y = self._convert(y, _etype(s.op.results[0]))
-            t_ir = self._const_or(t_val, C_out)
-            t_ir = self._convert(t_ir, _etype(end_value))
-            t_b = stablehlo.BroadcastInDimOp(out_t, t_ir,
-                                             ir.DenseI64ArrayAttr.get([out_axis])).result
-            new_out = stablehlo.AddOp(y, t_b).result
+            t_of = lambda: self._convert(self._const_or(t_val, C_out), _etype(end_value))
+            guard = not known        # s is only known at run time: check it there
+            rec.guarded = guard
+            if not guard:
+                new_out = self._folded_ops(root, steps, kidx, new_k, t_of, out_t, out_axis)
+            else:
+                t_ir = t_of()
+                t_of = lambda: t_ir
+                # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
+                # inf γ) runs the site's original ops instead
+                pred = stablehlo.AndOp(self._all_finite(new_k), self._all_finite(t_ir)).result
+                if_op = stablehlo.IfOp([out_t], pred)
+                with ir.InsertionPoint(if_op.true_branch.blocks.append()):
+                    stablehlo.ReturnOp([self._folded_ops(root, steps, kidx, new_k, t_of,
+                                                         out_t, out_axis)])
+                with ir.InsertionPoint(if_op.false_branch.blocks.append()):
+                    mapping, last = {}, None
+                    for op in [root] + [st.op for st in steps]:
+                        new = op.clone()
+                        _remap_operands(new, mapping)
+                        mapping[op.results[0]] = last = new.results[0]
+                    stablehlo.ReturnOp([last])
+                new_out = if_op.results[0]
         end_value.replace_all_uses_with(new_out)
         for s in reversed(steps):
             s.op.erase()
         root.erase()
         self.eval.memo.clear()     # values are keyed by address: drop them after erasing
+
+    def _folded_ops(self, root, steps, kidx, new_k, t_of, out_t, out_axis):
+        """``root(x, new_k)``, the chain's casts replayed, plus ``broadcast(t_of())``."""
+        operands = list(root.operands)
+        operands[kidx] = new_k
+        attrs = {n: root.attributes[n] for n in root.attributes}
+        y = ir.Operation.create(_name(root), results=[root.results[0].type],
+                                operands=operands, attributes=attrs,
+                                loc=root.location).results[0]
+        for s in steps:        # replay the casts of the chain on the new result
+            if s.kind == "convert":
+                y = self._convert(y, _etype(s.op.results[0]))
+        t_b = stablehlo.BroadcastInDimOp(out_t, t_of(),
+                                         ir.DenseI64ArrayAttr.get([out_axis])).result
+        return stablehlo.AddOp(y, t_b).result
+
+    def _all_finite(self, value):
+        """A tensor<i1>: every element of ``value`` is finite."""
+        scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+        fin = stablehlo.IsFiniteOp(value).result
+        init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+            scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result
+        red = stablehlo.ReduceOp([scalar], [fin], [init],
+                                 ir.DenseI64ArrayAttr.get(list(range(len(_shape(value))))))
+        body = red.body.blocks.append(scalar, scalar)
+        with ir.InsertionPoint(body):
+            stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
+        return red.results[0]
 
     def _vec(self, value, c):
         x = self.eval(value)
@@ -628,6 +670,20 @@ class _IrArith:
         return stablehlo.NegOp(a).result
 
 
+def _remap_operands(op, mapping):
+    """Replace, in ``op`` and in every op nested in its regions (a cond/while body may read
+    values from above), the operands that ``mapping`` renames."""
+    for i, v in enumerate(op.operands):
+        for src, dst in mapping.items():
+            if v == src:
+                op.operands[i] = dst
+                break
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                _remap_operands(inner, mapping)
+
+
 def _along(vec, axis, ndim):
     shape = [1] * ndim
     shape[axis] = -1
@@ -651,11 +707,17 @@ def _dce(module):
                     changed = True
     # private functions no longer called anywhere (their calls were inlined away)
     called = set()
+
+    def calls_in(op):          # every func.call, in nested regions (cond/while bodies) too
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if _name(inner) == "func.call":
+                        called.add(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value)
+                    calls_in(inner)
     for fop in module.body.operations:
         if _name(fop) == "func.func":
-            for op in fop.regions[0].blocks[0].operations:
-                if _name(op) == "func.call":
-                    called.add(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+            calls_in(fop)
     for fop in list(module.body.operations):
         if _name(fop) == "func.func" and "sym_visibility" in fop.attributes and \
                 ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and \

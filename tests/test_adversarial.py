@@ -183,3 +183,78 @@ def test_fp16_kernel_rescaled_in_graph_is_refused():
     out = jax.jit(ff)(x, k, s, t)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(f)(x, k, s, t)))
+
+
+# ---------------------------------------------------------------- the StableHLO path
+
+
+def _fold_text(f, *args):
+    from hlofold._artifacts import module_callable
+    text = jax.jit(f).lower(*args).as_text()
+    out, rep = hlofold.fold_stablehlo(text)
+    return text, out, rep, module_callable(text), module_callable(out)
+
+
+@pytest.mark.parametrize("params", ["arguments", "constants"])
+def test_stablehlo_low_precision_kernel_feeding_float32_math_is_refused(params):
+    x, k = arr(2, 6, 6, 4, dtype=jnp.bfloat16), arr(3, 3, 4, 8, dtype=jnp.bfloat16)
+    s, t = arr(8, lo=0.5), arr(8)
+    f = lambda x, k, s, t: conv(x, k, preferred_element_type=jnp.float32) * s + t
+    g, args = (f, (x, k, s, t)) if params == "arguments" else \
+        (lambda x: f(x, k, s, t), (x,))
+    text, out, rep, _, _ = _fold_text(g, *args)
+    assert rep.num_folded == 0 and "but the chain computes in float32" in rep.refused[0].reason
+    assert out.count("stablehlo.convolution") == 1 and "stablehlo.if" not in out
+
+
+def test_stablehlo_fp16_constant_kernel_overflow_and_argument_kernel_are_refused():
+    x = arr(1, 4, 4, 2, dtype=jnp.float16) * 0.01
+    k = jnp.asarray(RNG.uniform(30000, 60000, (1, 1, 2, 2)), jnp.float16)   # non-splat
+    s, t = jnp.asarray([4.0, 0.5], jnp.float16), jnp.zeros(2, jnp.float16)
+    f = lambda x, k, s, t: conv(x, k) * s + t
+    _, _, rep, _, _ = _fold_text(lambda x: f(x, k, s, t), x)          # constants
+    assert rep.num_folded == 0 and "overflows float16" in rep.refused[0].reason, str(rep)
+    _, _, rep, run0, run1 = _fold_text(f, x, k, s, t)                  # arguments
+    assert rep.num_folded == 0 and "cannot be checked for overflow" in rep.refused[0].reason
+    np.testing.assert_array_equal(np.asarray(run1(x, k, s, t)[0]),
+                                  np.asarray(run0(x, k, s, t)[0]))
+    # tiny scale: K·s underflows fp16 in a whole channel (constants are read now)
+    s2 = jnp.asarray([6e-8, 1.0], jnp.float16)              # fp16's smallest subnormal
+    _, _, rep, _, _ = _fold_text(lambda x: f(x, jnp.full_like(k, 1e-3), s2, t), x)
+    assert rep.num_folded == 0 and "underflows float16" in rep.refused[0].reason, str(rep)
+
+
+def test_stablehlo_guard_runs_the_original_when_variance_is_zero_at_run_time():
+    x, k = arr(2, 6, 6, 3), arr(3, 3, 3, 4)
+    g, b, m = jnp.ones(4), jnp.zeros(4), jnp.full(4, 0.1)
+    _, out, rep, run0, run1 = _fold_text(bn_net, x, k, g, b, m, jnp.ones(4))
+    assert rep.num_folded == 1 and rep.folded[0].guarded and "stablehlo.if" in out
+    for v in (jnp.ones(4), jnp.array([1.0, 0.0, 2.0, 1.0])):        # σ² = 0 in channel 1
+        ref, o = np.asarray(run0(x, k, g, b, m, v)[0]), np.asarray(run1(x, k, g, b, m, v)[0])
+        np.testing.assert_array_equal(np.isnan(ref), np.isnan(o))
+        np.testing.assert_array_equal(np.isposinf(ref), np.isposinf(o))
+        fin = np.isfinite(ref)
+        assert_close(ref[fin], o[fin])
+    again, rep2 = hlofold.fold_stablehlo(out)                        # nothing left to fold
+    assert rep2.num_folded == 0 and again.count("stablehlo.if") == 1
+
+
+def test_stablehlo_function_called_inside_a_region_survives():
+    """``jax.nn.relu`` in a ``lax.cond``: the pass's DCE deleted @relu, still called in the
+    region ('func.call' op 'relu' does not reference a valid function)."""
+    f = lambda x, p: lax.cond(p > 0, jax.nn.relu, lambda a: a, x)
+    x = arr(2, 3)
+    _, out, rep, run0, run1 = _fold_text(f, x, 1.0)
+    assert "@relu" in out or "func.call" not in out
+    np.testing.assert_array_equal(np.asarray(run1(x, 1.0)[0]), np.asarray(run0(x, 1.0)[0]))
+
+
+def test_stablehlo_chain_into_inner_jit_with_a_cond_folds():
+    """Segfaulted (exit 139): inlining the inner function cloned the cond without renaming
+    the values its regions read from above."""
+    inner = jax.jit(lambda y, s, t, p: lax.cond(p > 0, jax.nn.relu, lambda a: a, y * s + t))
+    f = lambda x, k, s, t, p: inner(conv(x, k), s, t, p)
+    x, k, s, t = arr(2, 6, 6, 3), arr(3, 3, 3, 4), arr(4, lo=0.5), arr(4)
+    _, out, rep, run0, run1 = _fold_text(f, x, k, s, t, 1.0)
+    assert rep.num_folded == 1, str(rep)
+    assert_close(run0(x, k, s, t, 1.0)[0], run1(x, k, s, t, 1.0)[0])

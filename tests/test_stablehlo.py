@@ -127,7 +127,9 @@ def test_unfolded_export_artifact_folds():
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-5 * float(jnp.abs(ref).max()))
     assert "rsqrt" in jax.export.deserialize(data).mlir_module()
     text = back.mlir_module()
-    assert text.count("stablehlo.convolution") == examples.count_bn(p)
+    # weights are arguments: each site guarded (folded conv | original conv + BN ops)
+    assert text.count("stablehlo.convolution") == 2 * examples.count_bn(p)
+    assert text.count("stablehlo.if") == examples.count_bn(p)
     # the in-memory Exported works as well, and the input object is untouched
     exp = jax.export.deserialize(data)
     before = exp.mlir_module_serialized

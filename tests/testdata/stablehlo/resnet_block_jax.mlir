@@ -2,9 +2,12 @@
 // conv+BN pairs, a residual add that reads the block input, relu through @relu calls.
 // Both BNs fold; the residual add stays.
 // CHECK-LABEL: func.func public @main
-// CHECK-COUNT-2: stablehlo.multiply %arg{{[0-9]+}}, {{.*}} : tensor<3x3x8x8xf32>
-// CHECK-NOT: stablehlo.subtract {{.*}} : tensor<2x8x8x8xf32>
-// CHECK-NOT: stablehlo.multiply {{.*}} : tensor<2x8x8x8xf32>
+// Weights are arguments: each rescaled kernel is guarded at run time (stablehlo.if).
+// CHECK: stablehlo.multiply %arg{{[0-9]+}}, {{.*}} : tensor<3x3x8x8xf32>
+// CHECK: "stablehlo.if"
+// CHECK: stablehlo.multiply %arg{{[0-9]+}}, {{.*}} : tensor<3x3x8x8xf32>
+// CHECK: "stablehlo.if"
+// CHECK-NOT: "stablehlo.if"
 module @jit_block attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {
   func.func public @main(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>, %arg2: tensor<8xf32>, %arg3: tensor<8xf32>, %arg4: tensor<8xf32>, %arg5: tensor<8xf32>, %arg6: tensor<8xf32>, %arg7: tensor<8xf32>, %arg8: tensor<3x3x8x8xf32>, %arg9: tensor<3x3x8x8xf32>, %arg10: tensor<2x8x8x8xf32>) -> (tensor<2x8x8x8xf32> {jax.result_info = "result"}) {
     %0 = stablehlo.convolution(%arg10, %arg8) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f], window = {stride = [1, 1], pad = [[1, 1], [1, 1]], lhs_dilate = [1, 1], rhs_dilate = [1, 1], reverse = [false, false]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64, precision_config = [#stablehlo<precision DEFAULT>, #stablehlo<precision DEFAULT>]} : (tensor<2x8x8x8xf32>, tensor<3x3x8x8xf32>) -> tensor<2x8x8x8xf32>
