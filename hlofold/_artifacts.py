@@ -37,10 +37,10 @@ def read_artifact(data) -> Artifact:
     if isinstance(data, jax.export.Exported):
         return Artifact(EXPORT, data.mlir_module(), data)
     if isinstance(data, str):
+        if "\n" not in data and os.path.isfile(data):   # a path (its name may say "module")
+            return read_artifact(_read_file(data))
         if "func.func" in data or "module" in data:
             return Artifact(TEXT, data)
-        if os.path.exists(data):
-            return read_artifact(_read_file(data))
         raise StableHLOError("text that is not an MLIR module (no module or func.func)")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected StableHLO text, bytes, a path or a jax.export.Exported, "

@@ -105,22 +105,41 @@ class _UsageError(Exception):
     """Bad input: reported on stderr with exit code 2."""
 
 
+def _check_output(path: str | None) -> None:
+    """Refuse, before anything is written, an output path that cannot be written."""
+    import os
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise _UsageError(f"{path} is a directory, not a file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _UsageError(f"output folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and
+                                          not os.access(path, os.W_OK)):
+        raise _UsageError(f"{path}: permission denied")
+
+
 def _atomic_write(path: str, data) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder: readers never
     see a partial file, and nothing is left behind on failure."""
     import os
     import tempfile
+    _check_output(path)
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise _UsageError(f"output folder {folder} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hlofold-", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hlofold-", suffix=".tmp")
+    except OSError as e:
+        raise _UsageError(f"{path}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _UsageError(f"{path}: {e.strerror}") from None
         raise
 
 
@@ -168,7 +187,13 @@ def _inputs(args_path, specs):
 def _verify_artifacts(original, folded, inputs_path, backends):
     from ._artifacts import input_specs
     from ._verify import verify
+    import jax
+    import numpy as np
     specs = input_specs(original)
+    if any(np.dtype(sp.dtype).itemsize == 8 for sp in specs) and \
+            not jax.config.jax_enable_x64:
+        jax.config.update("jax_enable_x64", True)    # the module computes in 64 bits
+        specs = input_specs(original)
     args = _inputs(inputs_path, specs)
     return verify(original, folded, *args, backends=backends, raise_on_failure=False)
 
@@ -179,6 +204,8 @@ def cmd_fold(args) -> int:
     from ._artifacts import fold_stablehlo
     if os.path.abspath(args.output) == os.path.abspath(args.input):
         raise _UsageError("the output must not overwrite the input")
+    _check_output(args.output)        # every output checked before anything is written
+    _check_output(args.report)
     data = _load(args.input)
     folded, report = fold_stablehlo(data)
     print(report)
@@ -197,6 +224,7 @@ def cmd_fold(args) -> int:
 
 def cmd_verify(args) -> int:
     import json
+    _check_output(args.json)
     orig, folded = _load(args.original), _load(args.folded)
     vrep = _verify_artifacts(orig, folded, args.inputs, args.backends)
     print(vrep)

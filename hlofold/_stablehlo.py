@@ -268,6 +268,8 @@ class _Pass:
         self.sites: list[FoldSite] = []
         self.eval = _Evaluator()
         self.activation: dict[Any, bool] = {}
+        self.inlined: set[str] = set()     # private callees inlined into a caller
+        self.ct = None                     # in-graph arithmetic type of the current site
         self.symbols = {}
         for op in module.body.operations:
             if _name(op) == "func.func":
@@ -275,6 +277,8 @@ class _Pass:
 
     def run(self) -> FoldReport:
         for fname, fop in list(self.symbols.items()):
+            if not fop.regions[0].blocks:      # a declaration: no body to fold
+                continue
             block = fop.regions[0].blocks[0]
             roots = [op for op in block.operations if _name(op) in _ROOTS]
             for op in roots:
@@ -301,7 +305,8 @@ class _Pass:
         why the chain ends at the call."""
         callee_name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
         callee = self.symbols.get(callee_name)
-        if callee is None or "sym_visibility" not in callee.attributes or \
+        if callee is None or not callee.regions[0].blocks or \
+                "sym_visibility" not in callee.attributes or \
                 ir.StringAttr(callee.attributes["sym_visibility"]).value != "private":
             return f"chain continues into @{callee_name}, which is not a private function"
         body = callee.regions[0].blocks[0]
@@ -328,6 +333,7 @@ class _Pass:
         for r, v in zip(call.results, ret.operands):
             r.replace_all_uses_with(next((dst for src, dst in mapping.items() if src == v), v))
         call.erase()
+        self.inlined.add(callee_name)
         return None
 
     def _walk(self, root, axis):
@@ -456,6 +462,10 @@ class _Pass:
         rec = self._record(root, fname, FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None)
         kd = _np_dtype(_etype(kernel))
+        # in-graph arithmetic: float32, or float64 when the program computes in float64
+        wide = any(str(_etype(v)) == "f64"
+                   for v in (kernel, root.results[0], steps[-1].op.results[0]))
+        self.ct = ir.F64Type.get() if wide else ir.F32Type.get()
         why = precision_refusal(kd, [_np_dtype(_etype(root.results[0]))] + [
             _np_dtype(_etype(st.op.results[0])) for st in steps]) if kd is not None else None
         if why is None and not (known and self.eval(kernel) is not None):
@@ -480,7 +490,7 @@ class _Pass:
                 s_val, t_val = s_vec, t_vec
             else:
                 s_val, t_val = _collapse(*self._ir_chain(real, C_out), C_out,
-                                         xp=_IrArith(C_out))
+                                         xp=_IrArith(C_out, self.ct))
             if known and k_np is not None:
                 kp = k_np.astype(np.float64) * _along(s_vec, kaxis, k_np.ndim)
                 why = rounding_refusal(kp, kd, kaxis)
@@ -494,9 +504,9 @@ class _Pass:
             else:
                 s_ir = self._const_or(s_val, C_out)
                 s_b = stablehlo.BroadcastInDimOp(
-                    ir.RankedTensorType.get(_shape(kernel), ir.F32Type.get()), s_ir,
+                    ir.RankedTensorType.get(_shape(kernel), self.ct), s_ir,
                     ir.DenseI64ArrayAttr.get([kaxis])).result
-                k32 = self._convert(kernel, ir.F32Type.get())
+                k32 = self._convert(kernel, self.ct)
                 new_k = self._convert(stablehlo.MulOp(k32, s_b).result, kdt)
                 rec.rescale = "in-graph"
             t_of = lambda: self._convert(self._const_or(t_val, C_out), _etype(end_value))
@@ -581,8 +591,8 @@ class _Pass:
 
     def _const_or(self, val, c):
         if isinstance(val, np.ndarray):
-            arr = np.broadcast_to(np.asarray(val, np.float32), (c,))
-            return stablehlo.ConstantOp(_numpy_to_dense(arr, ir.F32Type.get())).result
+            arr = np.broadcast_to(np.asarray(val, np.float64), (c,))
+            return stablehlo.ConstantOp(_numpy_to_dense(arr, self.ct)).result
         return val
 
     def _vector_ir(self, op: _Operand, c):
@@ -590,14 +600,14 @@ class _Pass:
         v = op.value
         for et in op.casts:
             v = self._convert(v, et)
-        v = self._convert(v, ir.F32Type.get())
-        flat = stablehlo.ReshapeOp(ir.RankedTensorType.get([op.size], ir.F32Type.get()),
+        v = self._convert(v, self.ct)
+        flat = stablehlo.ReshapeOp(ir.RankedTensorType.get([op.size], self.ct),
                                    v).result if _shape(v) != (op.size,) else v
         if op.size == c:
             return flat
-        return stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([c], ir.F32Type.get()),
+        return stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([c], self.ct),
                                           stablehlo.ReshapeOp(ir.RankedTensorType.get(
-                                              [], ir.F32Type.get()), flat).result,
+                                              [], self.ct), flat).result,
                                           ir.DenseI64ArrayAttr.get([])).result
 
     def _np_chain(self, steps, c):
@@ -623,14 +633,14 @@ class _Pass:
 
     def _ir_chain(self, steps, c):
         """The same chain with operands as tensor<c x f32> values in the graph."""
-        f32 = ir.F32Type.get()
+        f32 = self.ct
         kinds, vals = [], []
         for st in steps:
             if st.kind == "bn":
                 v = {k: self._convert(st.bn[k], f32) for k in
                      ("scale", "offset", "mean", "variance")}
                 eps = stablehlo.ConstantOp(_numpy_to_dense(
-                    np.full(c, st.bn["epsilon"], np.float32), f32)).result
+                    np.full(c, st.bn["epsilon"], np.float64), f32)).result
                 sc = stablehlo.MulOp(v["scale"], stablehlo.RsqrtOp(
                     stablehlo.AddOp(v["variance"], eps).result).result).result
                 kinds += ["sub", "mul", "add"]
@@ -645,13 +655,13 @@ class _IrArith:
     """The arithmetic ``_collapse`` needs, as StableHLO ops on tensor<c x f32> (constants
     for host values); used inside an insertion point."""
 
-    def __init__(self, c: int):
-        self.c = c
+    def __init__(self, c: int, ct):
+        self.c, self.ct = c, ct
 
     def asarray(self, x):
         if isinstance(x, (np.ndarray, float, int)):
-            arr = np.broadcast_to(np.asarray(x, np.float32), (self.c,))
-            return stablehlo.ConstantOp(_numpy_to_dense(arr, ir.F32Type.get())).result
+            arr = np.broadcast_to(np.asarray(x, np.float64), (self.c,))
+            return stablehlo.ConstantOp(_numpy_to_dense(arr, self.ct)).result
         return x
 
     def add(self, a, b):
@@ -690,8 +700,9 @@ def _along(vec, axis, ndim):
     return np.asarray(vec).reshape(shape)
 
 
-def _dce(module):
-    """Erase side-effect-free ops whose results nobody uses (left behind by the rewrite)."""
+def _dce(module, inlined=frozenset()):
+    """Erase side-effect-free ops whose results nobody uses (left behind by the rewrite), and
+    the ``inlined`` private functions no longer called anywhere."""
     pure = {"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
             "stablehlo.convert", "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply",
             "stablehlo.divide", "stablehlo.negate", "stablehlo.rsqrt", "stablehlo.sqrt"}
@@ -699,7 +710,7 @@ def _dce(module):
     while changed:
         changed = False
         for fop in module.body.operations:
-            if _name(fop) != "func.func":
+            if _name(fop) != "func.func" or not fop.regions[0].blocks:
                 continue
             for op in reversed(list(fop.regions[0].blocks[0].operations)):
                 if _name(op) in pure and all(len(list(r.uses)) == 0 for r in op.results):
@@ -721,6 +732,7 @@ def _dce(module):
     for fop in list(module.body.operations):
         if _name(fop) == "func.func" and "sym_visibility" in fop.attributes and \
                 ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and \
+                ir.StringAttr(fop.attributes["sym_name"]).value in inlined and \
                 ir.StringAttr(fop.attributes["sym_name"]).value not in called:
             fop.erase()
 
@@ -737,8 +749,9 @@ def fold_module_text(text_or_bytes) -> tuple[Any, FoldReport]:
             detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
             raise StableHLOError(f"{what}: {detail}") from None
         _check_stablehlo(module)
-        report = _Pass(module).run()
-        _dce(module)
+        folder = _Pass(module)
+        report = folder.run()
+        _dce(module, folder.inlined)
         if not module.operation.verify():
             raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return module, report
@@ -748,7 +761,7 @@ def _check_stablehlo(module):
     names = set()
     for fop in module.body.operations:
         names.add(_name(fop))
-        if _name(fop) == "func.func":
+        if _name(fop) == "func.func" and fop.regions[0].blocks:
             for op in fop.regions[0].blocks[0].operations:
                 names.add(_name(op).split(".")[0])
     unknown = {n for n in names if n not in ("func", "stablehlo", "chlo", "func.func",

@@ -2,6 +2,9 @@
 Each test failed before its fix; each names the class of bug it guards against."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -258,3 +261,72 @@ def test_stablehlo_chain_into_inner_jit_with_a_cond_folds():
     _, out, rep, run0, run1 = _fold_text(f, x, k, s, t, 1.0)
     assert rep.num_folded == 1, str(rep)
     assert_close(run0(x, k, s, t, 1.0)[0], run1(x, k, s, t, 1.0)[0])
+
+
+# ------------------------------------------------------------------------------ 10. CLI
+
+ONE_CONV = """module {
+  func.func @main(%x: tensor<1x4x4x2xf32>, %k: tensor<1x1x2x2xf32>) -> tensor<1x4x4x2xf32> {
+    %0 = stablehlo.convolution(%x, %k) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f], window = {stride = [1, 1], pad = [[0, 0], [0, 0]], lhs_dilate = [1, 1], rhs_dilate = [1, 1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<1x4x4x2xf32>, tensor<1x1x2x2xf32>) -> tensor<1x4x4x2xf32>
+    %s = stablehlo.constant dense<[2.0, 3.0]> : tensor<2xf32>
+    %b = stablehlo.broadcast_in_dim %s, dims = [3] : (tensor<2xf32>) -> tensor<1x4x4x2xf32>
+    %1 = stablehlo.multiply %0, %b : tensor<1x4x4x2xf32>
+    %2 = stablehlo.add %1, %b : tensor<1x4x4x2xf32>
+    return %2 : tensor<1x4x4x2xf32>
+  }
+}
+"""
+
+
+def _cli(*argv):
+    from hlofold._cli import main
+    return main(list(argv))
+
+
+def test_cli_bad_outputs_exit_2_and_write_nothing(tmp_path, capsys):
+    src = tmp_path / "in.mlir"
+    src.write_text(ONE_CONV)
+    assert _cli("fold", str(src), "-o", str(tmp_path)) == 2              # a directory
+    assert "is a directory" in capsys.readouterr().err
+    assert _cli("fold", str(src), "-o", "/nonexistent/x.mlir") == 2
+    report = tmp_path / "ok.json"
+    assert _cli("fold", str(src), "-o", "/nonexistent/x", "--report", str(report)) == 2
+    assert not report.exists()                       # nothing written when one output fails
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not os.access(ro, os.W_OK):               # (root may write anyway)
+            assert _cli("fold", str(src), "-o", str(ro / "x.mlir")) == 2
+            assert _cli("fold", str(src), "-o", str(tmp_path / "y.mlir"),
+                        "--report", str(ro / "r.json")) == 2
+            assert not (tmp_path / "y.mlir").exists()
+    finally:
+        ro.chmod(0o700)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mlir", "ro"]
+
+
+def test_cli_declaration_without_body_is_not_a_crash(tmp_path):
+    src = tmp_path / "decl.mlir"
+    src.write_text(ONE_CONV.replace("module {", "module {\n  func.func private @ext("
+                                    "tensor<2xf32>) -> tensor<2xf32>"))
+    out = tmp_path / "out.mlir"
+    assert _cli("fold", str(src), "-o", str(out)) == 0
+    assert "func.func private @ext" in out.read_text()
+
+
+def test_cli_verify_float64_module_enables_x64(tmp_path):
+    src = tmp_path / "f64.mlir"
+    src.write_text(ONE_CONV.replace("f32", "f64"))
+    out = tmp_path / "out.mlir"
+    code = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out),
+                           "--verify"], capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr
+    assert out.exists()
+
+
+def test_a_path_whose_name_says_module_is_read_as_a_path(tmp_path):
+    p = tmp_path / "my_module.mlir"
+    p.write_text(ONE_CONV)
+    out, rep = hlofold.fold_stablehlo(str(p))
+    assert rep.num_folded == 1 and "stablehlo.if" not in out   # s is constant: no guard
