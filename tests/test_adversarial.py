@@ -330,3 +330,94 @@ def test_a_path_whose_name_says_module_is_read_as_a_path(tmp_path):
     p.write_text(ONE_CONV)
     out, rep = hlofold.fold_stablehlo(str(p))
     assert rep.num_folded == 1 and "stablehlo.if" not in out   # s is constant: no guard
+
+
+# ------------------------------------- generated variations of each class above (hypothesis)
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+@settings(max_examples=40, deadline=None)
+@given(kdt=st.sampled_from(list(DTYPES)), pref=st.sampled_from([None, "f32"]),
+       bn=st.sampled_from(["same", "f32"]), frozen=st.booleans(), f32k=st.booleans())
+def test_generated_low_precision_decisions(kdt, pref, bn, frozen, f32k):
+    """Every combination of kernel dtype, accumulation type and BN dtype: folded exactly when
+    the kernel is as wide as the chain's arithmetic (or float32_kernels), and then within the
+    rounding of the kernel dtype; otherwise refused with the precision reason."""
+    dt = DTYPES[kdt]
+    x, k = arr(1, 5, 5, 3, dtype=dt), arr(3, 3, 3, 4, dtype=dt)
+    s, t = arr(4, lo=0.5), arr(4)
+
+    def f(x, k, s, t):
+        y = conv(x, k, preferred_element_type=jnp.float32 if pref else None)
+        if bn == "f32":
+            return y.astype(jnp.float32) * s + t
+        return y * s.astype(y.dtype) + t.astype(y.dtype)
+    g, args = (lambda x: f(x, k, s, t), (x,)) if frozen else (f, (x, k, s, t))
+    closed = jax.make_jaxpr(g)(*args)
+    new, rep = hlofold.fold_jaxpr(closed, float32_kernels=f32k, in_graph="prepared")
+    widest = 4 if (pref or bn == "f32") else np.dtype(dt).itemsize
+    kernel = 4 if f32k else np.dtype(dt).itemsize
+    if kernel >= widest:
+        assert rep.num_folded == 1, str(rep)
+        ref = np.asarray(C.jaxpr_as_fun(closed)(*args)[0], np.float64)
+        out = np.asarray(C.jaxpr_as_fun(new)(*args)[0], np.float64)
+        # both programs round at the narrowest float the chain passes through (a bf16 conv
+        # output is rounded in the original too): a few ulps of that dtype
+        narrow = dt if not (pref or f32k) else new.out_avals[0].dtype
+        if not pref and bn == "f32" and f32k:
+            narrow = dt                       # conv output still rounded to the kernel dtype
+        eps = float(jnp.finfo(narrow).eps)
+        assert np.max(np.abs(ref - out)) <= 8 * eps * (np.max(np.abs(ref)) + 1)
+    else:
+        assert rep.num_folded == 0 and new is closed
+        assert "but the chain computes in" in rep.refused[0].reason
+
+
+@settings(max_examples=30, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from([1, 1.0, True, 2, 2.0]),
+                                st.sampled_from(["a", "b"]), st.booleans()),
+                      min_size=2, max_size=5))
+def test_generated_static_and_frozen_variation(calls):
+    """Random sequences of calls varying static values (by type), frozen pytree structure and
+    frozen arrays: every answer equals jax.jit's."""
+    def f(p, x, n):
+        return x * p.get("a", 1.0) + p.get("b", 0.0) + (100 if n is True else n)
+    a, b = jnp.array([2.0, 3.0]), jnp.array([5.0, 7.0])
+    ff = hlofold.fold(f, freeze=0, static_argnums=2)
+    jf = jax.jit(f, static_argnums=2)
+    for n, key, which in calls:
+        p = {key: a if which else b}
+        out, ref = ff(p, jnp.ones(2), n), jf(p, jnp.ones(2), n)
+        assert out.dtype == ref.dtype
+        np.testing.assert_array_equal(out, ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(wrap=st.sampled_from(["cond", "while", "cond-in-jit", "nested-cond"]),
+       act=st.sampled_from(["relu", "gelu", "silu"]), args_params=st.booleans())
+def test_generated_calls_inside_regions_on_the_stablehlo_path(wrap, act, args_params):
+    """Functions called inside cond/while regions, with and without a BN chain into them:
+    the StableHLO pass never crashes and the folded module computes the same."""
+    fn = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu}[act]
+    x, k, s, t = arr(1, 5, 5, 3), arr(3, 3, 3, 4), arr(4, lo=0.5), arr(4)
+
+    def body(y, p):
+        if wrap == "while":
+            return lax.while_loop(lambda c: c[1] < p, lambda c: (fn(c[0]), c[1] + 1.0),
+                                  (y, 0.0))[0]
+        if wrap == "nested-cond":
+            return lax.cond(p > 0, lambda a: lax.cond(p > 1, fn, jax.nn.relu, a),
+                            lambda a: a, y)
+        inner = lambda a: lax.cond(p > 0, fn, lambda b: b, a)
+        return jax.jit(inner)(y) if wrap == "cond-in-jit" else inner(y)
+
+    def f(x, k, s, t, p):
+        return body(conv(x, k) * s + t, p)
+    g, args = (f, (x, k, s, t, 1.0)) if args_params else \
+        (lambda x, p: f(x, k, s, t, p), (x, 1.0))
+    _, out, rep, run0, run1 = _fold_text(g, *args)
+    assert rep.num_folded == 1, str(rep)
+    assert_close(run0(*args)[0], run1(*args)[0])
