@@ -230,6 +230,10 @@ def _resolve(value, out_shape, axis) -> _Operand | str:
         elif name == "stablehlo.convert" and found is None and _is_float(op.operands[0]):
             casts.insert(0, _etype(cur))
             cur = op.operands[0]
+        elif name == "stablehlo.dynamic_broadcast_in_dim":
+            return ("operand is broadcast to a symbolic (dynamic) shape: symbolic-shape modules "
+                    "are not folded at the StableHLO level; fold before exporting "
+                    "(hlofold.export takes symbolic shapes)")
         else:
             break
     if found is not None:
@@ -279,10 +283,8 @@ class _Pass:
         for fname, fop in list(self.symbols.items()):
             if not fop.regions[0].blocks:      # a declaration: no body to fold
                 continue
-            block = fop.regions[0].blocks[0]
-            roots = [op for op in block.operations if _name(op) in _ROOTS]
-            for op in roots:
-                self._site(op.operation if not isinstance(op, ir.Operation) else op, fname)
+            for op in _roots_in(fop):
+                self._site(op, fname)
         return FoldReport(self.sites)
 
     def _record(self, op, fname, status, **kw) -> FoldSite:
@@ -352,6 +354,13 @@ class _Pass:
             name = _name(user)
             if name == "func.return":
                 stop = "value is returned"
+                break
+            if name == "stablehlo.return" and _name(user.parent) in ("stablehlo.case",
+                                                                      "stablehlo.if"):
+                stop = (f"the root is inside a {_name(user.parent)} branch (a multi-platform "
+                        "export lowers each convolution per platform); not followed out of "
+                        "the branch — export for one platform, or fold before exporting "
+                        "(hlofold.export)")
                 break
             if name == "func.call":
                 why = self._inline_call(user, pos)
@@ -521,6 +530,7 @@ class _Pass:
                 # inf γ) runs the site's original ops instead
                 pred = stablehlo.AndOp(self._all_finite(new_k), self._all_finite(t_ir)).result
                 if_op = stablehlo.IfOp([out_t], pred)
+                if_op.operation.attributes[GUARD_ATTR] = ir.UnitAttr.get()
                 with ir.InsertionPoint(if_op.true_branch.blocks.append()):
                     stablehlo.ReturnOp([self._folded_ops(root, steps, kidx, new_k, t_of,
                                                          out_t, out_axis)])
@@ -678,6 +688,24 @@ class _IrArith:
 
     def neg(self, a):
         return stablehlo.NegOp(a).result
+
+
+GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
+
+
+def _roots_in(op) -> list:
+    """The roots in ``op``'s regions, nested regions included (a multi-platform export puts
+    its program in the branches of a ``stablehlo.case``), hlofold's own guards excepted."""
+    out = []
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation if not isinstance(inner, ir.Operation) else inner
+                if _name(inner) in _ROOTS:
+                    out.append(inner)
+                elif GUARD_ATTR not in inner.attributes:
+                    out.extend(_roots_in(inner))
+    return out
 
 
 def _remap_operands(op, mapping):

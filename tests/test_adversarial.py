@@ -421,3 +421,25 @@ def test_generated_calls_inside_regions_on_the_stablehlo_path(wrap, act, args_pa
     _, out, rep, run0, run1 = _fold_text(g, *args)
     assert rep.num_folded == 1, str(rep)
     assert_close(run0(*args)[0], run1(*args)[0])
+
+
+def test_symbolic_and_multi_platform_exports_are_refused_with_the_right_reason():
+    """Symbolic shapes said "operand varies along dimension 0" (wrong); multi-platform
+    exports reported 0 sites and no reason."""
+    from hlofold import examples
+    p, x = examples.init_resnet(10, width=8), jnp.ones((2, 16, 16, 3))
+    nbn = examples.count_bn(p)
+    sx = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 16, 16, 3"), jnp.float32)
+    _, rep = hlofold.fold_stablehlo(jax.export.export(jax.jit(examples.resnet_apply))(p, sx))
+    assert rep.num_folded == 0 and rep.num_refused == nbn + 1
+    assert all("symbolic (dynamic) shape" in s.reason for s in rep.refused), str(rep)
+    multi = jax.export.export(jax.jit(examples.resnet_apply), platforms=("cpu", "cuda"))(p, x)
+    _, rep = hlofold.fold_stablehlo(multi)
+    assert rep.num_folded == 0 and len(rep.sites) >= nbn
+    assert all("multi-platform export" in s.reason for s in rep.sites
+               if s.primitive == "stablehlo.convolution"), str(rep)
+    # the way out both reasons name: fold before exporting
+    exp = hlofold.export(examples.resnet_apply, p, sx, platforms=("cpu", "cuda"))
+    text = exp.mlir_module()
+    assert text.count("stablehlo.is_finite") >= nbn      # every site folded, guarded
+    assert_close(jax.jit(examples.resnet_apply)(p, x), exp.call(p, x))
