@@ -336,16 +336,31 @@ class _Scope:
         return steps[:committed], committed_axis, reason, refusal
 
     def _plan_site(self, i, eqn, pattern) -> bool:
-        info = pattern.inspect_root(eqn)
-        if isinstance(info, Refusal):
-            self._record(eqn, pattern, None, REFUSED, reason=info.reason)
+        first = pattern.inspect_root(eqn)
+        chosen = None
+        for info in [first] + pattern.alternatives(eqn):   # the first reading that folds
+            if isinstance(info, Refusal):
+                continue
+            if info is not first and self.value(eqn.invars[info.kernel_index]) is None:
+                continue     # another reading only for a weight known at transform time: an
+                # input on the lhs may as well be the activations
+            walked = self._walk(eqn, info, pattern)
+            aff = [s for s in walked[0] if isinstance(s, AffineStep)]
+            folds = bool(aff) and not (len(aff) == 1 and aff[0].kind in ("add", "sub")) and \
+                not self.from_root(eqn.invars[info.kernel_index])
+            if chosen is None or folds:
+                chosen = (info, walked)
+            if folds:
+                break
+        if chosen is None:
+            self._record(eqn, pattern, None, REFUSED, reason=first.reason)
             return False
-        steps, end_axis, stop, stop_is_refusal = self._walk(eqn, info, pattern)
+        info, (steps, end_axis, stop, stop_is_refusal) = chosen
         self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
         backward = bool(affine) and not (len(affine) == 1 and affine[0].kind in ("add", "sub"))
-        fwd = self._plan_forward(eqn, pattern, info)
+        fwd = self._plan_forward(eqn, pattern, info) if info.kernel_index == 1 else None
         if not backward:
             if not affine:
                 if not (fwd is not None and stop == "value is unused"):

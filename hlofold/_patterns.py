@@ -76,6 +76,10 @@ class ConvAffinePattern:
     name: str = "conv_affine"
     root: str = "conv_general_dilated"
 
+    def alternatives(self, eqn: C.JaxprEqn) -> list:
+        """Other readings of the root (none: the kernel of a conv is its rhs)."""
+        return []
+
     def inspect_root(self, eqn: C.JaxprEqn) -> RootInfo | Refusal:
         dn = eqn.params["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
@@ -152,6 +156,21 @@ class DotAffinePattern:
                         kernel_axis=rhs_free[0], layout=layout,
                         in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
                         out_channels=int(rhs.shape[rhs_free[0]]), groups=1)
+
+    def alternatives(self, eqn: C.JaxprEqn) -> list:
+        """The weight as the *lhs* (``einsum("oi,bi->bo", W, x)``): its one free dimension
+        is the output feature. Tried when the rhs reading folds nothing, and only for a weight
+        known at transform time (an input on the lhs may as well be the activations)."""
+        lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
+        lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+        if len(lhs_free) != 1 or not (_is_float(lhs.dtype) and _is_float(out.dtype)) or \
+                not all(isinstance(d, int) for d in lhs.shape):   # (a weight is not symbolic)
+            return []
+        return [RootInfo(channel_axis=len(lb), kernel_index=0, kernel_axis=lhs_free[0],
+                         layout=f"dot{tuple(lhs.shape)}x{tuple(rhs.shape)}->{tuple(out.shape)}"
+                                " (weight on the lhs)",
+                         in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
+                         out_channels=int(lhs.shape[lhs_free[0]]), groups=1)]
 
     def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)

@@ -263,6 +263,20 @@ def _root_info(op):
     return (len(lb) + len(lfree), 1, rfree[0], f"dot {lhs}x{rhs}")
 
 
+def _lhs_root_info(op):
+    """The weight as the lhs of a ``dot_general`` (its one free dimension is the output
+    feature), tried when the rhs reading folds nothing; None for convolutions."""
+    if _name(op) != "stablehlo.dot_general":
+        return None
+    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    lb, lc = list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions)
+    lhs, rhs = _shape(op.operands[0]), _shape(op.operands[1])
+    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
+    if len(lfree) != 1 or not _is_float(op.operands[0]):
+        return None
+    return (len(lb), 0, lfree[0], f"dot {lhs}x{rhs} (weight on the lhs)")
+
+
 # --------------------------------------------------------------------------- the pass
 
 
@@ -287,10 +301,10 @@ class _Pass:
                 self._site(op, fname)
         return FoldReport(self.sites)
 
-    def _record(self, op, fname, status, **kw) -> FoldSite:
+    def _record(self, op, fname, status, info=None, **kw) -> FoldSite:
         file, line = _location(op)
         shape = _shape(op.results[0])
-        info = _root_info(op)
+        info = info or _root_info(op)
         rec = FoldSite(pattern="stablehlo_" + ("conv" if "conv" in _name(op) else "dot") +
                        "_affine", primitive=_name(op), status=status, scope=f"@{fname}",
                        file=file, line=line, dtype=str(_etype(op.results[0])), **kw)
@@ -442,33 +456,49 @@ class _Pass:
     # -- folding
 
     def _site(self, root, fname):
-        info = _root_info(root)
-        if isinstance(info, str):
-            self._record(root, fname, REFUSED, reason=info)
+        first = _root_info(root)
+        cands = [c for c in (first, _lhs_root_info(root)) if c is not None and
+                 not isinstance(c, str)]
+        if not cands:
+            self._record(root, fname, REFUSED, reason=first)
             return
-        out_axis, kidx, kaxis, _ = info
         if not _is_float(root.results[0]):
             self._record(root, fname, REFUSED, reason="not a float root")
             return
-        steps, stop, refusal = self._walk(root, out_axis)
+        chosen = None
+        for info in cands:              # the first reading of the root that folds
+            if info is not first and self.eval(root.operands[info[1]]) is None:
+                continue                # a non-constant lhs may as well be the activations
+            walked = self._walk(root, info[0])
+            real = [s for s in walked[0] if s.kind != "convert"]
+            k = root.operands[info[1]]
+            folds = bool(real) and not (len(real) == 1 and real[0].kind in ("add", "sub")) \
+                and not (_owner_op(k) is not None and self._from_root(k))
+            if chosen is None or folds:
+                chosen = (info, walked)
+            if folds:
+                break
+        info, (steps, stop, refusal) = chosen
+        out_axis, kidx, kaxis, _ = info
         absorbed = [_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind != "convert"]
         if not real:
-            self._record(root, fname, REFUSED if refusal else NO_PATTERN, reason=stop)
+            self._record(root, fname, info=info, status=REFUSED if refusal else NO_PATTERN,
+                         reason=stop)
             return
         if len(real) == 1 and real[0].kind in ("add", "sub"):
-            self._record(root, fname, CANONICAL, absorbed=absorbed,
+            self._record(root, fname, info=info, status=CANONICAL, absorbed=absorbed,
                          reason="already conv + per-channel bias")
             return
         kernel = root.operands[kidx]
         if _owner_op(kernel) is not None and self._from_root(kernel):
-            self._record(root, fname, REFUSED, absorbed=absorbed,
+            self._record(root, fname, info=info, status=REFUSED, absorbed=absorbed,
                          reason="the kernel is computed from an activation")
             return
         C_out = _shape(root.results[0])[out_axis]
 
         known = self._np_chain(real, C_out)      # (kinds, float64 operands) or None
-        rec = self._record(root, fname, FOLDED, absorbed=absorbed,
+        rec = self._record(root, fname, info=info, status=FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None)
         kd = _np_dtype(_etype(kernel))
         # in-graph arithmetic: float32, or float64 when the program computes in float64

@@ -443,3 +443,27 @@ def test_symbolic_and_multi_platform_exports_are_refused_with_the_right_reason()
     text = exp.mlir_module()
     assert text.count("stablehlo.is_finite") >= nbn      # every site folded, guarded
     assert_close(jax.jit(examples.resnet_apply)(p, x), exp.call(p, x))
+
+
+@pytest.mark.parametrize("params", ["constants"])
+def test_weight_as_the_lhs_of_a_dot_folds_on_both_paths(params):
+    """``dot_general(W, x)`` with the features on the lhs (was refused: "operand varies along
+    a free dimension of the lhs"). Only a constant lhs is read as the weight: an input on the
+    lhs may as well be the activations (``tests/test_dense.py`` keeps those refused)."""
+    w, x = arr(6, 5), arr(3, 5)
+    s, t = arr(6, lo=0.5), arr(6)
+
+    def f(w, x, s, t):
+        return lax.dot_general(w, x, (((1,), (1,)), ((), ()))) * s[:, None] + t[:, None]
+    g, args = (f, (w, x, s, t)) if params == "arguments" else \
+        (lambda x: f(w, x, s, t), (x,))
+    closed = jax.make_jaxpr(g)(*args)
+    new, rep = hlofold.fold_jaxpr(closed, in_graph="prepared")
+    (site,) = rep.folded
+    assert site.out_channels == 6 and "weight on the lhs" in site.layout
+    assert "mul" not in [e.primitive.name for e in new.jaxpr.eqns
+                         if e.outvars[0].aval.shape == (6, 3)]
+    assert_close(C.jaxpr_as_fun(closed)(*args)[0], C.jaxpr_as_fun(new)(*args)[0])
+    _, out, rep, run0, run1 = _fold_text(g, *args)
+    assert rep.num_folded == 1 and "weight on the lhs" in rep.folded[0].layout, str(rep)
+    assert_close(run0(*args)[0], run1(*args)[0])
