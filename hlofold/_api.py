@@ -161,6 +161,11 @@ def _trace_struct(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(st.shape, st.dtype, weak_type=st.weak_type, sharding=sh)
 
 
+def _static_key(static: dict) -> tuple:
+    """Static arguments by name, type and value (``jax.jit`` tells ``2`` from ``2.0``)."""
+    return tuple((k, type(v), v) for k, v in sorted(static.items(), key=lambda kv: kv[0]))
+
+
 def _check_not_deleted(arrays) -> None:
     for a in arrays:
         if isinstance(a, jax.Array) and a.is_deleted():
@@ -357,8 +362,7 @@ class Folded:
         # As strict as jax.jit: static values by type and value, frozen values by pytree
         # structure (dict keys, static fields of modules) and identity or value.
         try:
-            static_key = tuple((k, type(v), v) for k, v in sorted(static.items(),
-                                                                   key=lambda kv: kv[0]))
+            static_key = _static_key(static)
             frz_key = (jax.tree_util.tree_structure(frozen),
                        tuple(_frozen_leaf_key(x) for x in frz_leaves))
             key = (tree, avals, static_key, frz_key)
@@ -459,9 +463,7 @@ class Folded:
             {k: v for k, v in arguments.items() if k not in self._static})
         return (tree, tuple((tuple(np.shape(l)), str(getattr(l, "dtype", type(l))))
                             for l in leaves),
-                tuple((k, type(v), v) for k, v in sorted(arguments.items(),
-                                                          key=lambda kv: kv[0])
-                      if k in self._static))
+                _static_key({k: v for k, v in arguments.items() if k in self._static}))
 
     def _unfolded(self, prog: _Program) -> Callable:
         if prog.unfolded is None:

@@ -31,7 +31,7 @@ from . import _compat as C
 from ._patterns import (PATTERNS, FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
                         PassStep, Refusal, RootInfo, affine_step, pass_step)
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
-from ._rules import precision_refusal, rounding_refusal, runtime_refusal, scale_refusal
+from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
 # Largest constant sub-computation evaluated at transform time (elements per output).
 _MAX_CONST_EVAL = 1 << 26
@@ -456,13 +456,11 @@ class _Scope:
             site.s_known, site.t_known = s_vec, t_vec
             if k64 is not None and (fwd is None or fwd.s_known is not None):
                 kp = k64 * _along(s_vec, info.kernel_axis, k64.ndim)
-                why = rounding_refusal(kp, kd, info.kernel_axis)
+                kp_cast, why = round_kernel(kp, kd, info.kernel_axis)
                 if why:
                     if fwd is not None:
                         self._refuse(fwd.record, "the rescaled kernel is refused")
                     return self._refuse(rec, why)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    kp_cast = kp.astype(kd)
                 site.kernel_const = kp_cast
                 if b64 is not None:
                     site.t_known = s_vec * b64 + t_vec

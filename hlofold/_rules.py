@@ -10,7 +10,7 @@ rule applies; the rule itself lives here once.
   computes in a wider type than the kernel (a bf16 conv with ``preferred_element_type=f32``,
   a bf16 conv followed by a float32 BatchNorm, an fp8 kernel), that rounding loses accuracy
   the unfolded program keeps, so the fold is refused.
-* ``rounding_refusal``: ``K·s`` rounded to the kernel dtype must neither overflow nor
+* ``round_kernel``: ``K·s`` rounded to the kernel dtype must neither overflow nor
   underflow a whole output channel (fp16 and narrower).
 * ``runtime_refusal``: a kernel rescaled in the graph (its parameters are not known at
   transform time) cannot be range-checked before it runs; for dtypes whose range is narrower
@@ -53,21 +53,21 @@ def precision_refusal(kernel_dtype, math_dtypes, hint: str = "") -> str | None:
             f"would lose accuracy the unfolded program keeps{hint}")
 
 
-def rounding_refusal(kp: np.ndarray, kd, axis: int) -> str | None:
-    """``kp`` (the rescaled kernel, float64) rounded to ``kd`` overflows, or underflows a
-    whole output channel along ``axis``."""
+def round_kernel(kp: np.ndarray, kd, axis: int) -> tuple[np.ndarray, str | None]:
+    """``kp`` (the rescaled kernel, float64) rounded to ``kd``, and the reason to refuse it:
+    it overflows, or underflows a whole output channel along ``axis`` (None: it is safe)."""
     kd = np.dtype(kd)
     with np.errstate(over="ignore", invalid="ignore"):
         kp_cast = kp.astype(kd)
     overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
     if overflow.any():
-        return f"the rescaled kernel overflows {kd} at {int(overflow.sum())} element(s)"
+        return kp_cast, f"the rescaled kernel overflows {kd} at {int(overflow.sum())} element(s)"
     lost = underflowing_channels(kp, kp_cast, axis)
     if lost.size:
-        return (f"the rescaled kernel underflows {kd} in {lost.size} output channel(s) "
-                f"(first: {lost[:5].tolist()}): K·s falls below the {kd} normal range "
-                "(unfolded, conv·s is rounded instead)")
-    return None
+        return kp_cast, (f"the rescaled kernel underflows {kd} in {lost.size} output "
+                         f"channel(s) (first: {lost[:5].tolist()}): K·s falls below the {kd} "
+                         "normal range (unfolded, conv·s is rounded instead)")
+    return kp_cast, None
 
 
 def underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.ndarray:

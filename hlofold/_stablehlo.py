@@ -29,7 +29,7 @@ from . import _compat as C
 from ._fold import _collapse
 from ._patterns import _unit_reshape_map
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
-from ._rules import precision_refusal, rounding_refusal, runtime_refusal, scale_refusal
+from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -532,12 +532,10 @@ class _Pass:
                                          xp=_IrArith(C_out, self.ct))
             if known and k_np is not None:
                 kp = k_np.astype(np.float64) * _along(s_vec, kaxis, k_np.ndim)
-                why = rounding_refusal(kp, kd, kaxis)
+                kp_cast, why = round_kernel(kp, kd, kaxis)
                 if why:
                     rec.status, rec.reason = REFUSED, why
                     return
-                with np.errstate(over="ignore", invalid="ignore"):
-                    kp_cast = kp.astype(kd)
                 new_k = stablehlo.ConstantOp(_numpy_to_dense(kp_cast, kdt)).result
                 rec.rescale = "constant"
             else:
