@@ -61,8 +61,8 @@ LABELS = {
 SHORT = {"a": "unfolded", "b": "folded", "b'": "folded, no cache", "c": "frozen",
          "d": "ideal (no BN)"}
 RATIOS = [("b", "a"), ("b'", "a"), ("c", "a"), ("d", "a"), ("b", "d"), ("c", "d")]
-PROGRAMS = [("a", "(a) unfolded"), ("b_apply", "(b) apply program"),
-            ("b_prepare", "(b) prepare program"), ("c", "(c) frozen"), ("d", "(d) ideal")]
+PROGRAMS = [("a", "(a) unfolded"), ("b_apply", "(b) apply program"), ("c", "(c) frozen"),
+            ("d", "(d) ideal")]
 FLAX_MODELS = ["resnet18", "resnet50", "mobilenetv2"]
 JAX_MODELS = ["jax-resnet18", "jax-resnet50"]
 TITLES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50", "mobilenetv2": "MobileNetV2",
@@ -423,9 +423,9 @@ def measure_compile(net: Net, x, reps: int, errors: dict):
     a, d:   t(jax.jit(f).lower(params, x))  and  t(lowered.compile())
     c:      t(Folded.lower(params, x))  [trace + hlofold fold + lower, constants baked in]
             and t(lowered.compile())
-    b:      t(Folded.split(params, x))  [trace + hlofold fold + prepare/apply partial eval]
-            then lower + compile of the *apply* program and of the *prepare* program
-            (the two executables b actually runs).
+    b:      t(Folded.split(params, x))  [trace + hlofold fold + host prepare]
+            then lower + compile of the *apply* program (the one executable b runs; the
+            prepare step runs on the host, without a compile).
     """
     out = {k: collections.defaultdict(list) for k in ("a", "b", "c", "d")}
     texts, mem = {}, {}
@@ -462,22 +462,18 @@ def measure_compile(net: Net, x, reps: int, errors: dict):
         def run_b():
             F = hlofold.fold(jax.jit(net.f()))
             t0 = _now(); sp = F.split(net.variables, x); t1 = _now()
-            out["b"]["split_s"].append(t1 - t0)   # trace + fold + partial eval
-            for part, cj in (("apply", sp.apply_jaxpr), ("prepare", sp.prepare_jaxpr)):
-                if cj is None:
-                    continue
+            out["b"]["split_s"].append(t1 - t0)   # trace + fold + host prepare
+            for part, cj in (("apply", sp.apply_jaxpr),):
                 avals = [C.shape_struct(a) for a in cj.in_avals]
                 t0 = _now(); low = jax.jit(C.jaxpr_as_fun(cj)).lower(*avals); t1 = _now()
                 comp = low.compile(); t2 = _now()
                 out["b"][f"{part}_lower_s"].append(t1 - t0)
                 out["b"][f"{part}_compile_s"].append(t2 - t1)
                 texts[f"b_{part}"], mem[f"b_{part}"] = comp.as_text(), memory_stats(comp)
-            out["b"]["compile_s"].append(out["b"]["apply_compile_s"][-1]
-                                         + (out["b"]["prepare_compile_s"] or [0.0])[-1])
-            if sp.prepare_jaxpr is not None:
-                extra["prepared_mb"] = sum(
-                    int(np.prod(a.shape)) * a.dtype.itemsize
-                    for a in sp.prepare_jaxpr.out_avals) / 2 ** 20
+            out["b"]["compile_s"].append(out["b"]["apply_compile_s"][-1])
+            n_prep = len(sp.apply_jaxpr.jaxpr.invars) - len(sp.per_call)
+            extra["prepared_mb"] = sum(int(np.prod(a.shape)) * a.dtype.itemsize
+                                       for a in sp.apply_jaxpr.in_avals[:n_prep]) / 2 ** 20
             extra["prepared_from"] = len(sp.prepared_from)
         guarded("b", run_b)
     res = {k: {m: _summ(v) for m, v in d.items()} for k, d in out.items() if d}
@@ -804,7 +800,7 @@ def _batch_section(mk: dict, b: dict, cfg: dict, m: dict) -> list[str]:
         L.append(f"| (c) frozen (`Folded.lower` incl. trace+fold; then `.compile()`) | "
                  f"{c['c']['lower_s']['median']:.3f} | {c['c']['compile_s']['median']:.3f} |")
     if "b" in c and "apply_compile_s" in c["b"]:
-        L.append(f"| (b) `Folded.split` (trace+fold+partial eval), apply program | "
+        L.append(f"| (b) `Folded.split` (trace+fold+host prepare), apply program | "
                  f"{c['b']['split_s']['median']:.3f} + {c['b']['apply_lower_s']['median']:.3f} | "
                  f"{c['b']['apply_compile_s']['median']:.3f} |")
         if "prepare_compile_s" in c["b"]:
@@ -958,10 +954,7 @@ def plot(result: dict, path: str) -> None:
             ax2.bar(pos, vals, w, color=colors[4], hatch="//", label="hlofold fold_jaxpr")
         elif key == "b":
             app = [med(b, "b", "apply_compile_s") for _, b in groups]
-            prep = [med(b, "b", "prepare_compile_s") for _, b in groups]
             ax2.bar(pos, app, w, color=colors[1], label="(b) XLA compile, apply program")
-            ax2.bar(pos, prep, w, bottom=app, color=colors[1], alpha=0.45,
-                    label="(b) + prepare program")
         else:
             lab = {"a": "(a) XLA compile", "c": "(c) XLA compile, frozen",
                    "d": "(d) XLA compile"}[key]

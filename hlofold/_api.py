@@ -1,18 +1,22 @@
 """``@hlofold.fold``: the decorator for inference functions.
 
-The decorated function is traced once per input signature (like ``jax.jit``), folded with
-:func:`hlofold.fold_jaxpr`, and compiled. Parameters arrive either
+The decorated function is traced once per input signature (like ``jax.jit``). Parameters
+arrive either
 
-* **frozen** (``freeze=``): their values are baked in as constants, so ``K ⊙ s`` is computed
-  once at transform time and the program carries the folded kernels as constants; or
-* **as inputs**: the folded program is split by partial evaluation into a param-only
-  *prepare* part (folded kernels and biases) and a per-call *apply* part (conv + add). The
-  prepared values are cached, keyed on the identity of the (immutable) ``jax.Array`` inputs
-  they come from, so steady-state calls run only *apply*. :meth:`Folded.split` exposes the
-  two parts for callers that keep state themselves.
+* **frozen** (``freeze=``): their values are constants of the traced program; or
+* **as inputs**: the inputs a folded site reads (kernels, BatchNorm statistics) are
+  *prepared*: bound to their values and folded on the host (:mod:`hlofold._prepare`), the
+  result cached on the identity of the (immutable) ``jax.Array`` inputs.
 
-Called under an enclosing transformation (inputs are tracers), the folded program is inlined
-with its kernel rescale in the graph.
+Either way ``K ⊙ s`` and ``t`` are computed once, in float64, with the same safety rules, and
+the folded constants are passed to one compiled *apply* program (conv + add) as arguments:
+no compile for the prepare step, no weights in the HLO. Steady-state calls check the
+arguments' identity and types and run *apply* (a fast path as thin as ``jax.jit``'s).
+:meth:`Folded.split` exposes prepare and apply for callers that keep state themselves.
+
+Called under an enclosing transformation with traced parameters, sites are left unfolded by
+default (or rescaled in the graph, guarded: ``in_graph=True``); with concrete parameters
+(closed over) the prepared program is inlined.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._fold import fold_jaxpr
-from ._report import FOLDED, FoldReport
+from ._fold import NOT_PREPARED, fold_jaxpr
+from ._prepare import Executables, fold_with_values, place, with_inputs
+from ._report import FoldReport
 
 
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
@@ -78,9 +83,6 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
                   float32_kernels=float32_kernels, verify=verify, in_graph=in_graph)
 
 
-_UNFOLDED = object()
-
-
 def verify_tolerance(dtype) -> tuple[float, float] | None:
     """``(rtol, atol)`` for ``fold(..., verify=True)``: an output of this dtype passes when
     ``max|Δ| ≤ rtol·max|ref| + atol`` over its finite values. ``None``: compared exactly.
@@ -117,17 +119,6 @@ def _mismatch(ref, out) -> str | None:
     err = float(np.max(np.abs(r[fin] - o[fin])))
     bound = tol[0] * float(np.max(np.abs(r[fin]))) + tol[1]
     return None if err <= bound else f"max|Δ| = {err:.3g} > {bound:.3g}"
-
-
-def _with_finite_flag(fun: Callable) -> Callable:
-    """``fun`` returning ``(values, all_finite)``: one executable, checked on the device."""
-    def wrapped(*args):
-        vals = fun(*args)
-        flags = [jax.numpy.isfinite(v).all() for v in vals
-                 if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)]
-        ok = jax.numpy.all(jax.numpy.stack(flags)) if flags else jax.numpy.bool_(True)
-        return vals, ok
-    return jax.jit(wrapped)
 
 
 def _explicit_sharding(x):
@@ -203,38 +194,44 @@ def _as_tuple(x) -> tuple:
 
 @dataclasses.dataclass
 class Split:
-    """The folded program split in two.
+    """The folded program split in two, for the parameter values it was made with.
 
-    ``prepare(*args, **kw)`` computes, from the parameter inputs only, everything the
-    per-call part needs (folded kernels, biases); ``apply(prepared, *args, **kw)`` runs the
-    per-call part. ``apply`` reads only the inputs listed in ``per_call``; the ones in
-    ``prepared_from`` are not read (pass the same pytree structure; their values are ignored).
+    ``prepare(*args, **kw)`` folds the parameter inputs listed in ``prepared_from`` (on the
+    host, see :mod:`hlofold._prepare`) and returns the arrays the per-call part needs
+    (folded kernels, biases, unfolded parameters); ``apply(prepared, *args, **kw)`` runs the
+    per-call part, reading only the inputs listed in ``per_call`` (pass the same pytree
+    structure; the values of the others are ignored). ``apply`` can be called under your own
+    ``jax.jit``. ``prepare`` runs outside it and raises ``ValueError`` for parameter values
+    that fold differently (e.g. a BatchNorm scale that is not finite refuses its site).
     """
 
     prepared_from: list[str]
     per_call: list[str]
-    prepare_jaxpr: C.ClosedJaxpr | None
-    apply_jaxpr: C.ClosedJaxpr
+    apply_jaxpr: C.ClosedJaxpr          # inputs: (*prepared, *per-call leaves)
+    report: FoldReport
     _folded: "Folded"
     _key: Any
+    _folding: Any
+    _fn: Callable
 
     def prepare(self, *args, **kwargs) -> list[jax.Array]:
-        """Raises ``FloatingPointError`` when a folded value is not finite (e.g. a BN
-        scale of inf): such parameters cannot be folded."""
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
-        prepared, finite = prog.prepare(*[leaves[i] for i in prog.known_idx])
-        prepared = list(prepared)
-        if not bool(finite):
-            raise FloatingPointError("hlofold: the folded parameters are not finite (a "
-                                     "BatchNorm scale is inf or NaN?); these parameters "
-                                     "cannot be folded — call the original function")
-        return prepared
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) for k in known):
+            raise ValueError("hlofold: Split.prepare needs concrete parameters: call it "
+                             "outside jax.jit (and pass its result into your jitted apply)")
+        folding, _, prepared = self._folded._folding_for(prog, known)
+        if folding is not self._folding and folding.structure != self._folding.structure:
+            why = _first_difference(self._folding.report, folding.report)
+            raise ValueError(f"hlofold: these parameters fold differently from the ones the "
+                             f"split was made with ({why}); make a new split for them")
+        return list(prepared)
 
     def apply(self, prepared: Sequence[jax.Array], *args, **kwargs):
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
-        outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
+        outs = self._fn(*prepared, *[leaves[i] for i in prog.unknown_idx])
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     def _check(self, prog):
@@ -243,30 +240,56 @@ class Split:
                              "signature than the one the split was made for")
 
 
+def _first_difference(a: FoldReport, b: FoldReport) -> str:
+    for x, y in zip(a.sites, b.sites):
+        if (x.status, x.reason) != (y.status, y.reason):
+            return f"{y.pattern} at {y.location}: {y.status}" + (f": {y.reason}"
+                                                                  if y.reason else "")
+    return "the folded program differs"
+
+
 @dataclasses.dataclass
 class _Program:
     key: Any
     original: C.ClosedJaxpr
-    folded: C.ClosedJaxpr
-    report: FoldReport
     leaf_names: list[str]
+    const_names: list
     out_tree: Any
-    full: Callable                 # jitted folded program (in-graph rescale)
-    fold_args: dict                # invar/const names, to fold the original in another mode
-    known_idx: list[int]
-    unknown_idx: list[int]
-    prepare: Callable | None
-    apply: Callable | None
-    prepare_jaxpr: C.ClosedJaxpr | None = None
-    apply_jaxpr: C.ClosedJaxpr | None = None
+    known_idx: list[int]           # inputs a folded site reads: folded per value, on the host
+    unknown_idx: list[int]         # per-call inputs
+    executables: Executables
     frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
     frozen_copies: tuple = ()      # (index, copy) of frozen NumPy arrays: checked every call
     donated: tuple = ()            # flat input positions donated (from a jitted input)
-    unfolded: Callable | None = None  # the original program, for fail-closed fallback
+    unfolded: Callable | None = None  # the original program (fail-closed fallback, churn)
     reference: Callable | None = None  # the original program without donation (verify)
-    cached: tuple | None = None    # (known leaves, prepared values)
+    cached: tuple | None = None    # (known leaves, Folding, apply executable, device values)
     verified: bool | None = None   # verify=True: None until the first call compared
     variants: dict = dataclasses.field(default_factory=dict)   # in_graph mode -> (jaxpr, report)
+    hits: int = 0                  # calls served by the cached prepared values
+    churn: int = 0                 # consecutive re-prepares after fewer than 2 hits
+    churned: bool = False          # parameters change every call: run the original program
+
+
+# A signature whose parameters were prepared again this many times in a row, each used for
+# fewer than two calls, runs the original program from then on: preparing (O(|K|) on the
+# host) every call would cost more than the BatchNorm epilogue it saves.
+CHURN_LIMIT = 3
+
+
+@dataclasses.dataclass
+class _Fast:
+    """The steady-state call, checked with as little Python as ``jax.jit``'s own cache
+    needs: the same pytree of positional arguments, the same parameter (and frozen) arrays
+    by identity, per-call inputs of the same type."""
+    tree: Any
+    same: tuple                    # (args-leaf index, object)
+    arrays: tuple                  # parameter jax.Arrays (deleted/donated check)
+    per_call: tuple                # args-leaf index of each per-call input, in order
+    keys: tuple                    # _leaf_key of each per-call input
+    fn: Callable
+    prepared: tuple
+    out_tree: Any
 
 
 class Folded:
@@ -293,6 +316,7 @@ class Folded:
         self._cache = cache_prepared
         self._programs: dict[Any, _Program] = {}
         self._failed: set = set()      # verify=True: signatures whose fold was found wrong
+        self._fast: _Fast | None = None
         functools.update_wrapper(self, self._py)
         self.__wrapped__ = fun        # the function as given (jitted or not)
 
@@ -397,39 +421,48 @@ class Folded:
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
         by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
         const_names = [by_id.get(id(c)) for c in closed.consts]
-        folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names,
-                                    float32_kernels=self._float32_kernels, in_graph="prepared")
-        donated = tuple(i for i, (p, _) in enumerate(leaves_p)
-                        if p and getattr(p[0], "key", None) in self._donate)
-        full = jax.jit(C.jaxpr_as_fun(folded), donate_argnums=donated)
-
-        # Inputs feeding a kernel rescale in the graph are "prepared" once per value.
+        # Which inputs do folded sites read? Those the fold leaves to the graph (unknown
+        # parameters); they are folded per value on the host (_prepare).
+        _, found = fold_jaxpr(closed, invar_names=names, const_names=const_names,
+                              float32_kernels=self._float32_kernels, in_graph="never")
         needed = set()
-        for s in report.sites:
-            if s.status == FOLDED and s.rescale == "in-graph":
+        for s in found.sites:
+            if s.reason == NOT_PREPARED:
                 needed.update(s.params)
-                if s.kernel:
-                    needed.update(s.kernel.split(", "))
+                needed.update((s.kernel or "").split(", "))
         known_idx = [i for i, n in enumerate(names) if n in needed]
         unknown_idx = [i for i in range(len(names)) if i not in set(known_idx)]
-        prepare = apply = known_j = unknown_j = None
-        if known_idx:
-            unknowns = [i not in set(known_idx) for i in range(len(names))]
-            known_j, unknown_j, out_uk, _ = C.partial_eval(
-                folded, unknowns, [True] * len(folded.jaxpr.outvars))
-            assert all(out_uk), "every output is instantiated in the apply part"
-            prepare = _with_finite_flag(C.jaxpr_as_fun(known_j))
-            n_res = len(unknown_j.jaxpr.invars) - len(unknown_idx)
-            apply = jax.jit(C.jaxpr_as_fun(unknown_j), donate_argnums=tuple(
-                n_res + j for j, i in enumerate(unknown_idx) if i in donated))
-        return _Program(key, closed, folded, report, names, out_tree, full,
-                        {"invar_names": names, "const_names": const_names}, known_idx,
-                        unknown_idx, prepare, apply, known_j, unknown_j,
+        donated = tuple(i for i, (p, _) in enumerate(leaves_p)
+                        if p and getattr(p[0], "key", None) in self._donate)
+        return _Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
+                        Executables([j for j, i in enumerate(unknown_idx) if i in donated]),
                         frozen_refs=tuple(frz_leaves),
                         frozen_copies=tuple((i, np.array(x, copy=True))
                                             for i, x in enumerate(frz_leaves)
                                             if isinstance(x, np.ndarray)),
                         donated=donated)
+
+    def _folding_for(self, prog: _Program, known: list, count: bool = True):
+        """``(Folding, apply executable, device values)`` for these parameter values: the
+        cached ones while the parameters are the same arrays, else folded anew."""
+        c = prog.cached
+        cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
+        if cacheable and c is not None and len(c[0]) == len(known) \
+                and all(a is b for a, b in zip(c[0], known)):
+            _check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
+            prog.hits += count
+            return c[1:]
+        if count and c is not None:
+            prog.churn = prog.churn + 1 if prog.hits < 2 else 0
+            prog.churned = prog.churn >= CHURN_LIMIT
+        _check_not_deleted(known)
+        folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
+                                   prog.known_idx, known,
+                                   float32_kernels=self._float32_kernels)
+        entry = (folding, prog.executables.get(folding), place(folding.hoisted, known))
+        if count or c is None:
+            prog.cached, prog.hits = (tuple(known),) + entry, 0
+        return entry
 
     def _leaf_name(self, path) -> str:
         if not path:
@@ -445,6 +478,11 @@ class Folded:
     # ---- calling
 
     def __call__(self, *args, **kwargs):
+        fast = self._fast
+        if fast is not None and not kwargs:
+            outs = _fast_call(fast, args)
+            if outs is not _MISS:
+                return outs
         prog, leaves = self._program_for(args, kwargs)
         if self._failed and prog.verified is None and any(C.is_tracer(x) for x in leaves) \
                 and self._shape_sig(args, kwargs) in self._failed:
@@ -452,7 +490,36 @@ class Folded:
         outs = self._call_leaves(prog, leaves)
         if prog.verified is False and self._verify:
             self._failed.add(self._shape_sig(args, kwargs))
+        self._fast = None if kwargs else self._fast_path(prog, args, leaves)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+    def _fast_path(self, prog: _Program, args: tuple, leaves: list) -> _Fast | None:
+        """The checks a steady-state call of this signature needs, or None where a call
+        needs more than identity and type checks (static or changed-in-place arguments,
+        pending verification, traced inputs)."""
+        c = prog.cached
+        if (self._static or prog.frozen_copies or prog.churned or c is None
+                or (self._verify and prog.verified is not True)
+                or any(C.is_tracer(x) for x in leaves)):
+            return None
+        a_leaves, tree = jax.tree_util.tree_flatten(args)
+        pos: dict[int, int] = {}
+        for i, a in enumerate(a_leaves):
+            if id(a) in pos:
+                return None             # one object in two places: positions are ambiguous
+            pos[id(a)] = i
+        known = [leaves[i] for i in prog.known_idx]
+        if not all(isinstance(k, jax.Array) for k in known):
+            return None                 # NumPy parameters are folded on every call
+        fixed = known + list(prog.frozen_refs)
+        per_call = [leaves[i] for i in prog.unknown_idx]
+        if len(fixed) + len(per_call) != len(a_leaves) or \
+                any(id(x) not in pos for x in fixed + per_call):
+            return None
+        return _Fast(tree, tuple((pos[id(x)], x) for x in fixed),
+                     tuple(x for x in fixed if isinstance(x, jax.Array)),
+                     tuple(pos[id(x)] for x in per_call),
+                     tuple(_leaf_key(x) for x in per_call), c[2], tuple(c[3]), prog.out_tree)
 
     def _shape_sig(self, args, kwargs):
         """Structure, shapes and dtypes of every non-static argument (frozen ones included)
@@ -498,7 +565,8 @@ class Folded:
         prog.verified = not bad
         if not bad:
             return outs
-        sites = ", ".join(f"{s.pattern} at {s.location}" for s in prog.report.folded)
+        rep = prog.cached[1].report if prog.cached is not None else FoldReport([])
+        sites = ", ".join(f"{s.pattern} at {s.location}" for s in rep.folded)
         k, why = bad[0]
         warnings.warn(
             f"hlofold: verify: the folded program differs from the original on output {k} "
@@ -510,47 +578,39 @@ class Folded:
     def _variant(self, prog: _Program, mode: str) -> tuple[C.ClosedJaxpr, FoldReport]:
         """The original program folded with ``in_graph=mode`` (see :func:`fold_jaxpr`)."""
         if mode not in prog.variants:
-            prog.variants[mode] = fold_jaxpr(prog.original, **prog.fold_args, in_graph=mode,
-                                             float32_kernels=self._float32_kernels)
+            prog.variants[mode] = fold_jaxpr(
+                prog.original, invar_names=prog.leaf_names, const_names=prog.const_names,
+                in_graph=mode, float32_kernels=self._float32_kernels)
         return prog.variants[mode]
 
     def _traced_mode(self) -> str:
         return "guarded" if self.in_graph else "never"
 
     def _call_folded(self, prog: _Program, leaves: list, tracing: bool) -> list:
-        if tracing:
-            outs = C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])(*leaves)
-        elif prog.prepare is None:
-            outs = prog.full(*leaves)
-        else:
-            known = [leaves[i] for i in prog.known_idx]
-            prepared = None
-            cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
-            if cacheable and prog.cached is not None and len(prog.cached[0]) == len(known) \
-                    and all(a is b for a, b in zip(prog.cached[0], known)):
-                _check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
-                prepared = prog.cached[1]
-            if prepared is None:
-                prepared, finite = prog.prepare(*known)
-                if not bool(finite):
-                    # Fail closed: a non-finite folded kernel/bias (s = inf or NaN, e.g.
-                    # σ² = 0 with ε = 0) would not reproduce y·s + t. Run the original.
-                    warnings.warn(
-                        "hlofold: the folded parameters are not finite for these inputs (a "
-                        "BatchNorm scale is inf or NaN?); running the unfolded program",
-                        RuntimeWarning, stacklevel=4)
-                    prepared = _UNFOLDED
-                if cacheable:
-                    prog.cached = (tuple(known), prepared)
-            if prepared is _UNFOLDED:
-                outs = self._unfolded(prog)(*leaves)
-            else:
-                outs = prog.apply(*prepared, *[leaves[i] for i in prog.unknown_idx])
-        return list(outs)
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) for k in known):
+            # parameters traced by an enclosing transformation: K·s cannot be prepared
+            return list(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])(*leaves))
+        if prog.churned:
+            if tracing:
+                return list(C.jaxpr_as_fun(prog.original)(*leaves))
+            return list(self._unfolded(prog)(*leaves))
+        _, fn, prepared = self._folding_for(prog, known)
+        return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx]))
+
+    def _folding_of(self, args, kwargs):
+        """(program, Folding for these arguments' parameter values, or None if traced)."""
+        prog, leaves = self._program_for(args, kwargs)
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) or not hasattr(k, "__array__") for k in known):
+            return prog, None
+        return prog, self._folding_for(prog, known, count=False)[0]
 
     def report(self, *args, **kwargs) -> FoldReport:
-        """The fold report for this input signature (direct calls)."""
-        return self._program_for(args, kwargs)[0].report
+        """The fold report for these arguments (direct calls). With abstract parameters
+        (e.g. ``jax.ShapeDtypeStruct``) it says what would be prepared, without values."""
+        prog, folding = self._folding_of(args, kwargs)
+        return self._variant(prog, "prepared")[1] if folding is None else folding.report
 
     def traced_report(self, *args, **kwargs) -> FoldReport:
         """What a call under an enclosing transformation (``jax.jit(folded)``) folds, for
@@ -565,12 +625,16 @@ class Folded:
         from ._precision import measure
         prog, leaves = self._program_for(args, kwargs)
         result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l)), leaves)
-        prog.report.precision = result
+        self.report(*args, **kwargs).precision = result
         return result
 
     def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
-        """The folded jaxpr (inputs: the flattened non-static, non-frozen arguments)."""
-        return self._program_for(args, kwargs)[0].folded
+        """The folded jaxpr for these arguments (inputs: the flattened non-static,
+        non-frozen arguments; a parameter a folded site absorbed is an unused input)."""
+        prog, folding = self._folding_of(args, kwargs)
+        if folding is None:
+            return self._variant(prog, "prepared")[0]
+        return with_inputs(folding, prog.original, prog.known_idx)
 
     def original_jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
         """The jaxpr before folding."""
@@ -583,15 +647,37 @@ class Folded:
         return jax.jit(C.jaxpr_as_fun(self._variant(prog, "guarded")[0])).lower(*leaves)
 
     def split(self, *args, **kwargs) -> Split:
-        """The prepare/apply split for this input signature (see :class:`Split`)."""
-        prog, _ = self._program_for(args, kwargs)
-        if prog.prepare is None:  # nothing to prepare: everything is constant or unfolded
-            prog.prepare = _with_finite_flag(lambda: [])
-            prog.apply = prog.full
-            prog.apply_jaxpr = prog.folded
+        """The prepare/apply split for these arguments (see :class:`Split`)."""
+        prog, leaves = self._program_for(args, kwargs)
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) for k in known):
+            raise ValueError("hlofold: Folded.split needs concrete parameters: call it "
+                             "outside jax.jit")
+        folding, fn, _ = self._folding_for(prog, known, count=False)
         return Split([prog.leaf_names[i] for i in prog.known_idx],
-                     [prog.leaf_names[i] for i in prog.unknown_idx], prog.prepare_jaxpr,
-                     prog.apply_jaxpr, self, prog.key)
+                     [prog.leaf_names[i] for i in prog.unknown_idx], folding.apply,
+                     folding.report, self, prog.key, folding, fn)
 
     def __repr__(self) -> str:
         return f"<hlofold.fold of {getattr(self._py, '__qualname__', self._py)!r}>"
+
+
+_MISS = object()
+
+
+def _fast_call(fast: _Fast, args: tuple):
+    """The steady-state call, or ``_MISS`` when any check fails (the full path decides)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    if tree != fast.tree:
+        return _MISS
+    for i, x in fast.same:
+        if leaves[i] is not x:
+            return _MISS
+    per_call = [leaves[i] for i in fast.per_call]
+    for x, k in zip(per_call, fast.keys):
+        if _leaf_key(x) != k:
+            return _MISS
+    for a in fast.arrays:
+        if a.is_deleted():
+            return _MISS
+    return jax.tree_util.tree_unflatten(fast.out_tree, fast.fn(*fast.prepared, *per_call))

@@ -31,6 +31,7 @@ from . import _compat as C
 from ._patterns import (PATTERNS, FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
                         PassStep, Refusal, RootInfo, affine_step, pass_step)
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+from ._host import evaluate as host_evaluate
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
 # Largest constant sub-computation evaluated at transform time (elements per output).
@@ -226,6 +227,9 @@ class _Scope:
 
         def combine(eqn, vals):
             if all(x is not None for x in vals) and _evaluable(eqn):
+                out = host_evaluate(eqn, vals)      # NumPy: no XLA compile per op
+                if out is not None:
+                    return out
                 with jax.ensure_compile_time_eval():
                     return C.bind_eqn(eqn, vals)
             return [None] * len(eqn.outvars)
@@ -395,6 +399,10 @@ class _Scope:
             rec.note = f"chain stopped: {stop}" if stop else None
         if fwd is not None:
             fwd.record.kernel = ", ".join(kernel_names) or None
+            if not backward and affine:      # the merged canonical bias is read too
+                fwd.record.params = sorted(set(fwd.record.params) | {
+                    n for s in affine if s.operand is not None
+                    for n in self.names(s.operand.source) if n})
         kd = self._kernel_dtype(kernel)
         hint = ("" if self.opts.float32_kernels or kd.itemsize >= 4 else
                 "; fold with float32_kernels=True to keep a float32 kernel")

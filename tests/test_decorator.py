@@ -24,31 +24,82 @@ def test_plain_and_jitted_inputs():
         # every BN, plus the mean-pool's 1/(H·W) folded forward into the head's Dense
         assert rep.num_folded == NBN + 1
         assert [s.pattern for s in rep.folded].count("conv_affine") == NBN
-        assert {s.rescale for s in rep.folded} == {"in-graph"}
+        assert {s.rescale for s in rep.folded} == {"prepared"}
         assert any("['stem']['bn']['mean']" in n for n in rep.folded[0].params)
         assert_no_scaling_after_convs(ff.jaxpr(P, X))
 
 
 def test_apply_part_has_no_kernel_rescale_and_cache_is_used(monkeypatch):
+    import hlofold._api as api
     ff = hlofold.fold(examples.resnet_apply)
     sp = ff.split(P, X)
     # the per-call part multiplies nothing: conv -> add -> relu ... (the head is a dot)
     assert "mul" not in primitives(sp.apply_jaxpr)
-    assert "rsqrt" in primitives(sp.prepare_jaxpr)
+    assert "rsqrt" not in primitives(sp.apply_jaxpr)
     assert any("['mean']" in n for n in sp.prepared_from)
     assert sp.per_call[-1] == "x"
     prepared = sp.prepare(P, X)
+    # folded kernels and biases are inputs of the apply program, not constants in its HLO
+    assert len(prepared) == len(sp.apply_jaxpr.jaxpr.invars) - 1
+    assert all(np.ndim(c) == 0 for c in sp.apply_jaxpr.consts)
     assert_close(REF, sp.apply(prepared, P, X))
 
-    prog = ff._program_for((P, X), {})[0]
     calls = []
-    real = prog.prepare
-    prog.prepare = lambda *a: calls.append(1) or real(*a)
+    real = api.fold_with_values
+    monkeypatch.setattr(api, "fold_with_values", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ff = hlofold.fold(examples.resnet_apply)
     ff(P, X), ff(P, X), ff(P, X * 2)
     assert len(calls) == 1, "prepared values are reused while the params are the same arrays"
     P2 = jax.tree.map(lambda a: a * 1.01, P)
     assert_close(jax.jit(examples.resnet_apply)(P2, X), ff(P2, X))
     assert len(calls) == 2, "new parameter arrays are prepared again"
+    prog = ff._program_for((P, X), {})[0]
+    assert len(prog.executables._entries) == 1, "same fold structure: no second compile"
+
+
+def test_parameters_changing_every_call_run_the_original_program(monkeypatch):
+    """Preparing costs O(|K|) on the host: parameters that change on every call (a training
+    loop evaluating each step) switch the signature to the original program."""
+    import hlofold._api as api
+    calls = []
+    real = api.fold_with_values
+    monkeypatch.setattr(api, "fold_with_values", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ff = hlofold.fold(examples.resnet_apply)
+    for k in range(8):
+        pk = jax.tree.map(lambda a: a * (1 + 0.01 * k), P)
+        assert_close(jax.jit(examples.resnet_apply)(pk, X), ff(pk, X))
+    assert len(calls) == 1 + api.CHURN_LIMIT, "then no more preparing"
+    prog = ff._program_for((P, X), {})[0]
+    assert prog.churned
+    # stable parameters keep their prepared values (no churn)
+    fs = hlofold.fold(examples.resnet_apply)
+    for _ in range(3):
+        P1 = jax.tree.map(lambda a: a * 1.0, P)
+        for _ in range(3):
+            fs(P1, X)
+    assert not fs._program_for((P, X), {})[0].churned
+
+
+def test_steady_state_fast_path_checks_what_jit_checks():
+    ff = hlofold.fold(examples.resnet_apply)
+    ff(P, X)
+    assert ff._fast is not None
+    assert_close(REF, ff(P, X))
+    X2 = X[:1]                                       # another shape: the full path
+    assert_close(jax.jit(examples.resnet_apply)(P, X2), ff(P, X2))
+    assert_close(REF, ff(P, X))
+    P2 = dict(P, stem=jax.tree.map(lambda a: a + 0.5, P["stem"]))    # another parameter
+    assert_close(jax.jit(examples.resnet_apply)(P2, X), ff(P2, X))
+    assert_close(REF, ff(P, np.asarray(X)))          # a NumPy input of the same type
+    key = hlofold._api._leaf_key
+    assert key(X) != key(X.astype(jnp.bfloat16)) != key(jnp.float32(1.0)), \
+        "the per-call check tells dtypes and weak types apart"
+    Pc = jax.tree.map(jnp.copy, P)
+    ff = hlofold.fold(examples.resnet_apply)
+    ff(Pc, X), ff(Pc, X)
+    Pc["stem"]["conv"].delete()
+    with pytest.raises(RuntimeError, match="deleted or donated"):
+        ff(Pc, X)
 
 
 def test_numpy_params_are_not_cached_by_identity():
@@ -155,17 +206,20 @@ def test_nothing_to_fold_passes_through():
     assert f.report(X).sites == []
 
 
-def test_non_finite_input_params_fall_back_to_the_original():
+def test_non_finite_input_params_refuse_their_site():
     bad = jax.tree.map(lambda a: a, P)
     bad["stem"]["bn"]["var"] = bad["stem"]["bn"]["var"].at[0].set(-1e-5)  # var + eps = 0
     ref = jax.jit(examples.resnet_apply)(bad, X)
     ff = hlofold.fold(examples.resnet_apply)
-    with pytest.warns(RuntimeWarning, match="not finite"):
-        out = ff(bad, X)
+    out = ff(bad, X)
     np.testing.assert_array_equal(np.isnan(ref), np.isnan(out))
     assert_close(np.nan_to_num(ref), np.nan_to_num(out))
-    with pytest.raises(FloatingPointError, match="not finite"):
-        ff.split(bad, X).prepare(bad, X)
+    rep = ff.report(bad, X)
+    assert rep.sites[0].status == "refused" and "not finite" in rep.sites[0].reason
+    assert rep.num_folded == NBN, "the other sites still fold"
+    # a split made with good parameters does not take ones that fold differently
+    with pytest.raises(ValueError, match="fold differently.*not finite"):
+        ff.split(P, X).prepare(bad, X)
     # frozen: the site is refused at transform time instead, and the result is the same
     fz = hlofold.fold(examples.resnet_apply, freeze=0)
     rep = fz.report(bad, X)

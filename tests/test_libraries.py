@@ -24,7 +24,7 @@ import hlofold
 from tests.helpers import assert_close, assert_no_scaling_after_convs
 
 MODES = [
-    pytest.param(False, "in-graph", id="params-as-inputs"),
+    pytest.param(False, "prepared", id="params-as-inputs"),
     pytest.param(True, "constant", id="frozen"),
 ]
 BIAS = pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
@@ -70,7 +70,7 @@ def _check_fold(f, args, *, freeze, rescale, expected_params):
     for s, expected in zip(sites, expected_params):
         assert s.rescale == rescale, msg
         assert s.absorbed, msg
-        if rescale == "in-graph":
+        if rescale == "prepared":
             assert set(expected) <= set(s.params), (sorted(expected), s.params, msg)
     assert_no_scaling_after_convs(folded.jaxpr(*args))
     assert_no_scaling_after_convs(folded.split(*args).apply_jaxpr)
