@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from . import _compat as C
 from ._fold import NOT_PREPARED, fold_jaxpr
-from ._prepare import Executables, fold_with_values, place, with_inputs
+from ._prepare import Executables, fold_with_values, folding_of, place, with_inputs
 from ._report import FoldReport
 
 
@@ -283,13 +284,16 @@ class _Fast:
     needs: the same pytree of positional arguments, the same parameter (and frozen) arrays
     by identity, per-call inputs of the same type."""
     tree: Any
-    same: tuple                    # (args-leaf index, object)
+    get_same: Callable             # args leaves -> the parameter (and frozen) leaves
+    same_objs: tuple               # ... which must be these objects
     arrays: tuple                  # parameter jax.Arrays (deleted/donated check)
-    per_call: tuple                # args-leaf index of each per-call input, in order
-    keys: tuple                    # _leaf_key of each per-call input
+    get_per_call: Callable         # args leaves -> the per-call inputs, in order
+    avals: tuple | None            # their abstract values (all jax.Arrays), else None
+    keys: list                     # their _leaf_key (other inputs)
     fn: Callable
     prepared: tuple
     out_tree: Any
+    single: bool                   # one output leaf, no container
 
 
 class Folded:
@@ -423,8 +427,8 @@ class Folded:
         const_names = [by_id.get(id(c)) for c in closed.consts]
         # Which inputs do folded sites read? Those the fold leaves to the graph (unknown
         # parameters); they are folded per value on the host (_prepare).
-        _, found = fold_jaxpr(closed, invar_names=names, const_names=const_names,
-                              float32_kernels=self._float32_kernels, in_graph="never")
+        folded, found = fold_jaxpr(closed, invar_names=names, const_names=const_names,
+                                   float32_kernels=self._float32_kernels, in_graph="never")
         needed = set()
         for s in found.sites:
             if s.reason == NOT_PREPARED:
@@ -434,13 +438,18 @@ class Folded:
         unknown_idx = [i for i in range(len(names)) if i not in set(known_idx)]
         donated = tuple(i for i, (p, _) in enumerate(leaves_p)
                         if p and getattr(p[0], "key", None) in self._donate)
-        return _Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
+        prog = _Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
                         Executables([j for j, i in enumerate(unknown_idx) if i in donated]),
                         frozen_refs=tuple(frz_leaves),
                         frozen_copies=tuple((i, np.array(x, copy=True))
                                             for i, x in enumerate(frz_leaves)
                                             if isinstance(x, np.ndarray)),
                         donated=donated)
+        if not known_idx:     # nothing to prepare per value: that fold is the final one
+            folding = folding_of(folded, found)
+            prog.cached = ((), folding, prog.executables.get(folding),
+                           place(folding.hoisted, frz_leaves))
+        return prog
 
     def _folding_for(self, prog: _Program, known: list, count: bool = True):
         """``(Folding, apply executable, device values)`` for these parameter values: the
@@ -516,10 +525,15 @@ class Folded:
         if len(fixed) + len(per_call) != len(a_leaves) or \
                 any(id(x) not in pos for x in fixed + per_call):
             return None
-        return _Fast(tree, tuple((pos[id(x)], x) for x in fixed),
+        avals = tuple(getattr(x, "aval", None) if isinstance(x, jax.Array) else None
+                      for x in per_call)
+        if any(a is None for a in avals):
+            avals = None                # compared by _leaf_key instead
+        return _Fast(tree, _getter([pos[id(x)] for x in fixed]), tuple(fixed),
                      tuple(x for x in fixed if isinstance(x, jax.Array)),
-                     tuple(pos[id(x)] for x in per_call),
-                     tuple(_leaf_key(x) for x in per_call), c[2], tuple(c[3]), prog.out_tree)
+                     _getter([pos[id(x)] for x in per_call]), avals,
+                     [_leaf_key(x) for x in per_call], c[2], tuple(c[3]), prog.out_tree,
+                     prog.out_tree == jax.tree_util.tree_structure(0))
 
     def _shape_sig(self, args, kwargs):
         """Structure, shapes and dtypes of every non-static argument (frozen ones included)
@@ -666,18 +680,34 @@ _MISS = object()
 
 
 def _fast_call(fast: _Fast, args: tuple):
-    """The steady-state call, or ``_MISS`` when any check fails (the full path decides)."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    if tree != fast.tree:
+    """The steady-state call, or ``_MISS`` when any check fails (the full path decides).
+    Written for CPython's C-level loops (``map``, ``itemgetter``): it runs on every call."""
+    leaves, tree = _flatten(args)
+    if tree != fast.tree or not all(map(is_, fast.get_same(leaves), fast.same_objs)):
         return _MISS
-    for i, x in fast.same:
-        if leaves[i] is not x:
-            return _MISS
-    per_call = [leaves[i] for i in fast.per_call]
-    for x, k in zip(per_call, fast.keys):
-        if _leaf_key(x) != k:
-            return _MISS
-    for a in fast.arrays:
-        if a.is_deleted():
-            return _MISS
-    return jax.tree_util.tree_unflatten(fast.out_tree, fast.fn(*fast.prepared, *per_call))
+    per_call = fast.get_per_call(leaves)
+    if fast.avals is None:           # NumPy inputs, Python scalars
+        ok = list(map(_leaf_key, per_call)) == fast.keys
+    else:
+        try:
+            ok = all(map(eq, map(_aval, per_call), fast.avals))
+        except AttributeError:       # not a jax.Array this time
+            ok = False
+    if not ok or any(map(_is_deleted, fast.arrays)):
+        return _MISS
+    outs = fast.fn(*fast.prepared, *per_call)
+    return outs[0] if fast.single else _unflatten(fast.out_tree, outs)
+
+
+def _getter(idx: Sequence[int]) -> Callable:
+    """``leaves -> tuple(leaves[i] for i in idx)``, in C."""
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda l: (l[i],)
+    return operator.itemgetter(*idx) if idx else (lambda l: ())
+
+
+_aval = operator.attrgetter("aval")
+_is_deleted = operator.methodcaller("is_deleted")
+is_, eq = operator.is_, operator.eq
+_flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten

@@ -427,7 +427,7 @@ class _Scope:
 
         # Everything that is known at transform time is computed now, in float64.
         k_val = self.value(kernel)
-        k64 = None if k_val is None else np.asarray(k_val).astype(np.float64)
+        k64 = None if k_val is None else _exact_f64(np.asarray(k_val))
         b64 = None
         if fwd is not None:
             vals = [None if s.operand is None else self._operand_value(s.operand)
@@ -1114,6 +1114,12 @@ def _along_traced(vec, axis: int, ndim: int):
     shape = [1] * ndim
     shape[axis] = vec.shape[0]
     return lax.broadcast_in_dim(vec, tuple(shape), (axis,))
+
+
+def _exact_f64(k: np.ndarray) -> np.ndarray:
+    """``k`` for float64 arithmetic: float32/float64 as they are (NumPy promotes them exactly
+    in a product with float64 — no separate conversion pass), other dtypes converted."""
+    return k if k.dtype in (np.float32, np.float64) else k.astype(np.float64)
 
 
 def _desc(v) -> str:

@@ -68,6 +68,11 @@ def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: S
         if s.status == FOLDED and s.rescale == "constant" and known_names & (
                 set(s.params) | set((s.kernel or "").split(", "))):
             s.rescale = PREPARED
+    return folding_of(folded, report)
+
+
+def folding_of(folded: C.ClosedJaxpr, report: FoldReport) -> Folding:
+    """The :class:`Folding` of an already folded program (constants hoisted)."""
     apply, hoisted = hoist(folded)
     return Folding(report, folded, apply, hoisted)
 

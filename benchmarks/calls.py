@@ -1,0 +1,269 @@
+"""hlofold next to doing nothing, in every way it is called: one run, interleaved, ratios.
+
+``python -m benchmarks.calls [--quick] [--out DIR] [--name NAME]`` measures
+
+1. **first call** — ``hlofold.fold(f)`` and ``fold(f, freeze=0)`` vs ``jax.jit(f)``: trace +
+   fold + compile + run, each sample in a fresh process (no cache shared), variants
+   interleaved round by round; ResNet-50 in Flax and Haiku at 64 and 224 px;
+2. **under the user's jit** — steady calls of ``jax.jit(fold(f))`` vs ``jax.jit(f)`` (and of
+   a jitted closure over the parameters), batch 1 and 8, every benchmark network;
+3. **dispatch** — steady calls of ``fold(f)``, ``freeze=`` vs ``jax.jit(f)`` on a one-conv
+   model (per-call overhead);
+4. **parameters changing every call** — a new parameter pytree per call;
+5. **artifacts** — a folded StableHLO module whose weights are arguments (apply module of
+   ``fold_stablehlo(split=True)``) vs the original module, per call.
+
+Every figure is a median over rounds with its [min–max]; a ratio is hlofold's median over
+doing nothing's median from the same run. The machine is stamped in the output
+(``DIR/NAME.json`` and ``.md``). ``--quick``: tiny networks, few rounds (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hlofold
+
+from . import workloads as W
+from .run import code_info, machine_info, machine_line
+
+
+def summary(xs) -> dict:
+    xs = [float(x) for x in xs]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def ratio(num: dict, den: dict) -> float:
+    return num["median"] / den["median"]
+
+
+# --------------------------------------------------------------------------- 1. first call
+
+def first_call_worker(net: str, size: int, variant: str) -> float:
+    """Run in a fresh process: seconds of the first call of ``variant`` (nothing cached)."""
+    f, params, x = W.network(net, size, batch=1)
+    g = {"jit": lambda: jax.jit(f), "fold": lambda: hlofold.fold(f),
+         "freeze": lambda: hlofold.fold(f, freeze=0)}[variant]()
+    t0 = time.perf_counter()
+    jax.block_until_ready(g(params, x))
+    return time.perf_counter() - t0
+
+
+def first_calls(nets, sizes, rounds: int, log) -> list[dict]:
+    rows = []
+    for net in nets:
+        for size in sizes:
+            times: dict[str, list] = {"jit": [], "fold": [], "freeze": []}
+            for r in range(rounds):
+                order = list(times)
+                random.Random(r).shuffle(order)
+                for v in order:
+                    out = subprocess.run(
+                        [sys.executable, "-m", "benchmarks.calls", "--first-call-worker", net,
+                         str(size), v], capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                    if out.returncode != 0:
+                        raise RuntimeError(f"worker {net} {size} {v}: {out.stderr[-2000:]}")
+                    times[v].append(float(out.stdout.strip().splitlines()[-1]))
+            s = {k: summary(v) for k, v in times.items()}
+            row = {"net": net, "size": size, "seconds": s,
+                   "fold_vs_jit": ratio(s["fold"], s["jit"]),
+                   "freeze_vs_jit": ratio(s["freeze"], s["jit"])}
+            log(f"first call {net} {size}px: jit {s['jit']['median']:.2f}s, fold "
+                f"{row['fold_vs_jit']:.2f}x, freeze {row['freeze_vs_jit']:.2f}x")
+            rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- steady calls
+
+def interleaved(fns: dict, args: dict, rounds: int, calls: int) -> dict:
+    """Per variant: per-call seconds, median of each round's mean, rounds interleaved."""
+    for k, fn in fns.items():                       # compile and warm up
+        jax.block_until_ready(fn(*args[k]))
+        jax.block_until_ready(fn(*args[k]))
+    per = {k: [] for k in fns}
+    for r in range(rounds):
+        order = list(fns)
+        random.Random(r).shuffle(order)
+        for k in order:
+            fn, a = fns[k], args[k]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            per[k].append((time.perf_counter() - t0) / calls)
+    return {k: summary(v) for k, v in per.items()}
+
+
+def under_jit(nets, batches, size, rounds, calls, log) -> list[dict]:
+    rows = []
+    for net in nets:
+        for b in batches:
+            f, params, x = W.network(net, size, batch=b)
+            folded = hlofold.fold(f)
+            fns = {"jit": jax.jit(f), "jit_of_fold": jax.jit(folded),
+                   "closure_jit": jax.jit(lambda x, f=f, params=params: f(params, x)),
+                   "closure_jit_of_fold": jax.jit(lambda x, g=folded, params=params:
+                                                  g(params, x))}
+            args = {"jit": (params, x), "jit_of_fold": (params, x),
+                    "closure_jit": (x,), "closure_jit_of_fold": (x,)}
+            s = interleaved(fns, args, rounds, calls)
+            rep = folded.traced_report(params, x)
+            row = {"net": net, "batch": b, "seconds": s,
+                   "jit_of_fold_vs_jit": ratio(s["jit_of_fold"], s["jit"]),
+                   "closure_vs_jit": ratio(s["closure_jit_of_fold"], s["closure_jit"]),
+                   "traced_sites_folded": rep.num_folded,
+                   "traced_sites": len(rep.sites)}
+            log(f"under jit {net} b{b}: jit(fold(f)) {row['jit_of_fold_vs_jit']:.3f}x, "
+                f"jit(closure) {row['closure_vs_jit']:.3f}x")
+            rows.append(row)
+    return rows
+
+
+def dispatch(rounds, calls, log) -> dict:
+    f, params, x = W.one_conv()
+    fns = {"jit": jax.jit(f), "fold": hlofold.fold(f), "freeze": hlofold.fold(f, freeze=0)}
+    s = interleaved(fns, {k: (params, x) for k in fns}, rounds, calls)
+    row = {"seconds": s, "fold_vs_jit": ratio(s["fold"], s["jit"]),
+           "freeze_vs_jit": ratio(s["freeze"], s["jit"])}
+    log(f"dispatch one conv: jit {s['jit']['median'] * 1e6:.1f}us, fold "
+        f"{row['fold_vs_jit']:.2f}x, freeze {row['freeze_vs_jit']:.2f}x")
+    return row
+
+
+def changing_params(net, size, calls, log) -> dict:
+    """A new parameter pytree on every call (e.g. evaluating during training)."""
+    f, params, x = W.network(net, size, batch=1)
+    sets = [jax.tree.map(lambda a, k=k: a * (1 + 1e-3 * k), params) for k in range(calls)]
+    jax.block_until_ready(sets)
+    out = {}
+    for name, g in (("jit", jax.jit(f)), ("fold", hlofold.fold(f))):
+        jax.block_until_ready(g(params, x))                     # first call not counted
+        t0 = time.perf_counter()
+        for p in sets:
+            jax.block_until_ready(g(p, x))
+        out[name] = (time.perf_counter() - t0) / calls
+    row = {"net": net, "calls": calls, "seconds_per_call": out,
+           "fold_vs_jit": out["fold"] / out["jit"]}
+    log(f"changing params {net}: fold {row['fold_vs_jit']:.2f}x over {calls} calls")
+    return row
+
+
+def artifacts(rounds, calls, log) -> list[dict]:
+    rows = []
+    for name, (orig, folded, args) in W.artifacts().items():
+        s = interleaved({"original": orig, "folded": folded},
+                        {"original": args, "folded": args}, rounds, calls)
+        row = {"module": name, "seconds": s, "folded_vs_original":
+               ratio(s["folded"], s["original"])}
+        log(f"artifact {name}: folded {row['folded_vs_original']:.3f}x the original")
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+def to_markdown(res: dict) -> str:
+    m = res["machine"]
+    ms = lambda d: f"{d['median'] * 1e3:.2f} [{d['min'] * 1e3:.2f}–{d['max'] * 1e3:.2f}]"  # noqa
+    us = lambda d: f"{d['median'] * 1e6:.1f} [{d['min'] * 1e6:.1f}–{d['max'] * 1e6:.1f}]"  # noqa
+    L = [f"# hlofold vs doing nothing ({'QUICK smoke run' if res['quick'] else 'full run'})",
+         "", f"Machine: {machine_line(m)}; {m['date_utc']}; code {res['code'].get('git_commit')}",
+         "", "Medians over interleaved rounds, [min–max]; ratio = hlofold / doing nothing.", "",
+         "## 1. First call (fresh process per sample)", "",
+         "| network | jax.jit(f) s | fold(f) s | freeze= s | fold/jit | freeze/jit |",
+         "|---|---|---|---|---|---|"]
+    for r in res["first_call"]:
+        s = r["seconds"]
+        L.append(f"| {r['net']} {r['size']}px | {s['jit']['median']:.2f} "
+                 f"[{s['jit']['min']:.2f}–{s['jit']['max']:.2f}] | {s['fold']['median']:.2f} "
+                 f"[{s['fold']['min']:.2f}–{s['fold']['max']:.2f}] | "
+                 f"{s['freeze']['median']:.2f} [{s['freeze']['min']:.2f}–"
+                 f"{s['freeze']['max']:.2f}] | **{r['fold_vs_jit']:.2f}×** | "
+                 f"**{r['freeze_vs_jit']:.2f}×** |")
+    L += ["", "## 2. Under the user's jit (steady state, ms per call)", "",
+          "| network | batch | jax.jit(f) | jax.jit(fold(f)) | ratio | jit(closure) | "
+          "jit(closure of fold) | ratio | traced sites folded |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["under_jit"]:
+        s = r["seconds"]
+        L.append(f"| {r['net']} | {r['batch']} | {ms(s['jit'])} | {ms(s['jit_of_fold'])} | "
+                 f"**{r['jit_of_fold_vs_jit']:.3f}×** | {ms(s['closure_jit'])} | "
+                 f"{ms(s['closure_jit_of_fold'])} | **{r['closure_vs_jit']:.3f}×** | "
+                 f"{r['traced_sites_folded']}/{r['traced_sites']} |")
+    d = res["dispatch"]["seconds"]
+    L += ["", "## 3. Dispatch: one-conv model (µs per call)", "",
+          "| jax.jit(f) | fold(f) | freeze= | fold/jit | freeze/jit |", "|---|---|---|---|---|",
+          f"| {us(d['jit'])} | {us(d['fold'])} | {us(d['freeze'])} | "
+          f"**{res['dispatch']['fold_vs_jit']:.2f}×** | "
+          f"**{res['dispatch']['freeze_vs_jit']:.2f}×** |"]
+    c = res["changing_params"]
+    L += ["", "## 4. A new parameter pytree on every call", "",
+          f"{c['net']}, {c['calls']} calls: jax.jit(f) "
+          f"{c['seconds_per_call']['jit'] * 1e3:.2f} ms/call, fold(f) "
+          f"{c['seconds_per_call']['fold'] * 1e3:.2f} ms/call: **{c['fold_vs_jit']:.2f}×** "
+          "(parameters prepared again several calls in a row switch the signature to the "
+          "original program)"]
+    L += ["", "## 5. Artifacts whose weights are arguments (ms per call)", "",
+          "| module | original | folded (apply module, prepared weights) | ratio |",
+          "|---|---|---|---|"]
+    for r in res["artifacts"]:
+        s = r["seconds"]
+        L.append(f"| {r['module']} | {ms(s['original'])} | {ms(s['folded'])} | "
+                 f"**{r['folded_vs_original']:.3f}×** |")
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--first-call-worker", nargs=3, metavar=("NET", "SIZE", "VARIANT"))
+    ap.add_argument("--parts", default="first,jit,dispatch,changing,artifacts")
+    a = ap.parse_args(argv)
+    if a.first_call_worker:
+        net, size, variant = a.first_call_worker
+        print(first_call_worker(net, int(size), variant))
+        return 0
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    q = a.quick
+    parts = set(a.parts.split(","))
+    res = {"quick": q, "machine": machine_info(), "code": code_info()}
+    t0 = time.perf_counter()
+    res["first_call"] = first_calls(
+        ["tiny-flax"] if q else ["flax-resnet50", "haiku-resnet50"], [32] if q else [64, 224],
+        2 if q else 5, log) if "first" in parts else []
+    res["under_jit"] = under_jit(
+        ["tiny-flax"] if q else ["flax-resnet18", "flax-resnet50", "flax-mobilenetv2",
+                                 "haiku-resnet50"],
+        [1, 2] if q else [1, 8], 32 if q else 112, 3 if q else 9, 3 if q else 20,
+        log) if "jit" in parts else []
+    res["dispatch"] = dispatch(3 if q else 15, 20 if q else 300, log)
+    res["changing_params"] = changing_params("tiny-flax" if q else "flax-resnet50",
+                                             32 if q else 64, 6 if q else 20, log)
+    res["artifacts"] = artifacts(3 if q else 9, 3 if q else 20, log) \
+        if "artifacts" in parts else []
+    res["seconds"] = time.perf_counter() - t0
+    name = a.name or ("calls_quick" if q else f"calls_{jax.default_backend()}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, name + ".json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.join(a.out, name + ".md"), "w") as fh:
+        fh.write(to_markdown(res))
+    log(f"wrote {os.path.join(a.out, name)}.json/.md in {res['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Workloads of ``benchmarks.calls``: networks with parameters made in NumPy (no compile
+before the measured call), a one-conv model, and StableHLO artifacts with weight arguments.
+
+Networks, as ``(f, params, x)`` with ``f(params, x)``:
+
+* ``flax-resnet18|50``, ``flax-mobilenetv2``: :mod:`benchmarks.models` (Flax linen);
+* ``haiku-resnet50``: ``haiku.nets.ResNet50``, inference mode;
+* ``tiny-flax``: a ResNet-18 of width 8 (smoke runs).
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def fill(shapes, seed: int = 0):
+    """Random parameters for a pytree of ``ShapeDtypeStruct``, by leaf name: BatchNorm
+    variances positive (log-normal around 1), scales around 1, shifts and means small,
+    kernels He-scaled, integer leaves (counters) zero."""
+    rng = np.random.default_rng(seed)
+
+    def one(path, s):
+        name = jax.tree_util.keystr(path).lower()
+        shape, dt = tuple(s.shape), np.dtype(s.dtype)
+        if not np.issubdtype(dt, np.floating):
+            return np.zeros(shape, dt)
+        n = rng.standard_normal(shape)
+        if "var" in name:
+            v = np.exp(0.5 * n)
+        elif "scale" in name:
+            v = 1 + 0.2 * n
+        elif len(shape) >= 2:
+            v = n * np.sqrt(2.0 / max(1, int(np.prod(shape[:-1]))))
+        else:
+            v = 0.1 * n
+        return jnp.asarray(v.astype(dt))
+    return jax.tree_util.tree_map_with_path(one, shapes)
+
+
+def network(name: str, size: int, batch: int = 1):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((batch, size, size, 3)),
+                    jnp.float32)
+    if name.startswith("haiku-"):
+        import haiku as hk
+        depth = int(name.split("resnet")[1])
+        net = {50: hk.nets.ResNet50, 18: hk.nets.ResNet18}[depth]
+        tr = hk.transform_with_state(lambda x: net(1000)(x, is_training=False))
+        p_s, s_s = jax.eval_shape(tr.init, jax.random.key(0), x)
+        params = {"params": fill(p_s), "state": fill(s_s, 1)}
+
+        def f(v, x):
+            return tr.apply(v["params"], v["state"], None, x)[0]
+        return f, params, x
+    from . import models as M
+    if name == "tiny-flax":
+        model = M.resnet18(num_classes=10, width=8)
+    else:
+        model = M.MODELS[name.split("-", 1)[1]](num_classes=1000)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+    params = fill(shapes)
+    return (lambda v, x: model.apply(v, x)), params, x
+
+
+def one_conv():
+    """conv → BatchNorm on an 8×8×4 image: the per-call overhead dominates."""
+    rng = np.random.default_rng(0)
+    params = {"k": jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
+              "mean": jnp.asarray(0.1 * rng.standard_normal(8), jnp.float32),
+              "var": jnp.asarray(np.exp(0.3 * rng.standard_normal(8)), jnp.float32),
+              "scale": jnp.asarray(1 + 0.1 * rng.standard_normal(8), jnp.float32),
+              "bias": jnp.asarray(0.1 * rng.standard_normal(8), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((1, 8, 8, 4)), jnp.float32)
+
+    def f(p, x):
+        y = jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return (y - p["mean"]) * jax.lax.rsqrt(p["var"] + 1e-5) * p["scale"] + p["bias"]
+    return f, params, x
+
+
+TESTDATA = os.path.join(os.path.dirname(__file__), os.pardir, "tests", "testdata")
+
+
+def artifacts() -> dict:
+    """``name: (original callable, folded callable, args)`` for StableHLO modules whose
+    weights are arguments, the folded one an apply module taking prepared weights."""
+    return {}
