@@ -84,7 +84,33 @@ def one_conv():
 TESTDATA = os.path.join(os.path.dirname(__file__), os.pardir, "tests", "testdata")
 
 
-def artifacts() -> dict:
-    """``name: (original callable, folded callable, args)`` for StableHLO modules whose
-    weights are arguments, the folded one an apply module taking prepared weights."""
-    return {}
+def artifacts(quick: bool = False) -> dict:
+    """``name: (original callable, its args, folded callable, its args)`` for StableHLO
+    modules whose weights are arguments; the folded one is the apply module of
+    ``fold_stablehlo(..., params=weights)``, taking the input then the prepared weights."""
+    import hlofold
+    from hlofold import examples
+    from hlofold._artifacts import module_callable
+    out = {}
+    data = os.path.join(TESTDATA, "stablehlo")
+    text = open(os.path.join(data, "keras_tf_args.mlir")).read()
+    w = dict(np.load(os.path.join(data, "keras_tf_args.npz")))
+    x = np.load(os.path.join(data, "keras_tf_io.npz"))["x"]
+    apply, _, prepared = hlofold.fold_stablehlo(text, params=w)
+    out["keras-tf (TensorFlow's module, 3 BN)"] = (
+        jax.jit(module_callable(text)), (x, *[w[f"arg{i}"] for i in range(1, len(w) + 1)]),
+        jax.jit(module_callable(apply)), (x, *prepared))
+    depth, width, size, batch = (10, 8, 32, 2) if quick else (18, 64, 112, 8)
+    P = examples.init_resnet(depth, width=width, seed=0)
+    leaves, tree = jax.tree.flatten(P)
+    xr = jnp.asarray(np.random.default_rng(0).standard_normal((batch, size, size, 3)),
+                     jnp.float32)
+
+    def f(*a):
+        return examples.resnet_apply(jax.tree.unflatten(tree, a[:-1]), a[-1])
+    exp = jax.export.export(jax.jit(f))(*leaves, xr)
+    params = {f"arg{i}": np.asarray(l) for i, l in enumerate(leaves)}
+    new, _, prep = hlofold.fold_stablehlo(exp, params=params)
+    out[f"jax.export ResNet-{depth} w{width} {size}px b{batch}"] = (
+        jax.jit(exp.call), (*leaves, xr), jax.jit(new.call), (xr, *prep))
+    return out

@@ -15,7 +15,8 @@ import numpy as np
 
 from . import _compat as C
 from ._report import FoldReport
-from ._stablehlo import StableHLOError, fold_module_text
+from ._stablehlo import StableHLOError, fold_module_text, main_function
+from ._weights import bind_and_fold
 
 ir = C.mlir()[0]
 
@@ -82,14 +83,24 @@ def _module_bytes(module, as_bytecode: bool):
     return buf.getvalue()
 
 
-def fold_stablehlo(data) -> tuple[Any, FoldReport]:
+def fold_stablehlo(data, *, params=None):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a serialized ``jax.export`` file in,
     a serialized file out (an ``Exported`` in, an ``Exported`` out) that
     ``jax.export.deserialize(...).call(...)`` runs. The input is never modified.
+
+    ``params``: values of ``@main`` arguments that are weights (``{"arg3": array, ...}``;
+    keys ``3``, ``"3"``, ``"arg3"``), for modules that take their weights as arguments
+    (TensorFlow's, PyTorch/XLA's, ``jax.export`` of a function of its parameters). They are
+    folded once, on the host, and the result is ``(apply artifact, FoldReport, prepared)``:
+    the apply artifact takes the remaining arguments in their order, then the arrays of
+    ``prepared`` (folded kernels and biases) — per call it does no more than the original.
+    Without ``params`` such modules fold in the graph, each site guarded at run time.
     """
     art = read_artifact(data)
+    if params is not None:
+        return _fold_with_params(art, data, params)
     module, report = fold_module_text(art.module)
     with module.context:
         if art.kind == TEXT:
@@ -101,6 +112,27 @@ def fold_stablehlo(data) -> tuple[Any, FoldReport]:
     if isinstance(data, jax.export.Exported):
         return new, report
     return bytes(new.serialize()), report
+
+
+def _fold_with_params(art: Artifact, data, params):
+    module, report, prepared, kept = bind_and_fold(art.module, params)
+    with module.context:
+        if art.kind != EXPORT:
+            return _module_bytes(module, art.kind == BYTECODE), report, prepared
+        exp = art.exported
+        n_module = len(main_function(module).regions[0].blocks[0].arguments)
+        if len(exp.in_avals) != len(kept) + len(params) or \
+                tuple(exp.module_kept_var_idx) != tuple(range(len(exp.in_avals))) or \
+                exp.ordered_effects or len(exp.platforms) != 1:
+            raise StableHLOError("this jax.export artifact's module arguments are not its "
+                                 "inputs one to one (unused inputs dropped, effects or several "
+                                 "platforms): fold before exporting, with hlofold.export")
+        assert len(kept) + len(prepared) == n_module
+        new = C.exported_with_inputs(exp, kept, prepared,
+                                     C.module_to_portable_artifact(module))
+    if isinstance(data, jax.export.Exported):
+        return new, report, prepared
+    return bytes(new.serialize()), report, prepared
 
 
 def report_stablehlo(data) -> FoldReport:

@@ -198,25 +198,100 @@ def _verify_artifacts(original, folded, inputs_path, backends):
     return verify(original, folded, *args, backends=backends, raise_on_failure=False)
 
 
+def _read_params(path: str) -> dict:
+    import numpy as np
+    from ._weights import argument_index
+    try:
+        with np.load(path) as z:
+            params = {k: z[k] for k in z.files}
+    except Exception as e:
+        raise _UsageError(f"{path}: not a readable .npz file ({e})") from None
+    for k in params:
+        try:
+            argument_index(k)
+        except ValueError:
+            raise _UsageError(f"{path}: key {k!r} does not name a module argument "
+                              "(arg0, arg1, ...)") from None
+    return params
+
+
+def _npz_bytes(arrays: dict) -> bytes:
+    import io
+    import numpy as np
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _verify_with_params(data, apply, params, prepared, kept, inputs_path, backends):
+    """Original (all arguments) vs apply (kept arguments, then the prepared weights), on
+    the kept arguments: random, or from ``--inputs``."""
+    import jax
+    from ._artifacts import input_specs, module_callable
+    from ._verify import accumulation_length, verify
+    from ._weights import argument_index
+    bound = {argument_index(k): v for k, v in params.items()}
+    specs = input_specs(data)
+    args = _inputs(inputs_path, [specs[i] for i in kept])
+
+    def on_device(art):
+        return lambda *a: module_callable(art, jax.config.jax_default_device.platform
+                                          if jax.config.jax_default_device else
+                                          jax.default_backend())(*a)
+
+    def original(*per_call):
+        full, it = [], iter(per_call)
+        for i in range(len(specs)):
+            full.append(bound[i] if i in bound else next(it))
+        return on_device(data)(*full)
+
+    def folded(*per_call):
+        return on_device(apply)(*per_call, *prepared)
+    return verify(original, folded, *args, backends=backends, raise_on_failure=False,
+                  accumulation=accumulation_length(data, None))
+
+
 def cmd_fold(args) -> int:
     import json
     import os
-    from ._artifacts import fold_stablehlo
+    from ._artifacts import fold_stablehlo, input_specs
     if os.path.abspath(args.output) == os.path.abspath(args.input):
         raise _UsageError("the output must not overwrite the input")
-    _check_output(args.output)        # every output checked before anything is written
-    _check_output(args.report)
+    if args.params and not args.prepared_out:
+        raise _UsageError("--params needs --prepared-out (where the folded weights go)")
+    if args.prepared_out and not args.params:
+        raise _UsageError("--prepared-out needs --params (the weights to fold)")
+    for out in (args.output, args.report, args.prepared_out):
+        _check_output(out)            # every output checked before anything is written
     data = _load(args.input)
-    folded, report = fold_stablehlo(data)
+    prepared = None
+    if args.params:
+        params = _read_params(args.params)
+        folded, report, prepared = fold_stablehlo(data, params=params)
+    else:
+        folded, report = fold_stablehlo(data)
     print(report)
     if args.verify:
-        vrep = _verify_artifacts(data, folded, args.inputs, args.backends)
+        if prepared is not None:
+            from ._weights import argument_index
+            n = len(input_specs(data))
+            kept = [i for i in range(n) if i not in {argument_index(k) for k in params}]
+            vrep = _verify_with_params(data, folded, params, prepared, kept, args.inputs,
+                                       args.backends)
+        else:
+            vrep = _verify_artifacts(data, folded, args.inputs, args.backends)
         print(vrep)
         if not vrep.passed:
             print(f"hlofold: verification failed; {args.output} not written", file=sys.stderr)
             return 1
     if args.report:
         _atomic_write(args.report, json.dumps(report.to_dict(), indent=2))
+    if prepared is not None:
+        first = len(input_specs(folded)) - len(prepared)
+        _atomic_write(args.prepared_out, _npz_bytes(
+            {f"arg{first + j}": v for j, v in enumerate(prepared)}))
+        print(f"wrote {args.prepared_out}: {len(prepared)} folded weights, arguments "
+              f"arg{first}.. of {args.output}", file=sys.stderr)
     _atomic_write(args.output, folded)
     print(f"wrote {args.output} ({report.num_folded} folded)", file=sys.stderr)
     return 0
@@ -262,6 +337,11 @@ def main(argv=None) -> int:
                         help="run original and folded; refuse to write a folded artifact "
                              "that differs beyond tolerance")
     p_fold.add_argument("--inputs", help=".npz of inputs for --verify (default: random)")
+    p_fold.add_argument("--params", help=".npz of weight values by module argument (arg1=..., "
+                        "...): fold them once; the output module takes the other arguments, "
+                        "then the folded weights")
+    p_fold.add_argument("--prepared-out", help="with --params: write the folded weights here "
+                        "(.npz, keyed by the output module's argument)")
     p_fold.add_argument("--backends", **backends)
     p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
     p_ver.add_argument("original")

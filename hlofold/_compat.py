@@ -170,3 +170,23 @@ def module_to_portable_artifact(module) -> bytes:
     """Serialize a module as JAX serializes exported modules (a StableHLO portable artifact)."""
     from jax._src.export import _export
     return _export._module_to_bytecode(module)
+
+
+def exported_with_inputs(exp, kept, new_avals, module_bytes):
+    """``exp`` (a ``jax.export.Exported``) with the module ``module_bytes`` whose inputs are
+    ``exp``'s inputs ``kept`` (in order) and then new inputs of ``new_avals`` (unsharded):
+    flat positional inputs. Touches ``Exported``'s private sharding fields (jax 0.10)."""
+    import dataclasses
+    avals = [exp.in_avals[i] for i in kept] + [_core.ShapedArray(a.shape, a.dtype)
+                                               for a in new_avals]
+    extra = (None,) * len(new_avals)
+    fields = dict(
+        in_tree=jax.tree_util.tree_structure((tuple(range(len(avals))), {})),
+        in_avals=tuple(avals),
+        in_shardings_hlo=tuple(exp.in_shardings_hlo[i] for i in kept) + extra,
+        module_kept_var_idx=tuple(range(len(avals))),
+        mlir_module_serialized=module_bytes)
+    named = getattr(exp, "_in_named_shardings", None)
+    if named is not None:
+        fields["_in_named_shardings"] = tuple(named[i] for i in kept) + extra
+    return dataclasses.replace(exp, **fields)

@@ -53,14 +53,14 @@ def _etype(value):
     return ir.RankedTensorType(value.type).element_type
 
 
-def _np_dtype(etype) -> np.dtype | None:
+def np_dtype(etype) -> np.dtype | None:
     s = str(etype)
     return {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
             "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}.get(s)
 
 
 def _is_float(value) -> bool:
-    return _np_dtype(_etype(value)) is not None
+    return np_dtype(_etype(value)) is not None
 
 
 def _owner_op(value):
@@ -90,11 +90,11 @@ def _location(op) -> tuple[str | None, int | None]:
         return (None, None) if text == "loc(unknown)" else (text, None)
 
 
-def _dense_to_numpy(attr) -> np.ndarray | None:
+def dense_to_numpy(attr) -> np.ndarray | None:
     """Values of a dense elements attribute (None where the bindings cannot read them)."""
     a = ir.DenseElementsAttr(attr)
     t = ir.RankedTensorType(a.type)
-    dt = _np_dtype(t.element_type)
+    dt = np_dtype(t.element_type)
     if dt is None:
         return None
     shape = tuple(t.shape)
@@ -111,7 +111,7 @@ def _dense_to_numpy(attr) -> np.ndarray | None:
     # guarded; bf16 has float32's range, so only a non-finite s can go wrong there)
 
 
-def _numpy_to_dense(arr: np.ndarray, etype):
+def numpy_to_dense(arr: np.ndarray, etype):
     arr = np.ascontiguousarray(arr)
     if str(etype) == "bf16":
         return ir.DenseElementsAttr.get(arr.astype(C.bfloat16).view(np.uint16),
@@ -119,7 +119,7 @@ def _numpy_to_dense(arr: np.ndarray, etype):
     if str(etype) == "f16":
         return ir.DenseElementsAttr.get(arr.astype(np.float16).view(np.uint16),
                                         type=ir.RankedTensorType.get(arr.shape, etype))
-    return ir.DenseElementsAttr.get(arr.astype(_np_dtype(etype)),
+    return ir.DenseElementsAttr.get(arr.astype(np_dtype(etype)),
                                     type=ir.RankedTensorType.get(arr.shape, etype))
 
 
@@ -167,10 +167,10 @@ class _Evaluator:
         if op is None or not _is_float(value):
             return None
         name = _name(op)
-        dt = _np_dtype(_etype(value))
+        dt = np_dtype(_etype(value))
         with np.errstate(all="ignore"):
             if name == "stablehlo.constant":
-                return _dense_to_numpy(op.attributes["value"])
+                return dense_to_numpy(op.attributes["value"])
             ins = [self(v) for v in op.operands]
             if any(x is None for x in ins):
                 return None
@@ -500,13 +500,13 @@ class _Pass:
         known = self._np_chain(real, C_out)      # (kinds, float64 operands) or None
         rec = self._record(root, fname, info=info, status=FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None)
-        kd = _np_dtype(_etype(kernel))
+        kd = np_dtype(_etype(kernel))
         # in-graph arithmetic: float32, or float64 when the program computes in float64
         wide = any(str(_etype(v)) == "f64"
                    for v in (kernel, root.results[0], steps[-1].op.results[0]))
         self.ct = ir.F64Type.get() if wide else ir.F32Type.get()
-        why = precision_refusal(kd, [_np_dtype(_etype(root.results[0]))] + [
-            _np_dtype(_etype(st.op.results[0])) for st in steps]) if kd is not None else None
+        why = precision_refusal(kd, [np_dtype(_etype(root.results[0]))] + [
+            np_dtype(_etype(st.op.results[0])) for st in steps]) if kd is not None else None
         if why is None and not (known and self.eval(kernel) is not None):
             why = runtime_refusal(kd)          # the rescale would run in the graph
         if why:
@@ -536,7 +536,7 @@ class _Pass:
                 if why:
                     rec.status, rec.reason = REFUSED, why
                     return
-                new_k = stablehlo.ConstantOp(_numpy_to_dense(kp_cast, kdt)).result
+                new_k = stablehlo.ConstantOp(numpy_to_dense(kp_cast, kdt)).result
                 rec.rescale = "constant"
             else:
                 s_ir = self._const_or(s_val, C_out)
@@ -616,7 +616,7 @@ class _Pass:
         if x is None:
             return None
         for et in op.casts:
-            x = x.astype(_np_dtype(et))
+            x = x.astype(np_dtype(et))
         return np.asarray(x, np.float64).reshape(-1) if op.axis is not None else \
             np.asarray(x, np.float64).reshape(())
 
@@ -630,7 +630,7 @@ class _Pass:
     def _const_or(self, val, c):
         if isinstance(val, np.ndarray):
             arr = np.broadcast_to(np.asarray(val, np.float64), (c,))
-            return stablehlo.ConstantOp(_numpy_to_dense(arr, self.ct)).result
+            return stablehlo.ConstantOp(numpy_to_dense(arr, self.ct)).result
         return val
 
     def _vector_ir(self, op: _Operand, c):
@@ -677,7 +677,7 @@ class _Pass:
             if st.kind == "bn":
                 v = {k: self._convert(st.bn[k], f32) for k in
                      ("scale", "offset", "mean", "variance")}
-                eps = stablehlo.ConstantOp(_numpy_to_dense(
+                eps = stablehlo.ConstantOp(numpy_to_dense(
                     np.full(c, st.bn["epsilon"], np.float64), f32)).result
                 sc = stablehlo.MulOp(v["scale"], stablehlo.RsqrtOp(
                     stablehlo.AddOp(v["variance"], eps).result).result).result
@@ -699,7 +699,7 @@ class _IrArith:
     def asarray(self, x):
         if isinstance(x, (np.ndarray, float, int)):
             arr = np.broadcast_to(np.asarray(x, np.float64), (self.c,))
-            return stablehlo.ConstantOp(_numpy_to_dense(arr, self.ct)).result
+            return stablehlo.ConstantOp(numpy_to_dense(arr, self.ct)).result
         return x
 
     def add(self, a, b):
@@ -793,8 +793,8 @@ def _dce(module, inlined=frozenset()):
             fop.erase()
 
 
-def fold_module_text(text_or_bytes) -> tuple[Any, FoldReport]:
-    """Parse, fold and return ``(module, report)`` (module in hlofold's MLIR context)."""
+def parse_module(text_or_bytes):
+    """Parse a StableHLO module (text or bytecode) into hlofold's MLIR context, checked."""
     ctx = C.mlir_context()
     with ctx, ir.Location.unknown():
         try:
@@ -805,12 +805,34 @@ def fold_module_text(text_or_bytes) -> tuple[Any, FoldReport]:
             detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
             raise StableHLOError(f"{what}: {detail}") from None
         _check_stablehlo(module)
-        folder = _Pass(module)
-        report = folder.run()
-        _dce(module, folder.inlined)
-        if not module.operation.verify():
-            raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
+    return module
+
+
+def fold_module(module) -> FoldReport:
+    """Fold ``module`` in place (call inside its context); returns the report."""
+    folder = _Pass(module)
+    report = folder.run()
+    _dce(module, folder.inlined)
+    if not module.operation.verify():
+        raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
+    return report
+
+
+def fold_module_text(text_or_bytes) -> tuple[Any, FoldReport]:
+    """Parse, fold and return ``(module, report)`` (module in hlofold's MLIR context)."""
+    module = parse_module(text_or_bytes)
+    with module.context, ir.Location.unknown():
+        report = fold_module(module)
     return module, report
+
+
+def main_function(module):
+    """The module's ``@main`` ``func.func``."""
+    for op in module.body.operations:
+        if _name(op) == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main" \
+                and op.regions[0].blocks:
+            return op
+    raise StableHLOError("the module has no @main function")
 
 
 def _check_stablehlo(module):
