@@ -431,7 +431,7 @@ class Folded:
                                    float32_kernels=self._float32_kernels, in_graph="never")
         needed = set()
         for s in found.sites:
-            if s.reason == NOT_PREPARED:
+            if (s.reason or "").startswith(NOT_PREPARED):
                 needed.update(s.params)
                 needed.update((s.kernel or "").split(", "))
         known_idx = [i for i, n in enumerate(names) if n in needed]

@@ -100,6 +100,19 @@ NOT_PREPARED = ("the parameters are not known at transform time (traced under an
                 "prepare outside your jit (Folded.split) or pass in_graph=True")
 
 
+def _not_prepared(kernel, out) -> str:
+    """The reason a site with traced parameters stays unfolded, with what folding it in the
+    graph would trade: |K| rescaled (and range-checked) per call against the epilogue over
+    the output it removes, which XLA:CPU already fuses into the convolution."""
+    def size(aval) -> str:          # symbolic dimensions (jax.export) print as they are
+        n = 1
+        for d in aval.shape:
+            n = n * d
+        return str(n)
+    return (f"{NOT_PREPARED} (in the graph: {size(kernel.aval)} kernel elements rescaled and "
+            f"checked per call, to remove an epilogue over {size(out.aval)} output elements)")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     float32_kernels: bool = False
@@ -463,8 +476,8 @@ class _Scope:
                 return self._refuse(rec, why)
             site.s_known, site.t_known = s_vec, t_vec
             if k64 is not None and (fwd is None or fwd.s_known is not None):
-                kp = k64 * _along(s_vec, info.kernel_axis, k64.ndim)
-                kp_cast, why = round_kernel(kp, kd, info.kernel_axis)
+                kp_cast, why = round_kernel(k64, _along(s_vec, info.kernel_axis, k64.ndim),
+                                            kd, info.kernel_axis)
                 if why:
                     if fwd is not None:
                         self._refuse(fwd.record, "the rescaled kernel is refused")
@@ -474,7 +487,8 @@ class _Scope:
                     site.t_known = s_vec * b64 + t_vec
         rescale = "constant" if site.kernel_const is not None else "in-graph"
         if rescale == "in-graph" and self.opts.in_graph != "prepared":
-            why = NOT_PREPARED if self.opts.in_graph == "never" else runtime_refusal(kd)
+            why = (_not_prepared(kernel, site.end_var) if self.opts.in_graph == "never"
+                   else runtime_refusal(kd))
             if why:
                 if fwd is not None:
                     self._refuse(fwd.record, why)

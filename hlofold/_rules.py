@@ -53,15 +53,26 @@ def precision_refusal(kernel_dtype, math_dtypes, hint: str = "") -> str | None:
             f"would lose accuracy the unfolded program keeps{hint}")
 
 
-def round_kernel(kp: np.ndarray, kd, axis: int) -> tuple[np.ndarray, str | None]:
-    """``kp`` (the rescaled kernel, float64) rounded to ``kd``, and the reason to refuse it:
-    it overflows, or underflows a whole output channel along ``axis`` (None: it is safe)."""
+def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
+                 ) -> tuple[np.ndarray, str | None]:
+    """``K·s`` computed in float64 and rounded once to ``kd`` (``s`` broadcasts against
+    ``k``), and the reason to refuse it: it overflows, or underflows a whole output channel
+    along ``axis`` (None: it is safe). The product is rounded into ``kd`` as it is formed;
+    the float64 product is materialized only to check a result with an inf or a value
+    below the normal range of ``kd``."""
     kd = np.dtype(kd)
     with np.errstate(over="ignore", invalid="ignore"):
-        kp_cast = kp.astype(kd)
-    # overflow: a finite product rounded to inf (checked only where an inf appeared)
-    overflow = np.isinf(kp_cast).any() and (np.isfinite(kp) & ~np.isfinite(kp_cast))
-    if overflow is not False and overflow.any():
+        try:
+            kp_cast = np.multiply(k, s, dtype=np.float64, casting="unsafe",
+                                  out=np.empty(np.broadcast_shapes(k.shape, s.shape), kd))
+        except TypeError:        # a dtype NumPy cannot round into directly
+            kp_cast = (np.asarray(k, np.float64) * s).astype(kd)
+        tiny = float(jnp.finfo(kd).tiny)
+        if not np.isinf(kp_cast).any() and not (np.abs(kp_cast) < tiny).any():
+            return kp_cast, None
+        kp = np.asarray(k, np.float64) * s
+    overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
+    if overflow.any():
         return kp_cast, f"the rescaled kernel overflows {kd} at {int(overflow.sum())} element(s)"
     lost = underflowing_channels(kp, kp_cast, axis)
     if lost.size:

@@ -531,8 +531,7 @@ class _Pass:
                 s_val, t_val = _collapse(*self._ir_chain(real, C_out), C_out,
                                          xp=_IrArith(C_out, self.ct))
             if known and k_np is not None:
-                kp = k_np.astype(np.float64) * _along(s_vec, kaxis, k_np.ndim)
-                kp_cast, why = round_kernel(kp, kd, kaxis)
+                kp_cast, why = round_kernel(k_np, _along(s_vec, kaxis, k_np.ndim), kd, kaxis)
                 if why:
                     rec.status, rec.reason = REFUSED, why
                     return

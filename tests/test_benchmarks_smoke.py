@@ -78,3 +78,30 @@ def _check_every_variant_ran(proc, out):
                 assert prog in b["hlo"] and prog in b["memory"]
             # folding removes the BN arithmetic: never more fusions than unfolded
             assert b["hlo"]["b_apply"]["fusions_in_blocks"] <= b["hlo"]["a"]["fusions_in_blocks"]
+
+
+def test_calls_quick(tmp_path):
+    """``python -m benchmarks.calls --quick``: every way of calling measured side by side
+    with doing nothing, in one run, written as JSON and Markdown with the machine stamped.
+    It says nothing about performance (tiny networks, few rounds)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.calls", "--quick", "--out",
+                           str(tmp_path), "--name", "calls"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "calls.json").read_text())
+    assert res["machine"]["backend"] == "cpu" and res["machine"]["cpu_model"]
+    for row in res["first_call"]:
+        assert row["seconds"]["jit"]["n"] == row["seconds"]["fold"]["n"] >= 2
+        assert row["fold_vs_jit"] > 0 and row["freeze_vs_jit"] > 0
+    assert {r["batch"] for r in res["under_jit"]} == {1, 2}
+    assert all(r["traced_sites_folded"] == 0 for r in res["under_jit"]), \
+        "under the user's jit with traced parameters nothing is rescaled per call"
+    assert res["dispatch"]["fold_vs_jit"] > 0
+    assert res["changing_params"]["second_half"]["fold"]["n"] >= 2
+    assert len(res["artifacts"]) == 2
+    md = (tmp_path / "calls.md").read_text()
+    for section in ("First call", "Under the user's jit", "Dispatch", "new parameter pytree",
+                    "Artifacts"):
+        assert section in md

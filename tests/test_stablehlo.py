@@ -23,6 +23,7 @@ FILECHECK = os.path.join(os.path.dirname(sys.executable), "filecheck")
 
 EXPECTED = {  # file: (folded, refused, reason fragment of the refusal)
     "conv_bn_inference_nchw.mlir": (1, 0, None),
+    "keras_tf_args.mlir": (3, 0, None),
     "conv_bn_inference_nhwc_args.mlir": (1, 0, None),
     "bn_feature_index_not_feature.mlir": (0, 1, "not the output-feature dimension"),
     "depthwise_decomposed.mlir": (1, 0, None),

@@ -24,6 +24,16 @@ import tensorflow as tf  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+CHECKS = """\
+// A Keras model (conv-BN-relu, depthwise-BN-relu, conv+bias-BN, dense) lowered by
+// TensorFlow with its weights as module arguments (see make_keras_tf.py). Folded without
+// weight values, each BN folds in the graph under a run-time guard; with the values
+// (fold_stablehlo(..., params=), tests/test_weight_args.py) they fold once, on the host.
+// CHECK-LABEL: func.func @main
+// CHECK-COUNT-3: hlofold.guard
+// CHECK-NOT: stablehlo.rsqrt {{.*}} : tensor<2x16x16
+"""
+
 
 def model():
     keras.utils.set_random_seed(0)
@@ -62,7 +72,7 @@ def main():
     captured = [by_handle[id(t)] for t in cf.captured_inputs]
     y = f(tf.constant(x)).numpy()
     with open(os.path.join(HERE, "keras_tf_args.mlir"), "w") as fh:
-        fh.write(text)
+        fh.write(CHECKS + text)
     np.savez(os.path.join(HERE, "keras_tf_args.npz"),
              **{f"arg{i + 1}": v for i, v in enumerate(captured)})
     np.savez(os.path.join(HERE, "keras_tf_io.npz"), x=x, y=y)
