@@ -47,12 +47,13 @@ def network(name: str, size: int, batch: int = 1):
         import haiku as hk
         depth = int(name.split("resnet")[1])
         net = {50: hk.nets.ResNet50, 18: hk.nets.ResNet18}[depth]
-        tr = hk.transform_with_state(lambda x: net(1000)(x, is_training=False))
-        p_s, s_s = jax.eval_shape(tr.init, jax.random.key(0), x)
+        tr = hk.transform_with_state(lambda x, training: net(1000)(x, is_training=training))
+        # the moving averages exist once a training step made them
+        p_s, s_s = jax.eval_shape(lambda k, x: tr.init(k, x, True), jax.random.key(0), x)
         params = {"params": fill(p_s), "state": fill(s_s, 1)}
 
         def f(v, x):
-            return tr.apply(v["params"], v["state"], None, x)[0]
+            return tr.apply(v["params"], v["state"], None, x, False)[0]
         return f, params, x
     from . import models as M
     if name == "tiny-flax":

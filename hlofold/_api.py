@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import operator
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -31,7 +30,10 @@ import jax
 import numpy as np
 
 from . import _compat as C
+from ._dispatch import (MISS, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
+                        leaf_key, make_fast, same_contents, static_key, trace_struct)
 from ._fold import NOT_PREPARED, fold_jaxpr
+from ._tolerance import mismatch
 from ._prepare import Executables, fold_with_values, folding_of, place, with_inputs
 from ._report import FoldReport
 
@@ -48,8 +50,10 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
       freeze: argument numbers or names whose values are baked into the program as
         constants (like ``torch.jit.freeze``). A different array passed later re-freezes.
       static_argnums, static_argnames: as for ``jax.jit`` (for a plain ``fun``).
-      cache_prepared: cache the prepared (folded) parameters between calls. With ``False``
-        every call rescales the kernels (useful only for benchmarking).
+      cache_prepared: cache the prepared (folded) parameters between calls, keyed on the
+        identity of the ``jax.Array`` parameters. With ``False`` every call prepares again
+        (useful only for benchmarking; after a few calls the signature then runs the
+        original program, as for parameters that change on every call).
       float32_kernels: for bf16/fp16 convolutions, keep the folded kernel in float32 and run
         the convolution in float32 (accuracy over speed). See :meth:`Folded.measure_precision`.
       verify: fail closed. On the first call for each input signature, run the folded and
@@ -82,115 +86,6 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
                   static_argnames=static_argnames, cache_prepared=cache_prepared,
                   float32_kernels=float32_kernels, verify=verify, in_graph=in_graph)
-
-
-def verify_tolerance(dtype) -> tuple[float, float] | None:
-    """``(rtol, atol)`` for ``fold(..., verify=True)``: an output of this dtype passes when
-    ``max|Δ| ≤ rtol·max|ref| + atol`` over its finite values. ``None``: compared exactly.
-
-    float32/float64 ``(1e-4, 1e-5)``; float16 ``(1e-2, 1e-3)`` (10 ulps); bfloat16
-    ``(6e-2, 6e-3)`` (8 ulps): room for the rounding a fold moves through a deep network,
-    far below the error of a wrong fold (a wrong scale or bias errs by O(max|ref|)).
-    """
-    dt = np.dtype(dtype)
-    if dt == np.dtype(jax.numpy.bfloat16):
-        return 6e-2, 6e-3
-    if dt == np.dtype(np.float16):
-        return 1e-2, 1e-3
-    if jax.numpy.issubdtype(dt, jax.numpy.inexact):
-        return 1e-4, 1e-5
-    return None
-
-
-def _mismatch(ref, out) -> str | None:
-    """Why ``out`` is not ``ref`` within :func:`verify_tolerance` (None: it is)."""
-    r, o = np.asarray(ref), np.asarray(out)
-    if r.shape != o.shape or r.dtype != o.dtype:
-        return f"{o.dtype}{list(o.shape)} instead of {r.dtype}{list(r.shape)}"
-    tol = verify_tolerance(r.dtype)
-    if tol is None:
-        return None if np.array_equal(r, o) else "values differ"
-    r, o = r.astype(np.float64), o.astype(np.float64)
-    if not (np.array_equal(np.isnan(r), np.isnan(o)) and
-            np.array_equal(np.where(np.isinf(r), r, 0), np.where(np.isinf(o), o, 0))):
-        return "NaN/inf at other places"
-    fin = np.isfinite(r)
-    if not fin.any():
-        return None
-    err = float(np.max(np.abs(r[fin] - o[fin])))
-    bound = tol[0] * float(np.max(np.abs(r[fin]))) + tol[1]
-    return None if err <= bound else f"max|Δ| = {err:.3g} > {bound:.3g}"
-
-
-def _explicit_sharding(x):
-    """``x``'s sharding when it is part of its type (a mesh with Explicit axes), else None."""
-    sh = getattr(x, "sharding", None)
-    if isinstance(sh, jax.sharding.NamedSharding) and \
-            jax.sharding.AxisType.Explicit in sh.mesh.axis_types:
-        return sh
-    return None
-
-
-def _leaf_key(x):
-    """Cheap per-call signature of one input: shape, dtype, weak type (or Python type), and
-    the sharding where it is part of the type (explicit mesh axes)."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or C.is_tracer(x):   # the same key as a concrete array of that type
-        a = C.aval_of(x)
-        return (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
-    key = (x.shape, dtype, bool(getattr(x, "weak_type", False)))
-    sh = _explicit_sharding(x)
-    return key if sh is None else key + (sh,)
-
-
-def _trace_struct(x) -> jax.ShapeDtypeStruct:
-    """The abstract value ``x`` is traced as: with explicit mesh axes its sharding is part of
-    its type, and the traced program (and the jit around it) must keep it."""
-    st = C.shape_struct(C.aval_of(x))
-    sh = None if C.is_tracer(x) else _explicit_sharding(x)
-    if sh is None:
-        return st
-    return jax.ShapeDtypeStruct(st.shape, st.dtype, weak_type=st.weak_type, sharding=sh)
-
-
-def _static_key(static: dict) -> tuple:
-    """Static arguments by name, type and value (``jax.jit`` tells ``2`` from ``2.0``)."""
-    return tuple((k, type(v), v) for k, v in sorted(static.items(), key=lambda kv: kv[0]))
-
-
-def _check_not_deleted(arrays) -> None:
-    for a in arrays:
-        if isinstance(a, jax.Array) and a.is_deleted():
-            raise RuntimeError(f"hlofold: an input array has been deleted or donated "
-                               f"(shape={a.shape}, dtype={a.dtype}); jax.jit would raise too")
-
-
-def _frozen_leaf_key(x):
-    """Cache key of one frozen value: arrays by identity (jax.Array is immutable; NumPy
-    arrays are compared by content on every call, see ``_same_contents``), Python scalars
-    by type and value."""
-    if isinstance(x, (bool, int, float, complex, str, type(None))):
-        return (type(x), x)
-    _check_not_deleted([x])
-    return (type(x), id(x))
-
-
-def _same_contents(copies, leaves) -> bool:
-    """Whether every frozen NumPy array still holds the values it was folded with."""
-    for i, c in copies:
-        x = leaves[i]
-        if x.shape != c.shape or x.dtype != c.dtype or not np.array_equal(
-                x, c, equal_nan=bool(np.issubdtype(c.dtype, np.inexact))):
-            return False
-    return True
-
-
-def _as_tuple(x) -> tuple:
-    if x is None:
-        return ()
-    if isinstance(x, (int, str)):
-        return (x,)
-    return tuple(x)
 
 
 @dataclasses.dataclass
@@ -278,24 +173,6 @@ class _Program:
 CHURN_LIMIT = 3
 
 
-@dataclasses.dataclass
-class _Fast:
-    """The steady-state call, checked with as little Python as ``jax.jit``'s own cache
-    needs: the same pytree of positional arguments, the same parameter (and frozen) arrays
-    by identity, per-call inputs of the same type."""
-    tree: Any
-    get_same: Callable             # args leaves -> the parameter (and frozen) leaves
-    same_objs: tuple               # ... which must be these objects
-    arrays: tuple                  # parameter jax.Arrays (deleted/donated check)
-    get_per_call: Callable         # args leaves -> the per-call inputs, in order
-    avals: tuple | None            # their abstract values (all jax.Arrays), else None
-    keys: list                     # their _leaf_key (other inputs)
-    fn: Callable
-    prepared: tuple
-    out_tree: Any
-    single: bool                   # one output leaf, no container
-
-
 class Folded:
     """A folded inference function (see :func:`fold`)."""
 
@@ -307,20 +184,20 @@ class Folded:
         ji = C.jit_info(fun)
         self._fun = fun
         self._py = ji[0] if ji else fun
-        sa = set(_as_tuple(static_argnums)) | set(ji[1] if ji else ())
-        sn = set(_as_tuple(static_argnames)) | set(ji[2] if ji else ())
+        sa = set(as_tuple(static_argnums)) | set(ji[1] if ji else ())
+        sn = set(as_tuple(static_argnames)) | set(ji[2] if ji else ())
         try:
             self._sig = inspect.signature(self._py)
         except (TypeError, ValueError):
             self._sig = None
         self._static = self._to_names(sa | sn, "static")
-        self._freeze = self._to_names(set(_as_tuple(freeze)), "freeze")
+        self._freeze = self._to_names(set(as_tuple(freeze)), "freeze")
         # donation of a jitted input is kept for the per-call inputs it names
         self._donate = self._to_names(set(ji[3]) | set(ji[4]), "donate") if ji else frozenset()
         self._cache = cache_prepared
         self._programs: dict[Any, _Program] = {}
         self._failed: set = set()      # verify=True: signatures whose fold was found wrong
-        self._fast: _Fast | None = None
+        self._fast: Fast | None = None
         functools.update_wrapper(self, self._py)
         self.__wrapped__ = fun        # the function as given (jitted or not)
 
@@ -386,20 +263,19 @@ class Folded:
             frozen = {}
             leaves, tree = jax.tree_util.tree_flatten(dynamic)
             frz_leaves = []
-        avals = tuple(_leaf_key(l) for l in leaves)
+        avals = tuple(leaf_key(l) for l in leaves)
         # As strict as jax.jit: static values by type and value, frozen values by pytree
         # structure (dict keys, static fields of modules) and identity or value.
         try:
-            static_key = _static_key(static)
             frz_key = (jax.tree_util.tree_structure(frozen),
-                       tuple(_frozen_leaf_key(x) for x in frz_leaves))
-            key = (tree, avals, static_key, frz_key)
+                       tuple(frozen_leaf_key(x) for x in frz_leaves))
+            key = (tree, avals, static_key(static), frz_key)
             hash(key)
         except TypeError as e:
             raise TypeError(f"hlofold.fold: static arguments (and the static fields of frozen "
                             f"arguments) must be hashable: {e}") from None
         prog = self._programs.get(key)
-        if prog is not None and not _same_contents(prog.frozen_copies, frz_leaves):
+        if prog is not None and not same_contents(prog.frozen_copies, frz_leaves):
             prog = None           # a frozen NumPy array was changed in place: fold again
         if prog is None:
             leaves_p = jax.tree_util.tree_flatten_with_path(dynamic)[0]
@@ -420,7 +296,7 @@ class Folded:
             return self._call_original(merged)
 
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(
-            *[_trace_struct(l) for l in leaves])
+            *[trace_struct(l) for l in leaves])
         out_tree = jax.tree_util.tree_structure(out_shape)
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
         by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
@@ -458,13 +334,13 @@ class Folded:
         cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
         if cacheable and c is not None and len(c[0]) == len(known) \
                 and all(a is b for a, b in zip(c[0], known)):
-            _check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
+            check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
             prog.hits += count
             return c[1:]
         if count and c is not None:
             prog.churn = prog.churn + 1 if prog.hits < 2 else 0
             prog.churned = prog.churn >= CHURN_LIMIT
-        _check_not_deleted(known)
+        check_not_deleted(known)
         folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
                                    prog.known_idx, known,
                                    float32_kernels=self._float32_kernels)
@@ -489,8 +365,8 @@ class Folded:
     def __call__(self, *args, **kwargs):
         fast = self._fast
         if fast is not None and not kwargs:
-            outs = _fast_call(fast, args)
-            if outs is not _MISS:
+            outs = fast_call(fast, args)
+            if outs is not MISS:
                 return outs
         prog, leaves = self._program_for(args, kwargs)
         if self._failed and prog.verified is None and any(C.is_tracer(x) for x in leaves) \
@@ -502,38 +378,17 @@ class Folded:
         self._fast = None if kwargs else self._fast_path(prog, args, leaves)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
-    def _fast_path(self, prog: _Program, args: tuple, leaves: list) -> _Fast | None:
-        """The checks a steady-state call of this signature needs, or None where a call
-        needs more than identity and type checks (static or changed-in-place arguments,
-        pending verification, traced inputs)."""
+    def _fast_path(self, prog: _Program, args: tuple, leaves: list) -> Fast | None:
+        """The steady-state checks of this signature, or None where a call needs more than
+        identity and type checks (static or changed-in-place arguments, pending
+        verification, traced inputs)."""
         c = prog.cached
         if (self._static or prog.frozen_copies or prog.churned or c is None
                 or (self._verify and prog.verified is not True)
                 or any(C.is_tracer(x) for x in leaves)):
             return None
-        a_leaves, tree = jax.tree_util.tree_flatten(args)
-        pos: dict[int, int] = {}
-        for i, a in enumerate(a_leaves):
-            if id(a) in pos:
-                return None             # one object in two places: positions are ambiguous
-            pos[id(a)] = i
-        known = [leaves[i] for i in prog.known_idx]
-        if not all(isinstance(k, jax.Array) for k in known):
-            return None                 # NumPy parameters are folded on every call
-        fixed = known + list(prog.frozen_refs)
-        per_call = [leaves[i] for i in prog.unknown_idx]
-        if len(fixed) + len(per_call) != len(a_leaves) or \
-                any(id(x) not in pos for x in fixed + per_call):
-            return None
-        avals = tuple(getattr(x, "aval", None) if isinstance(x, jax.Array) else None
-                      for x in per_call)
-        if any(a is None for a in avals):
-            avals = None                # compared by _leaf_key instead
-        return _Fast(tree, _getter([pos[id(x)] for x in fixed]), tuple(fixed),
-                     tuple(x for x in fixed if isinstance(x, jax.Array)),
-                     _getter([pos[id(x)] for x in per_call]), avals,
-                     [_leaf_key(x) for x in per_call], c[2], tuple(c[3]), prog.out_tree,
-                     prog.out_tree == jax.tree_util.tree_structure(0))
+        return make_fast(args, [leaves[i] for i in prog.known_idx], prog.frozen_refs,
+                         [leaves[i] for i in prog.unknown_idx], c[2], c[3], prog.out_tree)
 
     def _shape_sig(self, args, kwargs):
         """Structure, shapes and dtypes of every non-static argument (frozen ones included)
@@ -544,7 +399,7 @@ class Folded:
             {k: v for k, v in arguments.items() if k not in self._static})
         return (tree, tuple((tuple(np.shape(l)), str(getattr(l, "dtype", type(l))))
                             for l in leaves),
-                _static_key({k: v for k, v in arguments.items() if k in self._static}))
+                static_key({k: v for k, v in arguments.items() if k in self._static}))
 
     def _unfolded(self, prog: _Program) -> Callable:
         if prog.unfolded is None:
@@ -575,7 +430,7 @@ class Folded:
         """Compare the folded outputs with the original program's on these inputs; on a
         mismatch warn and switch this signature to the original program."""
         bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
-               if (why := _mismatch(r, o)) is not None]
+               if (why := mismatch(r, o)) is not None]
         prog.verified = not bad
         if not bad:
             return outs
@@ -674,40 +529,3 @@ class Folded:
 
     def __repr__(self) -> str:
         return f"<hlofold.fold of {getattr(self._py, '__qualname__', self._py)!r}>"
-
-
-_MISS = object()
-
-
-def _fast_call(fast: _Fast, args: tuple):
-    """The steady-state call, or ``_MISS`` when any check fails (the full path decides).
-    Written for CPython's C-level loops (``map``, ``itemgetter``): it runs on every call."""
-    leaves, tree = _flatten(args)
-    if tree != fast.tree or not all(map(is_, fast.get_same(leaves), fast.same_objs)):
-        return _MISS
-    per_call = fast.get_per_call(leaves)
-    if fast.avals is None:           # NumPy inputs, Python scalars
-        ok = list(map(_leaf_key, per_call)) == fast.keys
-    else:
-        try:
-            ok = all(map(eq, map(_aval, per_call), fast.avals))
-        except AttributeError:       # not a jax.Array this time
-            ok = False
-    if not ok or any(map(_is_deleted, fast.arrays)):
-        return _MISS
-    outs = fast.fn(*fast.prepared, *per_call)
-    return outs[0] if fast.single else _unflatten(fast.out_tree, outs)
-
-
-def _getter(idx: Sequence[int]) -> Callable:
-    """``leaves -> tuple(leaves[i] for i in idx)``, in C."""
-    if len(idx) == 1:
-        i = idx[0]
-        return lambda l: (l[i],)
-    return operator.itemgetter(*idx) if idx else (lambda l: ())
-
-
-_aval = operator.attrgetter("aval")
-_is_deleted = operator.methodcaller("is_deleted")
-is_, eq = operator.is_, operator.eq
-_flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten

@@ -91,7 +91,7 @@ def test_steady_state_fast_path_checks_what_jit_checks():
     P2 = dict(P, stem=jax.tree.map(lambda a: a + 0.5, P["stem"]))    # another parameter
     assert_close(jax.jit(examples.resnet_apply)(P2, X), ff(P2, X))
     assert_close(REF, ff(P, np.asarray(X)))          # a NumPy input of the same type
-    key = hlofold._api._leaf_key
+    key = hlofold._dispatch.leaf_key
     assert key(X) != key(X.astype(jnp.bfloat16)) != key(jnp.float32(1.0)), \
         "the per-call check tells dtypes and weak types apart"
     Pc = jax.tree.map(jnp.copy, P)

@@ -12,7 +12,7 @@ import hlofold
 import hlofold._compat as C
 import hlofold._fold
 from hlofold import examples
-from hlofold._api import _mismatch, verify_tolerance
+from hlofold._tolerance import mismatch as _mismatch, verify_tolerance
 from tests.helpers import assert_close
 
 P = examples.init_resnet(10, width=8, seed=2)

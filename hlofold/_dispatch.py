@@ -1,0 +1,173 @@
+"""The decorator's per-call machinery: cache keys of arguments, and the steady-state call.
+
+``jax.jit`` checks, in C++, that a call's arguments have the pytree structure and types of a
+compiled signature. :class:`Fast` adds what folding needs — the parameter arrays a prepared
+program was folded from must be the same objects, not deleted — with as little Python as
+CPython allows (``map``/``itemgetter`` loops), so that a steady-state call of a folded
+function costs about what ``jax.jit``'s does (``benchmarks/calls.py``, dispatch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import _compat as C
+
+
+def explicit_sharding(x):
+    """``x``'s sharding when it is part of its type (a mesh with Explicit axes), else None."""
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding) and \
+            jax.sharding.AxisType.Explicit in sh.mesh.axis_types:
+        return sh
+    return None
+
+
+def leaf_key(x):
+    """Cheap per-call signature of one input: shape, dtype, weak type (or Python type), and
+    the sharding where it is part of the type (explicit mesh axes)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or C.is_tracer(x):   # the same key as a concrete array of that type
+        a = C.aval_of(x)
+        return (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+    key = (x.shape, dtype, bool(getattr(x, "weak_type", False)))
+    sh = explicit_sharding(x)
+    return key if sh is None else key + (sh,)
+
+
+def trace_struct(x) -> jax.ShapeDtypeStruct:
+    """The abstract value ``x`` is traced as: with explicit mesh axes its sharding is part of
+    its type, and the traced program (and the jit around it) must keep it."""
+    st = C.shape_struct(C.aval_of(x))
+    sh = None if C.is_tracer(x) else explicit_sharding(x)
+    if sh is None:
+        return st
+    return jax.ShapeDtypeStruct(st.shape, st.dtype, weak_type=st.weak_type, sharding=sh)
+
+
+def static_key(static: dict) -> tuple:
+    """Static arguments by name, type and value (``jax.jit`` tells ``2`` from ``2.0``)."""
+    return tuple((k, type(v), v) for k, v in sorted(static.items(), key=lambda kv: kv[0]))
+
+
+def check_not_deleted(arrays) -> None:
+    for a in arrays:
+        if isinstance(a, jax.Array) and a.is_deleted():
+            raise RuntimeError(f"hlofold: an input array has been deleted or donated "
+                               f"(shape={a.shape}, dtype={a.dtype}); jax.jit would raise too")
+
+
+def frozen_leaf_key(x):
+    """Cache key of one frozen value: arrays by identity (jax.Array is immutable; NumPy
+    arrays are compared by content on every call, see ``same_contents``), Python scalars
+    by type and value."""
+    if isinstance(x, (bool, int, float, complex, str, type(None))):
+        return (type(x), x)
+    check_not_deleted([x])
+    return (type(x), id(x))
+
+
+def same_contents(copies, leaves) -> bool:
+    """Whether every frozen NumPy array still holds the values it was folded with."""
+    for i, c in copies:
+        x = leaves[i]
+        if x.shape != c.shape or x.dtype != c.dtype or not np.array_equal(
+                x, c, equal_nan=bool(np.issubdtype(c.dtype, np.inexact))):
+            return False
+    return True
+
+
+def as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    if isinstance(x, (int, str)):
+        return (x,)
+    return tuple(x)
+
+
+@dataclasses.dataclass
+class Fast:
+    """The steady-state call, checked with as little Python as ``jax.jit``'s own cache
+    needs: the same pytree of positional arguments, the same parameter (and frozen) arrays
+    by identity, per-call inputs of the same type."""
+    tree: Any
+    get_same: Callable             # args leaves -> the parameter (and frozen) leaves
+    same_objs: tuple               # ... which must be these objects
+    arrays: tuple                  # parameter jax.Arrays (deleted/donated check)
+    get_per_call: Callable         # args leaves -> the per-call inputs, in order
+    avals: tuple | None            # their abstract values (all jax.Arrays), else None
+    keys: list                     # their leaf_key (other inputs)
+    fn: Callable
+    prepared: tuple
+    out_tree: Any
+    single: bool                   # one output leaf, no container
+
+
+def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Callable,
+              prepared: Sequence, out_tree) -> Fast | None:
+    """The checks a steady-state call with these arguments needs: ``known`` (parameters the
+    prepared values come from) and ``frozen`` by identity, ``per_call`` inputs by type.
+    None where that cannot be decided from the positional leaves (one object in two places,
+    NumPy parameters, which are folded on every call)."""
+    if not all(isinstance(k, jax.Array) for k in known):
+        return None
+    a_leaves, tree = jax.tree_util.tree_flatten(args)
+    pos: dict[int, int] = {}
+    for i, a in enumerate(a_leaves):
+        if id(a) in pos:
+            return None
+        pos[id(a)] = i
+    fixed = list(known) + list(frozen)
+    if len(fixed) + len(per_call) != len(a_leaves) or \
+            any(id(x) not in pos for x in fixed + per_call):
+        return None
+    avals = tuple(getattr(x, "aval", None) if isinstance(x, jax.Array) else None
+                  for x in per_call)
+    if any(a is None for a in avals):
+        avals = None                # compared by leaf_key instead
+    return Fast(tree, _getter([pos[id(x)] for x in fixed]), tuple(fixed),
+                tuple(x for x in fixed if isinstance(x, jax.Array)),
+                _getter([pos[id(x)] for x in per_call]), avals,
+                [leaf_key(x) for x in per_call], fn, tuple(prepared), out_tree,
+                out_tree == jax.tree_util.tree_structure(0))
+
+
+MISS = object()
+
+
+def fast_call(fast: Fast, args: tuple):
+    """The steady-state call, or ``MISS`` when any check fails (the full path decides).
+    Written for CPython's C-level loops (``map``, ``itemgetter``): it runs on every call."""
+    leaves, tree = _flatten(args)
+    if tree != fast.tree or not all(map(is_, fast.get_same(leaves), fast.same_objs)):
+        return MISS
+    per_call = fast.get_per_call(leaves)
+    if fast.avals is None:           # NumPy inputs, Python scalars
+        ok = list(map(leaf_key, per_call)) == fast.keys
+    else:
+        try:
+            ok = all(map(eq, map(_aval, per_call), fast.avals))
+        except AttributeError:       # not a jax.Array this time
+            ok = False
+    if not ok or any(map(_is_deleted, fast.arrays)):
+        return MISS
+    outs = fast.fn(*fast.prepared, *per_call)
+    return outs[0] if fast.single else _unflatten(fast.out_tree, outs)
+
+
+def _getter(idx: Sequence[int]) -> Callable:
+    """``leaves -> tuple(leaves[i] for i in idx)``, in C."""
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda l: (l[i],)
+    return operator.itemgetter(*idx) if idx else (lambda l: ())
+
+
+_aval = operator.attrgetter("aval")
+_is_deleted = operator.methodcaller("is_deleted")
+is_, eq = operator.is_, operator.eq
+_flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
