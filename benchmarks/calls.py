@@ -85,11 +85,15 @@ def first_calls(nets, sizes, rounds: int, log) -> list[dict]:
 
 # --------------------------------------------------------------------------- steady calls
 
-def interleaved(fns: dict, args: dict, rounds: int, calls: int) -> dict:
-    """Per variant: per-call seconds, median of each round's mean, rounds interleaved."""
+def interleaved(fns: dict, args: dict, rounds: int, calls: int,
+                min_round_s: float = 0.0) -> dict:
+    """Per variant: per-call seconds, median of each round's mean, rounds interleaved.
+    ``calls`` per round, more if needed for a round to last ``min_round_s``."""
     for k, fn in fns.items():                       # compile and warm up
         jax.block_until_ready(fn(*args[k]))
+        t0 = time.perf_counter()
         jax.block_until_ready(fn(*args[k]))
+        calls = max(calls, int(min_round_s / max(time.perf_counter() - t0, 1e-6)))
     per = {k: [] for k in fns}
     for r in range(rounds):
         order = list(fns)
@@ -116,17 +120,27 @@ def under_jit(nets, batches, size, rounds, calls, log) -> list[dict]:
                                                   g(params, x))}
             args = {"jit": (params, x), "jit_of_fold": (params, x),
                     "closure_jit": (x,), "closure_jit_of_fold": (x,)}
-            s = interleaved(fns, args, rounds, calls)
+            s = interleaved(fns, args, rounds, calls, min_round_s=0.5)
             rep = folded.traced_report(params, x)
+            ops = [op_counts(jax.jit(g).lower(params, x).as_text()) for g in (f, folded)]
             row = {"net": net, "batch": b, "seconds": s,
                    "jit_of_fold_vs_jit": ratio(s["jit_of_fold"], s["jit"]),
                    "closure_vs_jit": ratio(s["closure_jit_of_fold"], s["closure_jit"]),
                    "traced_sites_folded": rep.num_folded,
-                   "traced_sites": len(rep.sites)}
+                   "traced_sites": len(rep.sites),
+                   "same_program": ops[0] == ops[1], "ops": ops[0]}
             log(f"under jit {net} b{b}: jit(fold(f)) {row['jit_of_fold_vs_jit']:.3f}x, "
                 f"jit(closure) {row['closure_vs_jit']:.3f}x")
             rows.append(row)
     return rows
+
+
+def op_counts(text: str) -> dict:
+    """StableHLO ops by name in a lowered module: two programs with the same counts do the
+    same work (names, locations and metadata aside)."""
+    import collections
+    import re
+    return dict(collections.Counter(re.findall(r"= (stablehlo\.\w+)", text)))
 
 
 def dispatch(rounds, calls, log) -> dict:
@@ -147,15 +161,15 @@ def changing_params(net, size, calls, log) -> dict:
     f, params, x = W.network(net, size, batch=1)
     sets = [jax.tree.map(lambda a, k=k: a * (1 + 1e-3 * k), params) for k in range(calls)]
     jax.block_until_ready(sets)
-    per = {}
-    for name, g in (("jit", jax.jit(f)), ("fold", hlofold.fold(f))):
+    fns = {"jit": jax.jit(f), "fold": hlofold.fold(f)}
+    for g in fns.values():
         jax.block_until_ready(g(params, x))                     # first call not counted
-        ts = []
-        for p in sets:
+    per = {k: [] for k in fns}
+    for p in sets:                                  # interleaved: each set through both
+        for k, g in fns.items():
             t0 = time.perf_counter()
             jax.block_until_ready(g(p, x))
-            ts.append(time.perf_counter() - t0)
-        per[name] = ts
+            per[k].append(time.perf_counter() - t0)
     half = calls // 2
     row = {"net": net, "calls": calls,
            "extra_seconds_total": sum(per["fold"]) - sum(per["jit"]),
@@ -187,7 +201,10 @@ def to_markdown(res: dict) -> str:
     us = lambda d: f"{d['median'] * 1e6:.1f} [{d['min'] * 1e6:.1f}–{d['max'] * 1e6:.1f}]"  # noqa
     L = [f"# hlofold vs doing nothing ({'QUICK smoke run' if res['quick'] else 'full run'})",
          "", f"Machine: {machine_line(m)}; {m['date_utc']}; code {res['code'].get('git_commit')}",
-         "", "Medians over interleaved rounds, [min–max]; ratio = hlofold / doing nothing.", "",
+         "", "Medians over interleaved rounds, [min–max]; ratio = hlofold / doing nothing."
+         + (f" Parts {', '.join(res['kept_from']['parts'])} are from the run of "
+            f"{res['kept_from']['date_utc']} (code {res['kept_from']['code']}), same machine."
+            if res.get("kept_from") else ""), "",
          "## 1. First call (fresh process per sample)", "",
          "| network | jax.jit(f) s | fold(f) s | freeze= s | fold/jit | freeze/jit |",
          "|---|---|---|---|---|---|"]
@@ -200,28 +217,30 @@ def to_markdown(res: dict) -> str:
                  f"{s['freeze']['max']:.2f}] | **{r['fold_vs_jit']:.2f}×** | "
                  f"**{r['freeze_vs_jit']:.2f}×** |")
     L += ["", "## 2. Under the user's jit (steady state, ms per call)", "",
-          "| network | batch | jax.jit(f) | jax.jit(fold(f)) | ratio | jit(closure) | "
-          "jit(closure of fold) | ratio | traced sites folded |", "|---|---|---|---|---|---|---|---|---|"]
+          "| network | batch | jax.jit(f) | jax.jit(fold(f)) | ratio | same StableHLO ops | "
+          "jit(closure) | jit(closure of fold) | ratio | traced sites folded |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["under_jit"]:
         s = r["seconds"]
         L.append(f"| {r['net']} | {r['batch']} | {ms(s['jit'])} | {ms(s['jit_of_fold'])} | "
-                 f"**{r['jit_of_fold_vs_jit']:.3f}×** | {ms(s['closure_jit'])} | "
+                 f"**{r['jit_of_fold_vs_jit']:.3f}×** | "
+                 f"{'yes' if r.get('same_program') else 'no'} | {ms(s['closure_jit'])} | "
                  f"{ms(s['closure_jit_of_fold'])} | **{r['closure_vs_jit']:.3f}×** | "
                  f"{r['traced_sites_folded']}/{r['traced_sites']} |")
-    d = res["dispatch"]["seconds"]
-    L += ["", "## 3. Dispatch: one-conv model (µs per call)", "",
+    d = res["dispatch"].get("seconds") if res["dispatch"] else None
+    L += ["", "## 3. Dispatch: one-conv model (µs per call)", ""] + ([] if d is None else [
           "| jax.jit(f) | fold(f) | freeze= | fold/jit | freeze/jit |", "|---|---|---|---|---|",
           f"| {us(d['jit'])} | {us(d['fold'])} | {us(d['freeze'])} | "
           f"**{res['dispatch']['fold_vs_jit']:.2f}×** | "
-          f"**{res['dispatch']['freeze_vs_jit']:.2f}×** |"]
+          f"**{res['dispatch']['freeze_vs_jit']:.2f}×** |"])
     c = res["changing_params"]
-    h = c["second_half"]
-    L += ["", "## 4. A new parameter pytree on every call", "",
+    h = c.get("second_half")
+    L += ["", "## 4. A new parameter pytree on every call", ""] + ([] if not c else [
           f"{c['net']}, {c['calls']} calls, each with new parameter arrays. hlofold prepares "
           "(folds on the host) the first few, then runs the original program for that "
           f"signature (one more compile): **+{c['extra_seconds_total']:.2f} s in all** over "
           f"jax.jit, then per call {ms(h['fold'])} vs {ms(h['jit'])} ms: "
-          f"**{c['second_half_fold_vs_jit']:.2f}×** over the second half."]
+          f"**{c['second_half_fold_vs_jit']:.2f}×** over the second half."])
     L += ["", "## 5. Artifacts whose weights are arguments (ms per call)", "",
           "| module | original | folded (apply module, prepared weights) | ratio |",
           "|---|---|---|---|"]
@@ -239,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--first-call-worker", nargs=3, metavar=("NET", "SIZE", "VARIANT"))
     ap.add_argument("--parts", default="first,jit,dispatch,changing,artifacts")
+    ap.add_argument("--keep-from", help="a JSON of an earlier run on this machine: the parts "
+                    "not run now are taken from it")
     a = ap.parse_args(argv)
     if a.first_call_worker:
         net, size, variant = a.first_call_worker
@@ -257,11 +278,22 @@ def main(argv=None) -> int:
                                  "haiku-resnet50"],
         [1, 2] if q else [1, 8], 32 if q else 112, 3 if q else 9, 3 if q else 20,
         log) if "jit" in parts else []
-    res["dispatch"] = dispatch(3 if q else 15, 20 if q else 300, log)
+    res["dispatch"] = dispatch(3 if q else 15, 20 if q else 2000, log) \
+        if "dispatch" in parts else {}
     res["changing_params"] = changing_params("tiny-flax" if q else "flax-resnet50",
-                                             32 if q else 64, 10 if q else 40, log)
+                                             32 if q else 64, 10 if q else 40, log) \
+        if "changing" in parts else {}
     res["artifacts"] = artifacts(3 if q else 9, 3 if q else 20, log, q) \
         if "artifacts" in parts else []
+    if a.keep_from:
+        with open(a.keep_from) as fh:
+            old = json.load(fh)
+        kept = [k for k in ("first_call", "under_jit", "dispatch", "changing_params",
+                            "artifacts") if not res[k] and old.get(k)]
+        for k in kept:
+            res[k] = old[k]
+        res["kept_from"] = {"parts": kept, "date_utc": old["machine"]["date_utc"],
+                            "code": old["code"].get("git_commit")}
     res["seconds"] = time.perf_counter() - t0
     name = a.name or ("calls_quick" if q else f"calls_{jax.default_backend()}")
     os.makedirs(a.out, exist_ok=True)

@@ -510,10 +510,13 @@ class Folded:
         return self._program_for(args, kwargs)[0].original
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """The folded program, lowered for these args: input parameters are rescaled in the
-        graph, each such site guarded at run time (see ``in_graph`` of :func:`fold_jaxpr`)."""
+        """The folded program, lowered for these args (every non-static, non-frozen leaf an
+        argument): sites whose parameters are arguments are rescaled in the graph, guarded,
+        with ``in_graph=True``, and left as they are otherwise (see :meth:`traced_report`);
+        frozen parameters fold as constants."""
         prog, leaves = self._program_for(args, kwargs)
-        return jax.jit(C.jaxpr_as_fun(self._variant(prog, "guarded")[0])).lower(*leaves)
+        return jax.jit(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])).lower(
+            *leaves)
 
     def split(self, *args, **kwargs) -> Split:
         """The prepare/apply split for these arguments (see :class:`Split`)."""

@@ -21,6 +21,8 @@ from ._weights import bind_and_fold
 ir = C.mlir()[0]
 
 TEXT, BYTECODE, EXPORT = "mlir-text", "mlir-bytecode", "jax-export"
+# fold_stablehlo's default for sites whose weights are module arguments
+IN_GRAPH_DEFAULT = False
 _MLIR_MAGIC = b"ML\xefR"
 
 
@@ -83,7 +85,7 @@ def _module_bytes(module, as_bytecode: bool):
     return buf.getvalue()
 
 
-def fold_stablehlo(data, *, params=None):
+def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a serialized ``jax.export`` file in,
@@ -96,12 +98,13 @@ def fold_stablehlo(data, *, params=None):
     folded once, on the host, and the result is ``(apply artifact, FoldReport, prepared)``:
     the apply artifact takes the remaining arguments in their order, then the arrays of
     ``prepared`` (folded kernels and biases) — per call it does no more than the original.
-    Without ``params`` such modules fold in the graph, each site guarded at run time.
+    Without ``params``, a site whose weights are arguments is folded in the graph, guarded at
+    run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on every call.
     """
     art = read_artifact(data)
     if params is not None:
         return _fold_with_params(art, data, params)
-    module, report = fold_module_text(art.module)
+    module, report = fold_module_text(art.module, in_graph)
     with module.context:
         if art.kind == TEXT:
             return _module_bytes(module, False), report
@@ -135,9 +138,9 @@ def _fold_with_params(art: Artifact, data, params):
     return bytes(new.serialize()), report, prepared
 
 
-def report_stablehlo(data) -> FoldReport:
+def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT) -> FoldReport:
     """What ``fold_stablehlo`` would fold, and why not the rest (nothing is written)."""
-    return fold_stablehlo(data)[1]
+    return fold_stablehlo(data, in_graph=in_graph)[1]
 
 
 # --------------------------------------------------------------------------- running

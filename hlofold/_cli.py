@@ -269,7 +269,7 @@ def cmd_fold(args) -> int:
         params = _read_params(args.params)
         folded, report, prepared = fold_stablehlo(data, params=params)
     else:
-        folded, report = fold_stablehlo(data)
+        folded, report = fold_stablehlo(data, in_graph=args.in_graph)
     print(report)
     if args.verify:
         if prepared is not None:
@@ -310,7 +310,7 @@ def cmd_verify(args) -> int:
 
 def cmd_report(args) -> int:
     from ._artifacts import report_stablehlo
-    rep = report_stablehlo(_load(args.input))
+    rep = report_stablehlo(_load(args.input), in_graph=args.in_graph)
     print(rep.to_json(indent=2) if args.json else rep)
     return 0
 
@@ -333,6 +333,11 @@ def main(argv=None) -> int:
     p_fold.add_argument("input")
     p_fold.add_argument("-o", "--output", required=True)
     p_fold.add_argument("--report", help="write the fold report as JSON here")
+    in_graph = dict(action="store_true", help="fold sites whose weights are module arguments "
+                    "with the rescale in the graph, guarded at run time (recomputed on every "
+                    "call; by default they are left as they are: give --params to fold them "
+                    "once)")
+    p_fold.add_argument("--in-graph", **in_graph)
     p_fold.add_argument("--verify", action="store_true",
                         help="run original and folded; refuse to write a folded artifact "
                              "that differs beyond tolerance")
@@ -353,6 +358,7 @@ def main(argv=None) -> int:
                                           "rest (writes nothing)")
     p_rep.add_argument("input")
     p_rep.add_argument("--json", action="store_true", help="print JSON")
+    p_rep.add_argument("--in-graph", **in_graph)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)

@@ -13,9 +13,10 @@ def _nothing_frozen(freeze) -> bool:
 
 
 def _folded(f: Callable, freeze, kw) -> Folded:
-    """``f`` folded for an artifact: parameters that are arguments of the artifact are
-    rescaled in its graph (guarded), so ``in_graph`` defaults to True here."""
-    kw = {"in_graph": True, **kw}
+    """``f`` folded for an artifact. Sites whose parameters are arguments of the artifact
+    would rescale their kernel on every call: they fold (in the graph, guarded) only with
+    ``in_graph=True``; frozen parameters fold as constants."""
+    kw = {"in_graph": False, **kw}
     if isinstance(f, Folded):
         if _nothing_frozen(freeze) and f.in_graph == kw["in_graph"] and len(kw) == 1:
             return f
@@ -25,7 +26,9 @@ def _folded(f: Callable, freeze, kw) -> Folded:
 
 def lower(f: Callable, *args, freeze: Any = (), **fold_options) -> str:
     """Folded StableHLO text of ``f`` for ``args``: what
-    ``jax.jit(f).lower(*args).as_text()`` gives, with every BatchNorm folded."""
+    ``jax.jit(f).lower(*args).as_text()`` gives, with every BatchNorm whose parameters are
+    frozen (``freeze=``) folded; with ``in_graph=True`` also those whose parameters are
+    arguments (rescaled in the graph, guarded)."""
     return _folded(f, freeze, fold_options).lower(*args).as_text()
 
 

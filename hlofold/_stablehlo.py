@@ -280,8 +280,17 @@ def _lhs_root_info(op):
 # --------------------------------------------------------------------------- the pass
 
 
+# the reason an argument-weight site stays unfolded with in_graph=False
+WEIGHTS_ARE_ARGUMENTS = (
+    "the weights are module arguments, so K·s would be recomputed (and range-checked) on every "
+    "call, costing more than the BatchNorm it removes; fold with the weight values "
+    "(fold_stablehlo(..., params=), hlofold fold --params) or in the graph (in_graph=True, "
+    "--in-graph)")
+
+
 class _Pass:
-    def __init__(self, module):
+    def __init__(self, module, in_graph: bool = True):
+        self.in_graph = in_graph
         self.module = module
         self.sites: list[FoldSite] = []
         self.eval = _Evaluator()
@@ -508,7 +517,8 @@ class _Pass:
         why = precision_refusal(kd, [np_dtype(_etype(root.results[0]))] + [
             np_dtype(_etype(st.op.results[0])) for st in steps]) if kd is not None else None
         if why is None and not (known and self.eval(kernel) is not None):
-            why = runtime_refusal(kd)          # the rescale would run in the graph
+            # the rescale would run in the graph, on every call
+            why = runtime_refusal(kd) if self.in_graph else WEIGHTS_ARE_ARGUMENTS
         if why:
             rec.status, rec.reason = REFUSED, why
             return
@@ -807,21 +817,24 @@ def parse_module(text_or_bytes):
     return module
 
 
-def fold_module(module) -> FoldReport:
-    """Fold ``module`` in place (call inside its context); returns the report."""
-    folder = _Pass(module)
+def fold_module(module, in_graph: bool = True) -> FoldReport:
+    """Fold ``module`` in place (call inside its context); returns the report.
+    ``in_graph``: fold sites whose weights are arguments with the rescale in the graph,
+    guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`)."""
+    folder = _Pass(module, in_graph)
     report = folder.run()
-    _dce(module, folder.inlined)
+    if report.num_folded:         # nothing folded: the module stays exactly as it was
+        _dce(module, folder.inlined)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report
 
 
-def fold_module_text(text_or_bytes) -> tuple[Any, FoldReport]:
+def fold_module_text(text_or_bytes, in_graph: bool = True) -> tuple[Any, FoldReport]:
     """Parse, fold and return ``(module, report)`` (module in hlofold's MLIR context)."""
     module = parse_module(text_or_bytes)
     with module.context, ir.Location.unknown():
-        report = fold_module(module)
+        report = fold_module(module, in_graph)
     return module, report
 
 

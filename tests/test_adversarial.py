@@ -194,7 +194,7 @@ def test_fp16_kernel_rescaled_in_graph_is_refused():
 def _fold_text(f, *args):
     from hlofold._artifacts import module_callable
     text = jax.jit(f).lower(*args).as_text()
-    out, rep = hlofold.fold_stablehlo(text)
+    out, rep = hlofold.fold_stablehlo(text, in_graph=True)
     return text, out, rep, module_callable(text), module_callable(out)
 
 
@@ -238,7 +238,7 @@ def test_stablehlo_guard_runs_the_original_when_variance_is_zero_at_run_time():
         np.testing.assert_array_equal(np.isposinf(ref), np.isposinf(o))
         fin = np.isfinite(ref)
         assert_close(ref[fin], o[fin])
-    again, rep2 = hlofold.fold_stablehlo(out)                        # nothing left to fold
+    again, rep2 = hlofold.fold_stablehlo(out, in_graph=True)                        # nothing left to fold
     assert rep2.num_folded == 0 and again.count("stablehlo.if") == 1
 
 
@@ -328,7 +328,7 @@ def test_cli_verify_float64_module_enables_x64(tmp_path):
 def test_a_path_whose_name_says_module_is_read_as_a_path(tmp_path):
     p = tmp_path / "my_module.mlir"
     p.write_text(ONE_CONV)
-    out, rep = hlofold.fold_stablehlo(str(p))
+    out, rep = hlofold.fold_stablehlo(str(p), in_graph=True)
     assert rep.num_folded == 1 and "stablehlo.if" not in out   # s is constant: no guard
 
 
@@ -434,12 +434,12 @@ def test_symbolic_and_multi_platform_exports_are_refused_with_the_right_reason()
     assert rep.num_folded == 0 and rep.num_refused == nbn + 1
     assert all("symbolic (dynamic) shape" in s.reason for s in rep.refused), str(rep)
     multi = jax.export.export(jax.jit(examples.resnet_apply), platforms=("cpu", "cuda"))(p, x)
-    _, rep = hlofold.fold_stablehlo(multi)
+    _, rep = hlofold.fold_stablehlo(multi, in_graph=True)
     assert rep.num_folded == 0 and len(rep.sites) >= nbn
     assert all("multi-platform export" in s.reason for s in rep.sites
                if s.primitive == "stablehlo.convolution"), str(rep)
     # the way out both reasons name: fold before exporting
-    exp = hlofold.export(examples.resnet_apply, p, sx, platforms=("cpu", "cuda"))
+    exp = hlofold.export(examples.resnet_apply, p, sx, platforms=("cpu", "cuda"), in_graph=True)
     text = exp.mlir_module()
     assert text.count("stablehlo.is_finite") >= nbn      # every site folded, guarded
     assert_close(jax.jit(examples.resnet_apply)(p, x), exp.call(p, x))

@@ -32,7 +32,7 @@ def digest(path):
 def test_fold_text_with_report_and_verify(tmp_path):
     out, rep = tmp_path / "block_folded.mlir", tmp_path / "report.json"
     before = digest(BLOCK)
-    r = hlofold("fold", BLOCK, "-o", str(out), "--report", str(rep), "--verify")
+    r = hlofold("fold", "--in-graph", BLOCK, "-o", str(out), "--report", str(rep), "--verify")
     assert r.returncode == 0, r.stderr
     assert digest(BLOCK) == before                       # input never modified
     assert "hlofold verify: PASS" in r.stdout
@@ -49,7 +49,7 @@ def test_fold_export_artifact_and_call(tmp_path):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), jnp.float32)
     src, dst = tmp_path / "model.jaxexport", tmp_path / "model_folded.jaxexport"
     src.write_bytes(jax.export.export(jax.jit(examples.resnet_apply))(p, x).serialize())
-    r = hlofold("fold", str(src), "-o", str(dst), "--verify")
+    r = hlofold("fold", "--in-graph", str(src), "-o", str(dst), "--verify")
     assert r.returncode == 0, r.stderr
     assert "12 folded" in r.stdout
     out = jax.export.deserialize(bytearray(dst.read_bytes())).call(p, x)
@@ -63,7 +63,7 @@ def test_fold_export_artifact_and_call(tmp_path):
 def test_verify_with_inputs_and_a_wrong_module(tmp_path):
     src = os.path.join(DATA, "conv_bn_inference_nhwc_args.mlir")
     good = tmp_path / "good.mlir"
-    assert hlofold("fold", src, "-o", str(good)).returncode == 0
+    assert hlofold("fold", "--in-graph", src, "-o", str(good)).returncode == 0
     bad = tmp_path / "bad.mlir"
     bad.write_text(good.read_text().replace("stablehlo.add %", "stablehlo.subtract %", 1))
     rng = np.random.default_rng(3)
@@ -81,11 +81,11 @@ def test_verify_with_inputs_and_a_wrong_module(tmp_path):
 
 
 def test_report_writes_nothing(tmp_path):
-    r = hlofold("report", os.path.join(DATA, "bn_feature_index_not_feature.mlir"), cwd=tmp_path)
+    r = hlofold("report", "--in-graph", os.path.join(DATA, "bn_feature_index_not_feature.mlir"), cwd=tmp_path)
     assert r.returncode == 0
     assert "refused" in r.stdout and "feature_index 1" in r.stdout
     assert list(tmp_path.iterdir()) == []
-    r = hlofold("report", BLOCK, "--json")
+    r = hlofold("report", "--in-graph", BLOCK, "--json")
     assert json.loads(r.stdout)["num_folded"] == 2
 
 
@@ -130,11 +130,11 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, case):
 
 
 def test_missing_file_same_path_and_missing_folder(tmp_path):
-    r = hlofold("fold", str(tmp_path / "nope.mlir"), "-o", str(tmp_path / "o.mlir"))
+    r = hlofold("fold", "--in-graph", str(tmp_path / "nope.mlir"), "-o", str(tmp_path / "o.mlir"))
     assert r.returncode == 2 and "no such file" in r.stderr
-    r = hlofold("fold", BLOCK, "-o", BLOCK)
+    r = hlofold("fold", "--in-graph", BLOCK, "-o", BLOCK)
     assert r.returncode == 2 and "must not overwrite the input" in r.stderr
-    r = hlofold("fold", BLOCK, "-o", str(tmp_path / "missing" / "o.mlir"))
+    r = hlofold("fold", "--in-graph", BLOCK, "-o", str(tmp_path / "missing" / "o.mlir"))
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = hlofold("verify", BLOCK)
     assert r.returncode == 2 and "usage" in r.stderr
@@ -146,13 +146,14 @@ def test_fold_verify_refuses_to_write_a_wrong_fold(tmp_path, monkeypatch, capsys
     from hlofold import _cli
     real = A.fold_stablehlo
 
-    def broken(data):
-        text, rep = real(data)
+    def broken(data, **kw):
+        text, rep = real(data, **kw)
         return text.replace("stablehlo.add %", "stablehlo.subtract %", 1), rep
     monkeypatch.setattr(A, "fold_stablehlo", broken)
     out = tmp_path / "o.mlir"
     rc = _cli.main(["fold", os.path.join(DATA, "conv_bn_inference_nhwc_args.mlir"),
-                    "-o", str(out), "--verify", "--report", str(tmp_path / "r.json")])
+                    "-o", str(out), "--in-graph", "--verify", "--report",
+                    str(tmp_path / "r.json")])
     assert rc == 1
     assert "verification failed" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

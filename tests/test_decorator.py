@@ -225,3 +225,33 @@ def test_non_finite_input_params_refuse_their_site():
     rep = fz.report(bad, X)
     assert rep.sites[0].status == "refused" and "not finite" in rep.sites[0].reason
     np.testing.assert_array_equal(np.isnan(ref), np.isnan(fz(bad, X)))
+
+
+def test_persistent_compilation_cache_is_shared_across_parameter_values(tmp_path):
+    """The apply program carries no weights (they are its arguments), so JAX's persistent
+    compilation cache, keyed by the HLO, serves a second process with other parameter
+    values, frozen or not: it adds no entry."""
+    import subprocess
+    import sys
+    script = """
+import sys, jax, hlofold
+from hlofold import examples
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+p = examples.init_resnet(10, width=8, seed=int(sys.argv[2]))
+x = jax.numpy.ones((1, 16, 16, 3))
+hlofold.fold(examples.resnet_apply)(p, x).block_until_ready()
+hlofold.fold(examples.resnet_apply, freeze=0)(p, x).block_until_ready()
+"""
+    cache = tmp_path / "cache"
+    env = {**__import__("os").environ, "JAX_PLATFORMS": "cpu"}
+
+    def run(seed):
+        r = subprocess.run([sys.executable, "-c", script, str(cache), str(seed)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return sorted(f.name for f in cache.iterdir())
+    first = run(1)
+    assert first, "the folded programs were cached"
+    assert run(2) == first, "other parameter values: the same executables, no new entry"

@@ -48,7 +48,7 @@ def test_every_testdata_file_has_expectations():
 @pytest.mark.parametrize("path", FILES, ids=os.path.basename)
 def test_filecheck_and_numerics(path):
     text = open(path).read()
-    folded, report = hlofold.fold_stablehlo(text)
+    folded, report = hlofold.fold_stablehlo(text, in_graph=True)  # argument weights included
     n_fold, n_ref, why = EXPECTED[os.path.basename(path)]
     assert report.num_folded == n_fold, str(report)
     assert report.num_refused == n_ref, str(report)
@@ -77,7 +77,7 @@ def test_bytecode_in_bytecode_out():
         buf = io.BytesIO()
         m.operation.write_bytecode(buf)
     data = buf.getvalue()
-    folded, report = hlofold.fold_stablehlo(data)
+    folded, report = hlofold.fold_stablehlo(data, in_graph=True)
     assert isinstance(folded, bytes) and folded.startswith(b"ML\xefR")
     assert report.num_folded == 1
     args = random_inputs(text)
@@ -93,7 +93,7 @@ def _resnet():
 def test_export_round_trip_of_folded_function():
     p, x = _resnet()
     ref = jax.jit(examples.resnet_apply)(p, x)
-    exp = hlofold.export(examples.resnet_apply, p, x)
+    exp = hlofold.export(examples.resnet_apply, p, x, in_graph=True)
     back = jax.export.deserialize(exp.serialize())
     np.testing.assert_allclose(back.call(p, x), ref, rtol=2e-5, atol=1e-5 * float(
         jnp.abs(ref).max()))
@@ -121,7 +121,7 @@ def test_unfolded_export_artifact_folds():
     p, x = _resnet()
     ref = jax.jit(examples.resnet_apply)(p, x)
     data = jax.export.export(jax.jit(examples.resnet_apply))(p, x).serialize()
-    folded, report = hlofold.fold_stablehlo(data)
+    folded, report = hlofold.fold_stablehlo(data, in_graph=True)
     assert report.num_folded == examples.count_bn(p)
     back = jax.export.deserialize(folded)
     out = back.call(p, x)
@@ -134,7 +134,7 @@ def test_unfolded_export_artifact_folds():
     # the in-memory Exported works as well, and the input object is untouched
     exp = jax.export.deserialize(data)
     before = exp.mlir_module_serialized
-    new, _ = hlofold.fold_stablehlo(exp)
+    new, _ = hlofold.fold_stablehlo(exp, in_graph=True)
     assert isinstance(new, jax.export.Exported) and exp.mlir_module_serialized == before
 
 
@@ -142,7 +142,7 @@ def test_lower_matches_and_cached_module_is_untouched():
     p, x = _resnet()
     lowered = jax.jit(examples.resnet_apply).lower(p, x)
     text = lowered.as_text()
-    folded, rep = hlofold.fold_stablehlo(text)
+    folded, rep = hlofold.fold_stablehlo(text, in_graph=True)
     assert rep.num_folded == examples.count_bn(p)
     assert lowered.as_text() == text           # we work on a copy, never on JAX's module
     t2 = hlofold.lower(examples.resnet_apply, p, x, freeze=0)
@@ -152,7 +152,7 @@ def test_lower_matches_and_cached_module_is_untouched():
 def test_verify_reports_and_detects_a_wrong_fold():
     path = os.path.join(DATA, "conv_bn_inference_nhwc_args.mlir")
     text = open(path).read()
-    folded, _ = hlofold.fold_stablehlo(text)
+    folded, _ = hlofold.fold_stablehlo(text, in_graph=True)
     broken = folded.replace("stablehlo.add %", "stablehlo.subtract %", 1)
     args = random_inputs(text)
     rep = hlofold.verify(text, broken, *args, raise_on_failure=False)
@@ -176,7 +176,7 @@ def test_verify_reports_and_detects_a_wrong_fold():
 ], ids=["empty", "random-bytes", "unknown-dialect", "not-mlir"])
 def test_bad_artifacts_raise_clear_errors(bad, msg):
     with pytest.raises(hlofold.StableHLOError, match=msg):
-        hlofold.fold_stablehlo(bad)
+        hlofold.fold_stablehlo(bad, in_graph=True)
 
 
 def test_truncated_bytecode():
@@ -187,7 +187,7 @@ def test_truncated_bytecode():
         buf = io.BytesIO()
         m.operation.write_bytecode(buf)
     with pytest.raises(hlofold.StableHLOError, match="truncated or corrupt"):
-        hlofold.fold_stablehlo(buf.getvalue()[:60])
+        hlofold.fold_stablehlo(buf.getvalue()[:60], in_graph=True)
 
 
 def _huge_module(n: int) -> str:
@@ -217,7 +217,7 @@ def test_huge_module_folds_in_bounded_time():
     import time
     text = _huge_module(2000)                       # 10,000 ops
     t0 = time.perf_counter()
-    folded, report = hlofold.fold_stablehlo(text)
+    folded, report = hlofold.fold_stablehlo(text, in_graph=True)
     elapsed = time.perf_counter() - t0
     assert report.num_folded == 2000
     assert elapsed < 30, f"{elapsed:.1f} s for 10k ops"     # measured here: ~1 s

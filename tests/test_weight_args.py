@@ -53,6 +53,24 @@ def test_tensorflow_keras_module_folds_its_weights_once():
     assert err <= 1e-5 * float(np.max(np.abs(y))) + 1e-6, err   # against TensorFlow itself
 
 
+@pytest.mark.parametrize("name,sites", [("keras_tf_args.mlir", 3),
+                                        ("conv_bn_inference_nhwc_args.mlir", 1)])
+def test_without_weight_values_argument_sites_are_left_as_they_are(name, sites):
+    """Never costlier than the original: without the weight values a site whose weights are
+    arguments would rescale its kernel on every call, so by default it is reported, with the
+    way to fold it, and the module keeps its ops; in_graph=True folds it, guarded."""
+    text = open(os.path.join(DATA, name)).read()
+    out, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 0 and rep.num_refused == sites, str(rep)
+    assert all("params=" in s.reason and "in_graph=True" in s.reason for s in rep.refused)
+    from hlofold._stablehlo import parse_module
+    assert out == str(parse_module(text)), "nothing folded: the module as it was"
+    out, rep = hlofold.fold_stablehlo(text, in_graph=True)
+    assert rep.num_folded == sites and all(s.guarded for s in rep.folded)
+    r = _cli("report", os.path.join(DATA, name))
+    assert r.returncode == 0 and "--params" in r.stdout
+
+
 def test_weights_whose_fold_is_unsafe_refuse_their_site():
     text = open(TF_MODULE).read()
     orig = module_callable(text)
