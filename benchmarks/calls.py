@@ -199,6 +199,7 @@ def to_markdown(res: dict) -> str:
     m = res["machine"]
     ms = lambda d: f"{d['median'] * 1e3:.2f} [{d['min'] * 1e3:.2f}–{d['max'] * 1e3:.2f}]"  # noqa
     us = lambda d: f"{d['median'] * 1e6:.1f} [{d['min'] * 1e6:.1f}–{d['max'] * 1e6:.1f}]"  # noqa
+    sec = lambda d: f"{d['median']:.2f} [{d['min']:.2f}–{d['max']:.2f}]"  # noqa: E731
     L = [f"# hlofold vs doing nothing ({'QUICK smoke run' if res['quick'] else 'full run'})",
          "", f"Machine: {machine_line(m)}; {m['date_utc']}; code {res['code'].get('git_commit')}",
          "", "Medians over interleaved rounds, [min–max]; ratio = hlofold / doing nothing."
@@ -210,11 +211,8 @@ def to_markdown(res: dict) -> str:
          "|---|---|---|---|---|---|"]
     for r in res["first_call"]:
         s = r["seconds"]
-        L.append(f"| {r['net']} {r['size']}px | {s['jit']['median']:.2f} "
-                 f"[{s['jit']['min']:.2f}–{s['jit']['max']:.2f}] | {s['fold']['median']:.2f} "
-                 f"[{s['fold']['min']:.2f}–{s['fold']['max']:.2f}] | "
-                 f"{s['freeze']['median']:.2f} [{s['freeze']['min']:.2f}–"
-                 f"{s['freeze']['max']:.2f}] | **{r['fold_vs_jit']:.2f}×** | "
+        L.append(f"| {r['net']} {r['size']}px | {sec(s['jit'])} | {sec(s['fold'])} | "
+                 f"{sec(s['freeze'])} | **{r['fold_vs_jit']:.2f}×** | "
                  f"**{r['freeze_vs_jit']:.2f}×** |")
     L += ["", "## 2. Under the user's jit (steady state, ms per call)", "",
           "| network | batch | jax.jit(f) | jax.jit(fold(f)) | ratio | same StableHLO ops | "
