@@ -321,6 +321,7 @@ class Folded:
                                             for i, x in enumerate(frz_leaves)
                                             if isinstance(x, np.ndarray)),
                         donated=donated)
+        prog.variants["never"] = (folded, found)    # what traced calls run by default
         if not known_idx:     # nothing to prepare per value: that fold is the final one
             folding = folding_of(folded, found)
             prog.cached = ((), folding, prog.executables.get(folding),
