@@ -98,8 +98,11 @@ def artifacts(quick: bool = False) -> dict:
     w = dict(np.load(os.path.join(data, "keras_tf_args.npz")))
     x = np.load(os.path.join(data, "keras_tf_io.npz"))["x"]
     apply, _, prepared = hlofold.fold_stablehlo(text, params=w)
+    # weights on the device once, on both sides, as a user running the module would
+    x, prepared = jax.device_put(x), jax.device_put(prepared)
     out["keras-tf (TensorFlow's module, 3 BN)"] = (
-        jax.jit(module_callable(text)), (x, *[w[f"arg{i}"] for i in range(1, len(w) + 1)]),
+        jax.jit(module_callable(text)),
+        (x, *jax.device_put([w[f"arg{i}"] for i in range(1, len(w) + 1)])),
         jax.jit(module_callable(apply)), (x, *prepared))
     depth, width, size, batch = (10, 8, 32, 2) if quick else (18, 64, 112, 8)
     P = examples.init_resnet(depth, width=width, seed=0)

@@ -98,6 +98,10 @@ def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
     folded once, on the host, and the result is ``(apply artifact, FoldReport, prepared)``:
     the apply artifact takes the remaining arguments in their order, then the arrays of
     ``prepared`` (folded kernels and biases) — per call it does no more than the original.
+    For a ``jax.export`` artifact ``prepared`` are ``jax.Array`` s on the default device,
+    ready to pass per call; for text and bytecode they are NumPy arrays (to save, or to hand
+    to another runtime): put them on the device once (``jax.device_put``), since a NumPy
+    argument is copied to the device on every call.
     Without ``params``, a site whose weights are arguments is folded in the graph, guarded at
     run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on every call.
     """
@@ -133,6 +137,7 @@ def _fold_with_params(art: Artifact, data, params):
         assert len(kept) + len(prepared) == n_module
         new = C.exported_with_inputs(exp, kept, prepared,
                                      C.module_to_portable_artifact(module))
+    prepared = [jax.device_put(v) for v in prepared]
     if isinstance(data, jax.export.Exported):
         return new, report, prepared
     return bytes(new.serialize()), report, prepared

@@ -109,6 +109,8 @@ def test_jax_export_with_weight_arguments():
     params = {f"arg{i}": np.asarray(l) for i, l in enumerate(leaves)}
     new, rep, prepared = hlofold.fold_stablehlo(exp, params=params)
     assert isinstance(new, jax.export.Exported)
+    # on the device already: a NumPy argument would be copied to it on every call
+    assert all(isinstance(p, jax.Array) for p in prepared)
     assert rep.num_folded == examples.count_bn(P), str(rep)
     ref = exp.call(*leaves, x)
     out = new.call(x, *prepared)
