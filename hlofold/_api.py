@@ -479,8 +479,14 @@ class Folded:
     def report(self, *args, **kwargs) -> FoldReport:
         """The fold report for these arguments (direct calls). With abstract parameters
         (e.g. ``jax.ShapeDtypeStruct``) it says what would be prepared, without values."""
+        prog, rep = self._report_of(args, kwargs)
+        why = _running(prog)
+        return rep if why is None else dataclasses.replace(rep, running=why)
+
+    def _report_of(self, args, kwargs) -> tuple[_Program, FoldReport]:
         prog, folding = self._folding_of(args, kwargs)
-        return self._variant(prog, "prepared")[1] if folding is None else folding.report
+        return prog, (self._variant(prog, "prepared")[1] if folding is None
+                      else folding.report)
 
     def traced_report(self, *args, **kwargs) -> FoldReport:
         """What a call under an enclosing transformation (``jax.jit(folded)``) folds, for
@@ -495,7 +501,7 @@ class Folded:
         from ._precision import measure
         prog, leaves = self._program_for(args, kwargs)
         result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l)), leaves)
-        self.report(*args, **kwargs).precision = result
+        self._report_of(args, kwargs)[1].precision = result
         return result
 
     def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
@@ -532,4 +538,21 @@ class Folded:
                      folding.report, self, prog.key, folding, fn)
 
     def __repr__(self) -> str:
-        return f"<hlofold.fold of {getattr(self._py, '__qualname__', self._py)!r}>"
+        name = getattr(self._py, '__qualname__', self._py)
+        off = [w for p in self._programs.values() if (w := _running(p))]
+        if not off:
+            return f"<hlofold.fold of {name!r}>"
+        return (f"<hlofold.fold of {name!r}: {len(off)} of {len(self._programs)} input "
+                f"signatures run {off[0]}>")
+
+
+def _running(prog: _Program) -> str | None:
+    """What calls of this signature run instead of the folded program, and why."""
+    if prog.verified is False:
+        return ("the original program (verify=True found the folded outputs differ on the "
+                "first call)")
+    if prog.churned:
+        return (f"the original program (the parameters were new arrays on {CHURN_LIMIT} "
+                "calls in a row: preparing each would cost more than the BatchNorm saves; "
+                "pass the same arrays, or use split())")
+    return None

@@ -1,4 +1,5 @@
-"""StableHLO artifacts: MLIR text, MLIR bytecode, serialized ``jax.export`` files.
+"""StableHLO artifacts: MLIR text, MLIR bytecode, StableHLO portable artifacts (VHLO
+bytecode), serialized ``jax.export`` files.
 
 ``fold_stablehlo`` takes any of them (or an in-memory ``jax.export.Exported``), runs the
 StableHLO pass, and gives back the same kind of artifact. ``module_callable`` turns a
@@ -18,9 +19,10 @@ from ._report import FoldReport
 from ._stablehlo import StableHLOError, fold_module_text, main_function
 from ._weights import bind_and_fold
 
-ir = C.mlir()[0]
+ir, stablehlo, _ = C.mlir()
 
 TEXT, BYTECODE, EXPORT = "mlir-text", "mlir-bytecode", "jax-export"
+PORTABLE = "stablehlo-portable"   # VHLO bytecode: stablehlo.serialize_portable_artifact
 # fold_stablehlo's default for sites whose weights are module arguments
 IN_GRAPH_DEFAULT = False
 _MLIR_MAGIC = b"ML\xefR"
@@ -31,6 +33,7 @@ class Artifact:
     kind: str
     module: Any                   # str (text) or bytes (bytecode) of the StableHLO module
     exported: Any = None          # the jax.export.Exported, for EXPORT
+    target: str | None = None     # the StableHLO version a PORTABLE artifact targets
 
 
 def read_artifact(data) -> Artifact:
@@ -52,7 +55,10 @@ def read_artifact(data) -> Artifact:
     if not data.strip():
         raise StableHLOError("empty input")
     if data.startswith(_MLIR_MAGIC):
-        return Artifact(BYTECODE, data)
+        target = _portable_target(data)
+        if target is None:
+            return Artifact(BYTECODE, data)
+        return Artifact(PORTABLE, _from_portable(data), target=target)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -68,6 +74,28 @@ def read_artifact(data) -> Artifact:
                          "jax.export file")
 
 
+def _portable_target(data: bytes) -> str | None:
+    """The target version of a StableHLO portable artifact (``"1.9.3"``), None for other
+    MLIR bytecode. The bytecode's producer string, after the magic and a one-byte version,
+    is ``StableHLO_v<target>``."""
+    head = data[5:64]
+    if not head.startswith(b"StableHLO_v"):
+        return None
+    return head[len(b"StableHLO_v"):].split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def _from_portable(data: bytes) -> bytes:
+    """The StableHLO (MLIR bytecode) of a portable artifact."""
+    ctx = C.mlir_context()
+    with ctx:
+        try:
+            module = stablehlo.deserialize_portable_artifact(ctx, data)
+        except Exception as e:
+            detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
+            raise StableHLOError(f"unreadable StableHLO portable artifact: {detail}") from None
+        return _module_bytes(module, True)
+
+
 def _read_file(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -76,7 +104,10 @@ def _read_file(path: str) -> bytes:
         raise StableHLOError(f"cannot read {path}: {e.strerror}") from None
 
 
-def _module_bytes(module, as_bytecode: bool):
+def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
+    """Text, MLIR bytecode, or (``portable``: a target version) a portable artifact."""
+    if portable is not None:
+        return bytes(stablehlo.serialize_portable_artifact(module, portable))
     if not as_bytecode:
         return str(module)
     import io
@@ -88,7 +119,8 @@ def _module_bytes(module, as_bytecode: bool):
 def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
-    Text in, text out; MLIR bytecode in, bytecode out; a serialized ``jax.export`` file in,
+    Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
+    portable artifact for the same target version out; a serialized ``jax.export`` file in,
     a serialized file out (an ``Exported`` in, an ``Exported`` out) that
     ``jax.export.deserialize(...).call(...)`` runs. The input is never modified.
 
@@ -109,11 +141,11 @@ def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
     if params is not None:
         return _fold_with_params(art, data, params)
     module, report = fold_module_text(art.module, in_graph)
+    if not report.num_folded:     # nothing folded: the artifact exactly as it was given
+        return _as_given(data), report
     with module.context:
-        if art.kind == TEXT:
-            return _module_bytes(module, False), report
-        if art.kind == BYTECODE:
-            return _module_bytes(module, True), report
+        if art.kind != EXPORT:
+            return _write(module, art), report
         new = dataclasses.replace(art.exported,
                                   mlir_module_serialized=C.module_to_portable_artifact(module))
     if isinstance(data, jax.export.Exported):
@@ -121,11 +153,23 @@ def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
     return bytes(new.serialize()), report
 
 
+def _as_given(data):
+    """``data`` as the kind fold_stablehlo returns for it (a path: the file's contents)."""
+    if isinstance(data, os.PathLike) or (isinstance(data, str) and "\n" not in data
+                                         and os.path.isfile(data)):
+        raw = _read_file(os.fspath(data))
+        art = read_artifact(raw)
+        return art.module if art.kind == TEXT else raw
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    return data
+
+
 def _fold_with_params(art: Artifact, data, params):
     module, report, prepared, kept = bind_and_fold(art.module, params)
     with module.context:
         if art.kind != EXPORT:
-            return _module_bytes(module, art.kind == BYTECODE), report, prepared
+            return _write(module, art), report, prepared
         exp = art.exported
         n_module = len(main_function(module).regions[0].blocks[0].arguments)
         if len(exp.in_avals) != len(kept) + len(params) or \
@@ -141,6 +185,11 @@ def _fold_with_params(art: Artifact, data, params):
     if isinstance(data, jax.export.Exported):
         return new, report, prepared
     return bytes(new.serialize()), report, prepared
+
+
+def _write(module, art: Artifact):
+    """``module`` as an artifact of ``art``'s kind (not EXPORT)."""
+    return _module_bytes(module, art.kind != TEXT, art.target)
 
 
 def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT) -> FoldReport:

@@ -21,6 +21,7 @@ bodies) are folded recursively, with known (constant) inputs followed into them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -30,7 +31,9 @@ from jax import lax
 from . import _compat as C
 from ._patterns import (PATTERNS, FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
                         PassStep, Refusal, RootInfo, affine_step, pass_step)
-from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+from ._report import (CANONICAL, FOLDED, NO_PATTERN, NOT_REACHED, REFUSED, FoldReport,
+                      FoldSite)
+from ._unreached import unreached_reason
 from ._host import evaluate as host_evaluate
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
@@ -201,6 +204,7 @@ class _Scope:
         # equations on the backward chain of an earlier root (folded or canonical): a later
         # root's forward chain must not take them (one op, one owner)
         self.claimed: set[int] = set()
+        self.forward_taken: set[int] = set()     # equations of forward chains (any status)
         self.new_eqn: dict[int, tuple[dict, Callable]] = {}
 
     # ---- known values and provenance (memoized, iterative: programs can be deep)
@@ -268,6 +272,7 @@ class _Scope:
     # ---- planning
 
     def fold(self) -> C.ClosedJaxpr:
+        first = len(self.sites)
         changed = False
         for i, eqn in enumerate(self.jaxpr.eqns):
             pattern = PATTERNS.get(eqn.primitive.name)
@@ -282,9 +287,71 @@ class _Scope:
                             "guard")
             elif _contains_root(eqn):       # nested jaxprs without a root are left as they are
                 changed |= self._plan_nested(i, eqn)
+        self._account_unreached()
         if not changed:
             return self.closed
-        return _dce(self._emit())
+        try:
+            return _dce(self._emit())
+        except Exception as e:     # fail closed: this scope runs as written, and says why
+            for rec in self.sites[first:]:
+                if rec.status == FOLDED:
+                    rec.status = REFUSED
+                    rec.reason = (f"hlofold could not rewrite this part of the program "
+                                  f"({type(e).__name__}: {e}); it runs unfolded — please "
+                                  "report this")
+            warnings.warn(f"hlofold: a scope of the program is left unfolded after an "
+                          f"internal error ({type(e).__name__}: {e})", RuntimeWarning,
+                          stacklevel=2)
+            return self.closed
+
+    def _account_unreached(self) -> None:
+        """A NOT_REACHED record for each ``mul`` of an activation by a per-channel vector of
+        parameters that no root's chain took (see :mod:`hlofold._unreached`)."""
+        producer = lambda u: self.producer.get(u, (0, None))[1]
+        taken = self.claimed | self.forward_taken
+        for j, e in enumerate(self.jaxpr.eqns):
+            if e.primitive.name != "mul" or j in taken:
+                continue
+            for pos in (0, 1):
+                x = e.invars[pos]
+                if not isinstance(x, C.Var) or len(x.aval.shape) < 2 or not self.from_root(x):
+                    continue
+                step = next((r for r in (affine_step(e, pos, a, producer)
+                                         for a in range(len(x.aval.shape))
+                                         if x.aval.shape[a] != 1)
+                             if isinstance(r, AffineStep) and r.operand is not None
+                             and r.operand.size > 1
+                             and not self.from_root(r.operand.source)), None)
+                if step is None:
+                    continue
+                after = self._before_chain(x)
+                if after in PATTERNS:        # the root's own record accounts for it
+                    break
+                uses = self.uses.get(e.outvars[0], [])
+                then = ("output" if self.out_uses.get(e.outvars[0]) or not uses else
+                        self.jaxpr.eqns[uses[0][0]].primitive.name)
+                file, line, fn = C.user_location(e)
+                self.sites.append(FoldSite(
+                    pattern="unreached_affine", primitive="mul", status=NOT_REACHED,
+                    scope=self.path, file=file, line=line, function=fn,
+                    name_stack=C.name_stack(e), dtype=str(e.outvars[0].aval.dtype),
+                    out_channels=step.operand.size,
+                    params=sorted(n for n in self.names(step.operand.source) if n),
+                    reason=unreached_reason(after, then)))
+                break
+
+    def _before_chain(self, v) -> str:
+        """The primitive before the per-channel arithmetic and shape ops leading to ``v``
+        ("input" at the scope's input)."""
+        while isinstance(v, C.Var) and v in self.producer:
+            e = self.producer[v][1]
+            name = e.primitive.name
+            acts = [u for u in e.invars if isinstance(u, C.Var) and self.from_root(u)]
+            if len(acts) == 1 and (name in PASS_STEPS or name in AFFINE_STEPS):
+                v = acts[0]          # through shape ops and arithmetic with parameters
+                continue
+            return name
+        return "input"
 
     def _record(self, eqn, pattern, info, status, **kw) -> FoldSite:
         file, line, fn = C.user_location(eqn)
@@ -544,6 +611,7 @@ class _Scope:
             steps.append(cands[0][1])
             v = e.invars[cands[0][0]]
         fpat = FORWARD[eqn.primitive.name]
+        self.forward_taken.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
         if not steps:
             if reason is not None:     # an affine op was there, but could not be taken
                 self._record(eqn, fpat, info, REFUSED, reason=reason)
@@ -947,6 +1015,7 @@ def _jnp(cdt):
         def op(a, b):
             if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
                 return np_op(a, b).astype(cdt)
+            a, b = lift(a), lift(b)     # a NumPy operand takes the arithmetic dtype
             # scalars are broadcast explicitly; equal ranks rely on lax's size-1 broadcasting
             shape = np.broadcast_shapes(np.shape(a), np.shape(b))
             a, b = (x if np.ndim(x) or not shape else

@@ -54,6 +54,19 @@ class RootInfo:
 _SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 
 
+def conv_layout(lhs_spec, rhs_spec, out_spec) -> str:
+    """``"NHWC,HWIO->NHWC"`` from the (batch/out-feature, feature/in-feature, *spatial)
+    dimension numbers of a convolution's three operands; shared by both IR adapters."""
+    return (f"{_spec_letters(tuple(lhs_spec), 'N', 'C')},"
+            f"{_spec_letters(tuple(rhs_spec), 'O', 'I')}->{_spec_letters(tuple(out_spec), 'N', 'C')}")
+
+
+def dot_layout(lhs, rhs, out, weight_on_lhs: bool = False) -> str:
+    """``"dot(8, 16)x(16, 32)->(8, 32)"`` from the three shapes."""
+    return (f"dot{tuple(lhs)}x{tuple(rhs)}->{tuple(out)}" +
+            (" (weight on the lhs)" if weight_on_lhs else ""))
+
+
 def _spec_letters(spec: tuple[int, ...], first: str, second: str) -> str:
     rank = len(spec)
     spatial = _SPATIAL.get(rank - 2, "".join(f"S{i}" for i in range(rank - 2)))
@@ -85,8 +98,7 @@ class ConvAffinePattern:
         lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
         lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
         out = eqn.outvars[0].aval
-        layout = (f"{_spec_letters(lhs_spec, 'N', 'C')},{_spec_letters(rhs_spec, 'O', 'I')}"
-                  f"->{_spec_letters(out_spec, 'N', 'C')}")
+        layout = conv_layout(lhs_spec, rhs_spec, out_spec)
         groups = int(eqn.params.get("feature_group_count", 1))
         info = RootInfo(channel_axis=out_spec[1], kernel_index=1, kernel_axis=rhs_spec[0],
                         layout=layout, in_channels=int(lhs.shape[lhs_spec[1]]),
@@ -146,7 +158,7 @@ class DotAffinePattern:
     def inspect_root(self, eqn: C.JaxprEqn) -> RootInfo | Refusal:
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
-        layout = f"dot{tuple(lhs.shape)}x{tuple(rhs.shape)}->{tuple(out.shape)}"
+        layout = dot_layout(lhs.shape, rhs.shape, out.shape)
         if not (_is_float(rhs.dtype) and _is_float(out.dtype)):
             return Refusal(f"integer dot ({rhs.dtype} rhs, {out.dtype} output)")
         if len(rhs_free) != 1:
@@ -167,8 +179,7 @@ class DotAffinePattern:
                 not all(isinstance(d, int) for d in lhs.shape):   # (a weight is not symbolic)
             return []
         return [RootInfo(channel_axis=len(lb), kernel_index=0, kernel_axis=lhs_free[0],
-                         layout=f"dot{tuple(lhs.shape)}x{tuple(rhs.shape)}->{tuple(out.shape)}"
-                                " (weight on the lhs)",
+                         layout=dot_layout(lhs.shape, rhs.shape, out.shape, True),
                          in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
                          out_channels=int(lhs.shape[lhs_free[0]]), groups=1)]
 

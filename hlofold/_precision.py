@@ -42,8 +42,8 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
     env: dict[Any, Any] = {}
 
     def read(a):
-        if isinstance(a, C.Literal):
-            return np.float32(a.val) if _is_low(np.asarray(a.val).dtype) else a.val
+        if isinstance(a, C.Literal):      # its aval's dtype, not its Python value's
+            return np.float32(a.val) if _is_low(a.aval.dtype) else a.val
         return env[a]
 
     for v, c in zip(jaxpr.constvars, consts):
@@ -54,7 +54,7 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
         invals = [read(v) for v in eqn.invars]
         prim, params = eqn.primitive.name, eqn.params
         if prim == "convert_element_type" and _is_low(params["new_dtype"]):
-            outs = [_up(invals[0])]
+            outs = [lax.convert_element_type(invals[0], jnp.float32)]   # from any dtype
         elif prim in _CALLS:
             sub = params.get("jaxpr", params.get("call_jaxpr"))
             if isinstance(sub, C.ClosedJaxpr):
@@ -66,8 +66,9 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
         else:
             if any(True for _ in _subjaxprs(eqn)):
                 raise ReferenceUnavailable(f"{prim} (control flow) is not interpreted")
-            if _is_low(params.get("preferred_element_type")):
-                params = {**params, "preferred_element_type": np.dtype(np.float32)}
+            for key in ("preferred_element_type", "dtype"):   # dot/conv; iota and friends
+                if _is_low(params.get(key)):
+                    params = {**params, key: np.dtype(np.float32)}
             outs = C.bind_eqn(eqn, invals, params)
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, C.DropVar):

@@ -10,6 +10,7 @@ FOLDED = "folded"
 REFUSED = "refused"          # a chain was there but could not be folded safely
 CANONICAL = "canonical"      # already conv + bias: nothing to gain
 NO_PATTERN = "no-pattern"    # the conv is not followed by per-channel affine arithmetic
+NOT_REACHED = "not-reached"  # a per-channel scale (a normalization) that no root reaches
 
 
 @dataclasses.dataclass
@@ -18,7 +19,7 @@ class FoldSite:
 
     pattern: str                      # name of the pattern that examined the site
     primitive: str                    # root primitive, e.g. "conv_general_dilated"
-    status: str                       # FOLDED / REFUSED / CANONICAL / NO_PATTERN
+    status: str                       # FOLDED / REFUSED / CANONICAL / NO_PATTERN / NOT_REACHED
     scope: str                        # where in the program: "top", "top/jit(apply)/scan", ...
     file: str | None = None
     line: int | None = None
@@ -58,6 +59,10 @@ class FoldReport:
 
     sites: list[FoldSite] = dataclasses.field(default_factory=list)
     precision: dict | None = None     # set by Folded.measure_precision (low-precision nets)
+    # None: calls run the program this report describes; else what they run instead and why
+    # (hlofold.fold falls back to the original program after a verify mismatch, or when the
+    # parameters change on every call)
+    running: str | None = None
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -84,6 +89,7 @@ class FoldReport:
     def to_dict(self) -> dict[str, Any]:
         return {"num_folded": self.num_folded, "num_refused": self.num_refused,
                 "counts": self.counts(), "precision": self.precision,
+                "running": self.running,
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
@@ -92,8 +98,11 @@ class FoldReport:
     def __str__(self) -> str:
         c = self.counts()
         head = (f"hlofold: {c.get(FOLDED, 0)} folded, {c.get(REFUSED, 0)} refused, "
-                f"{c.get(CANONICAL, 0)} already conv+bias, {c.get(NO_PATTERN, 0)} without a pattern "
-                f"({len(self.sites)} sites)")
+                f"{c.get(CANONICAL, 0)} already conv+bias, {c.get(NO_PATTERN, 0)} without a pattern"
+                + (f", {c[NOT_REACHED]} normalizations no conv/dense reaches"
+                   if c.get(NOT_REACHED) else "") + f" ({len(self.sites)} sites)")
+        if self.running:
+            head += f"\nNOTE: calls run {self.running}"
         p = self.precision
         if p and p.get("reference"):
             head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "
@@ -102,24 +111,72 @@ class FoldReport:
                      f"ratio {p['ratio']:.2f}")
         if not self.sites:
             return head
-        rows = [("#", "status", "op", "layout", "ch", "absorbed", "rescale", "location", "note")]
-        for i, s in enumerate(self.sites):
-            ch = "" if s.out_channels is None else (
-                (f"{s.in_channels}->" if s.in_channels is not None else "") +
-                f"{s.out_channels}" + (f" g{s.groups}" if s.groups != 1 else ""))
-            loc = s.location
-            if s.file is not None:
-                loc = f"{s.file.rsplit('/', 1)[-1]}:{s.line}"
-            note = s.reason or _compact(s.params) or (s.note or "")
-            rows.append((str(i), s.status, _short(s.primitive), s.layout, ch, "·".join(s.absorbed),
-                         (s.rescale or "") + ("+guard" if s.guarded else ""), loc, note))
-        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
-        lines = [head]
-        for r in rows:
-            lines.append("  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1])
-        return "\n".join(lines)
+        return head + "\n" + _table(self.sites)
 
     __repr__ = __str__
+
+
+# widths of the printed table's columns (longer values keep their informative end)
+_WIDTH = {"layout": 22, "layer": 36, "location": 24, "note": 100}
+
+
+def layer_name(site: FoldSite) -> str:
+    """The layer a site belongs to, for people: its name stack without JAX's transform
+    wrappers (``jit(f)/``, ``pjit``) — a Keras layer name, a Flax module path, a Haiku module
+    name, a TF/torch_xla op name — else the kernel's pytree path (Flax NNX pushes no
+    names)."""
+    parts = [p for p in site.name_stack.split("/")
+             if p and not (p.endswith(")") and "(" in p) and p not in ("pjit", "jit")]
+    if parts:
+        return "/".join(parts)
+    if site.kernel:
+        return site.kernel.removesuffix(".value")
+    return ""
+
+
+def _clip(text: str, width: int, keep_end: bool = True) -> str:
+    if len(text) <= width:
+        return text
+    return ("…" + text[-(width - 1):]) if keep_end else (text[:width - 1] + "…")
+
+
+def _table(sites: list[FoldSite]) -> str:
+    """One row per site, widths bounded; a reason shared by several sites (or too long for
+    the row) is printed once, in full, below the table, and referred to by a letter."""
+    reasons: dict[str, list[int]] = {}
+    for i, s in enumerate(sites):
+        if s.reason:
+            reasons.setdefault(s.reason, []).append(i)
+    shared = {r: _key(n) for n, r in enumerate(
+        r for r, ix in reasons.items() if len(ix) > 1 or len(r) > _WIDTH["note"])}
+    rows = [("#", "status", "op", "layout", "ch", "absorbed", "rescale", "layer", "location",
+             "note")]
+    for i, s in enumerate(sites):
+        ch = "" if s.out_channels is None else (
+            (f"{s.in_channels}->" if s.in_channels is not None else "") +
+            f"{s.out_channels}" + (f" g{s.groups}" if s.groups != 1 else ""))
+        loc = s.location if s.file is None else f"{s.file.rsplit('/', 1)[-1]}:{s.line}"
+        if s.reason in shared:
+            note = f"({shared[s.reason]})"
+        else:
+            note = _clip(s.reason or _compact(s.params) or (s.note or ""), _WIDTH["note"], False)
+        rows.append((str(i), s.status, _short(s.primitive),
+                     _clip(s.layout, _WIDTH["layout"], False), ch, "·".join(s.absorbed),
+                     (s.rescale or "") + ("+guard" if s.guarded else ""),
+                     _clip(layer_name(s), _WIDTH["layer"]), _clip(loc, _WIDTH["location"]),
+                     note))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1]
+             for r in rows]
+    for r, key in shared.items():
+        n = len(reasons[r])
+        lines.append(f"({key}) {n} site{'s' if n > 1 else ''}: {r}")
+    return "\n".join(lines)
+
+
+def _key(n: int) -> str:
+    """a, b, ..., z, aa, ab, ..."""
+    return _key(n // 26 - 1) + chr(97 + n % 26) if n >= 26 else chr(97 + n)
 
 
 def _compact(names: list[str]) -> str:

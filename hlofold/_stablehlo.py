@@ -4,7 +4,7 @@ TF, PyTorch/XLA, hand-written modules and plain ``jax.export`` artifacts carry B
 ``stablehlo.batch_norm_inference`` or as the decomposed arithmetic JAX and XLA emit
 (``convolution → subtract/multiply/add/divide`` with ``broadcast_in_dim`` of per-channel
 values, with ``convert`` casts). This pass walks every ``stablehlo.convolution`` (and
-``stablehlo.dot_general``), follows its result through such a chain — into private functions
+``stablehlo.dot_general`` and ``stablehlo.dot``), follows its result through such a chain — into private functions
 that continue it — collapses the chain into ``y·s + t`` and rewrites it to
 ``convolution(x, K ⊙ s) + broadcast_in_dim(t)``:
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _compat as C
 from ._fold import _collapse
-from ._patterns import _unit_reshape_map
+from ._patterns import _unit_reshape_map, conv_layout, dot_layout
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
@@ -35,7 +35,8 @@ ir, stablehlo, func_dialect = C.mlir()
 
 _BINARY = {"stablehlo.add": "add", "stablehlo.subtract": "sub", "stablehlo.multiply": "mul",
            "stablehlo.divide": "div"}
-_ROOTS = ("stablehlo.convolution", "stablehlo.dot_general")
+DOTS = ("stablehlo.dot_general", "stablehlo.dot")
+_ROOTS = ("stablehlo.convolution", *DOTS)
 
 
 class StableHLOError(ValueError):
@@ -79,15 +80,33 @@ def _dims(attr) -> list[int]:
     return list(ir.DenseI64ArrayAttr(attr))
 
 
-def _location(op) -> tuple[str | None, int | None]:
-    loc = op.location
-    try:
-        fl = ir.FileLineColLoc(loc) if not isinstance(loc, ir.FileLineColLoc) else loc
-        name = str(fl.filename)
-        return ("<input>" if name in ("-", "") else name), int(fl.line)
-    except Exception:   # a fused/name/unknown location: keep its text
-        text = str(loc)
-        return (None, None) if text == "loc(unknown)" else (text, None)
+def _location(op) -> tuple[str | None, int | None, str]:
+    """``(file, line, name)`` of an op's location: the first file:line in it and the first
+    name (TF's ``fused["conv1_conv/Conv2D", "ops.py":1221:0]``, JAX's
+    ``"jit(f)/conv_general_dilated"("model.py":42:7)``, torch_xla's names), read through
+    the bindings' location classes; missing parts are None / ""."""
+    file = line = None
+    names: list[str] = []
+    todo = [op.location]
+    while todo:
+        loc = todo.pop(0)
+        for cls in (ir.FileLineColLoc, ir.NameLoc, ir.FusedLoc, ir.CallSiteLoc):
+            try:
+                loc = cls(loc)
+            except Exception:
+                continue
+            if cls is ir.FileLineColLoc and file is None:
+                name = str(loc.filename)
+                file, line = ("<input>" if name in ("-", "") else name), int(loc.start_line)
+            elif cls is ir.NameLoc:
+                names.append(str(loc.name_str))
+                todo.insert(0, loc.child_loc)
+            elif cls is ir.FusedLoc:
+                todo[:0] = list(loc.locations)
+            elif cls is ir.CallSiteLoc:
+                todo[:0] = [loc.callee, loc.caller]
+            break
+    return file, line, (names[0] if names else "")
 
 
 def dense_to_numpy(attr) -> np.ndarray | None:
@@ -246,35 +265,54 @@ def _resolve(value, out_shape, axis) -> _Operand | str:
 
 
 def _root_info(op):
-    """(output feature dim, kernel operand index, kernel feature dim, layout text) or a reason."""
+    """(output feature dim, kernel operand index, kernel feature dim, layout text, input
+    channels, feature groups) or a reason."""
     name = _name(op)
+    lhs, rhs, out = _shape(op.operands[0]), _shape(op.operands[1]), _shape(op.results[0])
     if name == "stablehlo.convolution":
         dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension,
-                str(op.attributes["dimension_numbers"]))
-    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    lb, lc = list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions)
-    rb, rc = list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions)
-    lhs, rhs = _shape(op.operands[0]), _shape(op.operands[1])
+        layout = conv_layout(
+            (dn.input_batch_dimension, dn.input_feature_dimension, *dn.input_spatial_dimensions),
+            (dn.kernel_output_feature_dimension, dn.kernel_input_feature_dimension,
+             *dn.kernel_spatial_dimensions),
+            (dn.output_batch_dimension, dn.output_feature_dimension,
+             *dn.output_spatial_dimensions))
+        groups = (ir.IntegerAttr(op.attributes["feature_group_count"]).value
+                  if "feature_group_count" in op.attributes else 1)
+        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension, layout,
+                int(lhs[dn.input_feature_dimension]), int(groups))
+    lb, lc, rb, rc = _dot_dims(op)
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     rfree = [d for d in range(len(rhs)) if d not in rb + rc]
     if len(rfree) != 1:
         return f"the rhs has {len(rfree)} free dimensions"
-    return (len(lb) + len(lfree), 1, rfree[0], f"dot {lhs}x{rhs}")
+    return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
+            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
+
+
+def _dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(lhs batch, lhs contracting, rhs batch, rhs contracting) dimensions of a
+    ``stablehlo.dot_general``, or of a ``stablehlo.dot`` (a matrix/vector product: the lhs's
+    last dimension contracts with the rhs's first)."""
+    if _name(op) == "stablehlo.dot":
+        return [], [len(_shape(op.operands[0])) - 1], [], [0]
+    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    return (list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions),
+            list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions))
 
 
 def _lhs_root_info(op):
-    """The weight as the lhs of a ``dot_general`` (its one free dimension is the output
-    feature), tried when the rhs reading folds nothing; None for convolutions."""
-    if _name(op) != "stablehlo.dot_general":
+    """The weight as the lhs of a dot (its one free dimension is the output feature), tried
+    when the rhs reading folds nothing; None for convolutions."""
+    if _name(op) not in DOTS:
         return None
-    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    lb, lc = list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions)
+    lb, lc, rb, rc = _dot_dims(op)
     lhs, rhs = _shape(op.operands[0]), _shape(op.operands[1])
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     if len(lfree) != 1 or not _is_float(op.operands[0]):
         return None
-    return (len(lb), 0, lfree[0], f"dot {lhs}x{rhs} (weight on the lhs)")
+    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, _shape(op.results[0]), True),
+            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -311,14 +349,14 @@ class _Pass:
         return FoldReport(self.sites)
 
     def _record(self, op, fname, status, info=None, **kw) -> FoldSite:
-        file, line = _location(op)
+        file, line, name = _location(op)
         shape = _shape(op.results[0])
         info = info or _root_info(op)
         rec = FoldSite(pattern="stablehlo_" + ("conv" if "conv" in _name(op) else "dot") +
                        "_affine", primitive=_name(op), status=status, scope=f"@{fname}",
-                       file=file, line=line, dtype=str(_etype(op.results[0])), **kw)
+                       file=file, line=line, name_stack=name, dtype=str(_etype(op.results[0])), **kw)
         if not isinstance(info, str):
-            rec.layout = info[3]
+            rec.layout, rec.in_channels, rec.groups = info[3], info[4], info[5]
             rec.out_channels = int(shape[info[0]])
         self.sites.append(rec)
         return rec
@@ -488,7 +526,7 @@ class _Pass:
             if folds:
                 break
         info, (steps, stop, refusal) = chosen
-        out_axis, kidx, kaxis, _ = info
+        out_axis, kidx, kaxis = info[:3]
         absorbed = [_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind != "convert"]
         if not real:

@@ -71,6 +71,11 @@ def test_parameters_changing_every_call_run_the_original_program(monkeypatch):
     assert len(calls) == 1 + api.CHURN_LIMIT, "then no more preparing"
     prog = ff._program_for((P, X), {})[0]
     assert prog.churned
+    # the report and repr say that calls run the original program, and why
+    rep = ff.report(P, X)
+    assert rep.running and "original program" in rep.running and "NOTE: calls run" in str(rep)
+    assert rep.to_dict()["running"] == rep.running
+    assert "1 of 1 input signatures run the original program" in repr(ff)
     # stable parameters keep their prepared values (no churn)
     fs = hlofold.fold(examples.resnet_apply)
     for _ in range(3):
@@ -78,6 +83,8 @@ def test_parameters_changing_every_call_run_the_original_program(monkeypatch):
         for _ in range(3):
             fs(P1, X)
     assert not fs._program_for((P, X), {})[0].churned
+    assert fs.report(P, X).running is None and "NOTE" not in str(fs.report(P, X))
+    assert repr(fs) == "<hlofold.fold of 'resnet_apply'>"
 
 
 def test_steady_state_fast_path_checks_what_jit_checks():

@@ -44,6 +44,9 @@ def test_broken_fold_warns_and_runs_the_original(broken_fold, freeze):
     msg = str(rec[0].message)
     assert "examples.py:" in msg and "conv_affine at" in msg            # names the folded sites
     assert rec[0].filename == __file__                                 # points at the caller
+    # the report says so (a call never runs another program than the report describes)
+    assert "verify=True found" in ff.report(P, X).running and "NOTE: calls run" in str(
+        ff.report(P, X)) and "run the original program" in repr(ff)
     # from then on the original program, without another warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")

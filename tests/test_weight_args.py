@@ -63,8 +63,7 @@ def test_without_weight_values_argument_sites_are_left_as_they_are(name, sites):
     out, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 0 and rep.num_refused == sites, str(rep)
     assert all("params=" in s.reason and "in_graph=True" in s.reason for s in rep.refused)
-    from hlofold._stablehlo import parse_module
-    assert out == str(parse_module(text)), "nothing folded: the module as it was"
+    assert out == text, "nothing folded: the module exactly as it was given"
     out, rep = hlofold.fold_stablehlo(text, in_graph=True)
     assert rep.num_folded == sites and all(s.guarded for s in rep.folded)
     r = _cli("report", os.path.join(DATA, name))
