@@ -28,7 +28,9 @@ import numpy as np
 from . import _compat as C
 from ._fold import _collapse
 from ._patterns import _unit_reshape_map, conv_layout, dot_layout
-from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+from ._report import (CANONICAL, FOLDED, NO_PATTERN, NOT_REACHED, REFUSED, FoldReport,
+                      FoldSite)
+from ._unreached import unreached_reason
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -36,6 +38,9 @@ ir, stablehlo, func_dialect = C.mlir()
 _BINARY = {"stablehlo.add": "add", "stablehlo.subtract": "sub", "stablehlo.multiply": "mul",
            "stablehlo.divide": "div"}
 DOTS = ("stablehlo.dot_general", "stablehlo.dot")
+# shape ops and casts an unreached normalization is traced back through
+_PASS_THROUGH = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
+                 "stablehlo.broadcast_in_dim")
 _ROOTS = ("stablehlo.convolution", *DOTS)
 
 
@@ -346,7 +351,64 @@ class _Pass:
                 continue
             for op in _roots_in(fop):
                 self._site(op, fname)
+        for fname, fop in list(self.symbols.items()):
+            if fop.regions[0].blocks and fname not in self.inlined:
+                self._account_unreached(fop, fname)
         return FoldReport(self.sites)
+
+    def _account_unreached(self, fop, fname) -> None:
+        """A NOT_REACHED record for each ``batch_norm_inference`` and each ``multiply`` of
+        an activation by a per-channel vector of parameters that no root's chain took (the
+        rule of :mod:`hlofold._unreached`, as on the jaxpr path)."""
+        for op in list(fop.regions[0].blocks[0].operations):
+            name = _name(op)
+            if name == "stablehlo.batch_norm_inference":
+                x = op.operands[0]
+                size = _shape(x)[ir.IntegerAttr(op.attributes["feature_index"]).value]
+            elif name == "stablehlo.multiply" and len(_shape(op.results[0])) >= 2:
+                acts = [v for v in op.operands if self._from_root(v)]
+                if len(acts) != 1:
+                    continue
+                x = acts[0]
+                other = op.operands[1] if x == op.operands[0] else op.operands[0]
+                shape = _shape(op.results[0])
+                found = next((r for r in (_resolve(other, shape, a) for a in range(len(shape))
+                                          if shape[a] != 1)
+                              if not isinstance(r, str) and r.size > 1), None)
+                if found is None or self._from_root(found.value):
+                    continue
+                size = found.size
+            else:
+                continue
+            after = self._before_chain(x)
+            if after is None or not self._from_root(x):
+                continue                 # a root's record accounts for it
+            uses = list(op.results[0].uses)
+            then = ("output" if not uses or _name(uses[0].owner) == "func.return" else
+                    _name(uses[0].owner).split(".")[-1])
+            file, line, lname = _location(op)
+            self.sites.append(FoldSite(
+                pattern="unreached_affine", primitive=name, status=NOT_REACHED,
+                scope=f"@{fname}", file=file, line=line, name_stack=lname,
+                dtype=str(_etype(op.results[0])), out_channels=int(size),
+                reason=unreached_reason(after, then)))
+
+    def _before_chain(self, value) -> str | None:
+        """The op before the per-channel arithmetic and shape ops leading to ``value``
+        ("input" at a function argument); None when that is a root."""
+        for _ in range(10_000):
+            op = _owner_op(value)
+            if op is None:
+                return "input"
+            name = _name(op)
+            if name in _ROOTS:
+                return None
+            acts = [v for v in op.operands if self._from_root(v)]
+            if len(acts) == 1 and (name in _BINARY or name in _PASS_THROUGH):
+                value = acts[0]
+                continue
+            return name.split(".")[-1]
+        return "input"     # pragma: no cover
 
     def _record(self, op, fname, status, info=None, **kw) -> FoldSite:
         file, line, name = _location(op)

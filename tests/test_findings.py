@@ -288,3 +288,43 @@ def test_normalizations_no_root_reaches_are_accounted_for():
     # a scale that *is* on a root's chain gets no second record
     rep2 = hlofold.fold(var_net).report(P, X)
     assert not [s for s in rep2.sites if s.status == "not-reached"], str(rep2)
+
+
+@pytest.mark.parametrize("weights", ["constants", "arguments"])
+def test_unreached_normalizations_on_the_stablehlo_path_too(weights):
+    """The same rule on both paths: the StableHLO of preact_net gets the same records."""
+    if weights == "constants":
+        text = jax.jit(lambda x: preact_net(P, x)).lower(X).as_text()
+    else:
+        text = jax.jit(preact_net).lower(P, X).as_text()
+    rep = report_stablehlo(text)
+    unreached = [s for s in rep.sites if s.status == "not-reached"]
+    assert len(unreached) == 2, str(rep)
+    assert sorted(s.reason.split(" ")[3] for s in unreached) == ["add", "concatenate"]
+    assert {s.out_channels for s in unreached} == {8, 16}
+    assert "2 normalizations no conv/dense reaches" in str(rep)
+
+
+def test_batch_norm_inference_after_a_residual_is_accounted_for():
+    """PyTorch/XLA's spelling: ``batch_norm_inference`` after the add of two convolutions
+    (a pre-activation block) gets a not-reached record; after one conv it folds."""
+    t = "tensor<1x4x4x2xf32>"
+    text = f"""module {{
+  func.func @main(%x: {t}, %k: tensor<1x1x2x2xf32>, %s: tensor<2xf32>, %b: tensor<2xf32>,
+                  %m: tensor<2xf32>, %v: tensor<2xf32>) -> {t} {{
+    %c1 = stablehlo.convolution(%x, %k) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f], window = {{}} {{batch_group_count = 1 : i64, feature_group_count = 1 : i64}} : ({t}, tensor<1x1x2x2xf32>) -> {t}
+    %c2 = stablehlo.convolution(%x, %k) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f], window = {{}} {{batch_group_count = 1 : i64, feature_group_count = 1 : i64}} : ({t}, tensor<1x1x2x2xf32>) -> {t}
+    %a = stablehlo.add %c1, %c2 : {t}
+    %y = "stablehlo.batch_norm_inference"(%a, %s, %b, %m, %v) {{epsilon = 1.0e-5 : f32, feature_index = 3 : i64}} : ({t}, tensor<2xf32>, tensor<2xf32>, tensor<2xf32>, tensor<2xf32>) -> {t} loc("layer1.0.bn1")
+    return %y : {t}
+  }}
+}}"""
+    rep = report_stablehlo(text, in_graph=True)
+    unreached = [s for s in rep.sites if s.status == "not-reached"]
+    assert len(unreached) == 1 and unreached[0].primitive == "stablehlo.batch_norm_inference"
+    assert unreached[0].name_stack == "layer1.0.bn1" and unreached[0].out_channels == 2
+    assert "after add" in unreached[0].reason
+    # a BN right after one conv is that conv's chain: folded, no second record
+    one = text.replace("%a = stablehlo.add %c1, %c2 : " + t, "%a = stablehlo.abs %c2 : " + t)
+    rep = report_stablehlo(one.replace("(%a, %s", "(%c1, %s"), in_graph=True)
+    assert rep.num_folded == 1 and not [s for s in rep.sites if s.status == "not-reached"]
