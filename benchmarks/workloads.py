@@ -104,6 +104,14 @@ def artifacts(quick: bool = False) -> dict:
         jax.jit(module_callable(text)),
         (x, *jax.device_put([w[f"arg{i}"] for i in range(1, len(w) + 1)])),
         jax.jit(module_callable(apply)), (x, *prepared))
+    # the same module split into prepare (run once) and apply: hlofold not needed at run time
+    s_apply, _, s_prep = hlofold.fold_stablehlo(text, split=["arg0"])
+    *s_prepared, ok = module_callable(s_prep)(*[w[f"arg{i}"] for i in range(1, len(w) + 1)])
+    assert bool(ok)
+    out["keras-tf, split= (prepare module once, apply)"] = (
+        jax.jit(module_callable(text)),
+        (x, *jax.device_put([w[f"arg{i}"] for i in range(1, len(w) + 1)])),
+        jax.jit(module_callable(s_apply)), (x, *s_prepared))
     depth, width, size, batch = (10, 8, 32, 2) if quick else (18, 64, 112, 8)
     P = examples.init_resnet(depth, width=width, seed=0)
     leaves, tree = jax.tree.flatten(P)
@@ -117,4 +125,10 @@ def artifacts(quick: bool = False) -> dict:
     new, _, prep = hlofold.fold_stablehlo(exp, params=params)
     out[f"jax.export ResNet-{depth} w{width} {size}px b{batch}"] = (
         jax.jit(exp.call), (*leaves, xr), jax.jit(new.call), (xr, *prep))
+    module = exp.mlir_module()
+    s_apply, _, s_prep = hlofold.fold_stablehlo(module, split=[len(leaves)])
+    *s_prepared, ok = module_callable(s_prep)(*leaves)
+    assert bool(ok)
+    out[f"ResNet-{depth} module, split="] = (
+        jax.jit(exp.call), (*leaves, xr), jax.jit(module_callable(s_apply)), (xr, *s_prepared))
     return out

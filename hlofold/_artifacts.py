@@ -17,6 +17,7 @@ import numpy as np
 from . import _compat as C
 from ._report import FoldReport
 from ._stablehlo import StableHLOError, fold_module_text, main_function
+from ._split import split_module
 from ._weights import bind_and_fold
 
 ir, stablehlo, _ = C.mlir()
@@ -116,7 +117,7 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
     return buf.getvalue()
 
 
-def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
+def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
@@ -134,12 +135,32 @@ def fold_stablehlo(data, *, params=None, in_graph: bool = IN_GRAPH_DEFAULT):
     ready to pass per call; for text and bytecode they are NumPy arrays (to save, or to hand
     to another runtime): put them on the device once (``jax.device_put``), since a NumPy
     argument is copied to the device on every call.
-    Without ``params``, a site whose weights are arguments is folded in the graph, guarded at
-    run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on every call.
+
+    ``split``: the ``@main`` arguments that change on every call (``["arg0"]``); the others
+    are weights, whose values are not needed. The result is ``(apply artifact, FoldReport,
+    prepare artifact)``, both of the input's kind (text, bytecode or portable artifact): run
+    ``prepare`` once per set of weights — it takes the weights in their order and returns
+    the arrays ``apply`` takes after the per-call arguments, then ``ok`` (a boolean scalar,
+    false when a folded kernel or bias is not finite: then run the original module). See
+    :mod:`hlofold._split`.
+
+    Without ``params`` or ``split``, a site whose weights are arguments is folded in the
+    graph, guarded at run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on
+    every call.
     """
     art = read_artifact(data)
+    if params is not None and split is not None:
+        raise ValueError("params= (fold for these weight values) and split= (a prepare "
+                         "module for any weight values) exclude each other")
     if params is not None:
         return _fold_with_params(art, data, params)
+    if split is not None:
+        if art.kind == EXPORT:
+            raise StableHLOError("split= makes two modules; a jax.export artifact is one "
+                                 "function: fold it with params=, or use hlofold.fold(...)"
+                                 ".split() on the JAX function")
+        prepare, apply, report = split_module(art.module, split)
+        return _write(apply, art), report, _write(prepare, art)
     module, report = fold_module_text(art.module, in_graph)
     if not report.num_folded:     # nothing folded: the artifact exactly as it was given
         return _as_given(data), report

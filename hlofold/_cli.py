@@ -251,6 +251,28 @@ def _verify_with_params(data, apply, params, prepared, kept, inputs_path, backen
                   accumulation=accumulation_length(data, None))
 
 
+def _verify_split(data, apply, prepare, per_call, inputs_path, backends):
+    """Original (all arguments) vs prepare-then-apply, on all arguments (random, or from
+    ``--inputs``); a prepare whose ``ok`` is false fails the check."""
+    import numpy as np
+    from ._artifacts import input_specs, module_callable
+    from ._verify import accumulation_length, verify
+    from ._weights import argument_index
+    calls = sorted({argument_index(a) for a in per_call})
+    specs = input_specs(data)
+    args = _inputs(inputs_path, specs)
+
+    def folded(*full):
+        *prepared, ok = module_callable(prepare)(*[a for i, a in enumerate(full)
+                                                   if i not in calls])
+        if not bool(np.asarray(ok)):
+            raise _UsageError("the prepare module says ok = false for these weights (a "
+                              "folded kernel or bias is not finite)")
+        return module_callable(apply)(*[full[i] for i in calls], *prepared)
+    return verify(module_callable(data), folded, *args, backends=backends,
+                  raise_on_failure=False, accumulation=accumulation_length(data, None))
+
+
 def cmd_fold(args) -> int:
     import json
     import os
@@ -261,18 +283,32 @@ def cmd_fold(args) -> int:
         raise _UsageError("--params needs --prepared-out (where the folded weights go)")
     if args.prepared_out and not args.params:
         raise _UsageError("--prepared-out needs --params (the weights to fold)")
-    for out in (args.output, args.report, args.prepared_out):
+    if bool(args.prepare) != bool(args.per_call):
+        raise _UsageError("--prepare (where the prepare module goes) and --per-call (the "
+                          "arguments that change per call) go together")
+    if args.prepare and args.params:
+        raise _UsageError("--prepare makes a module for any weights, --params folds given "
+                          "ones: use one of them")
+    for out in (args.output, args.report, args.prepared_out, args.prepare):
         _check_output(out)            # every output checked before anything is written
+    if args.prepare and os.path.abspath(args.prepare) in (os.path.abspath(args.input),
+                                                          os.path.abspath(args.output)):
+        raise _UsageError("--prepare must name another file than the input and the output")
     data = _load(args.input)
-    prepared = None
+    prepared = prepare = None
     if args.params:
         params = _read_params(args.params)
         folded, report, prepared = fold_stablehlo(data, params=params)
+    elif args.prepare:
+        folded, report, prepare = fold_stablehlo(data, split=args.per_call)
     else:
         folded, report = fold_stablehlo(data, in_graph=args.in_graph)
     print(report)
     if args.verify:
-        if prepared is not None:
+        if prepare is not None:
+            vrep = _verify_split(data, folded, prepare, args.per_call, args.inputs,
+                                 args.backends)
+        elif prepared is not None:
             from ._weights import argument_index
             n = len(input_specs(data))
             kept = [i for i in range(n) if i not in {argument_index(k) for k in params}]
@@ -292,6 +328,11 @@ def cmd_fold(args) -> int:
             {f"arg{first + j}": v for j, v in enumerate(prepared)}))
         print(f"wrote {args.prepared_out}: {len(prepared)} folded weights, arguments "
               f"arg{first}.. of {args.output}", file=sys.stderr)
+    if prepare is not None:
+        _atomic_write(args.prepare, prepare)
+        print(f"wrote {args.prepare}: the weights in, what {args.output} takes after the "
+              "per-call arguments out, then ok (false: run the original module)",
+              file=sys.stderr)
     _atomic_write(args.output, folded)
     print(f"wrote {args.output} ({report.num_folded} folded)", file=sys.stderr)
     return 0
@@ -329,7 +370,8 @@ def main(argv=None) -> int:
     backends = dict(type=lambda s: [b for b in s.split(",") if b], default=None,
                     help="comma-separated platforms to verify on (default: all present)")
     p_fold = sub.add_parser("fold", help="fold a StableHLO artifact (.mlir text, MLIR "
-                                         "bytecode, or a serialized jax.export file)")
+                                         "bytecode, a StableHLO portable artifact, or a "
+                                         "serialized jax.export file)")
     p_fold.add_argument("input")
     p_fold.add_argument("-o", "--output", required=True)
     p_fold.add_argument("--report", help="write the fold report as JSON here")
@@ -347,6 +389,12 @@ def main(argv=None) -> int:
                         "then the folded weights")
     p_fold.add_argument("--prepared-out", help="with --params: write the folded weights here "
                         "(.npz, keyed by the output module's argument)")
+    p_fold.add_argument("--prepare", help="write a prepare module here (weights in, folded "
+                        "weights out, then ok); the output module takes the --per-call "
+                        "arguments, then the prepare module's results")
+    p_fold.add_argument("--per-call", type=lambda s: [a for a in s.split(",") if a],
+                        help="with --prepare: the arguments that change per call (e.g. arg0); "
+                        "the others are weights")
     p_fold.add_argument("--backends", **backends)
     p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
     p_ver.add_argument("original")

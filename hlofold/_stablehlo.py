@@ -332,8 +332,9 @@ WEIGHTS_ARE_ARGUMENTS = (
 
 
 class _Pass:
-    def __init__(self, module, in_graph: bool = True):
+    def __init__(self, module, in_graph: bool = True, guard: bool = True):
         self.in_graph = in_graph
+        self.guard = guard
         self.module = module
         self.sites: list[FoldSite] = []
         self.eval = _Evaluator()
@@ -656,8 +657,12 @@ class _Pass:
                 new_k = self._convert(stablehlo.MulOp(k32, s_b).result, kdt)
                 rec.rescale = "in-graph"
             t_of = lambda: self._convert(self._const_or(t_val, C_out), _etype(end_value))
-            guard = not known        # s is only known at run time: check it there
+            guard = not known and self.guard   # s is known only at run time: check it there
             rec.guarded = guard
+            if not known and not self.guard:     # the caller checks these (hlofold._split)
+                new_k = self._mark_prepared(new_k)
+                t_ir = self._mark_prepared(t_of())
+                t_of = lambda: t_ir
             if not guard:
                 new_out = self._folded_ops(root, steps, kidx, new_k, t_of, out_t, out_axis)
             else:
@@ -665,7 +670,7 @@ class _Pass:
                 t_of = lambda: t_ir
                 # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
                 # inf γ) runs the site's original ops instead
-                pred = stablehlo.AndOp(self._all_finite(new_k), self._all_finite(t_ir)).result
+                pred = stablehlo.AndOp(all_finite(new_k), all_finite(t_ir)).result
                 if_op = stablehlo.IfOp([out_t], pred)
                 if_op.operation.attributes[GUARD_ATTR] = ir.UnitAttr.get()
                 with ir.InsertionPoint(if_op.true_branch.blocks.append()):
@@ -700,18 +705,12 @@ class _Pass:
                                          ir.DenseI64ArrayAttr.get([out_axis])).result
         return stablehlo.AddOp(y, t_b).result
 
-    def _all_finite(self, value):
-        """A tensor<i1>: every element of ``value`` is finite."""
-        scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
-        fin = stablehlo.IsFiniteOp(value).result
-        init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-            scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result
-        red = stablehlo.ReduceOp([scalar], [fin], [init],
-                                 ir.DenseI64ArrayAttr.get(list(range(len(_shape(value))))))
-        body = red.body.blocks.append(scalar, scalar)
-        with ir.InsertionPoint(body):
-            stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
-        return red.results[0]
+    def _mark_prepared(self, value):
+        """``value`` through an op marked :data:`PREPARED_ATTR` (a folded kernel or bias
+        computed in the graph, unguarded: whoever runs it checks that it is finite)."""
+        op = stablehlo.ConvertOp(value.type, value)
+        op.operation.attributes[PREPARED_ATTR] = ir.UnitAttr.get()
+        return op.result
 
     def _vec(self, value, c):
         x = self.eval(value)
@@ -828,6 +827,21 @@ class _IrArith:
 
 
 GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
+PREPARED_ATTR = "hlofold.prepared"   # marks an unguarded folded kernel or bias (guard=False)
+
+
+def all_finite(value):
+    """A ``tensor<i1>``: every element of ``value`` is finite (insert where you are)."""
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+    fin = stablehlo.IsFiniteOp(value).result
+    init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result
+    red = stablehlo.ReduceOp([scalar], [fin], [init],
+                             ir.DenseI64ArrayAttr.get(list(range(len(_shape(value))))))
+    body = red.body.blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
+    return red.results[0]
 
 
 def _roots_in(op) -> list:
@@ -917,11 +931,13 @@ def parse_module(text_or_bytes):
     return module
 
 
-def fold_module(module, in_graph: bool = True) -> FoldReport:
+def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport:
     """Fold ``module`` in place (call inside its context); returns the report.
     ``in_graph``: fold sites whose weights are arguments with the rescale in the graph,
-    guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`)."""
-    folder = _Pass(module, in_graph)
+    guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
+    the run-time guard, the folded kernels and biases marked :data:`PREPARED_ATTR` for the
+    caller to check (see :mod:`hlofold._split`)."""
+    folder = _Pass(module, in_graph, guard)
     report = folder.run()
     if report.num_folded:         # nothing folded: the module stays exactly as it was
         _dce(module, folder.inlined)

@@ -57,7 +57,7 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any]) -> tuple[Any, FoldRe
                     arg.type).element_type)).result
                 arg.replace_all_uses_with(const)
         kept = [i for i in range(n) if i not in values]
-        _set_arguments(main, kept)
+        set_arguments(main, kept)
         report = fold_module(module)
         prepared = _hoist(main)
         if not module.operation.verify():
@@ -101,11 +101,11 @@ def _hoist(main) -> list:
         arg = block.add_argument(op.results[0].type, ir.Location.unknown())
         op.results[0].replace_all_uses_with(arg)
         op.erase()
-    _set_arguments(main, list(range(n)), appended=True)
+    set_arguments(main, list(range(n)), appended=True)
     return values
 
 
-def _set_arguments(main, kept: list[int], appended: bool = False) -> None:
+def set_arguments(main, kept: list[int], appended: bool = False) -> None:
     """Make ``main``'s signature match its block: the arguments ``kept`` (old numbering)
     stay, unused others are erased; with ``appended``, arguments added to the block after
     them are taken into the function type with empty attributes."""

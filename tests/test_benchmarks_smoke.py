@@ -101,7 +101,11 @@ def test_calls_quick(tmp_path):
     assert all(r["same_program"] for r in res["under_jit"]), "jit(fold(f)) is jit(f)"
     assert res["dispatch"]["fold_vs_jit"] > 0
     assert res["changing_params"]["second_half"]["fold"]["n"] >= 2
-    assert len(res["artifacts"]) == 2
+    assert len(res["artifacts"]) == 4          # params= and split=, TF module and export
+    for r in res["artifacts"]:                   # the folded program does no more work
+        c = r["cost"]
+        assert c["folded"]["flops"] <= c["original"]["flops"], r
+        assert c["folded"]["bytes"] <= c["original"]["bytes"] * 1.001, r
     md = (tmp_path / "calls.md").read_text()
     for section in ("First call", "Under the user's jit", "Dispatch", "new parameter pytree",
                     "Artifacts"):

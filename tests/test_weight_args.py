@@ -151,3 +151,78 @@ def test_cli_params(tmp_path):
              str(prep2))
     assert r.returncode == 2 and "does not name a module argument" in r.stderr
     assert not out2.exists() and not prep2.exists()
+
+
+# ----------------------------------------------------- prepare/apply modules (split=)
+
+
+def _tf_weights():
+    return [TF_WEIGHTS[f"arg{i}"] for i in range(1, len(TF_WEIGHTS) + 1)]
+
+
+def test_split_makes_a_prepare_and_an_apply_module():
+    """For a runtime without hlofold: prepare (weights in, folded weights and ok out) runs
+    once; apply runs one convolution and one add per folded site, nothing on the weights."""
+    text = open(TF_MODULE).read()
+    apply, rep, prepare = hlofold.fold_stablehlo(text, split=["arg0"])
+    assert rep.num_folded == 3, str(rep)
+    float_muls = [l for l in apply.splitlines() if "stablehlo.multiply" in l and "xf32>" in l]
+    assert not float_muls and ops(apply, "if") == 0, apply
+    assert ops(apply, "convolution") == ops(text, "convolution")
+    assert main_ops(apply) < main_ops(text)
+    assert "hlofold." not in apply + prepare          # no internal markers left behind
+    *prepared, ok = module_callable(prepare)(*_tf_weights())
+    assert bool(ok) and len(input_specs(apply)) == 1 + len(prepared)
+    # apply reads no activation-sized broadcast of a weight: every prepared array is at
+    # most as large as the largest weight
+    assert max(p.size for p in prepared) <= max(w.size for w in _tf_weights())
+    y = module_callable(apply)(TF_IO["x"], *prepared)[0]
+    np.testing.assert_allclose(np.asarray(y), TF_IO["y"], rtol=1e-5, atol=1e-6)
+    # bytecode in, bytecode out (both modules)
+    import io
+    from hlofold._stablehlo import parse_module
+    buf = io.BytesIO()
+    with parse_module(text).context as _:
+        parse_module(text).operation.write_bytecode(buf)
+    a2, _, p2 = hlofold.fold_stablehlo(buf.getvalue(), split=[0])
+    assert a2[:4] == p2[:4] == b"ML\xefR"
+
+
+def test_split_prepare_says_when_the_weights_do_not_fold():
+    """A BatchNorm parameter that is NaN: a folded kernel or bias is not finite, prepare's
+    ok is false (run the original module), as the guard would fall back in the graph;
+    finite weights give ok. (An inf variance is fine: rsqrt gives s = 0, a finite fold.)"""
+    text = open(TF_MODULE).read()
+    apply, rep, prepare = hlofold.fold_stablehlo(text, split=["arg0"])
+    assert bool(module_callable(prepare)(*_tf_weights())[-1])
+    for k, w in enumerate(_tf_weights()):
+        if w.shape == (8,):                     # a BN vector of the first two sites
+            bad = _tf_weights()
+            bad[k] = np.full_like(w, np.nan)
+            assert not bool(module_callable(prepare)(*bad)[-1]), k
+
+
+def test_split_usage_errors(tmp_path):
+    text = open(TF_MODULE).read()
+    with pytest.raises(hlofold.StableHLOError, match="@main takes"):
+        hlofold.fold_stablehlo(text, split=["arg99"])
+    with pytest.raises(ValueError, match="exclude each other"):
+        hlofold.fold_stablehlo(text, split=["arg0"], params=TF_WEIGHTS)
+    exp = jax.export.export(jax.jit(lambda x: x * 2))(jnp.ones(3))
+    with pytest.raises(hlofold.StableHLOError, match="params="):
+        hlofold.fold_stablehlo(exp, split=[0])
+    out, prep = tmp_path / "apply.mlir", tmp_path / "prepare.mlir"
+    r = _cli("fold", TF_MODULE, "-o", str(out), "--prepare", str(prep))
+    assert r.returncode == 2 and "--per-call" in r.stderr
+    assert not out.exists() and not prep.exists()
+
+
+def test_cli_prepare_module(tmp_path):
+    out, prep = tmp_path / "apply.mlir", tmp_path / "prepare.mlir"
+    r = _cli("fold", TF_MODULE, "-o", str(out), "--prepare", str(prep), "--per-call", "arg0",
+             "--verify")
+    assert r.returncode == 0, r.stderr
+    assert "hlofold verify: PASS" in r.stdout
+    *prepared, ok = module_callable(prep.read_text())(*_tf_weights())
+    y = module_callable(out.read_text())(TF_IO["x"], *prepared)[0]
+    np.testing.assert_allclose(np.asarray(y), TF_IO["y"], rtol=1e-5, atol=1e-6)
