@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 from . import _compat as C
 from ._report import FoldReport
-from ._stablehlo import (PREPARED_ATTR, StableHLOError, all_finite, fold_module,
-                         main_function, parse_module)
+from ._stablehlo import (PREPARED_ATTR, StableHLOError, all_finite, drop_uncalled_private,
+                         fold_module, main_function, parse_module)
 from ._weights import argument_index, set_arguments
 
 ir, stablehlo, _ = C.mlir()
@@ -52,12 +52,12 @@ def split_module(text_or_bytes, per_call: Sequence[Any]) -> tuple[Any, Any, Fold
     prepare, apply = parse_module(text), parse_module(text)
     with prepare.context, ir.Location.unknown():
         _make_prepare(main_function(prepare), kinds, crossing, moved, calls)
-        _drop_unused_private(prepare)
+        drop_uncalled_private(prepare)
         if not prepare.operation.verify():
             raise AssertionError("hlofold produced an invalid prepare module")  # pragma: no cover
     with apply.context, ir.Location.unknown():
         _make_apply(main_function(apply), kinds, crossing, moved, calls)
-        _drop_unused_private(apply)
+        drop_uncalled_private(apply)
         if not apply.operation.verify():
             raise AssertionError("hlofold produced an invalid apply module")  # pragma: no cover
     return prepare, apply, report
@@ -164,23 +164,3 @@ def _make_apply(main, kinds, crossing, moved, calls) -> None:
             op.erase()
     set_arguments(main, list(range(len(block.arguments))), appended=True)
     set_arguments(main, calls + list(range(n, len(block.arguments))))
-
-
-def _drop_unused_private(module) -> None:
-    """Private functions no op calls any more."""
-    called = set()
-
-    def visit(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if _name(inner) == "func.call":
-                        called.add(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value)
-                    visit(inner)
-    for fop in module.body.operations:
-        visit(fop)
-    for fop in list(module.body.operations):
-        if _name(fop) == "func.func" and "sym_visibility" in fop.attributes and \
-                ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and \
-                ir.StringAttr(fop.attributes["sym_name"]).value not in called:
-            fop.erase()

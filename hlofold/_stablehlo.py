@@ -895,10 +895,15 @@ def _dce(module, inlined=frozenset()):
                 if _name(op) in pure and all(len(list(r.uses)) == 0 for r in op.results):
                     op.erase()
                     changed = True
-    # private functions no longer called anywhere (their calls were inlined away)
+    drop_uncalled_private(module, only=inlined)  # their calls were inlined away
+
+
+def drop_uncalled_private(module, only=None) -> None:
+    """Erase the private functions no ``func.call`` anywhere (nested regions included)
+    calls; with ``only``, just those of these names."""
     called = set()
 
-    def calls_in(op):          # every func.call, in nested regions (cond/while bodies) too
+    def calls_in(op):
         for region in op.regions:
             for block in region.blocks:
                 for inner in block.operations:
@@ -906,13 +911,13 @@ def _dce(module, inlined=frozenset()):
                         called.add(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value)
                     calls_in(inner)
     for fop in module.body.operations:
-        if _name(fop) == "func.func":
-            calls_in(fop)
+        calls_in(fop)
     for fop in list(module.body.operations):
-        if _name(fop) == "func.func" and "sym_visibility" in fop.attributes and \
-                ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and \
-                ir.StringAttr(fop.attributes["sym_name"]).value in inlined and \
-                ir.StringAttr(fop.attributes["sym_name"]).value not in called:
+        if _name(fop) != "func.func" or "sym_visibility" not in fop.attributes or \
+                ir.StringAttr(fop.attributes["sym_visibility"]).value != "private":
+            continue
+        name = ir.StringAttr(fop.attributes["sym_name"]).value
+        if name not in called and (only is None or name in only):
             fop.erase()
 
 

@@ -60,6 +60,43 @@ def test_jnp_var_in_the_program_folds_with_params_as_inputs():
     assert_close(jax.jit(var_net)(P, X), jax.jit(split.apply)(prepared, P, X))
 
 
+@pytest.mark.parametrize("lib", ["flax", "haiku"])
+def test_layernorm_programs_run_folded_with_params_as_inputs(lib):
+    """conv → BN → LayerNorm (jnp.var inside) in the libraries' own layers."""
+    x = X
+    if lib == "flax":
+        import flax.linen as nn
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                x = nn.Conv(8, (3, 3))(x)
+                x = nn.BatchNorm(use_running_average=True)(x)
+                return nn.LayerNorm()(nn.relu(x))
+        m = Net()
+        v = m.init(jax.random.key(0), x)
+        v = jax.tree.map(lambda a: a + 0.3 * jnp.abs(arr(*a.shape)), v)   # non-trivial BN
+        f, args = m.apply, (v, x)
+    else:
+        import haiku as hk
+
+        def fwd(x, training=False):
+            x = hk.Conv2D(8, 3)(x)
+            x = hk.BatchNorm(True, True, 0.9)(x, is_training=training)
+            return hk.LayerNorm(-1, True, True)(jax.nn.relu(x))
+        t = hk.transform_with_state(fwd)
+        params, state = t.init(jax.random.key(0), x, True)
+        state = jax.tree.map(lambda a: a + 0.3 * jnp.abs(arr(*a.shape)), state)
+        f, args = (lambda p, s, x: t.apply(p, s, None, x)[0]), (params, state, x)
+    ff = hlofold.fold(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ff(*args)
+    rep = ff.report(*args)
+    assert rep.num_folded == 1 and rep.running is None, str(rep)
+    assert_close(jax.jit(f)(*args), out)
+
+
 # ------------------------------------------------------------------ float64
 
 
