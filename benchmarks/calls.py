@@ -128,7 +128,10 @@ def under_jit(nets, batches, size, rounds, calls, log) -> list[dict]:
                    "closure_vs_jit": ratio(s["closure_jit_of_fold"], s["closure_jit"]),
                    "traced_sites_folded": rep.num_folded,
                    "traced_sites": len(rep.sites),
-                   "same_program": ops[0] == ops[1], "ops": ops[0]}
+                   "same_program": ops[0] == ops[1], "ops": ops[0],
+                   # XLA's cost analysis of the two compiled programs
+                   "same_cost": cost(fns["jit"], args["jit"]) ==
+                   cost(fns["jit_of_fold"], args["jit_of_fold"])}
             log(f"under jit {net} b{b}: jit(fold(f)) {row['jit_of_fold_vs_jit']:.3f}x, "
                 f"jit(closure) {row['closure_vs_jit']:.3f}x")
             rows.append(row)
@@ -233,7 +236,9 @@ def to_markdown(res: dict) -> str:
         s = r["seconds"]
         L.append(f"| {r['net']} | {r['batch']} | {ms(s['jit'])} | {ms(s['jit_of_fold'])} | "
                  f"**{r['jit_of_fold_vs_jit']:.3f}×** | "
-                 f"{'yes' if r.get('same_program') else 'no'} | {ms(s['closure_jit'])} | "
+                 f"{'yes' if r.get('same_program') else 'no'}"
+                 f"{'' if 'same_cost' not in r else ', same XLA cost' if r['same_cost'] else ', XLA cost differs'}"
+                 f" | {ms(s['closure_jit'])} | "
                  f"{ms(s['closure_jit_of_fold'])} | **{r['closure_vs_jit']:.3f}×** | "
                  f"{r['traced_sites_folded']}/{r['traced_sites']} |")
     d = res["dispatch"].get("seconds") if res["dispatch"] else None

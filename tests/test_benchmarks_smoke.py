@@ -98,7 +98,8 @@ def test_calls_quick(tmp_path):
     assert {r["batch"] for r in res["under_jit"]} == {1, 2}
     assert all(r["traced_sites_folded"] == 0 for r in res["under_jit"]), \
         "under the user's jit with traced parameters nothing is rescaled per call"
-    assert all(r["same_program"] for r in res["under_jit"]), "jit(fold(f)) is jit(f)"
+    assert all(r["same_program"] and r["same_cost"] for r in res["under_jit"]), \
+        "jit(fold(f)) is jit(f): same StableHLO ops, same XLA cost (flops, bytes)"
     assert res["dispatch"]["fold_vs_jit"] > 0
     assert res["changing_params"]["second_half"]["fold"]["n"] >= 2
     assert len(res["artifacts"]) == 4          # params= and split=, TF module and export
