@@ -160,6 +160,82 @@ def mlir():
     return ir, stablehlo, func
 
 
+# ---- parameters of JAX's call and control-flow primitives (jax 0.10). One place to adapt
+# when they change: JAX's main branch replaces scan's ``num_consts``/``num_carry`` with a
+# flat-tree structure (jax-ml/jax pull 39005).
+
+
+def call_body(eqn) -> tuple[str, Any]:
+    """``(param name, ClosedJaxpr or None)`` of a jit/pjit/custom_jvp/custom_vjp call."""
+    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+    sub = eqn.params.get(key)
+    return key, (sub if isinstance(sub, ClosedJaxpr) else None)
+
+
+def remat_body(eqn) -> Jaxpr:
+    """The open jaxpr of a checkpoint/remat equation."""
+    return eqn.params["jaxpr"]
+
+
+def with_remat_body(params: dict, jaxpr: Jaxpr) -> dict:
+    return {**params, "jaxpr": jaxpr}
+
+
+def cond_branches(eqn) -> tuple:
+    """The branches (ClosedJaxprs) of a ``cond``; its operands are ``eqn.invars[1:]``."""
+    return tuple(eqn.params["branches"])
+
+
+def with_cond_branches(params: dict, branches) -> dict:
+    return {**params, "branches": tuple(branches)}
+
+
+def scan_body(eqn) -> tuple[ClosedJaxpr, int]:
+    """``(body, number of leading constant operands)`` of a ``scan``."""
+    return eqn.params["jaxpr"], int(eqn.params["num_consts"])
+
+
+def with_scan_body(params: dict, body: ClosedJaxpr, added_consts: int) -> dict:
+    """``params`` with ``body`` taking ``added_consts`` new leading constants."""
+    new = {**params, "jaxpr": body, "num_consts": params["num_consts"] + added_consts}
+    if "linear" in params:
+        new["linear"] = (False,) * added_consts + tuple(params["linear"])
+    return new
+
+
+def while_body(eqn) -> tuple[ClosedJaxpr, int, int]:
+    """``(body, cond's constant operands, body's constant operands)`` of a ``while``; the
+    body's operands are ``eqn.invars[cond consts:]``."""
+    p = eqn.params
+    return p["body_jaxpr"], int(p["cond_nconsts"]), int(p["body_nconsts"])
+
+
+def with_while_body(params: dict, body: ClosedJaxpr, added_consts: int) -> dict:
+    return {**params, "body_jaxpr": body,
+            "body_nconsts": params["body_nconsts"] + added_consts}
+
+
+def location_view(loc) -> tuple[str, Any]:
+    """``(kind, view)`` of an MLIR location: kind "file", "name", "fused", "callsite" or
+    "unknown"; ``view`` has that kind's accessors (``filename``/``start_line``,
+    ``name_str``/``child_loc``, ``locations``, ``callee``/``caller``). jaxlib 0.10.2's
+    bindings have one class per kind; 0.10.0's put ``is_a_*()`` and every accessor on
+    ``Location``."""
+    ir = mlir()[0]
+    if hasattr(ir, "FileLineColLoc"):
+        for kind, cls in (("file", ir.FileLineColLoc), ("name", ir.NameLoc),
+                          ("fused", ir.FusedLoc), ("callsite", ir.CallSiteLoc)):
+            try:
+                return kind, cls(loc)
+            except Exception:
+                continue
+        return "unknown", loc
+    for kind in ("file", "name", "fused", "callsite"):
+        if getattr(loc, f"is_a_{kind}")():
+            return kind, loc
+    return "unknown", loc
+
+
 def mlir_context():
     """A fresh MLIR context with the dialects JAX registers (stablehlo, chlo, func, ...)."""
     from jax._src.interpreters import mlir as _jmlir

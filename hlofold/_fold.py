@@ -282,7 +282,7 @@ class _Scope:
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                     changed |= self._plan_site(i, eqn, pattern)
             elif is_guard(eqn):         # an already folded site: reported, never changed
-                branch = eqn.params["branches"][1]
+                branch = C.cond_branches(eqn)[1]
                 self._child(branch, eqn.invars[1:], [False] * len(branch.jaxpr.invars),
                             "guard")
             elif _contains_root(eqn):       # nested jaxprs without a root are left as they are
@@ -659,9 +659,8 @@ class _Scope:
         prim, params = eqn.primitive.name, eqn.params
         label = f"{prim}({params['name']})" if isinstance(params.get("name"), str) else prim
         if prim in _CALL_NAMES:
-            key = "jaxpr" if "jaxpr" in params else "call_jaxpr"
-            sub = params.get(key)
-            if not isinstance(sub, C.ClosedJaxpr):
+            key, sub = C.call_body(eqn)
+            if sub is None:
                 return False
             new = self._child(sub, eqn.invars, [True] * len(eqn.invars), label)
             if new is sub:
@@ -669,16 +668,16 @@ class _Scope:
             self.new_eqn[i] = ({**params, key: new}, 0, [])
             return True
         if prim in _REMAT_NAMES:
-            sub = C.ClosedJaxpr(params["jaxpr"], ())
+            sub = C.ClosedJaxpr(C.remat_body(eqn), ())
             new = self._child(sub, eqn.invars, [True] * len(eqn.invars), label)
             if new is sub:
                 return False
             open_j, consts = C.hoist_consts(new)
-            self.new_eqn[i] = ({**params, "jaxpr": open_j}, 0, consts)
+            self.new_eqn[i] = (C.with_remat_body(params, open_j), 0, consts)
             return True
         if prim == "cond":
             ops = eqn.invars[1:]
-            branches = params["branches"]
+            branches = C.cond_branches(eqn)
             news = [self._child(b, ops, [True] * len(ops), f"cond[{k}]")
                     for k, b in enumerate(branches)]
             if all(n is b for n, b in zip(news, branches)):
@@ -690,11 +689,10 @@ class _Scope:
             new_branches = tuple(
                 _with_leading_consts(n, offs[k], offs[k + 1], const_avals, in_avals)
                 for k, n in enumerate(news))
-            self.new_eqn[i] = ({**params, "branches": new_branches}, 1, all_consts)
+            self.new_eqn[i] = (C.with_cond_branches(params, new_branches), 1, all_consts)
             return True
         if prim == "scan":
-            nc = params["num_consts"]
-            sub = params["jaxpr"]
+            sub, nc = C.scan_body(eqn)
             new = self._child(sub, eqn.invars, [k < nc for k in range(len(eqn.invars))], label)
             if new is sub:
                 return False
@@ -703,14 +701,10 @@ class _Scope:
                                         [jax.ShapeDtypeStruct(np.shape(c), _dtype_of(c))
                                          for c in consts],
                                         [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
-            new_params = {**params, "jaxpr": body, "num_consts": nc + len(consts)}
-            if "linear" in params:
-                new_params["linear"] = (False,) * len(consts) + tuple(params["linear"])
-            self.new_eqn[i] = (new_params, 0, consts)
+            self.new_eqn[i] = (C.with_scan_body(params, body, len(consts)), 0, consts)
             return True
         if prim == "while":
-            cn, bn = params["cond_nconsts"], params["body_nconsts"]
-            sub = params["body_jaxpr"]
+            sub, cn, bn = C.while_body(eqn)
             body_outer = eqn.invars[cn:]
             new = self._child(sub, body_outer, [k < bn for k in range(len(body_outer))], label)
             if new is sub:
@@ -720,8 +714,7 @@ class _Scope:
                                         [jax.ShapeDtypeStruct(np.shape(c), _dtype_of(c))
                                          for c in consts],
                                         [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
-            self.new_eqn[i] = ({**params, "body_jaxpr": body, "body_nconsts": bn + len(consts)},
-                               cn, consts)
+            self.new_eqn[i] = (C.with_while_body(params, body, len(consts)), cn, consts)
             return True
         # Any other primitive carrying closed jaxprs: fold inside with nothing known.
         new_params, changed = dict(params), False

@@ -19,8 +19,8 @@ from . import _compat as C
 from ._fold import _subjaxprs
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-_CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "checkpoint", "remat",
-                        "remat2"}
+_REMAT = {"checkpoint", "remat", "remat2"}
+_CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call"} | _REMAT
 
 
 class ReferenceUnavailable(Exception):
@@ -56,7 +56,7 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
         if prim == "convert_element_type" and _is_low(params["new_dtype"]):
             outs = [lax.convert_element_type(invals[0], jnp.float32)]   # from any dtype
         elif prim in _CALLS:
-            sub = params.get("jaxpr", params.get("call_jaxpr"))
+            sub = C.remat_body(eqn) if prim in _REMAT else C.call_body(eqn)[1]
             if isinstance(sub, C.ClosedJaxpr):
                 outs = _eval_f32(sub.jaxpr, sub.consts, *invals)
             elif isinstance(sub, C.Jaxpr):

@@ -89,28 +89,22 @@ def _location(op) -> tuple[str | None, int | None, str]:
     """``(file, line, name)`` of an op's location: the first file:line in it and the first
     name (TF's ``fused["conv1_conv/Conv2D", "ops.py":1221:0]``, JAX's
     ``"jit(f)/conv_general_dilated"("model.py":42:7)``, torch_xla's names), read through
-    the bindings' location classes; missing parts are None / ""."""
+    :func:`hlofold._compat.location_view`; missing parts are None / ""."""
     file = line = None
     names: list[str] = []
     todo = [op.location]
     while todo:
-        loc = todo.pop(0)
-        for cls in (ir.FileLineColLoc, ir.NameLoc, ir.FusedLoc, ir.CallSiteLoc):
-            try:
-                loc = cls(loc)
-            except Exception:
-                continue
-            if cls is ir.FileLineColLoc and file is None:
-                name = str(loc.filename)
-                file, line = ("<input>" if name in ("-", "") else name), int(loc.start_line)
-            elif cls is ir.NameLoc:
-                names.append(str(loc.name_str))
-                todo.insert(0, loc.child_loc)
-            elif cls is ir.FusedLoc:
-                todo[:0] = list(loc.locations)
-            elif cls is ir.CallSiteLoc:
-                todo[:0] = [loc.callee, loc.caller]
-            break
+        kind, loc = C.location_view(todo.pop(0))
+        if kind == "file" and file is None:
+            name = str(loc.filename)
+            file, line = ("<input>" if name in ("-", "") else name), int(loc.start_line)
+        elif kind == "name":
+            names.append(str(loc.name_str))
+            todo.insert(0, loc.child_loc)
+        elif kind == "fused":
+            todo[:0] = list(loc.locations)
+        elif kind == "callsite":
+            todo[:0] = [loc.callee, loc.caller]
     return file, line, (names[0] if names else "")
 
 
