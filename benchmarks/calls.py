@@ -209,6 +209,13 @@ def artifacts(rounds, calls, log, quick=False) -> list[dict]:
 
 # --------------------------------------------------------------------------- report
 
+def same_cost(row: dict) -> str:
+    """", same XLA cost" when the row compared the compiled programs' cost analyses."""
+    if "same_cost" not in row:
+        return ""
+    return ", same XLA cost" if row["same_cost"] else ", XLA cost differs"
+
+
 def to_markdown(res: dict) -> str:
     m = res["machine"]
     ms = lambda d: f"{d['median'] * 1e3:.2f} [{d['min'] * 1e3:.2f}–{d['max'] * 1e3:.2f}]"  # noqa
@@ -236,9 +243,8 @@ def to_markdown(res: dict) -> str:
         s = r["seconds"]
         L.append(f"| {r['net']} | {r['batch']} | {ms(s['jit'])} | {ms(s['jit_of_fold'])} | "
                  f"**{r['jit_of_fold_vs_jit']:.3f}×** | "
-                 f"{'yes' if r.get('same_program') else 'no'}"
-                 f"{'' if 'same_cost' not in r else ', same XLA cost' if r['same_cost'] else ', XLA cost differs'}"
-                 f" | {ms(s['closure_jit'])} | "
+                 f"{'yes' if r.get('same_program') else 'no'}{same_cost(r)} | "
+                 f"{ms(s['closure_jit'])} | "
                  f"{ms(s['closure_jit_of_fold'])} | **{r['closure_vs_jit']:.3f}×** | "
                  f"{r['traced_sites_folded']}/{r['traced_sites']} |")
     d = res["dispatch"].get("seconds") if res["dispatch"] else None
