@@ -39,13 +39,15 @@ def split_module(text_or_bytes, per_call: Sequence[Any]) -> tuple[Any, Any, Fold
     that change on every call (``0``, ``"arg0"``); all others are weights. ``prepare``
     takes the weights (in their order) and returns what ``apply`` takes after the per-call
     arguments, then ``ok`` (``tensor<i1>``: apply is valid for these weights)."""
+    if isinstance(per_call, (str, int)):
+        per_call = [per_call]
     calls = sorted({argument_index(a) for a in per_call})
     module = parse_module(text_or_bytes)
     with module.context, ir.Location.unknown():
         n = len(main_function(module).regions[0].blocks[0].arguments)
         if not calls or calls[-1] >= n:
             raise StableHLOError(f"per-call arguments {calls}: @main takes {n} arguments "
-                                 "(arg0 .. arg{n - 1}); name at least one")
+                                 f"(arg0 .. arg{n - 1}); name at least one of them")
         report = fold_module(module, in_graph=True, guard=False)
         text = str(module)
         kinds, crossing, moved = _classify(main_function(module), set(calls))

@@ -204,8 +204,14 @@ def test_split_prepare_says_when_the_weights_do_not_fold():
 
 def test_split_usage_errors(tmp_path):
     text = open(TF_MODULE).read()
-    with pytest.raises(hlofold.StableHLOError, match="@main takes"):
+    with pytest.raises(hlofold.StableHLOError,
+                       match=r"@main takes 19 arguments \(arg0 .. arg18\)"):
         hlofold.fold_stablehlo(text, split=["arg99"])
+    with pytest.raises(hlofold.StableHLOError, match="name at least one"):
+        hlofold.fold_stablehlo(text, split=[])
+    # one argument need not be a list
+    assert hlofold.fold_stablehlo(text, split="arg0")[0] == hlofold.fold_stablehlo(
+        text, split=["arg0"])[0]
     with pytest.raises(ValueError, match="exclude each other"):
         hlofold.fold_stablehlo(text, split=["arg0"], params=TF_WEIGHTS)
     exp = jax.export.export(jax.jit(lambda x: x * 2))(jnp.ones(3))
