@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from . import _compat as C
 from ._report import FoldReport
 from ._stablehlo import (PREPARED_ATTR, StableHLOError, all_finite, drop_uncalled_private,
-                         fold_module, main_function, parse_module)
+                         fold_module, main_function, parse_module, reads)
 from ._weights import argument_index, set_arguments
 
 ir, stablehlo, _ = C.mlir()
@@ -77,7 +77,7 @@ def _classify(main, calls: set[int]):
     ops = list(block.operations)
     kinds = []
     for pos, op in enumerate(ops):
-        deps = {kind_of.get(v) for v in _reads(op)} - {None}
+        deps = {kind_of.get(v) for v in reads(op)} - {None}
         k = CALL if CALL in deps else WEIGHT if WEIGHT in deps else CONST
         kinds.append(k)
         for j, r in enumerate(op.results):
@@ -88,7 +88,7 @@ def _classify(main, calls: set[int]):
         crossing = {}
         for pos, op in enumerate(ops):
             if kinds[pos] == CALL or pos in moved or _name(op) == "func.return":
-                for v in _reads(op):
+                for v in reads(op):
                     if kind_of.get(v) == WEIGHT:
                         crossing[where[v]] = v
         grow = {p for (p, _) in crossing if p >= 0 and _name(ops[p]) in _MOVABLE} - moved
@@ -97,16 +97,6 @@ def _classify(main, calls: set[int]):
         moved |= grow
     crossing = {k: v for k, v in crossing.items() if k[0] not in moved}
     return kinds, sorted(crossing), moved
-
-
-def _reads(op) -> list:
-    """The values ``op`` reads: its operands and, inside its regions, values from above."""
-    out = list(op.operands)
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                out.extend(_reads(inner))
-    return out
 
 
 def _name(op) -> str:

@@ -333,6 +333,9 @@ class _Pass:
         self.sites: list[FoldSite] = []
         self.eval = _Evaluator()
         self.activation: dict[Any, bool] = {}
+        # ops a folded site replaced: erased after all sites, so that no op is freed while
+        # the memos (keyed by the ops' addresses) are in use
+        self.dead: list = []
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.ct = None                     # in-graph arithmetic type of the current site
         self.symbols = {}
@@ -346,6 +349,11 @@ class _Pass:
                 continue
             for op in _roots_in(fop):
                 self._site(op, fname)
+        for op in self.dead:
+            op.erase()
+        self.dead.clear()
+        self.activation.clear()
+        self.eval.memo.clear()
         for fname, fop in list(self.symbols.items()):
             if fop.regions[0].blocks and fname not in self.inlined:
                 self._account_unreached(fop, fname)
@@ -411,7 +419,8 @@ class _Pass:
         info = info or _root_info(op)
         rec = FoldSite(pattern="stablehlo_" + ("conv" if "conv" in _name(op) else "dot") +
                        "_affine", primitive=_name(op), status=status, scope=f"@{fname}",
-                       file=file, line=line, name_stack=name, dtype=str(_etype(op.results[0])), **kw)
+                       file=file, line=line, name_stack=name,
+                       dtype=str(_etype(op.results[0])), **kw)
         if not isinstance(info, str):
             rec.layout, rec.in_channels, rec.groups = info[3], info[4], info[5]
             rec.out_channels = int(shape[info[0]])
@@ -453,6 +462,8 @@ class _Pass:
         for r, v in zip(call.results, ret.operands):
             r.replace_all_uses_with(next((dst for src, dst in mapping.items() if src == v), v))
         call.erase()
+        self.activation.clear()    # keyed by op addresses: drop them after erasing
+        self.eval.memo.clear()
         self.inlined.add(callee_name)
         return None
 
@@ -531,9 +542,10 @@ class _Pass:
         return steps[:committed], stop, refusal
 
     def _from_root(self, value) -> bool:
-        """Whether ``value`` is computed from a conv/dot result (an activation). Memoized
-        per op (op objects stay pinned in the memo, so entries never go stale): one walk
-        over the program in all, not one per operand."""
+        """Whether ``value`` is computed from a conv/dot result (an activation), also through
+        ops whose regions read one (a site's run-time guard). Memoized per op (no op is
+        erased while the memo is in use: see ``dead``): one walk over the program in all,
+        not one per operand."""
         top = _owner_op(value)
         if top is None:
             return False
@@ -548,7 +560,7 @@ class _Pass:
                 memo[op] = True
                 stack.pop()
                 continue
-            producers = [p for p in (_owner_op(v) for v in op.operands) if p is not None]
+            producers = [p for p in (_owner_op(v) for v in reads(op)) if p is not None]
             missing = [p for p in producers if p not in memo]
             if missing:
                 stack.extend(missing)
@@ -679,10 +691,7 @@ class _Pass:
                     stablehlo.ReturnOp([last])
                 new_out = if_op.results[0]
         end_value.replace_all_uses_with(new_out)
-        for s in reversed(steps):
-            s.op.erase()
-        root.erase()
-        self.eval.memo.clear()     # values are keyed by address: drop them after erasing
+        self.dead.extend([s.op for s in reversed(steps)] + [root])
 
     def _folded_ops(self, root, steps, kidx, new_k, t_of, out_t, out_axis):
         """``root(x, new_k)``, the chain's casts replayed, plus ``broadcast(t_of())``."""
@@ -836,6 +845,16 @@ def all_finite(value):
     with ir.InsertionPoint(body):
         stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
     return red.results[0]
+
+
+def reads(op) -> list:
+    """The values ``op`` reads: its operands and, inside its regions, values from above."""
+    out = list(op.operands)
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                out.extend(reads(inner))
+    return out
 
 
 def _roots_in(op) -> list:

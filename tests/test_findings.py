@@ -327,14 +327,35 @@ def test_normalizations_no_root_reaches_are_accounted_for():
     assert not [s for s in rep2.sites if s.status == "not-reached"], str(rep2)
 
 
-@pytest.mark.parametrize("weights", ["constants", "arguments"])
+def test_unreached_after_a_guarded_site_on_the_stablehlo_path():
+    """A site folded in the graph sits in a guard (``stablehlo.if``); what comes after it
+    is still an activation: the BN after the residual add is accounted for."""
+    def f(p, x):
+        y = jax.nn.relu(conv(x, p["k"]) * p["s"] + p["t"])       # folds (guarded)
+        a = y + conv(y, p["k2"])                                  # residual
+        return (a - p["m"]) * p["s"] + p["t"]                     # BN after add
+    text = jax.jit(f).lower(P, X).as_text()
+    rep = report_stablehlo(text, in_graph=True)
+    assert rep.num_folded == 1 and rep.folded[0].guarded, str(rep)
+    unreached = [s for s in rep.sites if s.status == "not-reached"]
+    assert len(unreached) == 1 and "after add" in unreached[0].reason, str(rep)
+    # the jaxpr path says the same
+    jrep = hlofold.fold(f).report(P, X)
+    assert [s.reason for s in jrep.sites if s.status == "not-reached"] == \
+        [unreached[0].reason], str(jrep)
+
+
+@pytest.mark.parametrize("weights", ["constants", "arguments", "arguments, in_graph"])
 def test_unreached_normalizations_on_the_stablehlo_path_too(weights):
-    """The same rule on both paths: the StableHLO of preact_net gets the same records."""
+    """The same rule on both paths: the StableHLO of preact_net gets the same records (also
+    when the sites before them are folded in the graph, behind a run-time guard)."""
     if weights == "constants":
         text = jax.jit(lambda x: preact_net(P, x)).lower(X).as_text()
     else:
         text = jax.jit(preact_net).lower(P, X).as_text()
-    rep = report_stablehlo(text)
+    rep = report_stablehlo(text, in_graph=weights.endswith("in_graph"))
+    if weights.endswith("in_graph"):
+        assert rep.num_folded == 1 and rep.folded[0].guarded, str(rep)
     unreached = [s for s in rep.sites if s.status == "not-reached"]
     assert len(unreached) == 2, str(rep)
     assert sorted(s.reason.split(" ")[3] for s in unreached) == ["add", "concatenate"]
