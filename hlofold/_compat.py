@@ -7,6 +7,7 @@ Tested against jax 0.10.x.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, Sequence
 
 import jax
@@ -37,18 +38,31 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
     equation keeps the user's file and line. Always returns a list of outputs.
     """
     bind_params = eqn.primitive.get_bind_params(params if params is not None else eqn.params)
-    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    with source_of(eqn), eqn.ctx.manager:
         ans = eqn.primitive.bind(*invals, **bind_params)
     return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
+# the name stack outside the outermost ``source_of``: nested ones (a folded site's equations
+# under its root's) replace the equation's scopes instead of stacking them again
+_OUTER_STACK: contextvars.ContextVar = contextvars.ContextVar("hlofold_outer_stack",
+                                                              default=None)
+
+
 @contextlib.contextmanager
 def source_of(eqn: JaxprEqn):
-    """Context in which newly staged equations carry ``eqn``'s source location."""
-    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack):
-        yield
+    """Context in which newly staged equations carry ``eqn``'s source location and name
+    scopes (once: re-entered for another equation, the scopes are replaced, not stacked)."""
+    outer = _OUTER_STACK.get()
+    if outer is None:
+        outer = _siu.current_name_stack()
+    token = _OUTER_STACK.set(outer)
+    try:
+        with _siu.user_context(eqn.source_info.traceback,
+                               name_stack=outer + eqn.source_info.name_stack):
+            yield
+    finally:
+        _OUTER_STACK.reset(token)
 
 
 _LIBRARY_MARKERS = ("/jax/", "/jaxlib/", "/flax/", "/haiku/", "/equinox/", "/keras/",
@@ -72,6 +86,20 @@ def user_location(eqn: JaxprEqn) -> tuple[str | None, int | None, str | None]:
     if fr is None:
         return None, None, None
     return fr.file_name, fr.start_line, fr.function_name
+
+
+def rebase_source(eqn: JaxprEqn, old: JaxprEqn, new: JaxprEqn):
+    """``eqn``'s source info, staged under ``old``'s (``source_of(old)``), as if staged under
+    ``new``'s: ``new``'s traceback, and ``old``'s name scopes replaced by ``new``'s."""
+    info, base = eqn.source_info, old.source_info.name_stack
+    stack = info.name_stack.stack
+    for k in range(len(stack) - len(base.stack) + 1):   # after any enclosing scope
+        if stack[k:k + len(base.stack)] == base.stack:
+            stack = stack[:k] + new.source_info.name_stack.stack + stack[k + len(base.stack):]
+            break
+    tb = new.source_info.traceback if info.traceback is old.source_info.traceback \
+        else info.traceback
+    return _siu.SourceInfo(tb, type(info.name_stack)(stack))
 
 
 def name_stack(eqn: JaxprEqn) -> str:

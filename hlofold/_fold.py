@@ -122,6 +122,13 @@ class _Options:
     in_graph: str = "guarded"
 
 
+# sites of equal plans are traced once and cloned (tests turn it off to compare with a trace
+# per site)
+CLONE_TEMPLATES = True
+# plan fields that say where a site is or what is reported of it, not what it computes
+_NOT_PLAN = frozenset({"root_idx", "end_idx", "record", "t_traced"})
+
+
 def _NONE():
     return None
 
@@ -772,7 +779,7 @@ class _Scope:
         groups: dict[Any, list] = {}
         traced = []
         for site in sites:
-            key = self._template_key(site)
+            key = self._template_key(site) if CLONE_TEMPLATES else None
             if key is None or key not in groups:
                 traced.append(site)
             if key is not None:
@@ -784,7 +791,7 @@ class _Scope:
             for site in members[1:]:
                 out[site.end_idx] = _clone_eqns(out[first.end_idx], atoms,
                                                 self._site_atoms(site), first.end_var,
-                                                site.end_var)
+                                                site.end_var, first.eqn, site.eqn)
         return out
 
     def _site_atoms(self, site) -> list:
@@ -801,36 +808,47 @@ class _Scope:
               if isinstance(v, C.Var) and v not in internal] if site.guard else [])))
 
     def _template_key(self, site):
-        """A hashable description of everything ``_emit_site`` depends on, for sites whose
-        rescale is entirely in the graph; None when the site is not eligible."""
-        if site.kernel_const is not None or site.s_known is not None or site.fwd is not None \
-                or site.guard:
-            return None
+        """A hashable description of a site's plan, derived from its equations and plan
+        fields themselves (every field, so a new one cannot be forgotten): two sites with
+        equal keys trace to the same equations up to renaming. None when the site bakes a
+        value known at transform time into its equations (it is traced on its own)."""
         atoms = self._site_atoms(site)
-        raw = ([v for v in site.eqn.invars if isinstance(v, C.Var)] +
-               [st.operand.source for st in site.steps if isinstance(st, AffineStep)
-                and st.operand is not None and isinstance(st.operand.source, C.Var)])
+        index = {a: k for k, a in enumerate(atoms)}
+        internal: dict[Any, int] = {}
+
+        def atom(v):
+            if isinstance(v, C.Literal):
+                return ("literal", repr(v.val), v.aval.dtype)
+            if v in index:
+                return ("input", index[v])
+            # an internal value's type follows from the inputs' types and the equations
+            return ("internal", internal.setdefault(v, len(internal)))
+
+        def plan(x):
+            if isinstance(x, C.JaxprEqn):
+                return (x.primitive.name, tuple(sorted(x.params.items())),
+                        tuple(map(atom, x.invars)), tuple(map(atom, x.outvars)))
+            if isinstance(x, (C.Var, C.Literal)):
+                return atom(x)
+            if isinstance(x, np.ndarray):
+                raise TypeError("a value known at transform time")
+            if isinstance(x, (list, tuple)):
+                return tuple(map(plan, x))
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):
+                return (type(x).__name__,) + tuple(
+                    plan(getattr(x, f.name)) for f in dataclasses.fields(x)
+                    if f.name not in _NOT_PLAN)
+            return x
+
         try:
-            key = (site.eqn.primitive.name, tuple(sorted(site.eqn.params.items())),
-                   tuple((a.aval.shape, str(a.aval.dtype), getattr(a.aval, "weak_type", False))
-                         for a in atoms),
-                   tuple(atoms.index(v) for v in raw),
-                   tuple((st.kind, None if st.operand is None else
-                          (st.operand.source_axis, st.operand.size, tuple(map(str,
-                                                                             st.operand.casts)),
-                           isinstance(st.operand.source, C.Literal) and
-                           repr(st.operand.source.val)))
-                         if isinstance(st, AffineStep) else
-                         (st.eqn.primitive.name, tuple(sorted(st.eqn.params.items())))
-                         for st in site.steps),
-                   (site.info.channel_axis, site.info.kernel_index, site.info.kernel_axis,
-                    site.info.groups), site.end_axis, site.has_shift,
-                   str(site.end_var.aval.dtype), tuple(site.end_var.aval.shape),
-                   self.opts.float32_kernels)
+            key = (plan(site), tuple((a.aval.shape, str(a.aval.dtype),
+                                      getattr(a.aval, "weak_type", False)) for a in atoms),
+                   self.opts)
             hash(key)
         except TypeError:
             return None
-        if any(self._operand_value(st.operand) is not None for st in site.steps
+        if any(self._operand_value(st.operand) is not None
+               for st in site.steps + (site.fwd.steps if site.fwd else [])
                if isinstance(st, AffineStep) and st.operand is not None):
             return None
         return key
@@ -1098,9 +1116,11 @@ def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     return C.ClosedJaxpr(new, [c for c, u in zip(closed.consts, used) if u])
 
 
-def _clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end) -> list:
+def _clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end,
+                from_root, to_root) -> list:
     """``eqns`` (one site's equations, reading ``from_atoms``, ending in ``from_end``) renamed
-    for another site: inputs mapped to ``to_atoms``, fresh variables inside, ``to_end`` out."""
+    for another site: inputs mapped to ``to_atoms``, fresh variables inside, ``to_end`` out,
+    and the source location and name scope of ``from_root`` replaced by ``to_root``'s."""
     ren: dict[Any, Any] = dict(zip(from_atoms, to_atoms))
     ren[from_end] = to_end
     out = []
@@ -1111,7 +1131,8 @@ def _clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end) 
             if o not in ren:
                 ren[o] = C.new_var(o.aval)
             outs.append(ren[o])
-        out.append(e.replace(invars=ins, outvars=outs))
+        out.append(e.replace(invars=ins, outvars=outs,
+                             source_info=C.rebase_source(e, from_root, to_root)))
     return out
 
 

@@ -400,38 +400,51 @@ def affine_step(eqn: C.JaxprEqn, pos: int, channel_axis: int,
     return AffineStep(eqn, kind, op)
 
 
+def pass_axis(kind: str, src_shape, out_shape, axis: int, *, floats: bool = True,
+              perm=None, bdims=None, dims=None) -> int | Refusal:
+    """New channel axis after a shape op or cast, or why the chain cannot pass it; one rule
+    for both IR adapters (``kind``: convert, reshape, squeeze, broadcast_in_dim, transpose,
+    sharding_constraint; ``floats``: a convert is between float types)."""
+    if kind == "convert":
+        return axis if floats else Refusal("cast between a float and a non-float type")
+    if kind == "sharding_constraint":     # replayed on the folded conv's output, same shape
+        return axis
+    if src_shape[axis] == 1 and kind != "transpose":
+        return Refusal(f"{kind} of a value whose channel axis has size 1 (ambiguous)")
+    if kind == "reshape":
+        j = _channel_through_reshape(tuple(src_shape), tuple(out_shape), axis)
+        if j is None:
+            return Refusal(f"reshape {tuple(src_shape)} -> {tuple(out_shape)} merges or "
+                           "splits the channel axis")
+        return j
+    if kind == "squeeze":
+        return [i for i in range(len(src_shape)) if i not in set(dims)].index(axis)
+    if kind == "broadcast_in_dim":
+        bdims = tuple(int(b) for b in bdims)
+        if tuple(out_shape[b] for b in bdims) != tuple(src_shape) or \
+                any(out_shape[i] != 1 for i in range(len(out_shape)) if i not in bdims):
+            return Refusal("broadcast_in_dim that replicates the conv value")
+        return bdims[axis]
+    if kind == "transpose":
+        return tuple(int(p) for p in perm).index(axis)
+    return Refusal(f"chain ends at {kind}")
+
+
 def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
-    """New channel axis after passing through ``eqn``, or why the chain cannot pass."""
+    """New channel axis after passing through ``eqn`` (a jaxpr equation), or why the chain
+    cannot pass (:func:`pass_axis`)."""
     prim = eqn.primitive.name
     src = eqn.invars[0].aval
     out = eqn.outvars[0].aval
+    if prim not in PASS_STEPS:
+        return Refusal(f"chain ends at {prim}")
     if prim == "convert_element_type":
         if not (_is_float(src.dtype) and _is_float(out.dtype)):
             return Refusal(f"cast {src.dtype} -> {out.dtype} is not between float types")
         return channel_axis
-    if prim == "sharding_constraint":     # replayed on the folded conv's output, same shape
-        return channel_axis
-    if src.shape[channel_axis] == 1 and prim != "transpose":
-        return Refusal(f"{prim} of a value whose channel axis has size 1 (ambiguous)")
-    if prim == "reshape":
-        if eqn.params.get("dimensions") is not None:
-            return Refusal("reshape with a dimension permutation")
-        j = _channel_through_reshape(tuple(src.shape), tuple(out.shape), channel_axis)
-        if j is None:
-            return Refusal(f"reshape {tuple(src.shape)} -> {tuple(out.shape)} merges or "
-                           "splits the channel axis")
-        return j
-    if prim == "squeeze":
-        dims = set(int(d) for d in eqn.params["dimensions"])
-        kept = [i for i in range(len(src.shape)) if i not in dims]
-        return kept.index(channel_axis)
-    if prim == "broadcast_in_dim":
-        bdims = tuple(int(b) for b in eqn.params["broadcast_dimensions"])
-        if tuple(out.shape[b] for b in bdims) != tuple(src.shape) or \
-                any(out.shape[i] != 1 for i in range(len(out.shape)) if i not in bdims):
-            return Refusal("broadcast_in_dim that replicates the conv value")
-        return bdims[channel_axis]
-    if prim == "transpose":
-        perm = tuple(int(p) for p in eqn.params["permutation"])
-        return perm.index(channel_axis)
-    return Refusal(f"chain ends at {prim}")
+    if prim == "reshape" and eqn.params.get("dimensions") is not None:
+        return Refusal("reshape with a dimension permutation")
+    return pass_axis(prim, tuple(src.shape), tuple(out.shape), channel_axis,
+                     perm=eqn.params.get("permutation"),
+                     bdims=eqn.params.get("broadcast_dimensions"),
+                     dims=[int(d) for d in eqn.params.get("dimensions") or ()])

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _compat as C
 from ._fold import _collapse
-from ._patterns import _unit_reshape_map, conv_layout, dot_layout
+from ._patterns import Refusal, _unit_reshape_map, conv_layout, dot_layout, pass_axis
 from ._report import (CANONICAL, FOLDED, NO_PATTERN, NOT_REACHED, REFUSED, FoldReport,
                       FoldSite)
 from ._unreached import unreached_reason
@@ -42,6 +42,17 @@ DOTS = ("stablehlo.dot_general", "stablehlo.dot")
 _PASS_THROUGH = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
                  "stablehlo.broadcast_in_dim")
 _ROOTS = ("stablehlo.convolution", *DOTS)
+# ops a chain passes through (replayed on the folded root's result), by their kind in the
+# shared rule ``pass_axis``
+_SHAPE_KIND = {"stablehlo.convert": "convert", "stablehlo.reshape": "reshape",
+               "stablehlo.transpose": "transpose", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
+
+
+_PASS_KINDS = ("convert", "shape")
+
+
+def _attr_dims(op, name) -> list[int] | None:
+    return _dims(op.attributes[name]) if name in op.attributes else None
 
 
 class StableHLOError(ValueError):
@@ -158,6 +169,7 @@ class _Step:
     kind: str                  # add/sub/rsub/mul/div/neg/bn/convert
     operand: _Operand | None = None
     bn: dict | None = None     # batch_norm_inference operands
+    axis: int = 0              # the channel axis of its result
 
 
 class _Evaluator:
@@ -337,6 +349,7 @@ class _Pass:
         # the memos (keyed by the ops' addresses) are in use
         self.dead: list = []
         self.inlined: set[str] = set()     # private callees inlined into a caller
+        self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
         self.symbols = {}
         for op in module.body.operations:
@@ -348,7 +361,9 @@ class _Pass:
             if not fop.regions[0].blocks:      # a declaration: no body to fold
                 continue
             for op in _roots_in(fop):
+                n = len(self.sites)
                 self._site(op, fname)
+                self._end_trial(any(r.status == FOLDED for r in self.sites[n:]))
         for op in self.dead:
             op.erase()
         self.dead.clear()
@@ -449,29 +464,50 @@ class _Pass:
         mapping = {}
         for a, v in zip(body.arguments, call.operands):
             mapping[a] = v
-        ret = None
+        ret, cloned = None, []
         with ir.InsertionPoint(call):
             for op in body.operations:
                 if _name(op) == "func.return":
                     ret = op
                     break
                 new = op.clone()
+                cloned.append(new)
                 _remap_operands(new, mapping)
                 for old_r, new_r in zip(op.results, new.results):
                     mapping[old_r] = new_r
-        for r, v in zip(call.results, ret.operands):
-            r.replace_all_uses_with(next((dst for src, dst in mapping.items() if src == v), v))
-        call.erase()
+        # a trial: the call stays (its uses moved to the inlined ops) until the site is
+        # decided; refused, the call gets its uses back and the inlined ops go (the module
+        # is changed only for a chain that folds)
+        results = [next((dst for src, dst in mapping.items() if src == v), v)
+                   for v in ret.operands]
+        for r, v in zip(call.results, results):
+            r.replace_all_uses_with(v)
+        self.trial.append((call, callee_name, cloned, results))
+        return None
+
+    def _end_trial(self, folded: bool) -> None:
+        """Keep (``folded``) or undo the private calls a site's walk inlined."""
+        if not self.trial:
+            return
+        for call, callee_name, cloned, results in reversed(self.trial):
+            if folded:
+                call.erase()
+                self.inlined.add(callee_name)
+                continue
+            for r, v in zip(call.results, results):
+                v.replace_all_uses_with(r)
+            for op in reversed(cloned):
+                op.erase()
+        self.trial.clear()
         self.activation.clear()    # keyed by op addresses: drop them after erasing
         self.eval.memo.clear()
-        self.inlined.add(callee_name)
-        return None
 
     def _walk(self, root, axis):
         v = root.results[0]
         steps, committed, stop, refusal = [], 0, None, False
         while True:
-            uses = list(v.uses)
+            pending = {c for c, *_ in self.trial}      # inlined: their uses moved
+            uses = [u for u in v.uses if u.owner not in pending]
             if len(uses) != 1:
                 if len(uses) > 1:
                     stop = f"a value in the chain has {len(uses)} consumers"
@@ -513,13 +549,22 @@ class _Pass:
                 if _owner_op(op.value) is not None and self._from_root(op.value):
                     stop, refusal = f"{name}: operand is computed from an activation", True
                     break
-                steps.append(_Step(user, kind, op))
+                steps.append(_Step(user, kind, op, axis=axis))
                 committed = len(steps)
             elif name == "stablehlo.negate":
-                steps.append(_Step(user, "neg"))
+                steps.append(_Step(user, "neg", axis=axis))
                 committed = len(steps)
-            elif name == "stablehlo.convert" and _is_float(user.results[0]):
-                steps.append(_Step(user, "convert"))
+            elif name in _SHAPE_KIND:
+                nxt = pass_axis(_SHAPE_KIND[name], _shape(v), _shape(user.results[0]), axis,
+                                floats=_is_float(v) and _is_float(user.results[0]),
+                                perm=_attr_dims(user, "permutation"),
+                                bdims=_attr_dims(user, "broadcast_dimensions"))
+                if isinstance(nxt, Refusal):
+                    stop = f"{name}: {nxt.reason}"
+                    break
+                steps.append(_Step(user, "convert" if _SHAPE_KIND[name] == "convert"
+                                   else "shape", axis=nxt))
+                axis = nxt
             elif name == "stablehlo.batch_norm_inference" and pos == 0:
                 fi = ir.IntegerAttr(user.attributes["feature_index"]).value
                 if fi != axis:
@@ -533,7 +578,7 @@ class _Pass:
                 bn = {k: user.operands[i] for i, k in enumerate(
                     ["x", "scale", "offset", "mean", "variance"])}
                 bn["epsilon"] = eps
-                steps.append(_Step(user, "bn", bn=bn))
+                steps.append(_Step(user, "bn", bn=bn, axis=axis))
                 committed = len(steps)
             else:
                 stop = f"chain ends at {name}"
@@ -586,7 +631,7 @@ class _Pass:
             if info is not first and self.eval(root.operands[info[1]]) is None:
                 continue                # a non-constant lhs may as well be the activations
             walked = self._walk(root, info[0])
-            real = [s for s in walked[0] if s.kind != "convert"]
+            real = [s for s in walked[0] if s.kind not in _PASS_KINDS]
             k = root.operands[info[1]]
             folds = bool(real) and not (len(real) == 1 and real[0].kind in ("add", "sub")) \
                 and not (_owner_op(k) is not None and self._from_root(k))
@@ -597,7 +642,7 @@ class _Pass:
         info, (steps, stop, refusal) = chosen
         out_axis, kidx, kaxis = info[:3]
         absorbed = [_name(s.op).split(".")[-1] for s in steps]
-        real = [s for s in steps if s.kind != "convert"]
+        real = [s for s in steps if s.kind not in _PASS_KINDS]
         if not real:
             self._record(root, fname, info=info, status=REFUSED if refusal else NO_PATTERN,
                          reason=stop)
@@ -701,11 +746,15 @@ class _Pass:
         y = ir.Operation.create(_name(root), results=[root.results[0].type],
                                 operands=operands, attributes=attrs,
                                 loc=root.location).results[0]
-        for s in steps:        # replay the casts of the chain on the new result
+        for s in steps:        # replay the casts and shape ops of the chain on the new result
             if s.kind == "convert":
                 y = self._convert(y, _etype(s.op.results[0]))
+            elif s.kind == "shape":
+                new = s.op.clone()
+                new.operands[0] = y
+                y = new.results[0]
         t_b = stablehlo.BroadcastInDimOp(out_t, t_of(),
-                                         ir.DenseI64ArrayAttr.get([out_axis])).result
+                                         ir.DenseI64ArrayAttr.get([steps[-1].axis])).result
         return stablehlo.AddOp(y, t_b).result
 
     def _mark_prepared(self, value):

@@ -52,6 +52,7 @@ import hlofold._compat as C  # noqa: E402
 
 SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 BF16 = np.dtype(jnp.bfloat16)
+LOW = ("bfloat16", "float16")     # nets checked against a float32 run of the same numbers
 AFFINE = ("add", "sub", "rsub", "mul", "div", "neg")
 OPERANDS = ("literal", "scalar", "unit", "vec-bid", "vec-reshape", "vec-implicit", "vec-bn")
 
@@ -162,11 +163,11 @@ def chains(draw, *, rank: int, allow_transpose: bool, bf16: bool):
 
 
 @st.composite
-def specs(draw):
+def specs(draw, dtypes=("float32",) * 4 + ("bfloat16",), params=("input", "frozen", "mixed")):
     rank = draw(st.integers(1, 3))
     sp = SPATIAL[rank]
-    dtype = draw(st.sampled_from(["float32"] * 4 + ["bfloat16"]))
-    bf16 = dtype == "bfloat16"
+    dtype = draw(st.sampled_from(dtypes))
+    bf16 = dtype in LOW
     lhs = _perm("NC" + sp, draw)
     smax = {1: 9, 2: 7, 3: 5}[rank]
     sizes = {"N": draw(st.integers(1, 2)), "C": draw(st.integers(1, 6))}
@@ -241,8 +242,7 @@ def specs(draw):
         for op in chs[0].ops:
             if op.kind == "transpose":
                 layout = "".join(layout[p] for p in op.perm)
-    return Spec(rank, dtype, lhs, sizes, pre, layers,
-                draw(st.sampled_from(["input", "frozen", "mixed"])),
+    return Spec(rank, dtype, lhs, sizes, pre, layers, draw(st.sampled_from(params)),
                 draw(st.integers(0, 2 ** 31 - 1)), pred=draw(st.integers(0, 1)))
 
 
@@ -260,15 +260,15 @@ class _Builder:
     def __init__(self, spec: Spec, ref: bool = False):
         self.spec, self.ref = spec, ref
         self.rng = np.random.default_rng(spec.seed)
-        self.bf16 = spec.dtype == "bfloat16"
-        self.net = np.dtype(np.float32) if ref or not self.bf16 else BF16
+        self.bf16 = spec.dtype in LOW
+        self.net = np.dtype(np.float32) if ref and self.bf16 else np.dtype(spec.dtype)
         self.inputs: list = []
         self.args: tuple = ()
 
     def value(self, a, dtype=None):
-        a = np.asarray(a, np.float32)
+        a = np.asarray(a, np.float64 if self.spec.dtype == "float64" else np.float32)
         if self.bf16:                       # the net and its reference see the same numbers
-            a = a.astype(BF16).astype(np.float32)
+            a = a.astype(np.dtype(self.spec.dtype)).astype(np.float32)
         return a.astype(self.net if dtype is None or self.ref else dtype)
 
     def param(self, a, dtype=None):

@@ -1,0 +1,83 @@
+"""Differential test: the jaxpr path and the StableHLO path fold the same programs the same way.
+
+The generated programs of ``test_generated`` (1–6 conv layers with random layouts, chains,
+wrappers and parameter modes) are built in float16, bfloat16, float32 and float64, folded
+by ``fold_jaxpr`` and, lowered to StableHLO, by ``fold_stablehlo(in_graph=True)`` (the
+StableHLO pass's counterpart of the jaxpr path's guarded in-graph fold). For every program:
+
+1. the two paths decide the same for the backward chains (``conv_affine`` sites): the same
+   number folded, and the refused ones refused for the same kind of reason;
+2. both folded programs compute the unfolded program's outputs within the tolerance model of
+   ``test_generated`` (float32, float64: ``_bound`` scaled by the dtype's epsilon;
+   bfloat16/float16: ``_bf16_bound`` against a float32 run of the same numbers).
+
+Forward folds (an affine in front of a convolution) exist on the jaxpr path only, so the
+generator leaves them out here.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import hlofold  # noqa: E402
+import hlofold._compat as C  # noqa: E402
+from hlofold._artifacts import module_callable  # noqa: E402
+from hlofold._reasons import reason_kind  # noqa: E402
+from tests.test_generated import LOW, _bf16_bound, _bound, _err, build, specs  # noqa: E402
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _decisions(report, pattern_prefix):
+    """Counter of (status, reason kind) over the backward-chain sites of ``report``."""
+    return collections.Counter(
+        (s.status, reason_kind(s.reason) if s.status == "refused" else None)
+        for s in report.sites if s.pattern.startswith(pattern_prefix)
+        and not s.pattern.endswith("forward"))
+
+
+def _tolerance(spec, ref) -> float:
+    eps = float(np.finfo(np.dtype(spec.dtype)).eps)
+    return _bound(spec, ref) * eps / float(np.finfo(np.float32).eps)
+
+
+def check_both_paths(spec):
+    f, args = build(spec)
+    closed = jax.make_jaxpr(f)(*args)
+    new, rep = hlofold.fold_jaxpr(closed)
+    text = jax.jit(f, keep_unused=True).lower(*args).as_text()
+    folded_text, srep = hlofold.fold_stablehlo(text, in_graph=True)
+    dj, ds = _decisions(rep, "conv_affine"), _decisions(srep, "stablehlo_conv")
+    assert dj == ds, f"jaxpr {dict(dj)} vs StableHLO {dict(ds)}\n{rep}\n{srep}"
+
+    ref = jax.jit(C.jaxpr_as_fun(closed))(*args)
+    outs = {"jaxpr": jax.jit(C.jaxpr_as_fun(new))(*args),
+            "stablehlo": module_callable(folded_text)(*args)}
+    if spec.dtype in LOW:
+        f32, args32 = build(spec, ref=True)
+        ref32 = jax.jit(f32)(*args32)
+    for path, out in outs.items():
+        for k, (r, o) in enumerate(zip(ref, out)):
+            if spec.dtype in LOW:
+                err_u, err_f = _err(ref32[k], r), _err(ref32[k], o)
+                bound = _bf16_bound(err_u, ref32[k]) * (8 if spec.dtype == "float16" else 1)
+                assert err_f <= bound, f"{path} output {k}: {err_f:.3g} > {bound:.3g}"
+            else:
+                err, bound = _err(r, o), _tolerance(spec, r)
+                assert err <= bound, f"{path} output {k}: max|Δ| {err:.3g} > {bound:.3g}"
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+          max_examples=60)
+@given(specs(dtypes=DTYPES).map(lambda s: dataclasses.replace(s, pre=[])))
+def test_jaxpr_and_stablehlo_paths_agree(spec):
+    with jax.enable_x64(spec.dtype == "float64"):
+        check_both_paths(spec)

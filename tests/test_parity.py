@@ -1,0 +1,178 @@
+"""The same guarantees on both paths: directed cases of rules that each path once had alone.
+
+Each test folds one program on the jaxpr path (``fold_jaxpr``) and, lowered, on the StableHLO
+path (``fold_stablehlo``), and asserts the same decision (fold count, refusal reason kind)
+and numerics within the stated tolerance. ``test_differential.py`` does the same for
+generated programs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlofold
+import hlofold._compat as C
+from hlofold._artifacts import module_callable
+from hlofold._reasons import reason_kind
+from hlofold._stablehlo import fold_module, parse_module
+
+RNG = np.random.default_rng(7)
+
+
+def conv(x, k):
+    return lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def both_paths(f, *args, in_graph=True):
+    """``[(path, report, outputs of the folded program)]`` and the unfolded outputs."""
+    closed = jax.make_jaxpr(f)(*args)
+    new, rep = hlofold.fold_jaxpr(closed)
+    text = jax.jit(f, keep_unused=True).lower(*args).as_text()
+    folded, srep = hlofold.fold_stablehlo(text, in_graph=in_graph)
+    ref = np.asarray(jax.jit(f)(*args), np.float64)
+    outs = [("jaxpr", rep, C.jaxpr_as_fun(new)(*args)[0]),
+            ("stablehlo", srep, module_callable(folded)(*args))]
+    return [(p, r, np.asarray(o[0] if isinstance(o, (list, tuple)) else o, np.float64))
+            for p, r, o in outs], ref
+
+
+# ------------------------------------------------------------------ chains through shape ops
+
+
+def test_chain_through_transpose_and_reshape_folds_on_both_paths():
+    x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    s, t = RNG.uniform(0.5, 2, 4).astype(np.float32), RNG.standard_normal(4).astype(np.float32)
+
+    def f(x):
+        y = jnp.transpose(conv(x, k), (0, 3, 1, 2))           # NCHW
+        y = y.reshape(2, 4, 25) * s[None, :, None]             # merges H, W: channel kept
+        return y + t[None, :, None]
+    results, ref = both_paths(f, x)
+    for path, rep, out in results:
+        assert rep.num_folded == 1, (path, str(rep))
+        assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref)), path
+
+
+def test_reshape_merging_the_channel_axis_stops_both_paths():
+    x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    s = RNG.uniform(0.5, 2, 20).astype(np.float32)
+
+    def f(x):
+        return conv(x, k).reshape(2, 5, 20) * s             # W and C merged: not per-channel
+    results, ref = both_paths(f, x)
+    for path, rep, out in results:
+        assert rep.num_folded == 0, (path, str(rep))
+        site = next(s for s in rep.sites if "forward" not in s.pattern)
+        assert "merges or splits the channel axis" in site.reason, (path, site.reason)
+        np.testing.assert_array_equal(out, ref)
+
+
+# ------------------------------------------------------------------ float64
+
+
+@pytest.mark.parametrize("params", ["constants", "arguments"])
+def test_float64_folds_to_float64_precision_on_both_paths(params):
+    with jax.enable_x64(True):
+        x = RNG.standard_normal((2, 6, 6, 3))
+        k = RNG.standard_normal((3, 3, 3, 5))
+        g, b, m = (RNG.standard_normal(5) for _ in range(3))
+        v = RNG.uniform(0.5, 2, 5)
+
+        def bn(x, k, g, b, m, v):
+            return (conv(x, k) - m) * (g / jnp.sqrt(v + 1e-5)) + b
+        if params == "constants":
+            f, args = (lambda x: bn(x, k, g, b, m, v)), (x,)
+        else:
+            f, args = bn, (x, k, g, b, m, v)
+        results, ref = both_paths(f, *args)
+        if params == "arguments":     # and with the weights bound on the host (params=)
+            text = jax.jit(f).lower(*args).as_text()
+            apply, rep, prepared = hlofold.fold_stablehlo(
+                text, params={f"arg{i}": a for i, a in enumerate(args) if i})
+            results.append(("stablehlo params=", rep,
+                            np.asarray(module_callable(apply)(x, *prepared)[0])))
+        for path, rep, out in results:
+            assert rep.num_folded == 1, (path, str(rep))
+            err = np.max(np.abs(out - ref))
+            assert err <= 1e-12 * np.max(np.abs(ref)), (path, err)
+
+
+# ------------------------------------------------------------------ underflow
+
+
+def test_float16_underflow_is_refused_on_both_paths():
+    x = RNG.standard_normal((1, 4, 4, 2)).astype(np.float16)
+    k = (1e-3 * RNG.standard_normal((1, 1, 2, 3))).astype(np.float16)
+    s = np.array([1.0, 1e-4, 1.0], np.float16)    # K·s of channel 1 is far below f16's normal range
+
+    def f(x):
+        return conv(x, k) * s
+    results, ref = both_paths(f, x)
+    for path, rep, out in results:
+        assert rep.num_folded == 0, (path, str(rep))
+        assert [reason_kind(r.reason) for r in rep.refused] == ["underflow"], (path, str(rep))
+        np.testing.assert_array_equal(out, ref)
+
+
+# ------------------------------------------------------------------ nothing changes unless folded
+
+CALL_REFUSED = """
+module {
+  func.func @main(%x: tensor<1x4x4x2xf32>, %k: tensor<1x1x2x3xf32>, %s: tensor<1x4x1x1xf32>) -> tensor<1x4x4x3xf32> {
+    %0 = stablehlo.convolution(%x, %k) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f], window = {stride = [1, 1], pad = [[0, 0], [0, 0]], lhs_dilate = [1, 1], rhs_dilate = [1, 1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<1x4x4x2xf32>, tensor<1x1x2x3xf32>) -> tensor<1x4x4x3xf32>
+    %1 = call @scale(%0, %s) : (tensor<1x4x4x3xf32>, tensor<1x4x1x1xf32>) -> tensor<1x4x4x3xf32>
+    return %1 : tensor<1x4x4x3xf32>
+  }
+  func.func private @scale(%y: tensor<1x4x4x3xf32>, %s: tensor<1x4x1x1xf32>) -> tensor<1x4x4x3xf32> {
+    %sb = stablehlo.broadcast_in_dim %s, dims = [0, 1, 2, 3] : (tensor<1x4x1x1xf32>) -> tensor<1x4x4x3xf32>
+    %0 = stablehlo.multiply %y, %sb : tensor<1x4x4x3xf32>
+    return %0 : tensor<1x4x4x3xf32>
+  }
+}
+"""
+
+
+def test_refused_chain_across_a_private_call_leaves_the_module_unchanged():
+    module = parse_module(CALL_REFUSED)
+    before = str(module)
+    with module.context:
+        report = fold_module(module, in_graph=True)
+    assert report.num_folded == 0 and report.num_refused == 1, str(report)
+    assert "not only along the output-feature dimension" in report.refused[0].reason
+    assert str(module) == before
+
+
+def test_a_folded_chain_elsewhere_does_not_inline_the_refused_one():
+    k2 = "dense<[[[[0.5, 1.0, 2.0], [1.0, 1.5, 0.5]]]]> : tensor<1x1x2x3xf32>"
+    text = CALL_REFUSED.replace(
+        "    return %1 : tensor<1x4x4x3xf32>\n  }\n  func.func private",
+        f"    %k2 = stablehlo.constant {k2}\n"
+        "    %2 = stablehlo.convolution(%x, %k2) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->"
+        "[b, 0, 1, f], window = {stride = [1, 1], pad = [[0, 0], [0, 0]], lhs_dilate = [1, 1],"
+        " rhs_dilate = [1, 1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} :"
+        " (tensor<1x4x4x2xf32>, tensor<1x1x2x3xf32>) -> tensor<1x4x4x3xf32>\n"
+        "    %c = stablehlo.constant dense<[2.0, 3.0, 4.0]> : tensor<3xf32>\n"
+        "    %cb = stablehlo.broadcast_in_dim %c, dims = [3] : (tensor<3xf32>) -> "
+        "tensor<1x4x4x3xf32>\n"
+        "    %3 = stablehlo.multiply %2, %cb : tensor<1x4x4x3xf32>\n"
+        "    %4 = stablehlo.add %1, %3 : tensor<1x4x4x3xf32>\n"
+        "    return %4 : tensor<1x4x4x3xf32>\n  }\n  func.func private", 1)
+    text = text.replace("    return %1 : tensor<1x4x4x3xf32>\n", "", 1)
+    module = parse_module(text)
+    with module.context:
+        report = fold_module(module, in_graph=True)
+    assert report.num_folded == 1 and report.num_refused == 1, str(report)
+    out = str(module)
+    assert "call @scale" in out and "func.func private @scale" in out
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype(np.float32) for s in
+            [(1, 4, 4, 2), (1, 1, 2, 3), (1, 4, 1, 1)]]
+    ref = np.asarray(module_callable(text)(*args)[0])
+    np.testing.assert_allclose(np.asarray(module_callable(out)(*args)[0]), ref, rtol=1e-5,
+                               atol=1e-5)
