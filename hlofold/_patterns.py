@@ -267,7 +267,7 @@ def _axis_name(axis: int) -> str:
     return f"axis {axis}"
 
 
-def _unit_reshape_map(old_shape, new_shape) -> dict[int, int] | None:
+def unit_reshape_map(old_shape, new_shape) -> dict[int, int] | None:
     """Map old non-unit axes to new ones when a reshape only inserts/removes unit dims."""
     old_nu = [i for i, d in enumerate(old_shape) if d != 1]
     new_nu = [i for i, d in enumerate(new_shape) if d != 1]
@@ -337,7 +337,7 @@ def resolve_operand(atom, out_shape, channel_axis: int,
             cur = src
         elif prim == "reshape" and eqn.params.get("dimensions") is None:
             src = eqn.invars[0]
-            m = _unit_reshape_map(tuple(src.aval.shape), cshape)
+            m = unit_reshape_map(tuple(src.aval.shape), cshape)
             if m is None:
                 break
             axis_map = {i: axis_map.get(m[i]) if i in m else None

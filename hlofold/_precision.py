@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat as C
-from ._fold import _subjaxprs
+from ._jaxpr_nested import subjaxprs
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _REMAT = {"checkpoint", "remat", "remat2"}
@@ -64,7 +64,7 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
             else:
                 raise ReferenceUnavailable(f"{prim} without a jaxpr")
         else:
-            if any(True for _ in _subjaxprs(eqn)):
+            if any(True for _ in subjaxprs(eqn)):
                 raise ReferenceUnavailable(f"{prim} (control flow) is not interpreted")
             for key in ("preferred_element_type", "dtype"):   # dot/conv; iota and friends
                 if _is_low(params.get(key)):

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._fold import _collapse
-from ._patterns import Refusal, _unit_reshape_map, conv_layout, dot_layout, pass_axis
+from ._algebra import collapse
+from ._patterns import Refusal, unit_reshape_map, conv_layout, dot_layout, pass_axis
 from ._report import (CANONICAL, FOLDED, NO_PATTERN, NOT_REACHED, REFUSED, FoldReport,
                       FoldSite)
 from ._unreached import unreached_reason
@@ -252,7 +252,7 @@ def _resolve(value, out_shape, axis) -> _Operand | str:
             cur = op.operands[0]
         elif name == "stablehlo.reshape":
             src = op.operands[0]
-            m = _unit_reshape_map(_shape(src), cshape)
+            m = unit_reshape_map(_shape(src), cshape)
             if m is None:
                 break
             amap = {i: amap.get(m[i]) if i in m else None for i in range(len(_shape(src)))}
@@ -682,7 +682,7 @@ class _Pass:
         with ir.Location.unknown(), ir.InsertionPoint(end_op):
             if known:
                 with np.errstate(all="ignore"):
-                    s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in _collapse(
+                    s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in collapse(
                         *known, C_out))
                 why = scale_refusal(s_vec)
                 if why:
@@ -690,7 +690,7 @@ class _Pass:
                     return
                 s_val, t_val = s_vec, t_vec
             else:
-                s_val, t_val = _collapse(*self._ir_chain(real, C_out), C_out,
+                s_val, t_val = collapse(*self._ir_chain(real, C_out), C_out,
                                          xp=_IrArith(C_out, self.ct))
             if known and k_np is not None:
                 kp_cast, why = round_kernel(k_np, _along(s_vec, kaxis, k_np.ndim), kd, kaxis)
@@ -850,7 +850,7 @@ class _Pass:
 
 
 class _IrArith:
-    """The arithmetic ``_collapse`` needs, as StableHLO ops on tensor<c x f32> (constants
+    """The arithmetic ``collapse`` needs, as StableHLO ops on tensor<c x f32> (constants
     for host values); used inside an insertion point."""
 
     def __init__(self, c: int, ct):

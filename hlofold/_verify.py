@@ -121,12 +121,12 @@ def accumulation_length(prog, args) -> int:
     best = 1
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
         closed = jax.make_jaxpr(prog)(*args)
-        from ._fold import _subjaxprs
+        from ._jaxpr_nested import subjaxprs
         stack = [closed.jaxpr]
         while stack:
             for e in stack.pop().eqns:
                 best = max(best, _eqn_acc(e))
-                stack.extend(_subjaxprs(e))
+                stack.extend(subjaxprs(e))
         return best
     from ._artifacts import read_artifact
     ir = C.mlir()[0]

@@ -11,7 +11,7 @@ SCALING = {"mul", "sub", "div", "neg"}
 def walk_eqns(closed, fallbacks=False):
     """Every equation of ``closed`` and of every jaxpr nested in it; the fallback branch of
     a folded site's run-time guard (its original equations) only with ``fallbacks``."""
-    from hlofold._fold import is_guard
+    from hlofold._jaxpr_emit import is_guard
     jaxpr = closed.jaxpr if isinstance(closed, C.ClosedJaxpr) else closed
     for eqn in jaxpr.eqns:
         yield eqn, jaxpr

@@ -25,7 +25,6 @@ import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402

@@ -10,7 +10,10 @@ import pytest
 
 import hlofold
 import hlofold._compat as C
-import hlofold._fold
+import hlofold._algebra
+import hlofold._jaxpr_emit
+import hlofold._jaxpr_plan
+import hlofold._stablehlo
 from hlofold import examples
 from hlofold._tolerance import mismatch as _mismatch, verify_tolerance
 from tests.helpers import assert_close
@@ -23,12 +26,13 @@ REF = jax.jit(examples.resnet_apply)(P, X)
 @pytest.fixture
 def broken_fold(monkeypatch):
     """A fold that is wrong: every collapsed scale s is 1.5× what it should be."""
-    real = hlofold._fold._collapse
+    real = hlofold._algebra.collapse
 
     def wrong(*args, **kwargs):
         s, t = real(*args, **kwargs)
         return s * 1.5, t
-    monkeypatch.setattr(hlofold._fold, "_collapse", wrong)
+    for module in (hlofold._jaxpr_plan, hlofold._jaxpr_emit, hlofold._stablehlo):
+        monkeypatch.setattr(module, "collapse", wrong)
 
 
 @pytest.mark.parametrize("freeze", [(), 0], ids=["inputs", "frozen"])

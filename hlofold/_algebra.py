@@ -1,0 +1,188 @@
+"""The s/t algebra, shared by both IR paths.
+
+A chain of per-channel affine ops after a root collapses into one ``y·s + t``
+(:func:`collapse`), and an affine in front of a root into the kernel and a bias
+(:func:`group_matrix_np` / :func:`place_np` place a per-input-channel vector on the kernel's
+axes, for any feature grouping). The arithmetic is a parameter: NumPy float64 on the host
+(:class:`np64`, for values known at transform time), ``lax`` in a trace (:func:`lax_arith`),
+or StableHLO ops (``hlofold._stablehlo``). The dtype policy: known values are computed in
+float64 and rounded once to the kernel's dtype (``_rules.round_kernel``); in the graph the
+arithmetic runs in float32, or float64 when the program computes in float64.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax import lax
+
+
+class np64:
+    """Arithmetic on the host in float64 (all operands known at transform time)."""
+
+    @staticmethod
+    def asarray(x):
+        return np.asarray(x, np.float64)
+
+    add, sub, mul, div = (np.add, np.subtract, np.multiply, np.divide)
+    neg = staticmethod(np.negative)
+
+
+def lax_arith(cdt):
+    """Arithmetic staged with ``lax`` in ``cdt`` (no ``jnp`` dispatch: folding stays cheap);
+    operands that are known stay NumPy constants."""
+
+    def lift(x):
+        if isinstance(x, np.ndarray) or np.isscalar(x):
+            return np.asarray(x, np.float64).astype(cdt)
+        return x
+
+    def binary(np_op, lax_op):
+        def op(a, b):
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+                return np_op(a, b).astype(cdt)
+            a, b = lift(a), lift(b)     # a NumPy operand takes the arithmetic dtype
+            # scalars are broadcast explicitly; equal ranks rely on lax's size-1 broadcasting
+            shape = np.broadcast_shapes(np.shape(a), np.shape(b))
+            a, b = (x if np.ndim(x) or not shape else
+                    (np.broadcast_to(x, shape) if isinstance(x, np.ndarray)
+                     else lax.broadcast_in_dim(x, shape, ())) for x in (a, b))
+            return lax_op(a, b)
+        return staticmethod(op)
+
+    class _ns:
+        asarray = staticmethod(lift)
+        add = binary(np.add, lax.add)
+        sub = binary(np.subtract, lax.sub)
+        mul = binary(np.multiply, lax.mul)
+        div = binary(np.divide, lax.div)
+
+        @staticmethod
+        def neg(x):
+            return np.negative(x) if isinstance(x, np.ndarray) else lax.neg(x)
+    return _ns
+
+
+def kinds(steps) -> list[str]:
+    return [st.kind for st in steps]
+
+
+def collapse(kinds: Sequence[str], vals: list, channels: int, xp=np64):
+    """Collapse absorbed ops (``kinds``: add/sub/rsub/mul/div/neg, with operand ``vals``)
+    into (s, t): vectors of length ``channels`` or scalars. ``xp`` is the arithmetic: NumPy
+    float64 on the host, ``lax`` in a trace, or StableHLO ops (``hlofold._stablehlo``).
+
+    ``None`` stands for the identity (s = 1, t = 0) so no arithmetic is emitted for it.
+    """
+    s: Any = None
+    t: Any = None
+    for kind, c in zip(kinds, vals):
+        if c is not None:
+            c = xp.asarray(c)
+        if kind == "add":
+            t = c if t is None else xp.add(t, c)
+        elif kind == "sub":
+            t = xp.neg(c) if t is None else xp.sub(t, c)
+        elif kind == "rsub":
+            s = xp.asarray(-1.0) if s is None else xp.neg(s)
+            t = c if t is None else xp.sub(c, t)
+        elif kind == "mul":
+            s = c if s is None else xp.mul(s, c)
+            t = None if t is None else xp.mul(t, c)
+        elif kind == "div":
+            s = xp.div(xp.asarray(1.0), c) if s is None else xp.div(s, c)
+            t = None if t is None else xp.div(t, c)
+        elif kind == "neg":
+            s = xp.asarray(-1.0) if s is None else xp.neg(s)
+            t = None if t is None else xp.neg(t)
+    s = xp.asarray(1.0) if s is None else s
+    t = xp.asarray(0.0) if t is None else t
+    if xp is np64:
+        s = np.broadcast_to(s, (channels,)) if np.ndim(s) else s
+        t = np.broadcast_to(t, (channels,)) if np.ndim(t) else t
+        return np.asarray(s, np.float64), np.asarray(t, np.float64)
+    return s, t
+
+
+
+def group_matrix_np(vec, out_channels: int, groups: int):
+    """Per-input-channel ``vec`` (length C_in, or a scalar) as the (O, C_in/G) matrix of the
+    kernel entries it multiplies: output channel o reads the inputs of group o // (O/G)."""
+    vec = np.asarray(vec, np.float64)
+    if vec.ndim == 0:
+        return vec
+    return np.repeat(vec.reshape(groups, -1), out_channels // groups, axis=0)
+
+
+def group_matrix_traced(vec, out_channels: int, groups: int):
+    if isinstance(vec, np.ndarray):
+        return group_matrix_np(vec, out_channels, groups)
+    if vec.ndim == 0:
+        return vec
+    ipg = vec.shape[0] // groups
+    m = lax.broadcast_in_dim(lax.reshape(vec, (groups, ipg)),
+                             (groups, out_channels // groups, ipg), (0, 2))
+    return lax.reshape(m, (out_channels, ipg))
+
+
+def place_np(m, o_axis: int, i_axis: int, ndim: int):
+    """The (O, I) matrix ``m`` shaped to multiply a kernel with those axes."""
+    if np.ndim(m) == 0:
+        return m
+    if o_axis > i_axis:
+        m = m.T
+    shape = [1] * ndim
+    shape[o_axis], shape[i_axis] = (m.shape[0], m.shape[1]) if o_axis < i_axis else \
+        (m.shape[1], m.shape[0])
+    return m.reshape(shape)
+
+
+def place_traced(m, o_axis: int, i_axis: int, ndim: int):
+    if isinstance(m, np.ndarray) or np.ndim(m) == 0:
+        return place_np(m, o_axis, i_axis, ndim) if isinstance(m, np.ndarray) else m
+    if o_axis > i_axis:
+        m = lax.transpose(m, (1, 0))
+    shape = [1] * ndim
+    lo, hi = sorted((o_axis, i_axis))
+    shape[lo], shape[hi] = m.shape[0], m.shape[1]
+    return lax.reshape(m, tuple(shape))
+
+
+def reduce_but(x, axis: int):
+    """Sum ``x`` over every axis but ``axis``."""
+    axes = tuple(a for a in range(x.ndim) if a != axis)
+    if isinstance(x, np.ndarray):
+        return np.sum(x, axis=axes)
+    return lax.reduce_sum(x, axes)
+
+
+def cast(x, dtype):
+    """``convert_element_type`` only when the dtype changes (no equation otherwise)."""
+    if np.dtype(x.dtype) == np.dtype(dtype) and not getattr(x, "weak_type", False):
+        return x
+    return lax.convert_element_type(x, dtype)
+
+
+def along(vec, axis: int, ndim: int) -> np.ndarray:
+    vec = np.asarray(vec)
+    if vec.ndim == 0:
+        return vec
+    shape = [1] * ndim
+    shape[axis] = vec.shape[0]
+    return vec.reshape(shape)
+
+
+def along_traced(vec, axis: int, ndim: int):
+    if isinstance(vec, np.ndarray):
+        return along(vec, axis, ndim)
+    if vec.ndim == 0:
+        return vec
+    shape = [1] * ndim
+    shape[axis] = vec.shape[0]
+    return lax.broadcast_in_dim(vec, tuple(shape), (axis,))
+
+
+def exact_f64(k: np.ndarray) -> np.ndarray:
+    """``k`` for float64 arithmetic: float32/float64 as they are (NumPy promotes them exactly
+    in a product with float64 — no separate conversion pass), other dtypes converted."""
+    return k if k.dtype in (np.float32, np.float64) else k.astype(np.float64)

@@ -1,0 +1,330 @@
+"""Emission of planned jaxpr sites: the folded equations spliced into the program.
+
+Untouched equations are kept as they are (no retrace). The folded sites of a scope are
+traced together (:meth:`SiteEmitter._traced_site_eqns`) and the traced equations split per
+site; sites with equal plans (:meth:`SiteEmitter._template_key`: derived from the equations
+and every plan field) are traced once and cloned. A site whose parameters are only known at
+run time gets a guard: a ``cond`` that runs its original equations when the rescaled kernel
+or bias is not finite.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from . import _compat as C
+from ._algebra import (along_traced, cast, collapse, group_matrix_traced, kinds, lax_arith,
+                       place_traced, reduce_but)
+from ._patterns import AffineStep, ChannelOperand, PassStep
+
+if TYPE_CHECKING:
+    from ._jaxpr_plan import Site
+
+# name scope of the run-time guard of a site (a ``cond``: folded | original equations); a
+# guard is already folded, so folding again leaves it alone (idempotence)
+GUARD_SCOPE = "hlofold_guard"
+# sites of equal plans are traced once and cloned (tests turn it off to compare with a trace
+# per site)
+CLONE_TEMPLATES = True
+# plan fields that say where a site is or what is reported of it, not what it computes
+_NOT_PLAN = frozenset({"root_idx", "end_idx", "record", "t_traced"})
+
+
+class SiteEmitter:
+    """The emission half of a jaxpr scope (``_fold._Scope``): reads its plan (``site_at_end``,
+    ``skip``, ``new_eqn``) and writes the folded program."""
+
+    def _emit(self) -> C.ClosedJaxpr:
+        """Splice the plan into the program: untouched equations are kept as they are (no
+        retrace), each folded site is traced on its own and inlined where its chain ended,
+        and rebuilt higher-order equations get their hoisted constants as new constvars."""
+        jaxpr = self.jaxpr
+        constvars, consts = list(jaxpr.constvars), list(self.closed.consts)
+
+        def new_const(value) -> Any:
+            v = C.new_var(C.aval_of(value))
+            constvars.append(v)
+            consts.append(value)
+            return v
+
+        site_eqns = self._all_site_eqns(new_const)
+        eqns = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in self.skip:
+                continue
+            if i in site_eqns:
+                eqns.extend(site_eqns[i])
+            elif i in self.new_eqn:
+                params, at, extra = self.new_eqn[i]
+                ins = list(eqn.invars)
+                ins[at:at] = [new_const(c) for c in extra]
+                eqns.append(eqn.replace(params=params, invars=ins))
+            else:
+                eqns.append(eqn)
+        return C.ClosedJaxpr(jaxpr.replace(constvars=constvars, eqns=eqns), consts)
+
+    def _all_site_eqns(self, new_const) -> dict[int, list]:
+        """The equations of every folded site of this scope, keyed by where each goes.
+
+        All sites are traced together (one trace is much cheaper than one per site), then
+        the traced equations are split by the site whose result they feed."""
+        sites = [self.site_at_end[i] for i in sorted(self.site_at_end)]
+        if not sites:
+            return {}
+        # Sites of the same structure and shapes whose rescale is entirely in the graph trace
+        # to the same equations up to renaming: trace one per group, clone it for the rest.
+        groups: dict[Any, list] = {}
+        traced = []
+        for site in sites:
+            key = self._template_key(site) if CLONE_TEMPLATES else None
+            if key is None or key not in groups:
+                traced.append(site)
+            if key is not None:
+                groups.setdefault(key, []).append(site)
+        out = self._traced_site_eqns(traced, new_const)
+        for members in groups.values():
+            first = members[0]
+            atoms = self._site_atoms(first)
+            for site in members[1:]:
+                out[site.end_idx] = clone_eqns(out[first.end_idx], atoms,
+                                                self._site_atoms(site), first.end_var,
+                                                site.end_var, first.eqn, site.eqn)
+        return out
+
+    def _site_atoms(self, site) -> list:
+        """The scope variables a folded site's equations read (kernel, input, operands; for
+        a guarded site also every operand of its original equations)."""
+        internal = {site.eqn.outvars[0]} | {st.eqn.outvars[0] for st in site.steps}
+        return list(dict.fromkeys(
+            [v for v in site.eqn.invars if isinstance(v, C.Var)] +
+            [st.operand.source for st in site.steps + (site.fwd.steps if site.fwd else [])
+             if isinstance(st, AffineStep) and st.operand is not None
+             and isinstance(st.operand.source, C.Var)] +
+            ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else []) +
+            ([v for st in site.steps for v in st.eqn.invars
+              if isinstance(v, C.Var) and v not in internal] if site.guard else [])))
+
+    def _template_key(self, site):
+        """A hashable description of a site's plan, derived from its equations and plan
+        fields themselves (every field, so a new one cannot be forgotten): two sites with
+        equal keys trace to the same equations up to renaming. None when the site bakes a
+        value known at transform time into its equations (it is traced on its own)."""
+        atoms = self._site_atoms(site)
+        index = {a: k for k, a in enumerate(atoms)}
+        internal: dict[Any, int] = {}
+
+        def atom(v):
+            if isinstance(v, C.Literal):
+                return ("literal", repr(v.val), v.aval.dtype)
+            if v in index:
+                return ("input", index[v])
+            # an internal value's type follows from the inputs' types and the equations
+            return ("internal", internal.setdefault(v, len(internal)))
+
+        def plan(x):
+            if isinstance(x, C.JaxprEqn):
+                return (x.primitive.name, tuple(sorted(x.params.items())),
+                        tuple(map(atom, x.invars)), tuple(map(atom, x.outvars)))
+            if isinstance(x, (C.Var, C.Literal)):
+                return atom(x)
+            if isinstance(x, np.ndarray):
+                raise TypeError("a value known at transform time")
+            if isinstance(x, (list, tuple)):
+                return tuple(map(plan, x))
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):
+                return (type(x).__name__,) + tuple(
+                    plan(getattr(x, f.name)) for f in dataclasses.fields(x)
+                    if f.name not in _NOT_PLAN)
+            return x
+
+        try:
+            key = (plan(site), tuple((a.aval.shape, str(a.aval.dtype),
+                                      getattr(a.aval, "weak_type", False)) for a in atoms),
+                   self.opts)
+            hash(key)
+        except TypeError:
+            return None
+        if any(self._operand_value(st.operand) is not None
+               for st in site.steps + (site.fwd.steps if site.fwd else [])
+               if isinstance(st, AffineStep) and st.operand is not None):
+            return None
+        return key
+
+    def _traced_site_eqns(self, sites, new_const) -> dict[int, list]:
+        """Trace ``sites`` together and split the equations per site."""
+        atoms = list(dict.fromkeys(v for site in sites for v in self._site_atoms(site)))
+        index = {a: k for k, a in enumerate(atoms)}
+
+        def fn(*vals):
+            def read(a):
+                return a.val if isinstance(a, C.Literal) else vals[index[a]]
+            return [self._emit_site(site, read) for site in sites]
+
+        sub = C.trace(fn, [a.aval for a in atoms])
+        ren: dict[Any, Any] = dict(zip(sub.jaxpr.invars, atoms))
+        ren.update((cv, new_const(c)) for cv, c in zip(sub.jaxpr.constvars, sub.consts))
+        owner: dict[Any, int] = {}
+        final: dict[Any, Any] = {}
+        for k, (site, out) in enumerate(zip(sites, sub.jaxpr.outvars)):
+            owner[out] = k
+            final[out] = site.end_var
+        by_site: list[list] = [[] for _ in sites]
+        for e in reversed(sub.jaxpr.eqns):
+            k = next((owner[o] for o in e.outvars if o in owner), None)
+            if k is None:       # feeds no site result (cannot happen: nothing is dead here)
+                continue
+            for v in e.invars:
+                if isinstance(v, C.Var):
+                    owner.setdefault(v, k)
+            by_site[k].append(e.replace(
+                invars=[ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars],
+                outvars=[final.get(o, o) for o in e.outvars]))
+        return {site.end_idx: list(reversed(eqs)) for site, eqs in zip(sites, by_site)}
+
+    def _emit_site(self, site: Site, read):
+        eqn, info, fwd = site.eqn, site.info, site.fwd
+        kernel = eqn.invars[info.kernel_index]
+        affine = [s for s in site.steps if isinstance(s, AffineStep)]
+        end_dtype = np.dtype(site.end_var.aval.dtype)
+        t = site.t_known
+        with C.source_of(eqn):
+            if site.kernel_const is not None:
+                kp = site.kernel_const
+            else:
+                k = read(kernel)
+                kd = np.dtype(kernel.aval.dtype)
+                cdt = np.float64 if max(kd.itemsize, end_dtype.itemsize) > 4 and \
+                    jax.config.jax_enable_x64 else np.float32
+                xp = lax_arith(cdt)
+                kc = cast(k, cdt)
+                b = None
+                if fwd is not None:
+                    if fwd.s_known is not None:
+                        s_in, t_in = fwd.s_known, fwd.t_known
+                    else:
+                        vals = [None if st.operand is None else
+                                self._operand_traced(st.operand, read, cdt)
+                                for st in fwd.steps]
+                        s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels,
+                                               xp=xp)
+                    nd, ko, ki = len(kernel.aval.shape), info.kernel_axis, fwd.k_in_axis
+                    if fwd.has_shift:
+                        t2 = group_matrix_traced(xp.asarray(t_in), info.out_channels,
+                                                  fwd.groups)
+                        b = reduce_but(xp.mul(kc, place_traced(t2, ko, ki, nd)), ko)
+                    s2 = group_matrix_traced(xp.asarray(s_in), info.out_channels, fwd.groups)
+                    kc = xp.mul(kc, place_traced(s2, ko, ki, nd))
+                if site.s_known is not None:
+                    s, t = site.s_known, site.t_known
+                else:
+                    vals = [None if st.operand is None else
+                            self._operand_traced(st.operand, read, cdt) for st in affine]
+                    s, t = collapse(kinds(affine), vals, info.out_channels, xp=xp)
+                s = xp.asarray(s)
+                if b is not None:
+                    t = xp.add(xp.mul(s, b), xp.asarray(t))
+                kp = xp.mul(kc, along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
+                kp = cast(kp, self._kernel_dtype(kernel))
+            if site.guard:
+                # run-time check of what transform time could not see (σ² = 0, inf γ,
+                # overflow): a non-finite kernel or bias runs the site's original equations
+                ok = all_finite(kp)
+                if site.has_shift and not isinstance(t, np.ndarray):
+                    ok = lax.bitwise_and(ok, all_finite(cast(t, end_dtype)))
+                with jax.named_scope(GUARD_SCOPE):
+                    return lax.cond(ok, lambda: self._folded_value(site, read, kp, t),
+                                    lambda: self._original_value(site, read))
+            return self._folded_value(site, read, kp, t)
+
+    def _original_value(self, site: Site, read):
+        """The site's original equations, replayed (the guard's fallback)."""
+        y = C.bind_eqn(site.eqn, [read(v) for v in site.eqn.invars])[0]
+        prev = site.eqn.outvars[0]
+        for st in site.steps:
+            y = C.bind_eqn(st.eqn, [y if v is prev else read(v) for v in st.eqn.invars])[0]
+            prev = st.eqn.outvars[0]
+        return y
+
+    def _folded_value(self, site: Site, read, kp, t):
+        """``root(x, kp)``, the chain's shape ops replayed, plus the bias ``t``."""
+        eqn, info, fwd = site.eqn, site.info, site.fwd
+        kernel = eqn.invars[info.kernel_index]
+        end_dtype = np.dtype(site.end_var.aval.dtype)
+        with C.source_of(eqn):
+            invals = [read(v) for v in eqn.invars]
+            invals[info.kernel_index] = kp
+            if fwd is not None:
+                invals[0] = read(fwd.source)
+            out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
+            if np.dtype(kp.dtype) != np.dtype(kernel.aval.dtype):   # float32_kernels
+                invals[0] = cast(invals[0], kp.dtype)
+                params = dict(eqn.params)
+                if params.get("preferred_element_type") is not None:
+                    params["preferred_element_type"] = np.dtype(np.float32)
+                y = cast(C.bind_eqn(eqn, invals, params)[0], out_dtype)
+            else:
+                y = C.bind_eqn(eqn, invals)[0]
+            for st in site.steps:
+                if isinstance(st, PassStep):
+                    y = C.bind_eqn(st.eqn, [y])[0]
+            if site.has_shift:
+                shape = [1] * len(site.end_var.aval.shape)
+                if isinstance(t, np.ndarray):
+                    tb = np.asarray(t, np.float64).astype(end_dtype)
+                    if tb.ndim:
+                        shape[site.end_axis] = tb.shape[0]
+                    tb = tb.reshape(shape)
+                else:
+                    tb = cast(t, end_dtype)
+                    dims = (site.end_axis,) if tb.ndim else ()
+                    if tb.ndim:
+                        shape[site.end_axis] = tb.shape[0]
+                    tb = lax.broadcast_in_dim(tb, tuple(shape), dims)
+                y = lax.add(y, tb)
+        return y
+
+    def _operand_traced(self, op: ChannelOperand, read, cdt):
+        known = self._operand_value(op)
+        if known is not None:
+            return known.astype(np.float64)
+        val = read(op.source)
+        for dt in op.casts:
+            val = cast(val, dt)
+        shape = (op.size,) if op.source_axis is not None else ()
+        if tuple(val.shape) != shape:
+            val = lax.reshape(val, shape)
+        return cast(val, cdt)
+
+
+def is_guard(eqn) -> bool:
+    """Whether ``eqn`` is the run-time guard of a folded site."""
+    return eqn.primitive.name == "cond" and GUARD_SCOPE in C.name_stack(eqn)
+
+
+def all_finite(x):
+    f = lax.is_finite(x)
+    return lax.reduce_and(f, tuple(range(f.ndim))) if f.ndim else f
+
+
+def clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end,
+                from_root, to_root) -> list:
+    """``eqns`` (one site's equations, reading ``from_atoms``, ending in ``from_end``) renamed
+    for another site: inputs mapped to ``to_atoms``, fresh variables inside, ``to_end`` out,
+    and the source location and name scope of ``from_root`` replaced by ``to_root``'s."""
+    ren: dict[Any, Any] = dict(zip(from_atoms, to_atoms))
+    ren[from_end] = to_end
+    out = []
+    for e in eqns:
+        ins = [ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars]
+        outs = []
+        for o in e.outvars:
+            if o not in ren:
+                ren[o] = C.new_var(o.aval)
+            outs.append(ren[o])
+        out.append(e.replace(invars=ins, outvars=outs,
+                             source_info=C.rebase_source(e, from_root, to_root)))
+    return out

@@ -1,0 +1,362 @@
+"""Planning one jaxpr site: the chain after a root, the chain before it, and the decision.
+
+:class:`SitePlanner` is the planning half of a jaxpr scope (``_fold._Scope``). For a root
+equation it walks the root's output through per-output-channel affine ops and shape ops
+(:meth:`SitePlanner._walk`, with the step rules of ``_patterns``), the root's input back
+through per-input-channel affine ops (:meth:`SitePlanner._plan_forward`), and decides:
+fold (constants computed now, in float64, with the rules of ``_rules``), fold in the graph
+(guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import _compat as C
+from ._algebra import collapse, exact_f64, group_matrix_np, kinds, place_np, along
+from ._patterns import (FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
+                        PassStep, Refusal, RootInfo, affine_step, pass_step)
+from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldSite
+from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
+
+NOT_PREPARED = ("the parameters are not known at transform time (traced under an enclosing "
+                "transformation), so K·s would be recomputed on every call; left unfolded — "
+                "prepare outside your jit (Folded.split) or pass in_graph=True")
+
+
+def _not_prepared(kernel, out) -> str:
+    """The reason a site with traced parameters stays unfolded, with what folding it in the
+    graph would trade: |K| rescaled (and range-checked) per call against the epilogue over
+    the output it removes, which XLA:CPU already fuses into the convolution."""
+    def size(aval) -> str:          # symbolic dimensions (jax.export) print as they are
+        n = 1
+        for d in aval.shape:
+            n = n * d
+        return str(n)
+    return (f"{NOT_PREPARED} (in the graph: {size(kernel.aval)} kernel elements rescaled and "
+            f"checked per call, to remove an epilogue over {size(out.aval)} output elements)")
+
+
+
+@dataclasses.dataclass
+class Site:
+    root_idx: int
+    eqn: C.JaxprEqn
+    info: RootInfo
+    steps: list                      # AffineStep | PassStep, ending with an AffineStep
+    end_idx: int
+    end_var: Any
+    end_axis: int
+    record: FoldSite
+    kernel_const: np.ndarray | None = None     # folded kernel, when computed at transform time
+    s_known: np.ndarray | None = None          # float64 s, when known at transform time
+    t_known: np.ndarray | None = None
+    has_shift: bool = False
+    t_traced: Any = None                       # t computed in the graph (set while emitting)
+    fwd: "Forward | None" = None              # affine folded in from *before* the root
+    guard: bool = False                        # run-time check, original equations as fallback
+
+
+@dataclasses.dataclass
+class Forward:
+    """An affine chain in front of the root: ``root(x·s + t, K) = root(x, K ⊙ s) + b``."""
+
+    steps: list                  # AffineSteps, in program order
+    source: Any                  # x: the value before the chain
+    k_in_axis: int               # kernel axis contracted with the input features
+    groups: int
+    record: FoldSite
+    s_known: np.ndarray | None = None
+    t_known: np.ndarray | None = None
+
+    @property
+    def has_shift(self) -> bool:
+        return any(s.kind in ("add", "sub", "rsub") for s in self.steps)
+
+
+class SitePlanner:
+    """Decides each root's site; records it in the report (``self._record``) and, when it
+    folds, in the plan the emitter reads (``site_at_end``, ``skip``, ``claimed``)."""
+
+    def _walk(self, eqn, info: RootInfo, pattern):
+        """Follow the root's output through the chain; return (steps, end_axis, stop_reason,
+        stop_is_refusal). ``steps`` ends with the last absorbable affine op."""
+        v, axis = eqn.outvars[0], info.channel_axis
+        steps: list = []
+        committed, committed_axis = 0, axis
+        reason, refusal = None, False
+        while True:
+            uses = self.uses.get(v, [])
+            n_out = self.out_uses.get(v, 0)
+            n = len(uses) + n_out
+            if n == 0:
+                reason = "value is unused"
+                break
+            if n > 1:
+                who = [self.jaxpr.eqns[j].primitive.name for j, _ in uses] + ["output"] * n_out
+                what = "the conv output" if v is eqn.outvars[0] else f"{_desc(v)} in the chain"
+                reason = f"{what} has {n} consumers ({', '.join(who)}); folding would change them"
+                refusal = True
+                break
+            if n_out:
+                reason = f"value is an output of the {self.path} program"
+                break
+            j, pos = uses[0]
+            e = self.jaxpr.eqns[j]
+            prim = e.primitive.name
+            if prim in AFFINE_STEPS:
+                r = affine_step(e, pos, axis, lambda u: self.producer.get(u, (0, None))[1])
+                if isinstance(r, Refusal):
+                    reason, refusal = r.reason, True
+                    if r.axis is not None and v is eqn.outvars[0]:
+                        reason += f"; axis {r.axis} is {pattern.explain_axis(eqn, r.axis)}"
+                    break
+                if r.operand is not None and self.from_root(r.operand.source):
+                    reason = (f"{prim}: operand is computed from a convolution output (a "
+                              "residual or a gate), not from parameters")
+                    refusal = True
+                    break
+                steps.append(r)
+                committed, committed_axis = len(steps), axis
+            elif prim in PASS_STEPS and pos == 0:
+                r = pass_step(e, axis)
+                if isinstance(r, Refusal):
+                    reason = r.reason
+                    break
+                steps.append(PassStep(e))
+                axis = r
+            else:
+                reason = f"chain ends at {prim}"
+                break
+            v = e.outvars[0]
+        return steps[:committed], committed_axis, reason, refusal
+
+    def _plan_site(self, i, eqn, pattern) -> bool:
+        first = pattern.inspect_root(eqn)
+        chosen = None
+        for info in [first] + pattern.alternatives(eqn):   # the first reading that folds
+            if isinstance(info, Refusal):
+                continue
+            if info is not first and self.value(eqn.invars[info.kernel_index]) is None:
+                continue     # another reading only for a weight known at transform time: an
+                # input on the lhs may as well be the activations
+            walked = self._walk(eqn, info, pattern)
+            aff = [s for s in walked[0] if isinstance(s, AffineStep)]
+            folds = bool(aff) and not (len(aff) == 1 and aff[0].kind in ("add", "sub")) and \
+                not self.from_root(eqn.invars[info.kernel_index])
+            if chosen is None or folds:
+                chosen = (info, walked)
+            if folds:
+                break
+        if chosen is None:
+            self._record(eqn, pattern, None, REFUSED, reason=first.reason)
+            return False
+        info, (steps, end_axis, stop, stop_is_refusal) = chosen
+        self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
+        affine = [s for s in steps if isinstance(s, AffineStep)]
+        absorbed = [s.eqn.primitive.name for s in steps]
+        backward = bool(affine) and not (len(affine) == 1 and affine[0].kind in ("add", "sub"))
+        fwd = self._plan_forward(eqn, pattern, info) if info.kernel_index == 1 else None
+        if not backward:
+            if not affine:
+                if not (fwd is not None and stop == "value is unused"):
+                    self._record(eqn, pattern, info, REFUSED if stop_is_refusal else NO_PATTERN,
+                                 reason=stop)
+            else:
+                self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed,
+                             reason="already conv + per-channel bias")
+            if fwd is None:
+                return False
+            if not affine:
+                steps, end_axis = [], info.channel_axis
+            # else: a canonical bias after the root is merged into the forward fold's bias,
+            # so the result is conv + one bias and folding again changes nothing
+
+        kernel = eqn.invars[info.kernel_index]
+        kernel_names = sorted(n for n in self.names(kernel) if n)
+        if self.from_root(kernel):
+            reason = ("the kernel (rhs) is computed from a convolution/dot output "
+                      "(an activation, e.g. attention), not from parameters")
+            if backward:
+                self._record(eqn, pattern, info, REFUSED, absorbed=absorbed, reason=reason)
+            if fwd is not None:
+                self._refuse(fwd.record, reason)
+            return False
+        rec = None
+        if backward:
+            op_names = sorted({n for s in affine if s.operand is not None
+                               for n in self.names(s.operand.source) if n})
+            rec = self._record(eqn, pattern, info, FOLDED, absorbed=absorbed, params=op_names,
+                               kernel=", ".join(kernel_names) or None)
+            rec.note = f"chain stopped: {stop}" if stop else None
+        if fwd is not None:
+            fwd.record.kernel = ", ".join(kernel_names) or None
+            if not backward and affine:      # the merged canonical bias is read too
+                fwd.record.params = sorted(set(fwd.record.params) | {
+                    n for s in affine if s.operand is not None
+                    for n in self.names(s.operand.source) if n})
+        kd = self._kernel_dtype(kernel)
+        hint = ("" if self.opts.float32_kernels or kd.itemsize >= 4 else
+                "; fold with float32_kernels=True to keep a float32 kernel")
+        if backward:
+            why = precision_refusal(kd, [eqn.outvars[0].aval.dtype] +
+                                    [st.eqn.outvars[0].aval.dtype for st in steps], hint)
+            if why:
+                if fwd is not None:
+                    self._refuse(fwd.record, "the fold after the root is refused")
+                return self._refuse(rec, why)
+        if fwd is not None:
+            why = precision_refusal(kd, [st.eqn.outvars[0].aval.dtype for st in fwd.steps],
+                                    hint)
+            if why:
+                self._refuse(fwd.record, why)
+                if not backward:
+                    return False
+                fwd = None
+        end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
+        site = Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
+                     has_shift=any(s.kind in ("add", "sub", "rsub") for s in affine), fwd=fwd)
+
+        # Everything that is known at transform time is computed now, in float64.
+        k_val = self.value(kernel)
+        k64 = None if k_val is None else exact_f64(np.asarray(k_val))
+        b64 = None
+        if fwd is not None:
+            vals = [None if s.operand is None else self._operand_value(s.operand)
+                    for s in fwd.steps]
+            if all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None):
+                s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels)
+                why = scale_refusal(s_in, "input scale s")
+                if why:
+                    self._refuse(fwd.record, why)
+                    if not backward:
+                        return False
+                    site.fwd = fwd = None
+                else:
+                    fwd.s_known, fwd.t_known = s_in, t_in
+                    if k64 is not None:
+                        s2 = group_matrix_np(s_in, info.out_channels, fwd.groups)
+                        t2 = group_matrix_np(t_in, info.out_channels, fwd.groups)
+                        b64 = np.sum(k64 * place_np(t2, info.kernel_axis, fwd.k_in_axis,
+                                                     k64.ndim),
+                                     axis=tuple(a for a in range(k64.ndim)
+                                                if a != info.kernel_axis))
+                        k64 = k64 * place_np(s2, info.kernel_axis, fwd.k_in_axis, k64.ndim)
+            else:
+                k64 = None     # the input scale is computed in the graph
+        site.has_shift |= fwd is not None and fwd.has_shift
+        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
+        if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
+            s_vec, t_vec = collapse(kinds(affine), op_vals, info.out_channels)
+            why = scale_refusal(s_vec)
+            if why:
+                if fwd is not None:
+                    self._refuse(fwd.record, "the scale after the root is not finite")
+                return self._refuse(rec, why)
+            site.s_known, site.t_known = s_vec, t_vec
+            if k64 is not None and (fwd is None or fwd.s_known is not None):
+                kp_cast, why = round_kernel(k64, along(s_vec, info.kernel_axis, k64.ndim),
+                                            kd, info.kernel_axis)
+                if why:
+                    if fwd is not None:
+                        self._refuse(fwd.record, "the rescaled kernel is refused")
+                    return self._refuse(rec, why)
+                site.kernel_const = kp_cast
+                if b64 is not None:
+                    site.t_known = s_vec * b64 + t_vec
+        rescale = "constant" if site.kernel_const is not None else "in-graph"
+        if rescale == "in-graph" and self.opts.in_graph != "prepared":
+            why = (_not_prepared(kernel, site.end_var) if self.opts.in_graph == "never"
+                   else runtime_refusal(kd))
+            if why:
+                if fwd is not None:
+                    self._refuse(fwd.record, why)
+                return self._refuse(rec, why)
+            # the scale is only known at run time: check it there
+            site.guard = site.s_known is None or (fwd is not None and fwd.s_known is None)
+        for r in (rec, fwd.record if fwd is not None else None):
+            if r is not None:
+                r.rescale, r.guarded = rescale, site.guard
+
+        if steps:
+            self.skip.add(i)
+        for s in steps[:-1]:
+            self.skip.add(self.producer[s.eqn.outvars[0]][0])
+        self.site_at_end[site.end_idx] = site
+        return True
+
+    def _kernel_dtype(self, kernel) -> np.dtype:
+        """The dtype the folded kernel is rounded to."""
+        kd = np.dtype(kernel.aval.dtype)
+        if self.opts.float32_kernels and kd.itemsize < 4:
+            return np.dtype(np.float32)
+        return kd
+
+    def _plan_forward(self, eqn, pattern, info: RootInfo) -> Forward | None:
+        """Follow the root's lhs back through per-input-channel affine ops (single consumer
+        each). Returns the forward fold, or None (no chain, or refused: then recorded)."""
+        axis = pattern.lhs_channel_axis(eqn)
+        if axis is None:
+            return None
+        producer = lambda u: self.producer.get(u, (0, None))[1]
+        v, steps, reason = eqn.invars[0], [], None
+        while isinstance(v, C.Var) and v in self.producer:
+            k, e = self.producer[v]
+            if e.primitive.name not in AFFINE_STEPS or k in self.claimed:
+                break
+            cands = []
+            for pos in range(len(e.invars)):
+                if not isinstance(e.invars[pos], C.Var):
+                    continue
+                r = affine_step(e, pos, axis, producer)
+                if isinstance(r, AffineStep) and (r.operand is None
+                                                  or not self.from_root(r.operand.source)):
+                    cands.append((pos, r))
+            if len(cands) != 1:
+                if len(cands) > 1:
+                    reason = "both operands of the op before the root look per-channel"
+                break
+            n = len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
+            if n != 1:
+                reason = f"the root's input (or a value before it) has {n} consumers"
+                break
+            steps.append(cands[0][1])
+            v = e.invars[cands[0][0]]
+        fpat = FORWARD[eqn.primitive.name]
+        self.forward_taken.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
+        if not steps:
+            if reason is not None:     # an affine op was there, but could not be taken
+                self._record(eqn, fpat, info, REFUSED, reason=reason)
+            return None
+        steps.reverse()
+        names = sorted({n for s in steps if s.operand is not None
+                        for n in self.names(s.operand.source) if n})
+        ic = pattern.input_channel(eqn)
+        absorbed = [s.eqn.primitive.name for s in steps]
+        if isinstance(ic, Refusal):
+            self._record(eqn, fpat, info, REFUSED, absorbed=absorbed, params=names,
+                         reason=ic.reason)
+            return None
+        rec = self._record(eqn, fpat, info, FOLDED, absorbed=absorbed, params=names)
+        rec.note = f"chain stopped: {reason}" if reason else None
+        return Forward(steps, v, ic[1], info.groups, rec)
+
+    def _refuse(self, rec: FoldSite | None, reason: str) -> bool:
+        if rec is not None:
+            rec.status, rec.reason, rec.rescale, rec.guarded = REFUSED, reason, None, False
+        return False
+
+    def _operand_value(self, op: ChannelOperand):
+        val = self.value(op.source)
+        if val is None:
+            return None
+        arr = np.asarray(val)
+        for dt in op.casts:
+            arr = arr.astype(np.dtype(dt))
+        return arr.reshape(-1) if op.source_axis is not None else arr.reshape(())
+
+
+def _desc(v) -> str:
+    return f"value {v.aval.str_short()}"
