@@ -24,8 +24,9 @@ from typing import Any, Sequence
 
 from . import _compat as C
 from ._report import FoldReport
-from ._stablehlo import (PREPARED_ATTR, StableHLOError, all_finite, drop_uncalled_private,
-                         fold_module, main_function, parse_module, reads)
+from ._hlo_ir import (PREPARED_ATTR, StableHLOError, all_finite, drop_uncalled_private,
+                      main_function, op_name, parse_module, reads)
+from ._stablehlo import fold_module
 from ._weights import argument_index, set_arguments
 
 ir, stablehlo, _ = C.mlir()
@@ -87,20 +88,16 @@ def _classify(main, calls: set[int]):
     while True:      # weight values read on the apply side; broadcasts move to apply
         crossing = {}
         for pos, op in enumerate(ops):
-            if kinds[pos] == CALL or pos in moved or _name(op) == "func.return":
+            if kinds[pos] == CALL or pos in moved or op_name(op) == "func.return":
                 for v in reads(op):
                     if kind_of.get(v) == WEIGHT:
                         crossing[where[v]] = v
-        grow = {p for (p, _) in crossing if p >= 0 and _name(ops[p]) in _MOVABLE} - moved
+        grow = {p for (p, _) in crossing if p >= 0 and op_name(ops[p]) in _MOVABLE} - moved
         if not grow:
             break
         moved |= grow
     crossing = {k: v for k, v in crossing.items() if k[0] not in moved}
     return kinds, sorted(crossing), moved
-
-
-def _name(op) -> str:
-    return op.operation.name
 
 
 def _value(block, ops, key):
@@ -130,7 +127,7 @@ def _make_prepare(main, kinds, crossing, moved, calls) -> None:
     for pos in reversed(range(len(ops) - 1)):
         op = ops[pos]
         if kinds[pos] == CALL or (all(len(list(r.uses)) == 0 for r in op.results)
-                                  and _name(op) != "stablehlo.custom_call"):
+                                  and op_name(op) != "stablehlo.custom_call"):
             op.erase()
     weights = [i for i in range(len(block.arguments)) if i not in calls]
     set_arguments(main, weights)

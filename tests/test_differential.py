@@ -75,7 +75,7 @@ def check_both_paths(spec):
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-          max_examples=60)
+          max_examples=40)
 @given(specs(dtypes=DTYPES).map(lambda s: dataclasses.replace(s, pre=[])))
 def test_jaxpr_and_stablehlo_paths_agree(spec):
     with jax.enable_x64(spec.dtype == "float64"):

@@ -176,3 +176,42 @@ def test_a_folded_chain_elsewhere_does_not_inline_the_refused_one():
     ref = np.asarray(module_callable(text)(*args)[0])
     np.testing.assert_allclose(np.asarray(module_callable(out)(*args)[0]), ref, rtol=1e-5,
                                atol=1e-5)
+
+
+# ------------------------------------------------------------------ template cloning (jaxpr)
+
+
+def _structure(closed):
+    """Each equation as (primitive, params with nested jaxprs printed, inputs and outputs
+    numbered by first appearance, name scope): comparable across two programs."""
+    ids: dict = {}
+
+    def atom(v):
+        return repr(v.val) if isinstance(v, C.Literal) else ids.setdefault(v, len(ids))
+    for v in closed.jaxpr.invars:
+        atom(v)
+    out = []
+    for e in closed.jaxpr.eqns:
+        params = tuple(sorted((k, str(v)) for k, v in e.params.items()))
+        out.append((e.primitive.name, params, tuple(map(atom, e.invars)),
+                    tuple(map(atom, e.outvars)), str(e.source_info.name_stack)))
+    return out
+
+
+@pytest.mark.parametrize("in_graph", ["guarded", "prepared"])
+def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
+    from benchmarks import models
+    from hlofold import _jaxpr_emit
+    model, _, variables, _ = models.build("resnet18", image_size=32, width=8)
+    x = np.zeros((1, 32, 32, 3), np.float32)
+    closed = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x)
+    cloned, rep = hlofold.fold_jaxpr(closed, in_graph=in_graph)
+    monkeypatch.setattr(_jaxpr_emit, "CLONE_TEMPLATES", False)
+    traced, rep2 = hlofold.fold_jaxpr(closed, in_graph=in_graph)
+    assert rep.num_folded == rep2.num_folded >= 20, str(rep)
+    assert _structure(cloned) == _structure(traced)
+    from tests.helpers import walk_eqns
+    scopes = [str(e.source_info.name_stack) for e, _ in walk_eqns(cloned)
+              if e.primitive.name == "conv_general_dilated"]
+    assert len(set(scopes)) == len(scopes) == 20      # each clone keeps its own layer's scope
+    assert all(s.count("conv") == 1 for s in scopes), scopes

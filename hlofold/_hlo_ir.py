@@ -1,0 +1,298 @@
+"""StableHLO through jaxlib's MLIR bindings: the IR adapter's vocabulary.
+
+Op names the pass knows (roots, per-channel arithmetic, ops a chain passes through), value
+and attribute accessors, dense constants to and from NumPy, the StableHLO arithmetic the s/t
+algebra runs on in the graph (:class:`IrArith`), and module-level utilities (parse, dead-code
+removal, private-function cleanup, the ``@main`` function).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compat as C
+
+ir, stablehlo, func_dialect = C.mlir()
+
+BINARY = {"stablehlo.add": "add", "stablehlo.subtract": "sub", "stablehlo.multiply": "mul",
+           "stablehlo.divide": "div"}
+DOTS = ("stablehlo.dot_general", "stablehlo.dot")
+# shape ops and casts an unreached normalization is traced back through
+PASS_THROUGH = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
+                 "stablehlo.broadcast_in_dim")
+ROOTS = ("stablehlo.convolution", *DOTS)
+# ops a chain passes through (replayed on the folded root's result), by their kind in the
+# shared rule ``pass_axis``
+SHAPE_KIND = {"stablehlo.convert": "convert", "stablehlo.reshape": "reshape",
+               "stablehlo.transpose": "transpose", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
+
+
+PASS_KINDS = ("convert", "shape")
+
+
+def attr_dims(op, name) -> list[int] | None:
+    return int_dims(op.attributes[name]) if name in op.attributes else None
+
+
+class StableHLOError(ValueError):
+    """The input is not a StableHLO module hlofold can read."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def shape_of(value) -> tuple[int, ...]:
+    return tuple(ir.RankedTensorType(value.type).shape)
+
+
+def elem_type(value):
+    return ir.RankedTensorType(value.type).element_type
+
+
+def np_dtype(etype) -> np.dtype | None:
+    s = str(etype)
+    return {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
+            "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}.get(s)
+
+
+def is_float(value) -> bool:
+    return np_dtype(elem_type(value)) is not None
+
+
+def owner_op(value):
+    """The defining op of ``value``, or None for block arguments."""
+    if isinstance(value, ir.BlockArgument):
+        return None
+    owner = value.owner
+    return owner if isinstance(owner, ir.Operation) else owner.operation
+
+
+def op_name(op) -> str:
+    return op.name if isinstance(op, ir.Operation) else op.operation.name
+
+
+def int_dims(attr) -> list[int]:
+    return list(ir.DenseI64ArrayAttr(attr))
+
+
+def location(op) -> tuple[str | None, int | None, str]:
+    """``(file, line, name)`` of an op's location: the first file:line in it and the first
+    name (TF's ``fused["conv1_conv/Conv2D", "ops.py":1221:0]``, JAX's
+    ``"jit(f)/conv_general_dilated"("model.py":42:7)``, torch_xla's names), read through
+    :func:`hlofold._compat.location_view`; missing parts are None / ""."""
+    file = line = None
+    names: list[str] = []
+    todo = [op.location]
+    while todo:
+        kind, loc = C.location_view(todo.pop(0))
+        if kind == "file" and file is None:
+            name = str(loc.filename)
+            file, line = ("<input>" if name in ("-", "") else name), int(loc.start_line)
+        elif kind == "name":
+            names.append(str(loc.name_str))
+            todo.insert(0, loc.child_loc)
+        elif kind == "fused":
+            todo[:0] = list(loc.locations)
+        elif kind == "callsite":
+            todo[:0] = [loc.callee, loc.caller]
+    return file, line, (names[0] if names else "")
+
+
+def dense_to_numpy(attr) -> np.ndarray | None:
+    """Values of a dense elements attribute (None where the bindings cannot read them)."""
+    a = ir.DenseElementsAttr(attr)
+    t = ir.RankedTensorType(a.type)
+    dt = np_dtype(t.element_type)
+    if dt is None:
+        return None
+    shape = tuple(t.shape)
+    if a.is_splat:
+        v = a.get_splat_value()
+        try:
+            return np.full(shape, ir.FloatAttr(v).value, dtype=np.float64).astype(dt)
+        except Exception:
+            return None
+    if dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
+        arr = np.array(a)
+        return arr.reshape(shape) if arr.dtype == dt else None
+    return None   # bf16 non-splat: the bindings cannot read it (the fold stays in the graph,
+    # guarded; bf16 has float32's range, so only a non-finite s can go wrong there)
+
+
+def numpy_to_dense(arr: np.ndarray, etype):
+    arr = np.ascontiguousarray(arr)
+    if str(etype) == "bf16":
+        return ir.DenseElementsAttr.get(arr.astype(C.bfloat16).view(np.uint16),
+                                        type=ir.RankedTensorType.get(arr.shape, etype))
+    if str(etype) == "f16":
+        return ir.DenseElementsAttr.get(arr.astype(np.float16).view(np.uint16),
+                                        type=ir.RankedTensorType.get(arr.shape, etype))
+    return ir.DenseElementsAttr.get(arr.astype(np_dtype(etype)),
+                                    type=ir.RankedTensorType.get(arr.shape, etype))
+
+
+class IrArith:
+    """The arithmetic ``collapse`` needs, as StableHLO ops on tensor<c x f32> (constants
+    for host values); used inside an insertion point."""
+
+    def __init__(self, c: int, ct):
+        self.c, self.ct = c, ct
+
+    def asarray(self, x):
+        if isinstance(x, (np.ndarray, float, int)):
+            arr = np.broadcast_to(np.asarray(x, np.float64), (self.c,))
+            return stablehlo.ConstantOp(numpy_to_dense(arr, self.ct)).result
+        return x
+
+    def add(self, a, b):
+        return stablehlo.AddOp(a, b).result
+
+    def sub(self, a, b):
+        return stablehlo.SubtractOp(a, b).result
+
+    def mul(self, a, b):
+        return stablehlo.MulOp(a, b).result
+
+    def div(self, a, b):
+        return stablehlo.DivOp(a, b).result
+
+    def neg(self, a):
+        return stablehlo.NegOp(a).result
+
+
+GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
+PREPARED_ATTR = "hlofold.prepared"   # marks an unguarded folded kernel or bias (guard=False)
+
+
+def all_finite(value):
+    """A ``tensor<i1>``: every element of ``value`` is finite (insert where you are)."""
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+    fin = stablehlo.IsFiniteOp(value).result
+    init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result
+    red = stablehlo.ReduceOp([scalar], [fin], [init],
+                             ir.DenseI64ArrayAttr.get(list(range(len(shape_of(value))))))
+    body = red.body.blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
+    return red.results[0]
+
+
+def reads(op) -> list:
+    """The values ``op`` reads: its operands and, inside its regions, values from above."""
+    out = list(op.operands)
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                out.extend(reads(inner))
+    return out
+
+
+def roots_in(op) -> list:
+    """The roots in ``op``'s regions, nested regions included (a multi-platform export puts
+    its program in the branches of a ``stablehlo.case``), hlofold's own guards excepted."""
+    out = []
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation if not isinstance(inner, ir.Operation) else inner
+                if op_name(inner) in ROOTS:
+                    out.append(inner)
+                elif GUARD_ATTR not in inner.attributes:
+                    out.extend(roots_in(inner))
+    return out
+
+
+def remap_operands(op, mapping):
+    """Replace, in ``op`` and in every op nested in its regions (a cond/while body may read
+    values from above), the operands that ``mapping`` renames."""
+    for i, v in enumerate(op.operands):
+        for src, dst in mapping.items():
+            if v == src:
+                op.operands[i] = dst
+                break
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                remap_operands(inner, mapping)
+
+
+def dce(module, inlined=frozenset()):
+    """Erase side-effect-free ops whose results nobody uses (left behind by the rewrite), and
+    the ``inlined`` private functions no longer called anywhere."""
+    pure = {"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+            "stablehlo.convert", "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply",
+            "stablehlo.divide", "stablehlo.negate", "stablehlo.rsqrt", "stablehlo.sqrt"}
+    changed = True
+    while changed:
+        changed = False
+        for fop in module.body.operations:
+            if op_name(fop) != "func.func" or not fop.regions[0].blocks:
+                continue
+            for op in reversed(list(fop.regions[0].blocks[0].operations)):
+                if op_name(op) in pure and all(len(list(r.uses)) == 0 for r in op.results):
+                    op.erase()
+                    changed = True
+    drop_uncalled_private(module, only=inlined)  # their calls were inlined away
+
+
+def drop_uncalled_private(module, only=None) -> None:
+    """Erase the private functions no ``func.call`` anywhere (nested regions included)
+    calls; with ``only``, just those of these names."""
+    called = set()
+
+    def calls_in(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if op_name(inner) == "func.call":
+                        called.add(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value)
+                    calls_in(inner)
+    for fop in module.body.operations:
+        calls_in(fop)
+    for fop in list(module.body.operations):
+        if op_name(fop) != "func.func" or "sym_visibility" not in fop.attributes or \
+                ir.StringAttr(fop.attributes["sym_visibility"]).value != "private":
+            continue
+        name = ir.StringAttr(fop.attributes["sym_name"]).value
+        if name not in called and (only is None or name in only):
+            fop.erase()
+
+
+def parse_module(text_or_bytes):
+    """Parse a StableHLO module (text or bytecode) into hlofold's MLIR context, checked."""
+    ctx = C.mlir_context()
+    with ctx, ir.Location.unknown():
+        try:
+            module = ir.Module.parse(text_or_bytes)
+        except Exception as e:   # MLIRError: keep the diagnostic, drop the traceback
+            what = "truncated or corrupt MLIR bytecode" if isinstance(
+                text_or_bytes, (bytes, bytearray)) else "not a readable MLIR module"
+            detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
+            raise StableHLOError(f"{what}: {detail}") from None
+        check_stablehlo(module)
+    return module
+
+
+def main_function(module):
+    """The module's ``@main`` ``func.func``."""
+    for op in module.body.operations:
+        if op_name(op) == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main" \
+                and op.regions[0].blocks:
+            return op
+    raise StableHLOError("the module has no @main function")
+
+
+def check_stablehlo(module):
+    names = set()
+    for fop in module.body.operations:
+        names.add(op_name(fop))
+        if op_name(fop) == "func.func" and fop.regions[0].blocks:
+            for op in fop.regions[0].blocks[0].operations:
+                names.add(op_name(op).split(".")[0])
+    unknown = {n for n in names if n not in ("func", "stablehlo", "chlo", "func.func",
+                                             "sdy", "mhlo", "shardy", "builtin")}
+    if not any(op_name(f) == "func.func" for f in module.body.operations):
+        raise StableHLOError("the module has no func.func: not a StableHLO program")
+    if unknown:
+        raise StableHLOError(f"the module uses dialects hlofold does not handle: "
+                             f"{sorted(unknown)}")

@@ -1,0 +1,428 @@
+"""Matching on StableHLO: roots, per-channel operands, and the chain after a root.
+
+:func:`root_info` reads a convolution or dot: which output dimension carries the features,
+which operand is the kernel and along which axis; :func:`resolve` traces a binary op's other
+operand back to a source that varies only along the feature dimension; :class:`Evaluator`
+computes constant sub-expressions on the host. :class:`ChainWalker` (the matching half of
+the pass in ``_stablehlo``) follows a root's result through per-channel arithmetic,
+``batch_norm_inference`` and the shape ops of the shared rule ``_patterns.pass_axis``,
+into private callees (inlined on trial), and accounts for normalizations no root reaches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import _compat as C
+from ._hlo_ir import (BINARY, DOTS, PASS_THROUGH, ROOTS, SHAPE_KIND, attr_dims, elem_type, int_dims,
+                      is_float, location, np_dtype, op_name, owner_op, reads, remap_operands,
+                      shape_of, dense_to_numpy)
+from ._patterns import Refusal, conv_layout, dot_layout, pass_axis, unit_reshape_map
+from ._report import NOT_REACHED, FoldSite
+from ._unreached import unreached_reason
+
+ir, stablehlo, func_dialect = C.mlir()
+
+@dataclasses.dataclass
+class Operand:
+    value: Any                 # smallest per-channel source
+    axis: int | None           # its channel axis (None: scalar-like)
+    casts: tuple               # element types converted to, in order
+    size: int
+
+
+@dataclasses.dataclass
+class Step:
+    op: Any
+    kind: str                  # add/sub/rsub/mul/div/neg/bn/convert
+    operand: Operand | None = None
+    bn: dict | None = None     # batch_norm_inference operands
+    axis: int = 0              # the channel axis of its result
+
+
+class Evaluator:
+    """Values of constant sub-expressions (float64 on the host), memoized."""
+
+    _UNARY = {"stablehlo.negate": np.negative, "stablehlo.sqrt": np.sqrt,
+              "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a), "stablehlo.exponential": np.exp}
+    _BIN = {"stablehlo.add": np.add, "stablehlo.subtract": np.subtract,
+            "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
+            "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
+
+    def __init__(self):
+        self.memo: dict[Any, np.ndarray | None] = {}
+
+    def __call__(self, value) -> np.ndarray | None:
+        key = value
+        if key in self.memo:
+            return self.memo[key]
+        out = self._eval(value)
+        self.memo[key] = out
+        return out
+
+    def _eval(self, value):
+        op = owner_op(value)
+        if op is None or not is_float(value):
+            return None
+        name = op_name(op)
+        dt = np_dtype(elem_type(value))
+        with np.errstate(all="ignore"):
+            if name == "stablehlo.constant":
+                return dense_to_numpy(op.attributes["value"])
+            ins = [self(v) for v in op.operands]
+            if any(x is None for x in ins):
+                return None
+            if name in self._UNARY:
+                return self._UNARY[name](ins[0].astype(np.float64)).astype(dt)
+            if name in self._BIN:
+                return self._BIN[name](ins[0].astype(np.float64),
+                                       ins[1].astype(np.float64)).astype(dt)
+            if name == "stablehlo.convert":
+                return ins[0].astype(dt)
+            if name == "stablehlo.reshape":
+                return ins[0].reshape(shape_of(value))
+            if name == "stablehlo.broadcast_in_dim":
+                dims = int_dims(op.attributes["broadcast_dimensions"])
+                shape = shape_of(value)
+                src = ins[0]
+                exp = [1] * len(shape)
+                for i, d in enumerate(dims):
+                    exp[d] = src.shape[i]
+                return np.broadcast_to(src.reshape(exp), shape).astype(dt)
+        return None
+
+
+def resolve(value, out_shape, axis) -> Operand | str:
+    """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``."""
+    shape = shape_of(value)
+    if len(shape) not in (0, len(out_shape)):
+        return f"operand of rank {len(shape)} against rank {len(out_shape)}"
+    amap = {i: i for i in range(len(shape))}
+    cur, casts, found, bad_axis = value, [], None, None
+    for _ in range(64):
+        cshape = shape_of(cur)
+        bad = [i for i, d in enumerate(cshape) if d != 1 and amap.get(i) != axis]
+        op = owner_op(cur)
+        if not bad:
+            src = next((i for i, d in enumerate(cshape) if d != 1 and amap.get(i) == axis), None)
+            found = Operand(cur, src, tuple(casts), cshape[src] if src is not None else 1)
+            if op is None or op_name(op) not in ("stablehlo.broadcast_in_dim",
+                                               "stablehlo.reshape"):
+                return found
+        elif amap.get(bad[0]) is not None:
+            bad_axis = amap.get(bad[0])
+        if op is None:
+            break
+        name = op_name(op)
+        if name == "stablehlo.broadcast_in_dim":
+            dims = int_dims(op.attributes["broadcast_dimensions"])
+            amap = {i: amap.get(d) for i, d in enumerate(dims)}
+            cur = op.operands[0]
+        elif name == "stablehlo.reshape":
+            src = op.operands[0]
+            m = unit_reshape_map(shape_of(src), cshape)
+            if m is None:
+                break
+            amap = {i: amap.get(m[i]) if i in m else None for i in range(len(shape_of(src)))}
+            cur = src
+        elif name == "stablehlo.convert" and found is None and is_float(op.operands[0]):
+            casts.insert(0, elem_type(cur))
+            cur = op.operands[0]
+        elif name == "stablehlo.dynamic_broadcast_in_dim":
+            return ("operand is broadcast to a symbolic (dynamic) shape: symbolic-shape modules "
+                    "are not folded at the StableHLO level; fold before exporting "
+                    "(hlofold.export takes symbolic shapes)")
+        else:
+            break
+    if found is not None:
+        return found
+    same = " (same size as the channels: matched by axis, not size)" if \
+        bad_axis is not None and out_shape[bad_axis] == out_shape[axis] else ""
+    where = f"dimension {bad_axis}" if bad_axis is not None else "a non-feature dimension"
+    return (f"operand varies along {where}, not only along the output-feature dimension "
+            f"{axis}{same}")
+
+
+def root_info(op):
+    """(output feature dim, kernel operand index, kernel feature dim, layout text, input
+    channels, feature groups) or a reason."""
+    name = op_name(op)
+    lhs, rhs, out = shape_of(op.operands[0]), shape_of(op.operands[1]), shape_of(op.results[0])
+    if name == "stablehlo.convolution":
+        dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+        layout = conv_layout(
+            (dn.input_batch_dimension, dn.input_feature_dimension, *dn.input_spatial_dimensions),
+            (dn.kernel_output_feature_dimension, dn.kernel_input_feature_dimension,
+             *dn.kernel_spatial_dimensions),
+            (dn.output_batch_dimension, dn.output_feature_dimension,
+             *dn.output_spatial_dimensions))
+        groups = (ir.IntegerAttr(op.attributes["feature_group_count"]).value
+                  if "feature_group_count" in op.attributes else 1)
+        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension, layout,
+                int(lhs[dn.input_feature_dimension]), int(groups))
+    lb, lc, rb, rc = dot_dims(op)
+    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs)) if d not in rb + rc]
+    if len(rfree) != 1:
+        return f"the rhs has {len(rfree)} free dimensions"
+    return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
+            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
+
+
+def dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(lhs batch, lhs contracting, rhs batch, rhs contracting) dimensions of a
+    ``stablehlo.dot_general``, or of a ``stablehlo.dot`` (a matrix/vector product: the lhs's
+    last dimension contracts with the rhs's first)."""
+    if op_name(op) == "stablehlo.dot":
+        return [], [len(shape_of(op.operands[0])) - 1], [], [0]
+    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    return (list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions),
+            list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions))
+
+
+def lhs_root_info(op):
+    """The weight as the lhs of a dot (its one free dimension is the output feature), tried
+    when the rhs reading folds nothing; None for convolutions."""
+    if op_name(op) not in DOTS:
+        return None
+    lb, lc, rb, rc = dot_dims(op)
+    lhs, rhs = shape_of(op.operands[0]), shape_of(op.operands[1])
+    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
+    if len(lfree) != 1 or not is_float(op.operands[0]):
+        return None
+    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, shape_of(op.results[0]), True),
+            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
+
+
+
+class ChainWalker:
+    """The chain walk of the StableHLO pass (``_stablehlo._Pass``)."""
+
+    def _account_unreached(self, fop, fname) -> None:
+        """A NOT_REACHED record for each ``batch_norm_inference`` and each ``multiply`` of
+        an activation by a per-channel vector of parameters that no root's chain took (the
+        rule of :mod:`hlofold._unreached`, as on the jaxpr path)."""
+        for op in list(fop.regions[0].blocks[0].operations):
+            name = op_name(op)
+            if name == "stablehlo.batch_norm_inference":
+                x = op.operands[0]
+                size = shape_of(x)[ir.IntegerAttr(op.attributes["feature_index"]).value]
+            elif name == "stablehlo.multiply" and len(shape_of(op.results[0])) >= 2:
+                acts = [v for v in op.operands if self._from_root(v)]
+                if len(acts) != 1:
+                    continue
+                x = acts[0]
+                other = op.operands[1] if x == op.operands[0] else op.operands[0]
+                shape = shape_of(op.results[0])
+                found = next((r for r in (resolve(other, shape, a) for a in range(len(shape))
+                                          if shape[a] != 1)
+                              if not isinstance(r, str) and r.size > 1), None)
+                if found is None or self._from_root(found.value):
+                    continue
+                size = found.size
+            else:
+                continue
+            after = self._before_chain(x)
+            if after is None or not self._from_root(x):
+                continue                 # a root's record accounts for it
+            uses = list(op.results[0].uses)
+            then = ("output" if not uses or op_name(uses[0].owner) == "func.return" else
+                    op_name(uses[0].owner).split(".")[-1])
+            file, line, lname = location(op)
+            self.sites.append(FoldSite(
+                pattern="unreached_affine", primitive=name, status=NOT_REACHED,
+                scope=f"@{fname}", file=file, line=line, name_stack=lname,
+                dtype=str(elem_type(op.results[0])), out_channels=int(size),
+                reason=unreached_reason(after, then)))
+
+    def _before_chain(self, value) -> str | None:
+        """The op before the per-channel arithmetic and shape ops leading to ``value``
+        ("input" at a function argument); None when that is a root."""
+        for _ in range(10_000):
+            op = owner_op(value)
+            if op is None:
+                return "input"
+            name = op_name(op)
+            if name in ROOTS:
+                return None
+            acts = [v for v in op.operands if self._from_root(v)]
+            if len(acts) == 1 and (name in BINARY or name in PASS_THROUGH):
+                value = acts[0]
+                continue
+            return name.split(".")[-1]
+        return "input"     # pragma: no cover
+
+    # -- chain walk
+
+    def _inline_call(self, call, arg_index) -> str | None:
+        """Inline a private callee into the caller when the chain continues in it; else say
+        why the chain ends at the call."""
+        callee_name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        callee = self.symbols.get(callee_name)
+        if callee is None or not callee.regions[0].blocks or \
+                "sym_visibility" not in callee.attributes or \
+                ir.StringAttr(callee.attributes["sym_visibility"]).value != "private":
+            return f"chain continues into @{callee_name}, which is not a private function"
+        body = callee.regions[0].blocks[0]
+        arg = body.arguments[arg_index]
+        uses = list(arg.uses)
+        if len(uses) != 1 or op_name(uses[0].owner) not in (*BINARY, "stablehlo.negate",
+                                                          "stablehlo.convert",
+                                                          "stablehlo.batch_norm_inference"):
+            first = op_name(uses[0].owner) if uses else "nothing"
+            return f"chain ends at call @{callee_name} (its argument feeds {first})"
+        mapping = {}
+        for a, v in zip(body.arguments, call.operands):
+            mapping[a] = v
+        ret, cloned = None, []
+        with ir.InsertionPoint(call):
+            for op in body.operations:
+                if op_name(op) == "func.return":
+                    ret = op
+                    break
+                new = op.clone()
+                cloned.append(new)
+                remap_operands(new, mapping)
+                for old_r, new_r in zip(op.results, new.results):
+                    mapping[old_r] = new_r
+        # a trial: the call stays (its uses moved to the inlined ops) until the site is
+        # decided; refused, the call gets its uses back and the inlined ops go (the module
+        # is changed only for a chain that folds)
+        results = [next((dst for src, dst in mapping.items() if src == v), v)
+                   for v in ret.operands]
+        for r, v in zip(call.results, results):
+            r.replace_all_uses_with(v)
+        self.trial.append((call, callee_name, cloned, results))
+        return None
+
+    def _end_trial(self, folded: bool) -> None:
+        """Keep (``folded``) or undo the private calls a site's walk inlined."""
+        if not self.trial:
+            return
+        for call, callee_name, cloned, results in reversed(self.trial):
+            if folded:
+                call.erase()
+                self.inlined.add(callee_name)
+                continue
+            for r, v in zip(call.results, results):
+                v.replace_all_uses_with(r)
+            for op in reversed(cloned):
+                op.erase()
+        self.trial.clear()
+        self.activation.clear()    # keyed by op addresses: drop them after erasing
+        self.eval.memo.clear()
+
+    def _walk(self, root, axis):
+        v = root.results[0]
+        steps, committed, stop, refusal = [], 0, None, False
+        while True:
+            pending = {c for c, *_ in self.trial}      # inlined: their uses moved
+            uses = [u for u in v.uses if u.owner not in pending]
+            if len(uses) != 1:
+                if len(uses) > 1:
+                    stop = f"a value in the chain has {len(uses)} consumers"
+                    refusal = True
+                else:
+                    stop = "value is unused"
+                break
+            user, pos = uses[0].owner, uses[0].operand_number
+            name = op_name(user)
+            if name == "func.return":
+                stop = "value is returned"
+                break
+            if name == "stablehlo.return" and op_name(user.parent) in ("stablehlo.case",
+                                                                      "stablehlo.if"):
+                stop = (f"the root is inside a {op_name(user.parent)} branch (a multi-platform "
+                        "export lowers each convolution per platform); not followed out of "
+                        "the branch — export for one platform, or fold before exporting "
+                        "(hlofold.export)")
+                break
+            if name == "func.call":
+                why = self._inline_call(user, pos)
+                if why is None:
+                    continue
+                stop = why
+                break
+            if name in BINARY:
+                kind = {"add": "add", "mul": "mul"}.get(BINARY[name])
+                if BINARY[name] == "sub":
+                    kind = "sub" if pos == 0 else "rsub"
+                elif BINARY[name] == "div":
+                    kind = "div" if pos == 0 else None
+                if kind is None:
+                    stop, refusal = "divide with the conv value as divisor is not affine", True
+                    break
+                op = resolve(user.operands[1 - pos], shape_of(v), axis)
+                if isinstance(op, str):
+                    stop, refusal = f"{name}: {op}", True
+                    break
+                if owner_op(op.value) is not None and self._from_root(op.value):
+                    stop, refusal = f"{name}: operand is computed from an activation", True
+                    break
+                steps.append(Step(user, kind, op, axis=axis))
+                committed = len(steps)
+            elif name == "stablehlo.negate":
+                steps.append(Step(user, "neg", axis=axis))
+                committed = len(steps)
+            elif name in SHAPE_KIND:
+                nxt = pass_axis(SHAPE_KIND[name], shape_of(v), shape_of(user.results[0]), axis,
+                                floats=is_float(v) and is_float(user.results[0]),
+                                perm=attr_dims(user, "permutation"),
+                                bdims=attr_dims(user, "broadcast_dimensions"))
+                if isinstance(nxt, Refusal):
+                    stop = f"{name}: {nxt.reason}"
+                    break
+                steps.append(Step(user, "convert" if SHAPE_KIND[name] == "convert"
+                                   else "shape", axis=nxt))
+                axis = nxt
+            elif name == "stablehlo.batch_norm_inference" and pos == 0:
+                fi = ir.IntegerAttr(user.attributes["feature_index"]).value
+                if fi != axis:
+                    stop = (f"batch_norm_inference feature_index {fi} is not the output-feature "
+                            f"dimension {axis}" + (" (same size: matched by dimension, not "
+                                                   "size)" if shape_of(v)[fi] == shape_of(v)[axis]
+                                                   else ""))
+                    refusal = True
+                    break
+                eps = ir.FloatAttr(user.attributes["epsilon"]).value
+                bn = {k: user.operands[i] for i, k in enumerate(
+                    ["x", "scale", "offset", "mean", "variance"])}
+                bn["epsilon"] = eps
+                steps.append(Step(user, "bn", bn=bn, axis=axis))
+                committed = len(steps)
+            else:
+                stop = f"chain ends at {name}"
+                break
+            v = user.results[0]
+        return steps[:committed], stop, refusal
+
+    def _from_root(self, value) -> bool:
+        """Whether ``value`` is computed from a conv/dot result (an activation), also through
+        ops whose regions read one (a site's run-time guard). Memoized per op (no op is
+        erased while the memo is in use: see ``dead``): one walk over the program in all,
+        not one per operand."""
+        top = owner_op(value)
+        if top is None:
+            return False
+        memo = self.activation
+        stack = [top]
+        while stack:
+            op = stack[-1]
+            if op in memo:
+                stack.pop()
+                continue
+            if op_name(op) in ROOTS:
+                memo[op] = True
+                stack.pop()
+                continue
+            producers = [p for p in (owner_op(v) for v in reads(op)) if p is not None]
+            missing = [p for p in producers if p not in memo]
+            if missing:
+                stack.extend(missing)
+                continue
+            memo[op] = any(memo[p] for p in producers)
+            stack.pop()
+        return memo[top]
+
