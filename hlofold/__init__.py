@@ -15,7 +15,7 @@ from ._artifacts import fold_stablehlo
 from ._export import export, lower
 from ._fold import fold_jaxpr
 from ._report import FoldReport, FoldSite
-from ._stablehlo import StableHLOError
+from ._hlo_ir import StableHLOError
 from ._verify import VerificationError, VerifyReport, verify
 
 __all__ = ["fold", "fold_jaxpr", "FoldReport", "FoldSite", "Folded", "Split", "lower",

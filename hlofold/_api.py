@@ -32,7 +32,8 @@ import numpy as np
 from . import _compat as C
 from ._dispatch import (MISS, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
                         leaf_key, make_fast, same_contents, static_key, trace_struct)
-from ._fold import NOT_PREPARED, fold_jaxpr
+from ._fold import fold_jaxpr
+from ._jaxpr_plan import NOT_PREPARED
 from ._tolerance import mismatch
 from ._prepare import Executables, fold_with_values, folding_of, place, with_inputs
 from ._report import FoldReport

@@ -416,7 +416,7 @@ def main(argv=None) -> int:
             if getattr(args, name) < 1:
                 parser.error(f"--{name} must be at least 1")
         return demo(args)
-    from ._stablehlo import StableHLOError
+    from ._hlo_ir import StableHLOError
     try:
         return {"fold": cmd_fold, "verify": cmd_verify, "report": cmd_report}[args.command](args)
     except (_UsageError, StableHLOError) as e:

@@ -30,9 +30,9 @@ import numpy as np
 
 from . import _compat as C
 from ._host import evaluate as host_evaluate
-from ._jaxpr_emit import GUARD_SCOPE, SiteEmitter, is_guard  # noqa: F401  (re-exported)
+from ._jaxpr_emit import SiteEmitter, is_guard
 from ._jaxpr_nested import NESTED_RULES, contains_root, other_rule
-from ._jaxpr_plan import NOT_PREPARED, Site, SitePlanner  # noqa: F401  (re-exported)
+from ._jaxpr_plan import Site, SitePlanner
 from ._patterns import (AFFINE_STEPS, PASS_STEPS, PATTERNS, AffineStep, RootInfo,
                         affine_step)
 from ._report import FOLDED, NOT_REACHED, REFUSED, FoldReport, FoldSite

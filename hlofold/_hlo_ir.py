@@ -16,14 +16,11 @@ ir, stablehlo, func_dialect = C.mlir()
 BINARY = {"stablehlo.add": "add", "stablehlo.subtract": "sub", "stablehlo.multiply": "mul",
            "stablehlo.divide": "div"}
 DOTS = ("stablehlo.dot_general", "stablehlo.dot")
-# shape ops and casts an unreached normalization is traced back through
-PASS_THROUGH = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
-                 "stablehlo.broadcast_in_dim")
 ROOTS = ("stablehlo.convolution", *DOTS)
 # ops a chain passes through (replayed on the folded root's result), by their kind in the
 # shared rule ``pass_axis``
 SHAPE_KIND = {"stablehlo.convert": "convert", "stablehlo.reshape": "reshape",
-               "stablehlo.transpose": "transpose", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
+              "stablehlo.transpose": "transpose", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
 
 
 PASS_KINDS = ("convert", "shape")

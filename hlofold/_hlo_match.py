@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._hlo_ir import (BINARY, DOTS, PASS_THROUGH, ROOTS, SHAPE_KIND, attr_dims, elem_type, int_dims,
-                      is_float, location, np_dtype, op_name, owner_op, reads, remap_operands,
+from ._hlo_ir import (BINARY, DOTS, ROOTS, SHAPE_KIND, attr_dims, elem_type, int_dims, is_float,
+                      location, np_dtype, op_name, owner_op, reads, remap_operands,
                       shape_of, dense_to_numpy)
 from ._patterns import Refusal, conv_layout, dot_layout, pass_axis, unit_reshape_map
 from ._report import NOT_REACHED, FoldSite
@@ -248,7 +248,7 @@ class ChainWalker:
             if name in ROOTS:
                 return None
             acts = [v for v in op.operands if self._from_root(v)]
-            if len(acts) == 1 and (name in BINARY or name in PASS_THROUGH):
+            if len(acts) == 1 and (name in BINARY or name in SHAPE_KIND):   # arithmetic, shape ops, casts
                 value = acts[0]
                 continue
             return name.split(".")[-1]
