@@ -158,6 +158,40 @@ def trace(fun: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, consts)
 
 
+def stage_cond(pred: Any, branches: Sequence[Callable], operands: Sequence[Any]) -> Any:
+    """``branches[int(pred)](*operands)`` as one ``cond`` equation of the current trace.
+
+    What ``lax.cond`` stages, without its pytree and checking machinery (which costs more
+    than the branches when a fold stages one guard per site): each branch is traced on
+    the operands' types, its constants become leading operands shared by both branches.
+    Each branch returns one array; a branch given as a ``ClosedJaxpr`` (of the operands'
+    types) is used as it is.
+    """
+    from jax import lax
+    avals = [aval_of(o) for o in operands]
+    traced = [b if isinstance(b, ClosedJaxpr) else trace(b, avals) for b in branches]
+    consts = [c for t in traced for c in t.consts]
+    closed, k = [], 0
+    for t in traced:
+        jaxpr = _pe.convert_constvars_jaxpr(t.jaxpr)
+        n = len(t.consts)
+        ins = ([new_var(aval_of(c)) for c in consts[:k]] + jaxpr.invars[:n] +
+               [new_var(aval_of(c)) for c in consts[k + n:]] + jaxpr.invars[n:])
+        closed.append(ClosedJaxpr(jaxpr.replace(invars=ins), []))
+        k += n
+    index = lax.convert_element_type(pred, "int32")
+    out = lax.cond_p.bind(index, *consts, *operands, branches=tuple(closed))
+    return out[0]
+
+
+def jaxpr_of(invars: Sequence[Var], eqns: Sequence[JaxprEqn], outvars: Sequence[Any]
+             ) -> ClosedJaxpr:
+    """A closed jaxpr made of existing equations (no trace)."""
+    effects = frozenset().union(*(e.effects for e in eqns))
+    dbg = _core.DebugInfo("hlofold", "jaxpr_of", None, None)
+    return ClosedJaxpr(Jaxpr([], list(invars), list(outvars), list(eqns), effects, dbg), [])
+
+
 def new_var(aval) -> Var:
     """A fresh jaxpr variable of type ``aval``."""
     return _core.Var(aval)

@@ -235,19 +235,41 @@ class SiteEmitter:
                 ok = all_finite(kp)
                 if site.has_shift and not isinstance(t, np.ndarray):
                     ok = lax.bitwise_and(ok, all_finite(cast(t, end_dtype)))
-                with jax.named_scope(GUARD_SCOPE):
-                    return lax.cond(ok, lambda: self._folded_value(site, read, kp, t),
-                                    lambda: self._original_value(site, read))
+                return self._guarded(site, read, ok, kp, t)
             return self._folded_value(site, read, kp, t)
 
-    def _original_value(self, site: Site, read):
-        """The site's original equations, replayed (the guard's fallback)."""
-        y = C.bind_eqn(site.eqn, [read(v) for v in site.eqn.invars])[0]
-        prev = site.eqn.outvars[0]
-        for st in site.steps:
-            y = C.bind_eqn(st.eqn, [y if v is prev else read(v) for v in st.eqn.invars])[0]
-            prev = st.eqn.outvars[0]
-        return y
+    def _guarded(self, site: Site, read, ok, kp, t):
+        """``cond(ok, folded, original)``: both branches read the site's atoms, the
+        folded one also ``kp`` and (when traced) ``t``."""
+        atoms = self._site_atoms(site)
+        traced_t = not isinstance(t, np.ndarray)
+        n = len(atoms)
+
+        def reader(vals):
+            index = {a: k for k, a in enumerate(atoms)}
+            return lambda a: a.val if isinstance(a, C.Literal) else vals[index[a]]
+
+        def folded(*vals):
+            return self._folded_value(site, reader(vals), vals[n],
+                                      vals[n + 1] if traced_t else t)
+
+        operands = [read(a) for a in atoms] + [kp] + ([t] if traced_t else [])
+        original = self._original_branch(site, atoms, [C.aval_of(x) for x in operands[n:]])
+        with jax.named_scope(GUARD_SCOPE):
+            return C.stage_cond(ok, (original, folded), operands)
+
+    @staticmethod
+    def _original_branch(site: Site, atoms: list, extra_avals: list) -> C.ClosedJaxpr:
+        """The guard's fallback: the site's original equations (root and chain) as they
+        are, reading ``atoms`` (then ignoring operands of ``extra_avals``)."""
+        ren: dict[Any, Any] = {a: C.new_var(a.aval) for a in atoms}
+        ins = list(ren.values()) + [C.new_var(av) for av in extra_avals]
+        eqns = []
+        for e in [site.eqn] + [st.eqn for st in site.steps]:
+            eqns.append(e.replace(
+                invars=[ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars],
+                outvars=[ren.setdefault(o, C.new_var(o.aval)) for o in e.outvars]))
+        return C.jaxpr_of(ins, eqns, [ren[site.end_var]])
 
     def _folded_value(self, site: Site, read, kp, t):
         """``root(x, kp)``, the chain's shape ops replayed, plus the bias ``t``."""
