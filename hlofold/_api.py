@@ -34,7 +34,7 @@ from ._dispatch import (MISS, Fast, as_tuple, check_not_deleted, fast_call, froz
                         leaf_key, make_fast, same_contents, static_key, trace_struct)
 from ._fold import fold_jaxpr
 from ._jaxpr_plan import NOT_PREPARED
-from ._tolerance import mismatch
+from ._tolerance import accumulation_of, mismatch
 from ._prepare import Executables, fold_with_values, folding_of, place, with_inputs
 from ._report import FoldReport
 
@@ -58,13 +58,13 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
       float32_kernels: for bf16/fp16 convolutions, keep the folded kernel in float32 and run
         the convolution in float32 (accuracy over speed). See :meth:`Folded.measure_precision`.
       verify: fail closed. On the first call for each input signature, run the folded and
-        the original program on those inputs and compare every output: NaN and inf at the
-        same places, and ``max|Δ| ≤ rtol·max|ref| + atol`` over the finite values, with
-        ``(rtol, atol)`` from :func:`verify_tolerance` by output dtype — float32/float64:
-        ``(1e-4, 1e-5)``, float16: ``(1e-2, 1e-3)``, bfloat16: ``(6e-2, 6e-3)``, anything
-        else exact. These bounds catch a wrong fold (errors of the order of the outputs),
-        not rounding; :meth:`Folded.measure_precision` measures that. Past the tolerance it
-        warns (``RuntimeWarning`` naming the folded sites, ``file:line``) and runs the
+        the original program on those inputs and compare every output under hlofold's
+        tolerance model (:mod:`hlofold._tolerance`): NaN and inf at the same places, and
+        ``max|Δ| ≤ min(eps·(8 + 2·√L)·(D + 1), 1/8)·max|ref|`` over the finite values,
+        with ``L`` the program's longest accumulation and ``D`` its depth in convs/dots;
+        non-float outputs exact. This catches a wrong fold (errors of the order of the
+        outputs), not rounding; :meth:`Folded.measure_precision` measures that. Past it
+        it warns (``RuntimeWarning`` naming the folded sites, ``file:line``) and runs the
         original program for that signature from then on. Calls whose inputs are tracers
         (under an enclosing transformation) are not verified.
       in_graph: what a call under an enclosing transformation (``jax.jit(fold(f))``,
@@ -431,8 +431,9 @@ class Folded:
     def _verify_call(self, prog: _Program, ref: list, outs: list) -> list:
         """Compare the folded outputs with the original program's on these inputs; on a
         mismatch warn and switch this signature to the original program."""
+        acc, depth = accumulation_of(prog.original.jaxpr)
         bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
-               if (why := mismatch(r, o)) is not None]
+               if (why := mismatch(r, o, acc, depth)) is not None]
         prog.verified = not bad
         if not bad:
             return outs

@@ -1,27 +1,17 @@
 """``hlofold.verify``: run the original and the folded program on every backend present and
-compare them, with a tolerance model per dtype that accounts for accumulation length.
-
-Tolerance model. A folded program computes the same sums in another order and rounds the
-kernel once more, so its error against the original grows like rounding noise over the
-longest accumulation ``L`` (the largest ``C_in/G · kernel window`` of a convolution, or
-contraction size of a dot):
-
-    |folded − original| ≤ eps(dtype) · (8 + 2·√L) · max|original|  (+ eps · 1e-3 absolute)
-
-Across backends (a GPU against the CPU original) float32 may run as TF32 on tensor cores,
-so the cross-backend check uses eps = 2⁻¹⁰ for float32 on GPUs and the same formula.
+compare them under hlofold's tolerance model (:mod:`hlofold._tolerance`: by dtype, longest
+accumulation and depth; TF32 eps for float32 on GPUs across backends).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
+from . import _tolerance as T
 
 _PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -57,20 +47,21 @@ class VerifyReport:
     accumulation: int
     backends: list[str]
     devices: dict[str, str] = dataclasses.field(default_factory=dict)
+    depth: int = 0
 
     @property
     def passed(self) -> bool:
         return all(r.passed for r in self.rows)
 
     def to_dict(self):
-        return {"passed": self.passed, "accumulation": self.accumulation,
+        return {"passed": self.passed, "accumulation": self.accumulation, "depth": self.depth,
                 "backends": self.backends, "devices": self.devices,
                 "rows": [r.to_dict() for r in self.rows]}
 
     def __str__(self):
         head = (f"hlofold verify: {'PASS' if self.passed else 'FAIL'} on "
                 f"{', '.join(f'{b} ({self.devices.get(b, b)})' for b in self.backends)}; "
-                f"accumulation length {self.accumulation}")
+                f"accumulation length {self.accumulation}, depth {self.depth}")
         lines = [head, f"  {'backend':8s} {'against':14s} out  dtype     max|Δ|     max rel  "
                        f"eps units  tolerance  result"]
         for r in self.rows:
@@ -80,22 +71,6 @@ class VerifyReport:
                          + ("" if r.finite == 1.0 else
                             f"  (only {r.finite:.0%} of the values are finite)"))
         return "\n".join(lines)
-
-
-def _eps(dtype, backend: str, cross: bool) -> float:
-    dt = np.dtype(dtype)
-    if not jnp.issubdtype(dt, jnp.floating):
-        return 0.0
-    if cross and backend == "gpu" and dt == np.float32:
-        return 2.0 ** -10
-    return float(jnp.finfo(dt).eps)
-
-
-def tolerance(dtype, scale: float, accumulation: int, backend: str = "cpu",
-              cross: bool = False) -> float:
-    """The absolute tolerance of the model above for outputs of magnitude ``scale``."""
-    eps = _eps(dtype, backend, cross)
-    return eps * (8 + 2 * math.sqrt(max(accumulation, 1))) * scale + eps * 1e-3
 
 
 def _available(backends):
@@ -116,56 +91,59 @@ def _as_callable(prog, platform: str):
     return module_callable(prog, platform)
 
 
-def accumulation_length(prog, args) -> int:
-    """The longest accumulation of a conv/dot in ``prog`` (a callable or an artifact)."""
-    best = 1
+def accumulation_length(prog, args) -> tuple[int, int]:
+    """``(L, D)`` of ``prog`` (a callable or an artifact): its longest accumulation of a
+    conv/dot and the most of them on one path (see :mod:`hlofold._tolerance`)."""
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
-        closed = jax.make_jaxpr(prog)(*args)
-        from ._jaxpr_nested import subjaxprs
-        stack = [closed.jaxpr]
-        while stack:
-            for e in stack.pop().eqns:
-                best = max(best, _eqn_acc(e))
-                stack.extend(subjaxprs(e))
-        return best
+        return T.accumulation_of(jax.make_jaxpr(prog)(*args).jaxpr)
     from ._artifacts import read_artifact
-    ir = C.mlir()[0]
-    art = read_artifact(prog)
+    from ._hlo_ir import parse_module
     with C.mlir_context():
-        module = ir.Module.parse(art.module)
-        for fop in module.body.operations:
-            for block in fop.regions[0].blocks if fop.operation.regions else []:
-                for op in block.operations:
-                    if op.operation.name == "stablehlo.convolution":
-                        stablehlo = C.mlir()[1]
-                        k = ir.RankedTensorType(op.operands[1].type).shape
-                        dn = stablehlo.ConvDimensionNumbers(
-                            op.attributes["dimension_numbers"])
-                        out_feat = k[dn.kernel_output_feature_dimension]
-                        best = max(best, int(np.prod(k)) // max(1, out_feat))
-                    elif op.operation.name == "stablehlo.dot_general":
-                        stablehlo = C.mlir()[1]
-                        lhs = ir.RankedTensorType(op.operands[0].type).shape
-                        dn = stablehlo.DotDimensionNumbers(
-                            op.attributes["dot_dimension_numbers"])
-                        best = max(best, int(np.prod([lhs[d] for d in
-                                                      dn.lhs_contracting_dimensions])))
-    return best
+        module = parse_module(read_artifact(prog).module)
+        funcs = {str(f.attributes["sym_name"]).strip('"'): f
+                 for f in module.body.operations if "sym_name" in f.attributes}
+        memo: dict = {}
+        main = funcs.get("main") or next(iter(funcs.values()))
+        return _region_accumulation(main.regions[0], funcs, memo)
 
 
-def _eqn_acc(e) -> int:
-    if e.primitive.name == "conv_general_dilated":
-        k = e.invars[1].aval.shape
-        out_feat = k[e.params["dimension_numbers"].rhs_spec[0]]
-        return int(np.prod(k)) // max(1, out_feat)
-    if e.primitive.name == "dot_general":
-        (lc, _), _ = e.params["dimension_numbers"]
-        return int(np.prod([e.invars[0].aval.shape[d] for d in lc], dtype=np.int64))
-    return 1
+def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
+    ir, stablehlo = C.mlir()[0], C.mlir()[1]
+    longest, deepest, depth = 1, 0, {}
+    for block in region.blocks:
+        for op in block.operations:
+            name = op.operation.name
+            d = max((depth.get(v, 0) for v in op.operands), default=0)
+            acc, inner = 1, []
+            if name == "stablehlo.convolution":
+                k = ir.RankedTensorType(op.operands[1].type).shape
+                dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+                acc = int(np.prod(k)) // max(1, k[dn.kernel_output_feature_dimension])
+            elif name == "stablehlo.dot_general":
+                lhs = ir.RankedTensorType(op.operands[0].type).shape
+                dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+                acc = int(np.prod([lhs[i] for i in dn.lhs_contracting_dimensions]))
+            elif name == "func.call":
+                callee = str(op.attributes["callee"]).lstrip("@")
+                if callee in funcs:
+                    if callee not in memo:
+                        memo[callee] = (1, 0)        # recursion guard
+                        memo[callee] = _region_accumulation(funcs[callee].regions[0],
+                                                            funcs, memo)
+                    inner.append(memo[callee])
+            inner += [_region_accumulation(r, funcs, memo) for r in op.operation.regions]
+            longest = max([longest, acc] + [a for a, _ in inner])
+            d += (name in ("stablehlo.convolution", "stablehlo.dot_general",
+                           "stablehlo.dot")) + max((k for _, k in inner), default=0)
+            for r in op.results:
+                depth[r] = d
+            deepest = max(deepest, d)
+    return longest, deepest
 
 
 def verify(original, folded, *args, backends: Sequence[str] | None = None,
-           accumulation: int | None = None, raise_on_failure: bool = True) -> VerifyReport:
+           accumulation: int | tuple[int, int] | None = None,
+           raise_on_failure: bool = True) -> VerifyReport:
     """Compare ``folded`` against ``original`` on every available backend.
 
     ``original``/``folded`` are Python callables or StableHLO artifacts (text, bytecode,
@@ -177,7 +155,9 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     names = _available(backends)
     if not names:
         raise ValueError(f"none of the backends {list(backends or _PLATFORMS)} is available")
-    acc = accumulation or accumulation_length(original, args)
+    if accumulation is None:
+        accumulation = accumulation_length(original, args)
+    acc, depth = accumulation if isinstance(accumulation, tuple) else (accumulation, 0)
     results: dict[str, tuple[list, list]] = {}
     devices = {}
     for b in names:
@@ -193,32 +173,20 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     for b in names:
         orig, fold = results[b]
         if len(orig) != len(fold):
-            raise VerificationError(VerifyReport([], acc, names, devices))
+            raise VerificationError(VerifyReport([], acc, names, devices, depth))
         pairs = [("same backend", orig)]
         if cpu_ref is not None and b != "cpu":
             pairs.append(("cpu original", cpu_ref))
         for against, refs in pairs:
             for i, (r, x) in enumerate(zip(refs, fold)):
-                rows.append(_row(b, against, i, r, x, acc))
-    rep = VerifyReport(rows, acc, names, devices)
+                rows.append(_row(b, against, i, r, x, acc, depth))
+    rep = VerifyReport(rows, acc, names, devices, depth)
     if raise_on_failure and not rep.passed:
         raise VerificationError(rep)
     return rep
 
 
-def _row(backend, against, i, ref, out, acc) -> VerifyRow:
-    r64, o64 = np.asarray(ref, np.float64), np.asarray(out, np.float64)
-    finite = np.isfinite(r64) & np.isfinite(o64)
-    same_nonfinite = np.array_equal(np.isnan(r64), np.isnan(o64)) and \
-        np.array_equal(np.where(np.isinf(r64), r64, 0), np.where(np.isinf(o64), o64, 0))
-    diff = np.abs(r64 - o64)[finite] if r64.size else np.zeros(0)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    scale = float(np.abs(r64[finite]).max()) if finite.any() else 0.0
-    cross = against != "same backend"
-    tol = tolerance(ref.dtype, scale, acc, backend, cross)
-    eps = _eps(ref.dtype, backend, cross) or 1.0
-    return VerifyRow(backend, against, i, str(ref.dtype), max_abs,
-                     max_abs / scale if scale else 0.0,
-                     max_abs / (eps * scale) if scale else 0.0, tol,
-                     bool(same_nonfinite and max_abs <= tol),
-                     float(finite.mean()) if finite.size else 1.0)
+def _row(backend, against, i, ref, out, acc, depth) -> VerifyRow:
+    c = T.compare(ref, out, acc, depth, backend, cross=against != "same backend")
+    return VerifyRow(backend, against, i, str(np.asarray(ref).dtype), c.max_abs, c.max_rel,
+                     c.eps_units, c.bound, c.passed, c.finite)

@@ -56,10 +56,55 @@ def max_err(ref, out) -> float:
     return float(np.max(np.abs(ref - out))) if ref.size else 0.0
 
 
-def assert_close(ref, out, rtol=1e-5, atol=1e-6):
-    """max|Δ| ≤ rtol·max|ref| + atol (float32 rounding of a folded program)."""
+def assert_close(ref, out, program=None, *, accumulation=64, depth=2):
+    """Every leaf of ``out`` equals ``ref``'s under hlofold's one tolerance model
+    (:mod:`hlofold._tolerance`): ``(L, D)`` of ``program`` (a closed jaxpr) when given, else
+    ``accumulation`` and ``depth`` (defaults: the small nets of the unit tests)."""
     import jax
-    for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
-        bound = rtol * float(np.max(np.abs(np.asarray(r, np.float64)))) + atol
-        err = max_err(r, o)
-        assert err <= bound, f"max|Δ| = {err:.3g} > {bound:.3g}"
+    from hlofold._tolerance import accumulation_of, compare
+    if program is not None:
+        accumulation, depth = accumulation_of(program.jaxpr)
+    refs, outs = jax.tree.leaves(ref), jax.tree.leaves(out)
+    assert len(refs) == len(outs), (len(refs), len(outs))
+    for k, (r, o) in enumerate(zip(refs, outs)):
+        c = compare(np.asarray(r), np.asarray(o), accumulation, depth)
+        assert c.passed, f"output {k}: {c.why}"
+
+
+def fold_jaxpr_checked(f, *args, folds, **options):
+    """``fold_jaxpr`` of ``f``'s jaxpr: a valid program, ``folds`` sites folded, the same
+    outputs as the original within the model. Returns ``(folded jaxpr, report)``."""
+    import jax
+
+    import hlofold
+    closed = jax.make_jaxpr(f)(*args)
+    new, rep = hlofold.fold_jaxpr(closed, **options)
+    C.check_jaxpr(new.jaxpr)
+    assert rep.num_folded == folds, str(rep)
+    assert_close(jax.jit(C.jaxpr_as_fun(closed))(*args), jax.jit(C.jaxpr_as_fun(new))(*args),
+                 closed)
+    return new, rep
+
+
+def fold_checked(f, *args, folds, freeze=(), root=None, refused=None):
+    """``hlofold.fold(f, freeze=freeze)``: ``folds`` sites folded (and ``refused`` refused,
+    when given), the same outputs as ``f`` on the first call, on a cached call and under an
+    enclosing ``jit``, and no scaling left after any ``root`` equation (when given).
+    Returns ``(folded function, report, f's outputs, folded outputs)``."""
+    import jax
+
+    import hlofold
+    ff = hlofold.fold(f, freeze=freeze)
+    rep = ff.report(*args)
+    assert rep.num_folded == folds, str(rep)
+    if refused is not None:
+        assert rep.num_refused == refused, str(rep)
+    if root is not None:
+        assert_no_scaling_after_convs(ff.jaxpr(*args), root=root)
+    program = jax.make_jaxpr(f)(*args)
+    ref, out = f(*args), ff(*args)
+    assert jax.tree.structure(ref) == jax.tree.structure(out)
+    assert_close(ref, out, program)
+    assert_close(ref, ff(*args), program)            # cached prepared values
+    assert_close(ref, jax.jit(ff)(*args), program)   # under an enclosing transformation
+    return ff, rep, ref, out

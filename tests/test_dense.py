@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 
 import hlofold
-from tests.helpers import assert_close, assert_no_scaling_after_convs, primitives
+from tests.helpers import assert_close, fold_checked, primitives
 
 RNG = np.random.default_rng(3)
 
@@ -26,11 +26,7 @@ def randomize_bn(tree, keys=("mean", "var", "scale", "bias")):
 
 def check(f, *args, folds, freeze=None):
     for fz in ((), freeze) if freeze is not None else ((),):
-        ff = hlofold.fold(f, freeze=fz)
-        rep = ff.report(*args)
-        assert rep.num_folded == folds, str(rep)
-        assert_close(f(*args), ff(*args))
-        assert_no_scaling_after_convs(ff.jaxpr(*args), root="dot_general")
+        rep = fold_checked(f, *args, folds=folds, freeze=fz, root="dot_general")[1]
     return rep
 
 

@@ -44,8 +44,7 @@ def _decisions(report, pattern_prefix):
 
 
 def _tolerance(spec, ref) -> float:
-    eps = float(np.finfo(np.dtype(spec.dtype)).eps)
-    return _bound(spec, ref) * eps / float(np.finfo(np.float32).eps)
+    return _bound(spec, ref, np.dtype(spec.dtype))
 
 
 def check_both_paths(spec):

@@ -13,6 +13,7 @@ import hlofold
 import hlofold._compat as C
 from tests.helpers import (assert_close, assert_no_scaling_after_convs, conv_consumers,
                            primitives)
+from tests.helpers import fold_jaxpr_checked as fold_and_check
 
 RNG = np.random.default_rng(0)
 
@@ -26,15 +27,6 @@ def bn_stats(c, dtype=np.float32):
 
 def run(closed, *args):
     return C.jaxpr_as_fun(closed)(*args)
-
-
-def fold_and_check(f, *args, folds, rtol=1e-5, atol=1e-6):
-    closed = jax.make_jaxpr(f)(*args)
-    new, rep = hlofold.fold_jaxpr(closed)
-    C.check_jaxpr(new.jaxpr)
-    assert rep.num_folded == folds, str(rep)
-    assert_close(run(closed, *args), run(new, *args), rtol, atol)
-    return new, rep
 
 
 def conv_nhwc(x, k, **kw):

@@ -8,8 +8,7 @@ import pytest
 from jax import lax
 
 import hlofold
-import hlofold._compat as C
-from tests.helpers import assert_close, conv_consumers
+from tests.helpers import conv_consumers, fold_jaxpr_checked
 
 RNG = np.random.default_rng(7)
 
@@ -21,22 +20,11 @@ def vec(n, lo=None):
 
 def fold_check(f, *args, folds, freeze_from=None):
     """Fold with everything as inputs, and with args[freeze_from:] frozen."""
-    out = []
-    closed = jax.make_jaxpr(f)(*args)
-    new, rep = hlofold.fold_jaxpr(closed, in_graph="prepared")   # structure without guards
-    C.check_jaxpr(new.jaxpr)
-    assert rep.num_folded == folds, str(rep)
-    assert_close(C.jaxpr_as_fun(closed)(*args), C.jaxpr_as_fun(new)(*args))
-    out.append((new, rep))
+    out = [fold_jaxpr_checked(f, *args, folds=folds, in_graph="prepared")]  # no guards
     if freeze_from is not None:
-        g = lambda *a: f(*a, *args[freeze_from:])
-        closed = jax.make_jaxpr(g)(*args[:freeze_from])
-        new, rep = hlofold.fold_jaxpr(closed)
-        C.check_jaxpr(new.jaxpr)
-        assert rep.num_folded == folds, str(rep)
+        new, rep = fold_jaxpr_checked(lambda *a: f(*a, *args[freeze_from:]),
+                                      *args[:freeze_from], folds=folds)
         assert {s.rescale for s in rep.folded} == {"constant"}
-        assert_close(C.jaxpr_as_fun(closed)(*args[:freeze_from]),
-                     C.jaxpr_as_fun(new)(*args[:freeze_from]))
         out.append((new, rep))
     return out
 

@@ -49,6 +49,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
+from hlofold._tolerance import bound as tolerance_bound  # noqa: E402
 
 SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 BF16 = np.dtype(jnp.bfloat16)
@@ -485,17 +486,13 @@ def _accumulation(spec: Spec) -> int:
     return longest
 
 
-def _bound(spec: Spec, ref) -> float:
-    """The float32 tolerance model: max|Δ| ≤ bound for an output whose reference is ``ref``.
-
-    Folding moves one rounding (``K·s`` is rounded instead of ``conv(x, K)·s``), which changes
-    each output by a few ulps of the terms of its dot product: growing like the square root of
-    the longest accumulation ``L`` (kernel window × input features per group) and with the
-    depth ``D`` (layers, scan iterations counted): ``1e-6·sqrt(L)·(D + 1)·(max|ref| + 1)``
-    (activations are O(1) between layers, hence the ``+ 1``).
-    """
+def _bound(spec: Spec, ref, dtype=np.float32) -> float:
+    """hlofold's tolerance model (:mod:`hlofold._tolerance`) for an output whose reference
+    is ``ref``: ``min(eps·(8 + 2·√L)·(D + 1), 1/8)·(max|ref| + 1)`` with ``L`` the longest
+    accumulation (kernel window × input features per group) and ``D`` the depth (layers,
+    scan iterations counted); ``+ 1`` because activations are O(1) between layers."""
     m = float(np.max(np.abs(np.asarray(ref, np.float64)))) if np.size(ref) else 0.0
-    return 1e-6 * math.sqrt(_accumulation(spec)) * (spec.depth() + 1) * (m + 1.0)
+    return tolerance_bound(dtype, m + 1.0, _accumulation(spec), spec.depth())
 
 
 def _bf16_bound(err_unfolded: float, ref32) -> float:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import hlofold
-from tests.helpers import assert_close, assert_no_scaling_after_convs
+from tests.helpers import assert_no_scaling_after_convs, fold_checked
 
 MODES = [
     pytest.param(False, "prepared", id="params-as-inputs"),
@@ -61,26 +61,15 @@ def _check_fold(f, args, *, freeze, rescale, expected_params):
     fold must absorb (checked when the parameters are inputs).
     """
     num_bn = len(expected_params)
-    folded = hlofold.fold(f, freeze=freeze)
-    report = folded.report(*args)
+    folded, report, ref, out = fold_checked(f, *args, folds=num_bn, freeze=freeze, refused=0,
+                                            root="conv_general_dilated")
     msg = str(report)
-    assert report.num_folded == num_bn, msg
-    assert report.num_refused == 0, msg
-    sites = report.folded
-    for s, expected in zip(sites, expected_params):
+    for s, expected in zip(report.folded, expected_params):
         assert s.rescale == rescale, msg
         assert s.absorbed, msg
         if rescale == "prepared":
             assert set(expected) <= set(s.params), (sorted(expected), s.params, msg)
-    assert_no_scaling_after_convs(folded.jaxpr(*args))
     assert_no_scaling_after_convs(folded.split(*args).apply_jaxpr)
-
-    ref = f(*args)
-    out = folded(*args)
-    assert jax.tree.structure(ref) == jax.tree.structure(out)
-    assert_close(ref, out)
-    assert_close(ref, folded(*args))            # cached prepared values / constant program
-    assert_close(ref, jax.jit(folded)(*args))   # inlined under an enclosing transformation
     return folded, report, ref, out
 
 

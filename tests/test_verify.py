@@ -15,7 +15,7 @@ import hlofold._jaxpr_emit
 import hlofold._jaxpr_plan
 import hlofold._stablehlo
 from hlofold import examples
-from hlofold._tolerance import mismatch as _mismatch, verify_tolerance
+from hlofold._tolerance import bound, mismatch as _mismatch
 from tests.helpers import assert_close
 
 P = examples.init_resnet(10, width=8, seed=2)
@@ -89,12 +89,22 @@ def test_verify_compares_nan_and_inf_positions():
     assert "instead of" in _mismatch(f32(1, 2), f32(1, 2, 3))
 
 
-def test_verify_tolerance():
-    assert verify_tolerance(jnp.float32) == (1e-4, 1e-5)
-    assert verify_tolerance(np.float64) == (1e-4, 1e-5)
-    assert verify_tolerance(jnp.float16) == (1e-2, 1e-3)
-    assert verify_tolerance(jnp.bfloat16) == (6e-2, 6e-3)
-    assert verify_tolerance(jnp.int32) is None
+def test_one_tolerance_model():
+    """The bound grows with the accumulation length and the depth, per dtype eps, and is
+    capped at max|ref|/8 so that a wrong fold (an O(max|ref|) error) always fails."""
+    e32, e16 = float(np.finfo(np.float32).eps), float(np.finfo(np.float16).eps)
+    assert bound(np.float32, 1.0) == pytest.approx(10 * e32 + 1e-3 * e32)
+    assert bound(np.float32, 1.0, 100, 1) == pytest.approx(2 * 28 * e32 + 1e-3 * e32)
+    assert bound(np.float16, 2.0, 100) == pytest.approx(2 * 28 * e16 + 1e-3 * e16)
+    assert bound(jnp.bfloat16, 1.0, 4608, 50) < 0.13        # capped
+    assert bound(np.float32, 1.0, 9, 0, backend="gpu", cross=True) > 1e-2   # TF32
+    assert bound(np.int32, 1.0) == 0.0
+    # a 1 % error passes in bf16 over a long accumulation, fails in float32
+    ref = np.linspace(-1, 1, 64).astype(np.float32)
+    assert _mismatch(ref, ref * 1.01, 4608, 10) is not None
+    rb = ref.astype(jnp.bfloat16)
+    assert _mismatch(rb, (ref * 1.01).astype(jnp.bfloat16), 4608, 10) is None
+    assert _mismatch(rb, (ref * 1.5).astype(jnp.bfloat16), 4608, 10) is not None
 
 
 def test_bf16_fold_passes_verify():
