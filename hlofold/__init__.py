@@ -10,7 +10,8 @@ Public API:
 * :func:`fold_stablehlo` — fold StableHLO modules other tools made (text, bytecode, exports).
 * :func:`verify` — compare original and folded programs on every backend present.
 """
-from ._api import Folded, Split, fold
+from ._api import Folded, fold
+from ._views import Split
 from ._artifacts import fold_stablehlo
 from ._export import export, lower
 from ._fold import fold_jaxpr

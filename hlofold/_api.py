@@ -20,7 +20,6 @@ default (or rescaled in the graph, guarded: ``in_graph=True``); with concrete pa
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import warnings
@@ -30,13 +29,14 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._dispatch import (MISS, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
+from ._dispatch import (CHURN_LIMIT, MISS, Program, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
                         leaf_key, make_fast, same_contents, static_key, trace_struct)
 from ._fold import fold_jaxpr
 from ._jaxpr_plan import NOT_PREPARED
 from ._tolerance import accumulation_of, mismatch
-from ._prepare import Executables, fold_with_values, folding_of, place, with_inputs
+from ._prepare import Executables, fold_with_values, folding_of, place
 from ._report import FoldReport
+from ._views import FoldedViews
 
 
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
@@ -89,92 +89,7 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
                   float32_kernels=float32_kernels, verify=verify, in_graph=in_graph)
 
 
-@dataclasses.dataclass
-class Split:
-    """The folded program split in two, for the parameter values it was made with.
-
-    ``prepare(*args, **kw)`` folds the parameter inputs listed in ``prepared_from`` (on the
-    host, see :mod:`hlofold._prepare`) and returns the arrays the per-call part needs
-    (folded kernels, biases, unfolded parameters); ``apply(prepared, *args, **kw)`` runs the
-    per-call part, reading only the inputs listed in ``per_call`` (pass the same pytree
-    structure; the values of the others are ignored). ``apply`` can be called under your own
-    ``jax.jit``. ``prepare`` runs outside it and raises ``ValueError`` for parameter values
-    that fold differently (e.g. a BatchNorm scale that is not finite refuses its site).
-    """
-
-    prepared_from: list[str]
-    per_call: list[str]
-    apply_jaxpr: C.ClosedJaxpr          # inputs: (*prepared, *per-call leaves)
-    report: FoldReport
-    _folded: "Folded"
-    _key: Any
-    _folding: Any
-    _fn: Callable
-
-    def prepare(self, *args, **kwargs) -> list[jax.Array]:
-        prog, leaves = self._folded._program_for(args, kwargs)
-        self._check(prog)
-        known = [leaves[i] for i in prog.known_idx]
-        if any(C.is_tracer(k) for k in known):
-            raise ValueError("hlofold: Split.prepare needs concrete parameters: call it "
-                             "outside jax.jit (and pass its result into your jitted apply)")
-        folding, _, prepared = self._folded._folding_for(prog, known)
-        if folding is not self._folding and folding.structure != self._folding.structure:
-            why = _first_difference(self._folding.report, folding.report)
-            raise ValueError(f"hlofold: these parameters fold differently from the ones the "
-                             f"split was made with ({why}); make a new split for them")
-        return list(prepared)
-
-    def apply(self, prepared: Sequence[jax.Array], *args, **kwargs):
-        prog, leaves = self._folded._program_for(args, kwargs)
-        self._check(prog)
-        outs = self._fn(*prepared, *[leaves[i] for i in prog.unknown_idx])
-        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
-
-    def _check(self, prog):
-        if prog.key != self._key:
-            raise ValueError("hlofold: Split.prepare/apply called with inputs of another "
-                             "signature than the one the split was made for")
-
-
-def _first_difference(a: FoldReport, b: FoldReport) -> str:
-    for x, y in zip(a.sites, b.sites):
-        if (x.status, x.reason) != (y.status, y.reason):
-            return f"{y.pattern} at {y.location}: {y.status}" + (f": {y.reason}"
-                                                                  if y.reason else "")
-    return "the folded program differs"
-
-
-@dataclasses.dataclass
-class _Program:
-    key: Any
-    original: C.ClosedJaxpr
-    leaf_names: list[str]
-    const_names: list
-    out_tree: Any
-    known_idx: list[int]           # inputs a folded site reads: folded per value, on the host
-    unknown_idx: list[int]         # per-call inputs
-    executables: Executables
-    frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
-    frozen_copies: tuple = ()      # (index, copy) of frozen NumPy arrays: checked every call
-    donated: tuple = ()            # flat input positions donated (from a jitted input)
-    unfolded: Callable | None = None  # the original program (fail-closed fallback, churn)
-    reference: Callable | None = None  # the original program without donation (verify)
-    cached: tuple | None = None    # (known leaves, Folding, apply executable, device values)
-    verified: bool | None = None   # verify=True: None until the first call compared
-    variants: dict = dataclasses.field(default_factory=dict)   # in_graph mode -> (jaxpr, report)
-    hits: int = 0                  # calls served by the cached prepared values
-    churn: int = 0                 # consecutive re-prepares after fewer than 2 hits
-    churned: bool = False          # parameters change every call: run the original program
-
-
-# A signature whose parameters were prepared again this many times in a row, each used for
-# fewer than two calls, runs the original program from then on: preparing (O(|K|) on the
-# host) every call would cost more than the BatchNorm epilogue it saves.
-CHURN_LIMIT = 3
-
-
-class Folded:
+class Folded(FoldedViews):
     """A folded inference function (see :func:`fold`)."""
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
@@ -196,7 +111,7 @@ class Folded:
         # donation of a jitted input is kept for the per-call inputs it names
         self._donate = self._to_names(set(ji[3]) | set(ji[4]), "donate") if ji else frozenset()
         self._cache = cache_prepared
-        self._programs: dict[Any, _Program] = {}
+        self._programs: dict[Any, Program] = {}
         self._failed: set = set()      # verify=True: signatures whose fold was found wrong
         self._fast: Fast | None = None
         functools.update_wrapper(self, self._py)
@@ -249,7 +164,7 @@ class Folded:
 
     # ---- programs
 
-    def _program_for(self, args, kwargs) -> tuple[_Program, list]:
+    def _program_for(self, args, kwargs) -> tuple[Program, list]:
         arguments = self._arguments(args, kwargs)
         static = {k: v for k, v in arguments.items() if k in self._static}
         frozen = {k: v for k, v in arguments.items() if k in self._freeze}
@@ -286,7 +201,7 @@ class Folded:
             self._programs[key] = prog
         return prog, leaves
 
-    def _build(self, key, arguments, static, frozen, leaves_p, tree, frz_leaves) -> _Program:
+    def _build(self, key, arguments, static, frozen, leaves_p, tree, frz_leaves) -> Program:
         names = [self._leaf_name(p) for p, _ in leaves_p]
         leaves = [l for _, l in leaves_p]
 
@@ -315,7 +230,7 @@ class Folded:
         unknown_idx = [i for i in range(len(names)) if i not in set(known_idx)]
         donated = tuple(i for i, (p, _) in enumerate(leaves_p)
                         if p and getattr(p[0], "key", None) in self._donate)
-        prog = _Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
+        prog = Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
                         Executables([j for j, i in enumerate(unknown_idx) if i in donated]),
                         frozen_refs=tuple(frz_leaves),
                         frozen_copies=tuple((i, np.array(x, copy=True))
@@ -329,7 +244,7 @@ class Folded:
                            place(folding.hoisted, frz_leaves))
         return prog
 
-    def _folding_for(self, prog: _Program, known: list, count: bool = True):
+    def _folding_for(self, prog: Program, known: list, count: bool = True):
         """``(Folding, apply executable, device values)`` for these parameter values: the
         cached ones while the parameters are the same arrays, else folded anew."""
         c = prog.cached
@@ -380,7 +295,7 @@ class Folded:
         self._fast = None if kwargs else self._fast_path(prog, args, leaves)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
-    def _fast_path(self, prog: _Program, args: tuple, leaves: list) -> Fast | None:
+    def _fast_path(self, prog: Program, args: tuple, leaves: list) -> Fast | None:
         """The steady-state checks of this signature, or None where a call needs more than
         identity and type checks (static or changed-in-place arguments, pending
         verification, traced inputs)."""
@@ -403,13 +318,13 @@ class Folded:
                             for l in leaves),
                 static_key({k: v for k, v in arguments.items() if k in self._static}))
 
-    def _unfolded(self, prog: _Program) -> Callable:
+    def _unfolded(self, prog: Program) -> Callable:
         if prog.unfolded is None:
             prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original),
                                     donate_argnums=prog.donated)
         return prog.unfolded
 
-    def _reference(self, prog: _Program) -> Callable:
+    def _reference(self, prog: Program) -> Callable:
         """The original program, never donating (verify runs it before the folded one)."""
         if not prog.donated:
             return self._unfolded(prog)
@@ -417,7 +332,7 @@ class Folded:
             prog.reference = jax.jit(C.jaxpr_as_fun(prog.original))
         return prog.reference
 
-    def _call_leaves(self, prog: _Program, leaves: list) -> list:
+    def _call_leaves(self, prog: Program, leaves: list) -> list:
         tracing = any(C.is_tracer(x) for x in leaves)
         if prog.verified is False:        # verify=True found the fold wrong for this signature
             if tracing:
@@ -428,7 +343,7 @@ class Folded:
             return self._verify_call(prog, ref, self._call_folded(prog, leaves, tracing))
         return self._call_folded(prog, leaves, tracing)
 
-    def _verify_call(self, prog: _Program, ref: list, outs: list) -> list:
+    def _verify_call(self, prog: Program, ref: list, outs: list) -> list:
         """Compare the folded outputs with the original program's on these inputs; on a
         mismatch warn and switch this signature to the original program."""
         acc, depth = accumulation_of(prog.original.jaxpr)
@@ -447,7 +362,7 @@ class Folded:
             RuntimeWarning, stacklevel=4)
         return ref
 
-    def _variant(self, prog: _Program, mode: str) -> tuple[C.ClosedJaxpr, FoldReport]:
+    def _variant(self, prog: Program, mode: str) -> tuple[C.ClosedJaxpr, FoldReport]:
         """The original program folded with ``in_graph=mode`` (see :func:`fold_jaxpr`)."""
         if mode not in prog.variants:
             prog.variants[mode] = fold_jaxpr(
@@ -458,7 +373,7 @@ class Folded:
     def _traced_mode(self) -> str:
         return "guarded" if self.in_graph else "never"
 
-    def _call_folded(self, prog: _Program, leaves: list, tracing: bool) -> list:
+    def _call_folded(self, prog: Program, leaves: list, tracing: bool) -> list:
         known = [leaves[i] for i in prog.known_idx]
         if any(C.is_tracer(k) for k in known):
             # parameters traced by an enclosing transformation: K·s cannot be prepared
@@ -470,91 +385,10 @@ class Folded:
         _, fn, prepared = self._folding_for(prog, known)
         return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx]))
 
-    def _folding_of(self, args, kwargs):
-        """(program, Folding for these arguments' parameter values, or None if traced)."""
-        prog, leaves = self._program_for(args, kwargs)
-        known = [leaves[i] for i in prog.known_idx]
-        if any(C.is_tracer(k) or not hasattr(k, "__array__") for k in known):
-            return prog, None
-        return prog, self._folding_for(prog, known, count=False)[0]
-
-    def report(self, *args, **kwargs) -> FoldReport:
-        """The fold report for these arguments (direct calls). With abstract parameters
-        (e.g. ``jax.ShapeDtypeStruct``) it says what would be prepared, without values."""
-        prog, rep = self._report_of(args, kwargs)
-        why = _running(prog)
-        return rep if why is None else dataclasses.replace(rep, running=why)
-
-    def _report_of(self, args, kwargs) -> tuple[_Program, FoldReport]:
-        prog, folding = self._folding_of(args, kwargs)
-        return prog, (self._variant(prog, "prepared")[1] if folding is None
-                      else folding.report)
-
-    def traced_report(self, *args, **kwargs) -> FoldReport:
-        """What a call under an enclosing transformation (``jax.jit(folded)``) folds, for
-        inputs of this signature: sites whose parameters would be traced there are reported
-        unfolded with the reason (``in_graph=False``) or guarded in the graph (``True``)."""
-        return self._variant(self._program_for(args, kwargs)[0], self._traced_mode())[1]
-
-    def measure_precision(self, *args, **kwargs) -> dict:
-        """Error of the unfolded and the folded program against a float32 reference of the
-        same network (every bf16/fp16 value carried in float32), on these inputs. The figures
-        are also stored in ``report(*args).precision``."""
-        from ._precision import measure
-        prog, leaves = self._program_for(args, kwargs)
-        result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l)), leaves)
-        self._report_of(args, kwargs)[1].precision = result
-        return result
-
-    def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
-        """The folded jaxpr for these arguments (inputs: the flattened non-static,
-        non-frozen arguments; a parameter a folded site absorbed is an unused input)."""
-        prog, folding = self._folding_of(args, kwargs)
-        if folding is None:
-            return self._variant(prog, "prepared")[0]
-        return with_inputs(folding, prog.original, prog.known_idx)
-
-    def original_jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
-        """The jaxpr before folding."""
-        return self._program_for(args, kwargs)[0].original
-
-    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """The folded program, lowered for these args (every non-static, non-frozen leaf an
-        argument): sites whose parameters are arguments are rescaled in the graph, guarded,
-        with ``in_graph=True``, and left as they are otherwise (see :meth:`traced_report`);
-        frozen parameters fold as constants."""
-        prog, leaves = self._program_for(args, kwargs)
-        return jax.jit(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])).lower(
-            *leaves)
-
-    def split(self, *args, **kwargs) -> Split:
-        """The prepare/apply split for these arguments (see :class:`Split`)."""
-        prog, leaves = self._program_for(args, kwargs)
-        known = [leaves[i] for i in prog.known_idx]
-        if any(C.is_tracer(k) for k in known):
-            raise ValueError("hlofold: Folded.split needs concrete parameters: call it "
-                             "outside jax.jit")
-        folding, fn, _ = self._folding_for(prog, known, count=False)
-        return Split([prog.leaf_names[i] for i in prog.known_idx],
-                     [prog.leaf_names[i] for i in prog.unknown_idx], folding.apply,
-                     folding.report, self, prog.key, folding, fn)
-
     def __repr__(self) -> str:
         name = getattr(self._py, '__qualname__', self._py)
-        off = [w for p in self._programs.values() if (w := _running(p))]
+        off = [w for p in self._programs.values() if (w := p.running())]
         if not off:
             return f"<hlofold.fold of {name!r}>"
         return (f"<hlofold.fold of {name!r}: {len(off)} of {len(self._programs)} input "
                 f"signatures run {off[0]}>")
-
-
-def _running(prog: _Program) -> str | None:
-    """What calls of this signature run instead of the folded program, and why."""
-    if prog.verified is False:
-        return ("the original program (verify=True found the folded outputs differ on the "
-                "first call)")
-    if prog.churned:
-        return (f"the original program (the parameters were new arrays on {CHURN_LIMIT} "
-                "calls in a row: preparing each would cost more than the BatchNorm saves; "
-                "pass the same arrays, or use split())")
-    return None

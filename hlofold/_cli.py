@@ -1,104 +1,9 @@
-"""The ``hlofold`` command line (also ``python -m hlofold``).
-
-``hlofold demo`` folds a built-in ResNet with realistic BatchNorm statistics and shows the
-report, the StableHLO of one block before and after, the numeric check, and a latency
-comparison.
-"""
+"""The ``hlofold`` command line (also ``python -m hlofold``): ``fold``, ``verify``, ``report``
+on StableHLO artifacts, and ``demo`` (:mod:`hlofold._demo`)."""
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-
-
-def _progress(step: int, total: int, what: str):
-    print(f"[{step}/{total}] {what} ...", file=sys.stderr, flush=True)
-
-
-def _block_excerpt(text: str, lines_after: int = 7) -> str:
-    """The first convolution of a StableHLO module and the ops that follow it."""
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if "stablehlo.convolution" in line:
-            chunk = lines[i:i + lines_after]
-            return "\n".join(l.strip()[:150] for l in chunk)
-    return "(no convolution found)"
-
-
-def demo(args) -> int:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import hlofold
-    from hlofold import examples
-
-    total = 5
-    t_start = time.perf_counter()
-    _progress(1, total, f"building ResNet-{args.depth} (width {args.width}) with realistic "
-                        "BN statistics")
-    params = examples.init_resnet(args.depth, width=args.width, seed=0)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal(
-        (args.batch, args.size, args.size, 3)), jnp.float32)
-    unfolded = jax.jit(examples.resnet_apply)
-    folded = hlofold.fold(unfolded)
-    frozen = hlofold.fold(examples.resnet_apply, freeze="params")
-
-    _progress(2, total, "tracing and folding")
-    t0 = time.perf_counter()
-    report = folded.report(params, x)
-    t_fold = time.perf_counter() - t0
-    print(f"\n== Fold report (params as inputs; traced and folded in {t_fold:.2f} s) ==")
-    print(report)
-
-    _progress(3, total, "lowering to StableHLO")
-    before = unfolded.lower(params, x).as_text()
-    after = frozen.lower(params, x).as_text()
-    print("\n== StableHLO of the first block, before (conv, then BN arithmetic) ==")
-    print(_block_excerpt(before))
-    print("\n== ... and after folding with frozen params (conv with a folded constant "
-          "kernel, then one add) ==")
-    print(_block_excerpt(after, 4))
-    print(f"\nops in the module: before {before.count(' = stablehlo.')}, "
-          f"after {after.count(' = stablehlo.')}")
-
-    _progress(4, total, "checking numerics")
-    ref = np.asarray(unfolded(params, x), np.float64)
-    errs = {}
-    for name, fn in (("folded (params as inputs)", folded), ("folded (frozen)", frozen)):
-        out = np.asarray(fn(params, x), np.float64)
-        errs[name] = float(np.max(np.abs(out - ref)))
-    bound = 1e-5 * float(np.max(np.abs(ref))) + 1e-6
-    print("\n== Numeric check against the unfolded program (same backend: "
-          f"{jax.default_backend()}) ==")
-    ok = True
-    for name, e in errs.items():
-        passed = e <= bound
-        ok &= passed
-        print(f"  {name:28s} max|Δ| = {e:.3e}  (bound 1e-5·max|ref| + 1e-6 = {bound:.3e})  "
-              f"{'PASS' if passed else 'FAIL'}")
-
-    if args.rounds > 0:
-        _progress(5, total, f"timing, {args.rounds} interleaved rounds")
-        variants = {"unfolded": lambda: unfolded(params, x),
-                    "folded, params as inputs": lambda: folded(params, x),
-                    "folded, frozen": lambda: frozen(params, x)}
-        for fn in variants.values():
-            jax.block_until_ready(fn())
-        samples = {k: [] for k in variants}
-        for _ in range(args.rounds):
-            for k, fn in variants.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                samples[k].append(time.perf_counter() - t0)
-        base = float(np.median(samples["unfolded"]))
-        print(f"\n== Latency, batch {args.batch}, {args.size}x{args.size} "
-              f"(median of {args.rounds}; a quick look — see benchmarks/ for the real thing) ==")
-        for k, v in samples.items():
-            med = float(np.median(v))
-            print(f"  {k:28s} {med * 1e3:8.2f} ms   ×{med / base:.2f} of unfolded")
-    print(f"\ndone in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
-    return 0 if ok else 1
 
 
 class _UsageError(Exception):
@@ -415,6 +320,7 @@ def main(argv=None) -> int:
         for name in ("width", "batch", "size"):
             if getattr(args, name) < 1:
                 parser.error(f"--{name} must be at least 1")
+        from ._demo import demo
         return demo(args)
     from ._hlo_ir import StableHLOError
     try:

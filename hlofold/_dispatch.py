@@ -1,4 +1,5 @@
-"""The decorator's per-call machinery: cache keys of arguments, and the steady-state call.
+"""The decorator's per-call machinery: cache keys of arguments, the per-signature
+:class:`Program`, and the steady-state call.
 
 ``jax.jit`` checks, in C++, that a call's arguments have the pytree structure and types of a
 compiled signature. :class:`Fast` adds what folding needs — the parameter arrays a prepared
@@ -171,3 +172,46 @@ _aval = operator.attrgetter("aval")
 _is_deleted = operator.methodcaller("is_deleted")
 is_, eq = operator.is_, operator.eq
 _flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
+
+
+@dataclasses.dataclass
+class Program:
+    """One input signature of a ``Folded``: its traced program, where its inputs go, and
+    what the calls of that signature have cached and learned."""
+
+    key: Any
+    original: C.ClosedJaxpr
+    leaf_names: list[str]
+    const_names: list
+    out_tree: Any
+    known_idx: list[int]           # inputs a folded site reads: folded per value, on the host
+    unknown_idx: list[int]         # per-call inputs
+    executables: Any               # _prepare.Executables
+    frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
+    frozen_copies: tuple = ()      # (index, copy) of frozen NumPy arrays: checked every call
+    donated: tuple = ()            # flat input positions donated (from a jitted input)
+    unfolded: Callable | None = None  # the original program (fail-closed fallback, churn)
+    reference: Callable | None = None  # the original program without donation (verify)
+    cached: tuple | None = None    # (known leaves, Folding, apply executable, device values)
+    verified: bool | None = None   # verify=True: None until the first call compared
+    variants: dict = dataclasses.field(default_factory=dict)   # in_graph mode -> (jaxpr, report)
+    hits: int = 0                  # calls served by the cached prepared values
+    churn: int = 0                 # consecutive re-prepares after fewer than 2 hits
+    churned: bool = False          # parameters change every call: run the original program
+
+    def running(self) -> str | None:
+        """What calls of this signature run instead of the folded program, and why."""
+        if self.verified is False:
+            return ("the original program (verify=True found the folded outputs differ on the "
+                    "first call)")
+        if self.churned:
+            return (f"the original program (the parameters were new arrays on {CHURN_LIMIT} "
+                    "calls in a row: preparing each would cost more than the BatchNorm saves; "
+                    "pass the same arrays, or use split())")
+        return None
+
+
+# A signature whose parameters were prepared again this many times in a row, each used for
+# fewer than two calls, runs the original program from then on: preparing (O(|K|) on the
+# host) every call would cost more than the BatchNorm epilogue it saves.
+CHURN_LIMIT = 3

@@ -13,7 +13,7 @@ dilation (lhs dilation included) and feature/batch grouping.
 
 The work is split by job: this module holds the scope (known values and provenance, the
 walk over equations, the report records, nested jaxprs through the rule table of
-``_jaxpr_nested``); ``_jaxpr_plan`` decides each site (matching with ``_patterns``, safety
+``_jaxpr_nested``); ``_jaxpr_plan`` decides each site (matching with ``_patterns`` and ``_chain_rules``, safety
 rules from ``_rules``); ``_jaxpr_emit`` splices the folded equations into the program. The
 plan is made outside any trace, with constants evaluated eagerly (``K ⊙ s`` of constant
 parameters is computed once, in float64 on the host); emission keeps every untouched
@@ -33,8 +33,8 @@ from ._host import evaluate as host_evaluate
 from ._jaxpr_emit import SiteEmitter, is_guard
 from ._jaxpr_nested import NESTED_RULES, contains_root, other_rule
 from ._jaxpr_plan import Site, SitePlanner
-from ._patterns import (AFFINE_STEPS, PASS_STEPS, PATTERNS, AffineStep, RootInfo,
-                        affine_step)
+from ._chain_rules import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
+from ._patterns import PATTERNS, RootInfo
 from ._report import FOLDED, NOT_REACHED, REFUSED, FoldReport, FoldSite
 from ._unreached import unreached_reason
 

@@ -1,200 +1,21 @@
-"""Matching on StableHLO: roots, per-channel operands, and the chain after a root.
+"""Matching on StableHLO: the chain after a root.
 
-:func:`root_info` reads a convolution or dot: which output dimension carries the features,
-which operand is the kernel and along which axis; :func:`resolve` traces a binary op's other
-operand back to a source that varies only along the feature dimension; :class:`Evaluator`
-computes constant sub-expressions on the host. :class:`ChainWalker` (the matching half of
+Roots and operands are read by ``_hlo_patterns``. :class:`ChainWalker` (the matching half of
 the pass in ``_stablehlo``) follows a root's result through per-channel arithmetic,
-``batch_norm_inference`` and the shape ops of the shared rule ``_patterns.pass_axis``,
+``batch_norm_inference`` and the shape ops of the shared rule ``_chain_rules.pass_axis``,
 into private callees (inlined on trial), and accounts for normalizations no root reaches.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import numpy as np
-
 from . import _compat as C
-from ._hlo_ir import (BINARY, DOTS, ROOTS, SHAPE_KIND, attr_dims, elem_type, int_dims, is_float,
-                      location, np_dtype, op_name, owner_op, reads, remap_operands,
-                      shape_of, dense_to_numpy)
-from ._patterns import Refusal, conv_layout, dot_layout, pass_axis, unit_reshape_map
+from ._chain_rules import Refusal, pass_axis
+from ._hlo_ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
+                      op_name, owner_op, reads, remap_operands, shape_of)
+from ._hlo_patterns import Step, axis_role, resolve
 from ._report import NOT_REACHED, FoldSite
 from ._unreached import unreached_reason
 
 ir, stablehlo, func_dialect = C.mlir()
-
-@dataclasses.dataclass
-class Operand:
-    value: Any                 # smallest per-channel source
-    axis: int | None           # its channel axis (None: scalar-like)
-    casts: tuple               # element types converted to, in order
-    size: int
-
-
-@dataclasses.dataclass
-class Step:
-    op: Any
-    kind: str                  # add/sub/rsub/mul/div/neg/bn/convert
-    operand: Operand | None = None
-    bn: dict | None = None     # batch_norm_inference operands
-    axis: int = 0              # the channel axis of its result
-
-
-class Evaluator:
-    """Values of constant sub-expressions (float64 on the host), memoized."""
-
-    _UNARY = {"stablehlo.negate": np.negative, "stablehlo.sqrt": np.sqrt,
-              "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a), "stablehlo.exponential": np.exp}
-    _BIN = {"stablehlo.add": np.add, "stablehlo.subtract": np.subtract,
-            "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
-            "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
-
-    def __init__(self):
-        self.memo: dict[Any, np.ndarray | None] = {}
-
-    def __call__(self, value) -> np.ndarray | None:
-        key = value
-        if key in self.memo:
-            return self.memo[key]
-        out = self._eval(value)
-        self.memo[key] = out
-        return out
-
-    def _eval(self, value):
-        op = owner_op(value)
-        if op is None or not is_float(value):
-            return None
-        name = op_name(op)
-        dt = np_dtype(elem_type(value))
-        with np.errstate(all="ignore"):
-            if name == "stablehlo.constant":
-                return dense_to_numpy(op.attributes["value"])
-            ins = [self(v) for v in op.operands]
-            if any(x is None for x in ins):
-                return None
-            if name in self._UNARY:
-                return self._UNARY[name](ins[0].astype(np.float64)).astype(dt)
-            if name in self._BIN:
-                return self._BIN[name](ins[0].astype(np.float64),
-                                       ins[1].astype(np.float64)).astype(dt)
-            if name == "stablehlo.convert":
-                return ins[0].astype(dt)
-            if name == "stablehlo.reshape":
-                return ins[0].reshape(shape_of(value))
-            if name == "stablehlo.broadcast_in_dim":
-                dims = int_dims(op.attributes["broadcast_dimensions"])
-                shape = shape_of(value)
-                src = ins[0]
-                exp = [1] * len(shape)
-                for i, d in enumerate(dims):
-                    exp[d] = src.shape[i]
-                return np.broadcast_to(src.reshape(exp), shape).astype(dt)
-        return None
-
-
-def resolve(value, out_shape, axis) -> Operand | str:
-    """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``."""
-    shape = shape_of(value)
-    if len(shape) not in (0, len(out_shape)):
-        return f"operand of rank {len(shape)} against rank {len(out_shape)}"
-    amap = {i: i for i in range(len(shape))}
-    cur, casts, found, bad_axis = value, [], None, None
-    for _ in range(64):
-        cshape = shape_of(cur)
-        bad = [i for i, d in enumerate(cshape) if d != 1 and amap.get(i) != axis]
-        op = owner_op(cur)
-        if not bad:
-            src = next((i for i, d in enumerate(cshape) if d != 1 and amap.get(i) == axis), None)
-            found = Operand(cur, src, tuple(casts), cshape[src] if src is not None else 1)
-            if op is None or op_name(op) not in ("stablehlo.broadcast_in_dim",
-                                               "stablehlo.reshape"):
-                return found
-        elif amap.get(bad[0]) is not None:
-            bad_axis = amap.get(bad[0])
-        if op is None:
-            break
-        name = op_name(op)
-        if name == "stablehlo.broadcast_in_dim":
-            dims = int_dims(op.attributes["broadcast_dimensions"])
-            amap = {i: amap.get(d) for i, d in enumerate(dims)}
-            cur = op.operands[0]
-        elif name == "stablehlo.reshape":
-            src = op.operands[0]
-            m = unit_reshape_map(shape_of(src), cshape)
-            if m is None:
-                break
-            amap = {i: amap.get(m[i]) if i in m else None for i in range(len(shape_of(src)))}
-            cur = src
-        elif name == "stablehlo.convert" and found is None and is_float(op.operands[0]):
-            casts.insert(0, elem_type(cur))
-            cur = op.operands[0]
-        elif name == "stablehlo.dynamic_broadcast_in_dim":
-            return ("operand is broadcast to a symbolic (dynamic) shape: symbolic-shape modules "
-                    "are not folded at the StableHLO level; fold before exporting "
-                    "(hlofold.export takes symbolic shapes)")
-        else:
-            break
-    if found is not None:
-        return found
-    same = " (same size as the channels: matched by axis, not size)" if \
-        bad_axis is not None and out_shape[bad_axis] == out_shape[axis] else ""
-    where = f"dimension {bad_axis}" if bad_axis is not None else "a non-feature dimension"
-    return (f"operand varies along {where}, not only along the output-feature dimension "
-            f"{axis}{same}")
-
-
-def root_info(op):
-    """(output feature dim, kernel operand index, kernel feature dim, layout text, input
-    channels, feature groups) or a reason."""
-    name = op_name(op)
-    lhs, rhs, out = shape_of(op.operands[0]), shape_of(op.operands[1]), shape_of(op.results[0])
-    if name == "stablehlo.convolution":
-        dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-        layout = conv_layout(
-            (dn.input_batch_dimension, dn.input_feature_dimension, *dn.input_spatial_dimensions),
-            (dn.kernel_output_feature_dimension, dn.kernel_input_feature_dimension,
-             *dn.kernel_spatial_dimensions),
-            (dn.output_batch_dimension, dn.output_feature_dimension,
-             *dn.output_spatial_dimensions))
-        groups = (ir.IntegerAttr(op.attributes["feature_group_count"]).value
-                  if "feature_group_count" in op.attributes else 1)
-        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension, layout,
-                int(lhs[dn.input_feature_dimension]), int(groups))
-    lb, lc, rb, rc = dot_dims(op)
-    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
-    rfree = [d for d in range(len(rhs)) if d not in rb + rc]
-    if len(rfree) != 1:
-        return f"the rhs has {len(rfree)} free dimensions"
-    return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
-            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
-
-
-def dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(lhs batch, lhs contracting, rhs batch, rhs contracting) dimensions of a
-    ``stablehlo.dot_general``, or of a ``stablehlo.dot`` (a matrix/vector product: the lhs's
-    last dimension contracts with the rhs's first)."""
-    if op_name(op) == "stablehlo.dot":
-        return [], [len(shape_of(op.operands[0])) - 1], [], [0]
-    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    return (list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions),
-            list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions))
-
-
-def lhs_root_info(op):
-    """The weight as the lhs of a dot (its one free dimension is the output feature), tried
-    when the rhs reading folds nothing; None for convolutions."""
-    if op_name(op) not in DOTS:
-        return None
-    lb, lc, rb, rc = dot_dims(op)
-    lhs, rhs = shape_of(op.operands[0]), shape_of(op.operands[1])
-    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
-    if len(lfree) != 1 or not is_float(op.operands[0]):
-        return None
-    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, shape_of(op.results[0]), True),
-            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
-
 
 
 class ChainWalker:
@@ -218,7 +39,7 @@ class ChainWalker:
                 shape = shape_of(op.results[0])
                 found = next((r for r in (resolve(other, shape, a) for a in range(len(shape))
                                           if shape[a] != 1)
-                              if not isinstance(r, str) and r.size > 1), None)
+                              if not isinstance(r, Refusal) and r.size > 1), None)
                 if found is None or self._from_root(found.value):
                     continue
                 size = found.size
@@ -355,8 +176,10 @@ class ChainWalker:
                     stop, refusal = "divide with the conv value as divisor is not affine", True
                     break
                 op = resolve(user.operands[1 - pos], shape_of(v), axis)
-                if isinstance(op, str):
-                    stop, refusal = f"{name}: {op}", True
+                if isinstance(op, Refusal):
+                    stop, refusal = f"{name}: {op.reason}", True
+                    if op.axis is not None and v == root.results[0]:
+                        stop += f"; axis {op.axis} is {axis_role(root, op.axis)}"
                     break
                 if owner_op(op.value) is not None and self._from_root(op.value):
                     stop, refusal = f"{name}: operand is computed from an activation", True

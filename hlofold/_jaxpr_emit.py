@@ -19,7 +19,7 @@ from jax import lax
 from . import _compat as C
 from ._algebra import (along_traced, cast, collapse, group_matrix_traced, kinds, lax_arith,
                        place_traced, reduce_but)
-from ._patterns import AffineStep, ChannelOperand, PassStep
+from ._chain_rules import AffineStep, ChannelOperand, PassStep
 
 if TYPE_CHECKING:
     from ._jaxpr_plan import Site

@@ -2,7 +2,7 @@
 
 :class:`SitePlanner` is the planning half of a jaxpr scope (``_fold._Scope``). For a root
 equation it walks the root's output through per-output-channel affine ops and shape ops
-(:meth:`SitePlanner._walk`, with the step rules of ``_patterns``), the root's input back
+(:meth:`SitePlanner._walk`, with the step rules of ``_chain_rules``), the root's input back
 through per-input-channel affine ops (:meth:`SitePlanner._plan_forward`), and decides:
 fold (constants computed now, in float64, with the rules of ``_rules``), fold in the graph
 (guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a reason.
@@ -16,8 +16,9 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import collapse, exact_f64, group_matrix_np, kinds, place_np, along
-from ._patterns import (FORWARD, AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
-                        PassStep, Refusal, RootInfo, affine_step, pass_step)
+from ._chain_rules import (AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
+                           Refusal, affine_step, pass_step)
+from ._patterns import FORWARD, RootInfo
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldSite
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 

@@ -28,7 +28,8 @@ from . import _compat as C
 from ._algebra import along, collapse
 from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith,
                       all_finite, dce, elem_type, is_float, location, np_dtype, numpy_to_dense, op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
-from ._hlo_match import ChainWalker, Evaluator, Operand, lhs_root_info, root_info
+from ._hlo_match import ChainWalker
+from ._hlo_patterns import Evaluator, Operand, lhs_root_info, root_info
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 

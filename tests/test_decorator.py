@@ -8,6 +8,7 @@ import pytest
 
 import hlofold
 from hlofold import examples
+from hlofold._dispatch import CHURN_LIMIT
 from tests.helpers import assert_close, assert_no_scaling_after_convs, primitives
 
 P = examples.init_resnet(10, width=8, seed=1)
@@ -68,7 +69,7 @@ def test_parameters_changing_every_call_run_the_original_program(monkeypatch):
     for k in range(8):
         pk = jax.tree.map(lambda a: a * (1 + 0.01 * k), P)
         assert_close(jax.jit(examples.resnet_apply)(pk, X), ff(pk, X))
-    assert len(calls) == 1 + api.CHURN_LIMIT, "then no more preparing"
+    assert len(calls) == 1 + CHURN_LIMIT, "then no more preparing"
     prog = ff._program_for((P, X), {})[0]
     assert prog.churned
     # the report and repr say that calls run the original program, and why

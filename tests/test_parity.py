@@ -73,6 +73,31 @@ def test_reshape_merging_the_channel_axis_stops_both_paths():
         np.testing.assert_array_equal(out, ref)
 
 
+@pytest.mark.parametrize("size, words", [
+    (5, "varies along axis 1 (size 5), not only along the output-feature axis 3"),
+    (4, "varies along axis 1 (size 4), not only along the output-feature axis 3 (same size "
+        "as the channels: matched by axis, not size)"),
+])
+def test_operand_refusals_are_the_same_words_on_both_paths(size, words):
+    """One operand rule (``_chain_rules.resolve_channel_operand``) on both adapters: the
+    same refusal, in the same words."""
+    x = RNG.standard_normal((2, size, size, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    s = RNG.uniform(0.5, 2, size).astype(np.float32)
+
+    def f(x, s):
+        return conv(x, k) * s.reshape(1, size, 1, 1)
+    results, ref = both_paths(f, x, s)
+    reasons = []
+    for path, rep, out in results:
+        assert rep.num_folded == 0, (path, str(rep))
+        site = next(z for z in rep.sites if "forward" not in z.pattern)
+        assert words in site.reason, (path, site.reason)
+        reasons.append(site.reason.split(": ", 1)[-1])
+        np.testing.assert_array_equal(out, ref)
+    assert reasons[0] == reasons[1], reasons
+
+
 # ------------------------------------------------------------------ float64
 
 
@@ -144,7 +169,7 @@ def test_refused_chain_across_a_private_call_leaves_the_module_unchanged():
     with module.context:
         report = fold_module(module, in_graph=True)
     assert report.num_folded == 0 and report.num_refused == 1, str(report)
-    assert "not only along the output-feature dimension" in report.refused[0].reason
+    assert "not only along the output-feature axis" in report.refused[0].reason
     assert str(module) == before
 
 

@@ -1,0 +1,145 @@
+"""What a :class:`~hlofold._api.Folded` shows besides calling it: reports, jaxprs, the
+lowered program, precision measurements, and the prepare/apply :class:`Split`.
+
+:class:`FoldedViews` is the inspection half of ``Folded`` (a mixin: it reads the program
+cache and the folding helpers of ``_api.Folded``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+
+from . import _compat as C
+from ._prepare import with_inputs
+from ._report import FoldReport
+
+
+@dataclasses.dataclass
+class Split:
+    """The folded program split in two, for the parameter values it was made with.
+
+    ``prepare(*args, **kw)`` folds the parameter inputs listed in ``prepared_from`` (on the
+    host, see :mod:`hlofold._prepare`) and returns the arrays the per-call part needs
+    (folded kernels, biases, unfolded parameters); ``apply(prepared, *args, **kw)`` runs the
+    per-call part, reading only the inputs listed in ``per_call`` (pass the same pytree
+    structure; the values of the others are ignored). ``apply`` can be called under your own
+    ``jax.jit``. ``prepare`` runs outside it and raises ``ValueError`` for parameter values
+    that fold differently (e.g. a BatchNorm scale that is not finite refuses its site).
+    """
+
+    prepared_from: list[str]
+    per_call: list[str]
+    apply_jaxpr: C.ClosedJaxpr          # inputs: (*prepared, *per-call leaves)
+    report: FoldReport
+    _folded: Any                        # the Folded it came from
+    _key: Any
+    _folding: Any
+    _fn: Callable
+
+    def prepare(self, *args, **kwargs) -> list[jax.Array]:
+        prog, leaves = self._folded._program_for(args, kwargs)
+        self._check(prog)
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) for k in known):
+            raise ValueError("hlofold: Split.prepare needs concrete parameters: call it "
+                             "outside jax.jit (and pass its result into your jitted apply)")
+        folding, _, prepared = self._folded._folding_for(prog, known)
+        if folding is not self._folding and folding.structure != self._folding.structure:
+            why = _first_difference(self._folding.report, folding.report)
+            raise ValueError(f"hlofold: these parameters fold differently from the ones the "
+                             f"split was made with ({why}); make a new split for them")
+        return list(prepared)
+
+    def apply(self, prepared: Sequence[jax.Array], *args, **kwargs):
+        prog, leaves = self._folded._program_for(args, kwargs)
+        self._check(prog)
+        outs = self._fn(*prepared, *[leaves[i] for i in prog.unknown_idx])
+        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+    def _check(self, prog):
+        if prog.key != self._key:
+            raise ValueError("hlofold: Split.prepare/apply called with inputs of another "
+                             "signature than the one the split was made for")
+
+
+def _first_difference(a: FoldReport, b: FoldReport) -> str:
+    for x, y in zip(a.sites, b.sites):
+        if (x.status, x.reason) != (y.status, y.reason):
+            return f"{y.pattern} at {y.location}: {y.status}" + (f": {y.reason}"
+                                                                  if y.reason else "")
+    return "the folded program differs"
+
+
+class FoldedViews:
+    """Inspection methods of ``Folded`` (see the module docstring)."""
+
+    def _folding_of(self, args, kwargs):
+        """(program, Folding for these arguments' parameter values, or None if traced)."""
+        prog, leaves = self._program_for(args, kwargs)
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) or not hasattr(k, "__array__") for k in known):
+            return prog, None
+        return prog, self._folding_for(prog, known, count=False)[0]
+
+    def report(self, *args, **kwargs) -> FoldReport:
+        """The fold report for these arguments (direct calls). With abstract parameters
+        (e.g. ``jax.ShapeDtypeStruct``) it says what would be prepared, without values."""
+        prog, rep = self._report_of(args, kwargs)
+        why = prog.running()
+        return rep if why is None else dataclasses.replace(rep, running=why)
+
+    def _report_of(self, args, kwargs) -> tuple[Any, FoldReport]:
+        prog, folding = self._folding_of(args, kwargs)
+        return prog, (self._variant(prog, "prepared")[1] if folding is None
+                      else folding.report)
+
+    def traced_report(self, *args, **kwargs) -> FoldReport:
+        """What a call under an enclosing transformation (``jax.jit(folded)``) folds, for
+        inputs of this signature: sites whose parameters would be traced there are reported
+        unfolded with the reason (``in_graph=False``) or guarded in the graph (``True``)."""
+        return self._variant(self._program_for(args, kwargs)[0], self._traced_mode())[1]
+
+    def measure_precision(self, *args, **kwargs) -> dict:
+        """Error of the unfolded and the folded program against a float32 reference of the
+        same network (every bf16/fp16 value carried in float32), on these inputs. The figures
+        are also stored in ``report(*args).precision``."""
+        from ._precision import measure
+        prog, leaves = self._program_for(args, kwargs)
+        result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l)), leaves)
+        self._report_of(args, kwargs)[1].precision = result
+        return result
+
+    def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
+        """The folded jaxpr for these arguments (inputs: the flattened non-static,
+        non-frozen arguments; a parameter a folded site absorbed is an unused input)."""
+        prog, folding = self._folding_of(args, kwargs)
+        if folding is None:
+            return self._variant(prog, "prepared")[0]
+        return with_inputs(folding, prog.original, prog.known_idx)
+
+    def original_jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
+        """The jaxpr before folding."""
+        return self._program_for(args, kwargs)[0].original
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """The folded program, lowered for these args (every non-static, non-frozen leaf an
+        argument): sites whose parameters are arguments are rescaled in the graph, guarded,
+        with ``in_graph=True``, and left as they are otherwise (see :meth:`traced_report`);
+        frozen parameters fold as constants."""
+        prog, leaves = self._program_for(args, kwargs)
+        return jax.jit(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])).lower(
+            *leaves)
+
+    def split(self, *args, **kwargs) -> Split:
+        """The prepare/apply split for these arguments (see :class:`Split`)."""
+        prog, leaves = self._program_for(args, kwargs)
+        known = [leaves[i] for i in prog.known_idx]
+        if any(C.is_tracer(k) for k in known):
+            raise ValueError("hlofold: Folded.split needs concrete parameters: call it "
+                             "outside jax.jit")
+        folding, fn, _ = self._folding_for(prog, known, count=False)
+        return Split([prog.leaf_names[i] for i in prog.known_idx],
+                     [prog.leaf_names[i] for i in prog.unknown_idx], folding.apply,
+                     folding.report, self, prog.key, folding, fn)

@@ -1,0 +1,227 @@
+"""Unit tests of the matching layer: the chain rules shared by both adapters
+(``_chain_rules``), the root patterns (``_patterns``) and their StableHLO side
+(``_hlo_patterns``), each rule on its own, with the same cases on both IRs where a rule
+exists on both."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from hlofold._chain_rules import (AffineStep, ChannelOperand, Refusal, affine_step, pass_axis,
+                                  pass_step, resolve_operand, unit_reshape_map)
+from hlofold._hlo_ir import op_name, parse_module
+from hlofold._hlo_patterns import Operand, dot_dims, lhs_root_info, resolve, root_info
+from hlofold._patterns import CONV_AFFINE, DOT_AFFINE, conv_layout, dot_layout
+
+OUT = (2, 5, 5, 6)           # NHWC conv output, channels on axis 3
+
+
+def _jaxpr(f, *shapes):
+    closed = jax.make_jaxpr(f)(*[jnp.zeros(s, jnp.float32) for s in shapes])
+    producer = {o: e for e in closed.jaxpr.eqns for o in e.outvars}
+    return closed.jaxpr, producer.get
+
+
+def _hlo_ops(f, *shapes):
+    text = jax.jit(f).lower(*[jnp.zeros(s, jnp.float32) for s in shapes]).as_text()
+    module = parse_module(text)
+    ops = []
+    for fop in module.body.operations:
+        for block in fop.regions[0].blocks:
+            ops.extend(block.operations)
+    return module, ops
+
+
+def _last(ops, name):
+    return [o for o in ops if op_name(o) == name][-1]
+
+
+# --------------------------------------------------------------------------- pass_axis
+
+
+@pytest.mark.parametrize("kind, src, out, axis, kw, expected", [
+    ("convert", (2, 6), (2, 6), 1, {}, 1),
+    ("convert", (2, 6), (2, 6), 1, {"floats": False}, "non-float"),
+    ("reshape", (2, 5, 5, 6), (2, 25, 6), 3, {}, 2),          # spatial axes merge
+    ("reshape", (2, 5, 5, 6), (2, 150), 3, {}, "merges or splits"),
+    ("reshape", (2, 1, 6), (2, 6), 2, {}, 1),
+    ("reshape", (2, 6, 1), (2, 1, 6), 1, {}, 2),
+    ("squeeze", (2, 1, 6), (2, 6), 2, {"dims": [1]}, 1),
+    ("transpose", (2, 5, 5, 6), (2, 6, 5, 5), 3, {"perm": (0, 3, 1, 2)}, 1),
+    ("transpose", (2, 5, 1, 6), (1, 6, 5, 2), 2, {"perm": (2, 3, 1, 0)}, 0),
+    ("broadcast_in_dim", (2, 6), (2, 1, 6), 1, {"bdims": (0, 2)}, 2),
+    ("broadcast_in_dim", (2, 6), (2, 3, 6), 1, {"bdims": (0, 2)}, "replicates"),
+    ("reshape", (2, 1), (1, 2), 1, {}, "size 1"),
+    ("sharding_constraint", (2, 6), (2, 6), 1, {}, 1),
+    ("cumsum", (2, 6), (2, 6), 1, {}, "chain ends at cumsum"),
+])
+def test_pass_axis(kind, src, out, axis, kw, expected):
+    got = pass_axis(kind, src, out, axis, **kw)
+    if isinstance(expected, int):
+        assert got == expected
+    else:
+        assert isinstance(got, Refusal) and expected in got.reason, got
+
+
+def test_unit_reshape_map():
+    assert unit_reshape_map((1, 6, 1), (6,)) == {1: 0}
+    assert unit_reshape_map((2, 6), (2, 1, 6)) == {0: 0, 1: 2}
+    assert unit_reshape_map((2, 6), (12,)) is None
+
+
+def test_pass_step_on_jaxpr_equations():
+    jaxpr, _ = _jaxpr(lambda y: jnp.transpose(y, (0, 3, 1, 2)).astype(jnp.float16)
+                      .reshape(2, 6, 25).astype(jnp.int32), OUT)
+    tr, cv, rs, ci = jaxpr.eqns
+    assert pass_step(tr, 3) == 1
+    assert pass_step(cv, 1) == 1
+    assert pass_step(rs, 1) == 1
+    assert "not between float types" in pass_step(ci, 1).reason
+
+
+# --------------------------------------------------------------------------- operands
+
+
+OPERAND_CASES = {
+    # name: (function of (y, v), v shape, channel axis, expected source shape | refusal text)
+    "vector": (lambda y, v: y * v, (6,), (6,)),
+    "4-d broadcast": (lambda y, v: y * v.reshape(1, 1, 1, 6), (6,), (6,)),
+    "scalar": (lambda y, v: y * v[0], (1,), ()),
+    "spatial": (lambda y, v: y * v.reshape(1, 5, 1, 1), (5,), "varies along"),
+    "full": (lambda y, v: y * v, OUT, "varies along"),
+    "same size, other axis": (lambda y, v: y[:, :, :, :5] * v.reshape(1, 1, 5, 1), (5,),
+                              "same size as the channels"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPERAND_CASES))
+def test_resolve_operand_on_both_irs(name):
+    f, vshape, expected = OPERAND_CASES[name]
+    jaxpr, producer = _jaxpr(f, OUT, vshape)
+    mul = [e for e in jaxpr.eqns if e.primitive.name == "mul"][-1]
+    out_shape = tuple(mul.outvars[0].aval.shape)
+    got = resolve_operand(mul.invars[1], out_shape, 3, producer)   # y is operand 0
+    _, ops = _hlo_ops(f, OUT, vshape)
+    hgot = resolve(_last(ops, "stablehlo.multiply").operands[1], out_shape, 3)
+    if isinstance(expected, tuple):
+        assert isinstance(got, ChannelOperand), got
+        assert got.size == int(np.prod(expected, dtype=int)) and got.casts == ()
+        assert isinstance(hgot, Operand), hgot
+        assert hgot.size == got.size and hgot.casts == ()
+    else:
+        assert isinstance(got, Refusal) and expected in got.reason, got
+        assert isinstance(hgot, Refusal) and hgot == got     # one rule: the same words
+
+
+def test_resolve_operand_records_float_casts_on_both_irs():
+    """A cast between the smallest source and the full-size operand is recorded (and
+    replayed on the source); a source already as small as it gets is taken as it is."""
+    f = lambda y, v: y * jnp.broadcast_to(v.astype(jnp.bfloat16), OUT).astype(jnp.float32)
+    jaxpr, producer = _jaxpr(f, OUT, (6,))
+    got = resolve_operand(jaxpr.eqns[-1].invars[1], OUT, 3, producer)
+    assert got.source is jaxpr.eqns[0].outvars[0]          # the bf16 vector
+    assert [np.dtype(d) for d in got.casts] == [np.dtype(np.float32)]
+    _, ops = _hlo_ops(f, OUT, (6,))
+    hgot = resolve(_last(ops, "stablehlo.multiply").operands[1], OUT, 3)
+    assert [str(t) for t in hgot.casts] == ["f32"] and hgot.size == 6
+    # already minimal: no walk back through the casts
+    f2 = lambda y, v: y * v.astype(jnp.bfloat16).astype(jnp.float32)
+    jaxpr, producer = _jaxpr(f2, OUT, (6,))
+    got = resolve_operand(jaxpr.eqns[-1].invars[1], OUT, 3, producer)
+    assert got.source is jaxpr.eqns[1].outvars[0] and got.casts == ()
+
+
+# --------------------------------------------------------------------------- affine steps
+
+
+@pytest.mark.parametrize("f, pos, kind", [
+    (lambda y, v: y + v, 0, "add"), (lambda y, v: v + y, 1, "add"),
+    (lambda y, v: y - v, 0, "sub"), (lambda y, v: v - y, 1, "rsub"),
+    (lambda y, v: y * v, 0, "mul"), (lambda y, v: y / v, 0, "div"),
+    (lambda y, v: -y, 0, "neg"),
+])
+def test_affine_step_kinds(f, pos, kind):
+    jaxpr, producer = _jaxpr(f, OUT, (6,))
+    step = affine_step(jaxpr.eqns[-1], pos, 3, producer)
+    assert isinstance(step, AffineStep) and step.kind == kind
+
+
+def test_affine_step_refusals():
+    jaxpr, producer = _jaxpr(lambda y, v: v / y, OUT, (6,))
+    assert "divisor" in affine_step(jaxpr.eqns[-1], 1, 3, producer).reason
+    jaxpr, producer = _jaxpr(lambda y, v: y[0] + v, OUT, (2, 5, 5, 6))
+    assert "larger shape" in affine_step(jaxpr.eqns[-1], 0, 2, producer).reason
+
+
+# --------------------------------------------------------------------------- roots
+
+
+def _conv(x, k, groups=1, dn=("NHWC", "HWIO", "NHWC")):
+    return lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=dn,
+                                    feature_group_count=groups)
+
+
+@pytest.mark.parametrize("dn, xs, ks, axis, kaxis", [
+    (("NHWC", "HWIO", "NHWC"), (2, 7, 7, 4), (3, 3, 4, 6), 3, 3),
+    (("NCHW", "OIHW", "NCHW"), (2, 4, 7, 7), (6, 4, 3, 3), 1, 0),
+])
+def test_conv_root_on_both_irs(dn, xs, ks, axis, kaxis):
+    f = lambda x, k: _conv(x, k, dn=dn)
+    jaxpr, _ = _jaxpr(f, xs, ks)
+    info = CONV_AFFINE.inspect_root(jaxpr.eqns[-1])
+    assert (info.channel_axis, info.kernel_index, info.kernel_axis) == (axis, 1, kaxis)
+    assert (info.in_channels, info.out_channels, info.groups) == (4, 6, 1)
+    _, ops = _hlo_ops(f, xs, ks)
+    hinfo = root_info(_last(ops, "stablehlo.convolution"))
+    assert hinfo[:3] == (axis, 1, kaxis) and hinfo[3] == info.layout
+    assert hinfo[4:] == (4, 1)
+
+
+def test_grouped_conv_root():
+    jaxpr, _ = _jaxpr(lambda x, k: _conv(x, k, groups=2), (2, 7, 7, 4), (3, 3, 2, 6))
+    info = CONV_AFFINE.inspect_root(jaxpr.eqns[-1])
+    assert info.groups == 2 and info.in_channels == 4
+
+
+def test_dot_root_on_both_irs():
+    f = lambda x, w: x @ w
+    jaxpr, _ = _jaxpr(f, (3, 8), (8, 5))
+    info = DOT_AFFINE.inspect_root(jaxpr.eqns[-1])
+    assert (info.channel_axis, info.kernel_index, info.kernel_axis) == (1, 1, 1)
+    assert info.in_channels == 8 and info.out_channels == 5
+    _, ops = _hlo_ops(f, (3, 8), (8, 5))
+    op = _last(ops, "stablehlo.dot_general")
+    assert dot_dims(op) == ([], [1], [], [0])
+    assert root_info(op)[:3] == (1, 1, 1) and root_info(op)[4] == 8
+    lhs = lhs_root_info(op)            # the weight read as the lhs: its free dim is rows
+    assert lhs[:3] == (0, 0, 0)
+
+
+def test_dot_root_refuses_integer_dots():
+    jaxpr = jax.make_jaxpr(lambda x, w: lax.dot_general(x, w, (((1,), (0,)), ((), ()))))(
+        jnp.zeros((3, 8), jnp.int8), jnp.zeros((8, 5), jnp.int8)).jaxpr
+    assert "integer dot" in DOT_AFFINE.inspect_root(jaxpr.eqns[-1]).reason
+
+
+def test_layout_names():
+    assert conv_layout((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)) == "NHWC,HWIO->NHWC"
+    assert conv_layout((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)) == "NCHW,OIHW->NCHW"
+    assert dot_layout((3, 8), (8, 5), (3, 5)) == "dot(3, 8)x(8, 5)->(3, 5)"
+
+
+def test_pattern_docstrings_name_the_pattern():
+    for p in (CONV_AFFINE, DOT_AFFINE):
+        assert "Pattern:" in type(p).__doc__
+
+
+def test_matching_layer_reads_jax_through_compat_only():
+    import inspect
+
+    import hlofold._chain_rules as R
+    import hlofold._hlo_patterns as H
+    import hlofold._patterns as P
+    for mod in (R, P, H):
+        assert "jax._src" not in inspect.getsource(mod)
