@@ -198,6 +198,11 @@ def resolve_operand(atom, out_shape, channel_axis: int,
                                    lambda v: v.aval.shape)
 
 
+# Refusals both adapters write (after the op's name), in the same words.
+DIVISOR = "with the conv value as divisor is not affine"
+FROM_ACTIVATION = ("operand is computed from a convolution output (a residual or a gate), not "
+                   "from parameters")
+
 # Affine steps: which operand position holds the chain value decides the kind.
 _BINARY_KIND = {
     ("add", 0): "add", ("add", 1): "add",
@@ -223,7 +228,7 @@ def affine_step(eqn: C.JaxprEqn, pos: int, channel_axis: int,
         return Refusal(f"{prim} with {len(eqn.invars)} operands")
     kind = _BINARY_KIND.get((prim, pos))
     if kind is None:
-        return Refusal(f"{prim} with the conv value as divisor is not affine")
+        return Refusal(f"{prim} {DIVISOR}")
     other = eqn.invars[1 - pos]
     if tuple(eqn.invars[pos].aval.shape) != tuple(out.shape):
         return Refusal(f"{prim} broadcasts the conv value to a larger shape {tuple(out.shape)}")

@@ -8,7 +8,7 @@ into private callees (inlined on trial), and accounts for normalizations no root
 from __future__ import annotations
 
 from . import _compat as C
-from ._chain_rules import Refusal, pass_axis
+from ._chain_rules import DIVISOR, FROM_ACTIVATION, Refusal, pass_axis
 from ._hlo_ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
                       op_name, owner_op, reads, remap_operands, shape_of)
 from ._hlo_patterns import Step, axis_role, resolve
@@ -173,7 +173,7 @@ class ChainWalker:
                 elif BINARY[name] == "div":
                     kind = "div" if pos == 0 else None
                 if kind is None:
-                    stop, refusal = "divide with the conv value as divisor is not affine", True
+                    stop, refusal = f"{name} {DIVISOR}", True
                     break
                 op = resolve(user.operands[1 - pos], shape_of(v), axis)
                 if isinstance(op, Refusal):
@@ -182,7 +182,7 @@ class ChainWalker:
                         stop += f"; axis {op.axis} is {axis_role(root, op.axis)}"
                     break
                 if owner_op(op.value) is not None and self._from_root(op.value):
-                    stop, refusal = f"{name}: operand is computed from an activation", True
+                    stop, refusal = f"{name}: {FROM_ACTIVATION}", True
                     break
                 steps.append(Step(user, kind, op, axis=axis))
                 committed = len(steps)

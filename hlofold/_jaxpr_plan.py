@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import collapse, exact_f64, group_matrix_np, kinds, place_np, along
-from ._chain_rules import (AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
+from ._chain_rules import (AFFINE_STEPS, FROM_ACTIVATION, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
                            Refusal, affine_step, pass_step)
 from ._patterns import FORWARD, RootInfo
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldSite
@@ -115,8 +115,7 @@ class SitePlanner:
                         reason += f"; axis {r.axis} is {pattern.explain_axis(eqn, r.axis)}"
                     break
                 if r.operand is not None and self.from_root(r.operand.source):
-                    reason = (f"{prim}: operand is computed from a convolution output (a "
-                              "residual or a gate), not from parameters")
+                    reason = f"{prim}: {FROM_ACTIVATION}"
                     refusal = True
                     break
                 steps.append(r)

@@ -240,3 +240,22 @@ def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
               if e.primitive.name == "conv_general_dilated"]
     assert len(set(scopes)) == len(scopes) == 20      # each clone keeps its own layer's scope
     assert all(s.count("conv") == 1 for s in scopes), scopes
+
+
+def test_operand_computed_from_an_activation_is_refused_in_the_same_words():
+    """A per-channel gate computed from another conv's output (squeeze-excite style) is not
+    a parameter: both paths refuse it, in the shared words of ``_chain_rules``."""
+    from hlofold._chain_rules import FROM_ACTIVATION
+    x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    k2 = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+
+    def f(x):
+        return conv(x, k) * jnp.mean(conv(x, k2), axis=(0, 1, 2))
+    results, ref = both_paths(f, x)
+    for path, rep, out in results:
+        assert rep.num_folded == 0, (path, str(rep))
+        site = next(z for z in rep.sites if "forward" not in z.pattern and z.reason and
+                    "operand" in z.reason)
+        assert site.reason.endswith(FROM_ACTIVATION), (path, site.reason)
+        np.testing.assert_array_equal(out, ref)
