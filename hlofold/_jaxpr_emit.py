@@ -245,8 +245,9 @@ class SiteEmitter:
         traced_t = not isinstance(t, np.ndarray)
         n = len(atoms)
 
+        index = {a: k for k, a in enumerate(atoms)}
+
         def reader(vals):
-            index = {a: k for k, a in enumerate(atoms)}
             return lambda a: a.val if isinstance(a, C.Literal) else vals[index[a]]
 
         def folded(*vals):

@@ -26,6 +26,7 @@ import numpy as np
 from . import _compat as C
 
 CAP = 1 / 8
+_ACCUMULATING = frozenset({"conv_general_dilated", "dot_general"})
 
 
 def eps(dtype, backend: str = "cpu", cross: bool = False) -> float:
@@ -106,15 +107,12 @@ def accumulation_of(jaxpr) -> tuple[int, int]:
         acc = _eqn_accumulation(e)
         inner = [accumulation_of(j) for j in subjaxprs(e)]
         longest = max([longest, acc] + [a for a, _ in inner])
-        d += (acc > 1 or e.primitive.name in _ACCUMULATING) + max((k for _, k in inner),
-                                                                    default=0)
+        d += (e.primitive.name in _ACCUMULATING) + max((k for _, k in inner), default=0)
         for o in e.outvars:
             depth[o] = d
         deepest = max(deepest, d)
     return longest, deepest
 
-
-_ACCUMULATING = frozenset({"conv_general_dilated", "dot_general"})
 
 
 def _eqn_accumulation(e) -> int:

@@ -108,6 +108,8 @@ def accumulation_length(prog, args) -> tuple[int, int]:
 
 
 def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
+    from ._hlo_ir import DOTS, ROOTS
+    from ._hlo_patterns import dot_dims
     ir, stablehlo = C.mlir()[0], C.mlir()[1]
     longest, deepest, depth = 1, 0, {}
     for block in region.blocks:
@@ -119,10 +121,9 @@ def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
                 k = ir.RankedTensorType(op.operands[1].type).shape
                 dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
                 acc = int(np.prod(k)) // max(1, k[dn.kernel_output_feature_dimension])
-            elif name == "stablehlo.dot_general":
+            elif name in DOTS:
                 lhs = ir.RankedTensorType(op.operands[0].type).shape
-                dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-                acc = int(np.prod([lhs[i] for i in dn.lhs_contracting_dimensions]))
+                acc = int(np.prod([lhs[i] for i in dot_dims(op)[1]]))
             elif name == "func.call":
                 callee = str(op.attributes["callee"]).lstrip("@")
                 if callee in funcs:
@@ -133,8 +134,7 @@ def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
                     inner.append(memo[callee])
             inner += [_region_accumulation(r, funcs, memo) for r in op.operation.regions]
             longest = max([longest, acc] + [a for a, _ in inner])
-            d += (name in ("stablehlo.convolution", "stablehlo.dot_general",
-                           "stablehlo.dot")) + max((k for _, k in inner), default=0)
+            d += (name in ROOTS) + max((k for _, k in inner), default=0)
             for r in op.results:
                 depth[r] = d
             deepest = max(deepest, d)
