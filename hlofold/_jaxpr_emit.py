@@ -105,6 +105,7 @@ class SiteEmitter:
              if isinstance(st, AffineStep) and st.operand is not None
              and isinstance(st.operand.source, C.Var)] +
             ([site.fwd.source] if site.fwd and isinstance(site.fwd.source, C.Var) else []) +
+            ([w for _, w in site.fwd.tokens if isinstance(w, C.Var)] if site.fwd else []) +
             ([v for st in site.steps for v in st.eqn.invars
               if isinstance(v, C.Var) and v not in internal] if site.guard else [])))
 
@@ -280,11 +281,15 @@ class SiteEmitter:
         with C.source_of(eqn):
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
+            act = 1 - info.kernel_index
             if fwd is not None:
-                invals[0] = read(fwd.source)
+                x = read(fwd.source)
+                for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
+                    x = (lax.mul if kind == "mul" else lax.add)(x, cast(read(w), x.dtype))
+                invals[act] = x
             out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
             if np.dtype(kp.dtype) != np.dtype(kernel.aval.dtype):   # float32_kernels
-                invals[0] = cast(invals[0], kp.dtype)
+                invals[act] = cast(invals[act], kp.dtype)
                 params = dict(eqn.params)
                 if params.get("preferred_element_type") is not None:
                     params["preferred_element_type"] = np.dtype(np.float32)

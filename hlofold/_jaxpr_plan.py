@@ -3,7 +3,7 @@
 :class:`SitePlanner` is the planning half of a jaxpr scope (``_fold._Scope``). For a root
 equation it walks the root's output through per-output-channel affine ops and shape ops
 (:meth:`SitePlanner._walk`, with the step rules of ``_chain_rules``), the root's input back
-through per-input-channel affine ops (:meth:`SitePlanner._plan_forward`), and decides:
+through per-input-channel affine ops (``_jaxpr_forward.ForwardPlanner``), and decides:
 fold (constants computed now, in float64, with the rules of ``_rules``), fold in the graph
 (guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a reason.
 """
@@ -18,7 +18,8 @@ from . import _compat as C
 from ._algebra import collapse, exact_f64, group_matrix_np, kinds, place_np, along
 from ._chain_rules import (AFFINE_STEPS, FROM_ACTIVATION, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
                            Refusal, affine_step, pass_step)
-from ._patterns import FORWARD, RootInfo
+from ._jaxpr_forward import Forward, ForwardPlanner
+from ._patterns import RootInfo
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldSite
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
@@ -60,24 +61,7 @@ class Site:
     guard: bool = False                        # run-time check, original equations as fallback
 
 
-@dataclasses.dataclass
-class Forward:
-    """An affine chain in front of the root: ``root(x·s + t, K) = root(x, K ⊙ s) + b``."""
-
-    steps: list                  # AffineSteps, in program order
-    source: Any                  # x: the value before the chain
-    k_in_axis: int               # kernel axis contracted with the input features
-    groups: int
-    record: FoldSite
-    s_known: np.ndarray | None = None
-    t_known: np.ndarray | None = None
-
-    @property
-    def has_shift(self) -> bool:
-        return any(s.kind in ("add", "sub", "rsub") for s in self.steps)
-
-
-class SitePlanner:
+class SitePlanner(ForwardPlanner):
     """Decides each root's site; records it in the report (``self._record``) and, when it
     folds, in the plan the emitter reads (``site_at_end``, ``skip``, ``claimed``)."""
 
@@ -139,9 +123,10 @@ class SitePlanner:
         for info in [first] + pattern.alternatives(eqn):   # the first reading that folds
             if isinstance(info, Refusal):
                 continue
-            if info is not first and self.value(eqn.invars[info.kernel_index]) is None:
-                continue     # another reading only for a weight known at transform time: an
-                # input on the lhs may as well be the activations
+            if info is not first and self.value(eqn.invars[info.kernel_index]) is None \
+                    and not self._weight_like(eqn, info.kernel_index):
+                continue     # another reading only for a weight: an input on the lhs may as
+                # well be the activations
             walked = self._walk(eqn, info, pattern)
             aff = [s for s in walked[0] if isinstance(s, AffineStep)]
             folds = bool(aff) and not (len(aff) == 1 and aff[0].kind in ("add", "sub")) and \
@@ -158,7 +143,7 @@ class SitePlanner:
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
         backward = bool(affine) and not (len(affine) == 1 and affine[0].kind in ("add", "sub"))
-        fwd = self._plan_forward(eqn, pattern, info) if info.kernel_index == 1 else None
+        fwd = self._plan_forward(eqn, pattern, info)
         if not backward:
             if not affine:
                 if not (fwd is not None and stop == "value is unused"):
@@ -287,61 +272,23 @@ class SitePlanner:
         self.site_at_end[site.end_idx] = site
         return True
 
+    def _weight_like(self, eqn, k: int) -> bool:
+        """Operand ``k`` of ``eqn`` is an input (through at most a few layout ops) and the
+        other operand is computed from the activations: the weight, not yet known (the
+        prepare step binds it)."""
+        small = self._cone(eqn.invars[k], limit=3)
+        other = self._cone(eqn.invars[1 - k], limit=3)
+        return (small is not None and not self.from_root(eqn.invars[k])
+                and all(v not in self.producer or self.producer[v][1].primitive.name in
+                        ("transpose", "reshape", "convert_element_type") for v in small)
+                and other is None)
+
     def _kernel_dtype(self, kernel) -> np.dtype:
         """The dtype the folded kernel is rounded to."""
         kd = np.dtype(kernel.aval.dtype)
         if self.opts.float32_kernels and kd.itemsize < 4:
             return np.dtype(np.float32)
         return kd
-
-    def _plan_forward(self, eqn, pattern, info: RootInfo) -> Forward | None:
-        """Follow the root's lhs back through per-input-channel affine ops (single consumer
-        each). Returns the forward fold, or None (no chain, or refused: then recorded)."""
-        axis = pattern.lhs_channel_axis(eqn)
-        if axis is None:
-            return None
-        producer = lambda u: self.producer.get(u, (0, None))[1]
-        v, steps, reason = eqn.invars[0], [], None
-        while isinstance(v, C.Var) and v in self.producer:
-            k, e = self.producer[v]
-            if e.primitive.name not in AFFINE_STEPS or k in self.claimed:
-                break
-            cands = []
-            for pos in range(len(e.invars)):
-                if not isinstance(e.invars[pos], C.Var):
-                    continue
-                r = affine_step(e, pos, axis, producer)
-                if isinstance(r, AffineStep) and (r.operand is None
-                                                  or not self.from_root(r.operand.source)):
-                    cands.append((pos, r))
-            if len(cands) != 1:
-                if len(cands) > 1:
-                    reason = "both operands of the op before the root look per-channel"
-                break
-            n = len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
-            if n != 1:
-                reason = f"the root's input (or a value before it) has {n} consumers"
-                break
-            steps.append(cands[0][1])
-            v = e.invars[cands[0][0]]
-        fpat = FORWARD[eqn.primitive.name]
-        self.forward_taken.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
-        if not steps:
-            if reason is not None:     # an affine op was there, but could not be taken
-                self._record(eqn, fpat, info, REFUSED, reason=reason)
-            return None
-        steps.reverse()
-        names = sorted({n for s in steps if s.operand is not None
-                        for n in self.names(s.operand.source) if n})
-        ic = pattern.input_channel(eqn)
-        absorbed = [s.eqn.primitive.name for s in steps]
-        if isinstance(ic, Refusal):
-            self._record(eqn, fpat, info, REFUSED, absorbed=absorbed, params=names,
-                         reason=ic.reason)
-            return None
-        rec = self._record(eqn, fpat, info, FOLDED, absorbed=absorbed, params=names)
-        rec.note = f"chain stopped: {reason}" if reason else None
-        return Forward(steps, v, ic[1], info.groups, rec)
 
     def _refuse(self, rec: FoldSite | None, reason: str) -> bool:
         if rec is not None:

@@ -107,12 +107,15 @@ class ConvAffinePattern:
     def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:
         return conv_axis_role(axis, eqn.params["dimension_numbers"].out_spec[0])
 
-    def lhs_channel_axis(self, eqn: C.JaxprEqn) -> int | None:
-        return eqn.params["dimension_numbers"].lhs_spec[1]
+    def lhs_channel_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
+        """The input-feature axis of operand ``act`` (the activations), if it has one."""
+        return eqn.params["dimension_numbers"].lhs_spec[1] if act == 0 else None
 
-    def input_channel(self, eqn: C.JaxprEqn) -> tuple[int, int] | Refusal:
+    def input_channel(self, eqn: C.JaxprEqn, act: int = 0) -> tuple[int, int] | Refusal:
         """(lhs feature axis, kernel input-feature axis) for folding an affine *before* the
         conv; refused where the padded or dilated zeros would not see the shift."""
+        if act != 0:
+            return Refusal("the convolution's activations are its rhs")
         p = eqn.params
         dn = p["dimension_numbers"]
         if any(lo or hi for lo, hi in p["padding"]):
@@ -175,17 +178,19 @@ class DotAffinePattern:
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         return dot_axis_role(axis, len(lb), len(lhs_free))
 
-    def lhs_channel_axis(self, eqn: C.JaxprEqn) -> int | None:
-        lc = _dot_dims(eqn)[0]
-        return lc[0] if len(lc) == 1 else None
+    def lhs_channel_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
+        """The contracted (input-feature) axis of operand ``act``, if there is one."""
+        contracting = _dot_dims(eqn)[act]
+        return contracting[0] if len(contracting) == 1 else None
 
-    def input_channel(self, eqn: C.JaxprEqn) -> tuple[int, int] | Refusal:
+    def input_channel(self, eqn: C.JaxprEqn, act: int = 0) -> tuple[int, int] | Refusal:
+        """(feature axis of operand ``act``, the other operand's input-feature axis)."""
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         if lb:
             return Refusal("dot with batch dimensions")
         if len(lc) != 1:
             return Refusal(f"dot contracting {len(lc)} dimensions")
-        return lc[0], rc[0]
+        return (lc[0], rc[0]) if act == 0 else (rc[0], lc[0])
 
 
 DOT_AFFINE = DotAffinePattern()
