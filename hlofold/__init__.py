@@ -9,6 +9,7 @@ Public API:
 * :func:`lower`, :func:`export` — folded StableHLO text / ``jax.export`` artifacts.
 * :func:`fold_stablehlo` — fold StableHLO modules other tools made (text, bytecode, exports).
 * :func:`verify` — compare original and folded programs on every backend present.
+* :func:`fold_params` — write folded weights back into the model's own parameter tree.
 """
 from ._api import Folded, fold
 from ._views import Split
@@ -18,8 +19,9 @@ from ._fold import fold_jaxpr
 from ._report import FoldReport, FoldSite
 from ._hlo_ir import StableHLOError
 from ._verify import VerificationError, VerifyReport, verify
+from ._writeback import FoldedParams, ParamChange, fold_params
 
 __all__ = ["fold", "fold_jaxpr", "FoldReport", "FoldSite", "Folded", "Split", "lower",
            "export", "fold_stablehlo", "verify", "VerifyReport", "VerificationError",
-           "StableHLOError"]
+           "StableHLOError", "fold_params", "FoldedParams", "ParamChange"]
 __version__ = "0.1.0"

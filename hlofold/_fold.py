@@ -93,6 +93,20 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     return scope.fold(), FoldReport(sites)
 
 
+def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str]):
+    """Plan the top scope of ``closed`` without rewriting it, its inputs bound to ``known``
+    (None: not known). Returns the scope: ``sites`` (report records), ``site_at_end``
+    (the folded sites' plans), ``producer``, ``uses``, ``value``."""
+    sites: list[FoldSite] = []
+    scope = _Scope(closed, known_in=[_const(k) for k in known],
+                   names_in=[_const(frozenset({n})) for n in names],
+                   const_names=[None] * len(closed.consts), path="top", sites=sites,
+                   opts=_Options(in_graph="never"))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scope.plan()
+    return scope
+
+
 IN_GRAPH_MODES = ("guarded", "prepared", "never")
 @dataclasses.dataclass(frozen=True)
 class _Options:
@@ -214,21 +228,7 @@ class _Scope(SitePlanner, SiteEmitter):
 
     def fold(self) -> C.ClosedJaxpr:
         first = len(self.sites)
-        changed = False
-        for i, eqn in enumerate(self.jaxpr.eqns):
-            pattern = PATTERNS.get(eqn.primitive.name)
-            if pattern is not None:
-                # transform-time arithmetic on hostile values (σ² = 0, inf, NaN) is checked
-                # explicitly (refusals name it); NumPy's own warnings would only be noise
-                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                    changed |= self._plan_site(i, eqn, pattern)
-            elif is_guard(eqn):         # an already folded site: reported, never changed
-                branch = C.cond_branches(eqn)[1]
-                self._child(branch, eqn.invars[1:], [False] * len(branch.jaxpr.invars),
-                            "guard")
-            elif contains_root(eqn):       # nested jaxprs without a root are left as they are
-                changed |= self._plan_nested(i, eqn)
-        self._account_unreached()
+        changed = self.plan()
         if not changed:
             return self.closed
         try:
@@ -244,6 +244,25 @@ class _Scope(SitePlanner, SiteEmitter):
                           f"internal error ({type(e).__name__}: {e})", RuntimeWarning,
                           stacklevel=2)
             return self.closed
+
+    def plan(self) -> bool:
+        """Decide every site of this scope (nested scopes are folded); True if one folds."""
+        changed = False
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            pattern = PATTERNS.get(eqn.primitive.name)
+            if pattern is not None:
+                # transform-time arithmetic on hostile values (σ² = 0, inf, NaN) is checked
+                # explicitly (refusals name it); NumPy's own warnings would only be noise
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    changed |= self._plan_site(i, eqn, pattern)
+            elif is_guard(eqn):         # an already folded site: reported, never changed
+                branch = C.cond_branches(eqn)[1]
+                self._child(branch, eqn.invars[1:], [False] * len(branch.jaxpr.invars),
+                            "guard")
+            elif contains_root(eqn):       # nested jaxprs without a root are left as they are
+                changed |= self._plan_nested(i, eqn)
+        self._account_unreached()
+        return changed
 
     def _account_unreached(self) -> None:
         """A NOT_REACHED record for each ``mul`` of an activation by a per-channel vector of

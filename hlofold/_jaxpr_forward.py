@@ -184,7 +184,7 @@ class ForwardPlanner:
 
     # ---- activations and per-token factors
 
-    def _cone(self, atom, limit: int = _CONE_LIMIT) -> set | None:
+    def cone(self, atom, limit: int = _CONE_LIMIT) -> set | None:
         """The variables ``atom`` is computed from (itself included), or None beyond
         ``limit`` equations."""
         if not isinstance(atom, C.Var):
@@ -208,7 +208,7 @@ class ForwardPlanner:
         from an ancestor of the chain value (a statistic of the token, e.g. its variance)."""
         if self.from_root(operand):
             return True
-        cone = self._cone(operand)
+        cone = self.cone(operand)
         return cone is None or self._reaches(chain_value, cone)
 
     def _reaches(self, atom, targets: set) -> bool:

@@ -276,8 +276,8 @@ class SitePlanner(ForwardPlanner):
         """Operand ``k`` of ``eqn`` is an input (through at most a few layout ops) and the
         other operand is computed from the activations: the weight, not yet known (the
         prepare step binds it)."""
-        small = self._cone(eqn.invars[k], limit=3)
-        other = self._cone(eqn.invars[1 - k], limit=3)
+        small = self.cone(eqn.invars[k], limit=3)
+        other = self.cone(eqn.invars[1 - k], limit=3)
         return (small is not None and not self.from_root(eqn.invars[k])
                 and all(v not in self.producer or self.producer[v][1].primitive.name in
                         ("transpose", "reshape", "convert_element_type") for v in small)
