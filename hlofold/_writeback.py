@@ -337,7 +337,7 @@ class _Writer:
             mine |= {id(s.eqn) for s in site.fwd.steps}
         for e in list(mine):
             for u in next(x for x in eqns if id(x) == e).invars:
-                p = self.scope.producer.get(u)
+                p = self.scope.producer.get(u) if isinstance(u, C.Var) else None
                 if p is not None:
                     mine.add(id(p[1]))
         inv = {i: v for v, i in self.leaf.items()}

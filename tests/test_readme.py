@@ -20,4 +20,6 @@ def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
     np.testing.assert_allclose(ns["y"], ns["examples"].resnet_apply(ns["params"], ns["x"]),
                                rtol=1e-4, atol=1e-4)
     assert ns["infer"].report(ns["params"], ns["x"]).num_folded > 0
+    assert len(ns["written"].changes) > 0
+    np.testing.assert_allclose(ns["y_same"], ns["y"], rtol=1e-4, atol=1e-4)
     assert ns["report"].num_folded > 0 and "stablehlo.convolution" in ns["text"]
