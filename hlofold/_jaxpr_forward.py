@@ -184,51 +184,43 @@ class ForwardPlanner:
 
     # ---- activations and per-token factors
 
-    def cone(self, atom, limit: int = _CONE_LIMIT) -> set | None:
-        """The variables ``atom`` is computed from (itself included), or None beyond
-        ``limit`` equations."""
+    def _ancestors(self, atom, limit: int):
+        """The variables ``atom`` is computed from (itself first), depth-first; stops with a
+        final ``None`` after ``limit`` equations."""
         if not isinstance(atom, C.Var):
-            return set()
-        seen, stack, n = {atom}, [atom], 0
-        while stack:
-            prod = self.producer.get(stack.pop())
-            if prod is None:
-                continue
-            n += 1
-            if n > limit:
-                return None
-            for u in prod[1].invars:
-                if isinstance(u, C.Var) and u not in seen:
-                    seen.add(u)
-                    stack.append(u)
-        return seen
-
-    def _is_activation(self, operand, chain_value) -> bool:
-        """Whether ``operand`` is computed from the activations: from a root's output, or
-        from an ancestor of the chain value (a statistic of the token, e.g. its variance)."""
-        if self.from_root(operand):
-            return True
-        cone = self.cone(operand)
-        return cone is None or self._reaches(chain_value, cone)
-
-    def _reaches(self, atom, targets: set) -> bool:
-        """Whether the (bounded) cone of ``atom`` meets ``targets``."""
+            return
         seen, stack, n = {atom}, [atom], 0
         while stack:
             u = stack.pop()
-            if u in targets:
-                return True
+            yield u
             prod = self.producer.get(u)
             if prod is None:
                 continue
             n += 1
-            if n > 4 * _CONE_LIMIT:
-                return False
+            if n > limit:
+                yield None
+                return
             for w in prod[1].invars:
                 if isinstance(w, C.Var) and w not in seen:
                     seen.add(w)
                     stack.append(w)
-        return False
+
+    def cone(self, atom, limit: int = _CONE_LIMIT) -> set | None:
+        """The variables ``atom`` is computed from (itself included), or None beyond
+        ``limit`` equations."""
+        out = set(self._ancestors(atom, limit))
+        return None if None in out else out
+
+    def _is_activation(self, operand, chain_value) -> bool:
+        """Whether ``operand`` is computed from the activations: from a root's output, or
+        from an ancestor of the chain value (a statistic of the token, e.g. its variance).
+        Beyond the walk's bound an operand counts as a parameter: folding it stays exact
+        (it is constant along every axis but the features), only computed per call."""
+        if self.from_root(operand):
+            return True
+        cone = self.cone(operand)
+        return cone is None or any(u in cone for u in
+                                   self._ancestors(chain_value, 4 * _CONE_LIMIT))
 
     def _invariant(self, atom, axis: int, shape, depth: int = 0) -> bool:
         """Whether ``atom``, broadcast to ``shape``, is constant along ``axis``."""
