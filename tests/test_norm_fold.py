@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hlofold
-from tests.helpers import fold_checked, fold_jaxpr_checked, walk_eqns
+from tests.helpers import assert_close, fold_checked, fold_jaxpr_checked, walk_eqns
 
 D, H, F = 16, 2, 24          # model width, heads, MLP width
 RNG = np.random.default_rng(12)
@@ -39,9 +39,13 @@ def attention(q, k, v):
 X = jnp.asarray(RNG.standard_normal((2, 5, D)), jnp.float32)
 
 
-def check_block(f, params, *, folds, freeze=True):
-    """Both ways hlofold is called: params as inputs (prepared) and frozen."""
+def check_block(f, params, *, folds, freeze=True, written=None):
+    """Both ways hlofold is called: params as inputs (prepared) and frozen; and the folded
+    weights written back into the library's own tree (``written`` sites, default all)."""
     ff, rep, _, _ = fold_checked(f, params, X, folds=folds)
+    wb = hlofold.fold_params(f, params, X)
+    assert len(wb.changes) == (folds if written is None else written), str(wb)
+    assert_close(f(params, X), f(wb.params, X))
     forward = [s for s in rep.folded]
     assert all(s.pattern == "affine_dot" and "mul" in s.absorbed for s in forward), str(rep)
     assert all(s.file and s.file.endswith(".py") for s in forward)
@@ -73,7 +77,8 @@ def flax_linen_block(norm):
 def test_flax_linen(kind):
     import flax.linen as nn
     f, params = flax_linen_block(getattr(nn, kind))
-    rep = check_block(f, params, folds=5)
+    # the K projection has no bias: LayerNorm's β·W_k has no slot, so Q/K/V stay as written
+    rep = check_block(f, params, folds=5, written=5 if kind == "RMSNorm" else 2)
     scale_names = [n for s in rep.folded for n in s.params if "scale" in n]
     assert scale_names, "the report names the norm parameters"
 
