@@ -216,6 +216,9 @@ class ForwardPlanner:
         from an ancestor of the chain value (a statistic of the token, e.g. its variance).
         Beyond the walk's bound an operand counts as a parameter: folding it stays exact
         (it is constant along every axis but the features), only computed per call."""
+        if not isinstance(operand, C.Var) or operand not in self.producer and \
+                operand not in self.jaxpr.invars:
+            return False           # a literal or a constant
         if self.from_root(operand):
             return True
         cone = self.cone(operand)
