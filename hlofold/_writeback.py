@@ -332,11 +332,11 @@ class _Writer:
 
     def _uses_outside(self, changed: set, site) -> str | None:
         eqns = self.scope.jaxpr.eqns
-        mine = {id(site.eqn)} | {id(s.eqn) for s in site.steps}
-        if site.fwd is not None:
-            mine |= {id(s.eqn) for s in site.fwd.steps}
-        for e in list(mine):
-            for u in next(x for x in eqns if id(x) == e).invars:
+        own = [site.eqn] + [s.eqn for s in site.steps] + \
+            ([s.eqn for s in site.fwd.steps] if site.fwd is not None else [])
+        mine = {id(e) for e in own}
+        for e in own:                  # and the ops computing their operands (r ⊗ γ)
+            for u in e.invars:
                 p = self.scope.producer.get(u) if isinstance(u, C.Var) else None
                 if p is not None:
                     mine.add(id(p[1]))
