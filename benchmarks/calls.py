@@ -11,7 +11,10 @@
    model (per-call overhead);
 4. **parameters changing every call** — a new parameter pytree per call;
 5. **artifacts** — a folded StableHLO module whose weights are arguments (apply module of
-   ``fold_stablehlo(split=True)``) vs the original module, per call.
+   ``fold_stablehlo(split=True)``) vs the original module, per call;
+6. **forward folds behind padding** — ``fold(f)`` and ``freeze=`` vs ``jax.jit(f)`` where an
+   affine in front of a SAME conv folds into a per-position bias map: first call and steady
+   calls, batch 1 and 8, with XLA's cost analysis of both compiled programs.
 
 Every figure is a median over rounds with its [min–max]; a ratio is hlofold's median over
 doing nothing's median from the same run. The machine is stamped in the output
@@ -207,6 +210,31 @@ def artifacts(rounds, calls, log, quick=False) -> list[dict]:
     return rows
 
 
+def forward(size, rounds, calls, first_rounds, log) -> list[dict]:
+    from jax.extend.core import jaxpr_as_fun
+    rows = []
+    for net in ("fwd-stem", "fwd-bn-conv"):
+        first = first_calls([net], [size], first_rounds, log)[0]
+        for b in (1, 8):
+            f, params, x = W.network(net, size, batch=b)
+            fns = {"jit": jax.jit(f), "fold": hlofold.fold(f),
+                   "freeze": hlofold.fold(f, freeze=0)}
+            s = interleaved(fns, {k: (params, x) for k in fns}, rounds, calls,
+                            min_round_s=0.3)
+            folded = jax.jit(jaxpr_as_fun(fns["fold"].jaxpr(params, x)))
+            row = {"net": net, "size": size, "batch": b, "seconds": s,
+                   "fold_vs_jit": ratio(s["fold"], s["jit"]),
+                   "freeze_vs_jit": ratio(s["freeze"], s["jit"]),
+                   "sites_folded": fns["fold"].report(params, x).num_folded,
+                   "cost": {"original": cost(fns["jit"], (params, x)),
+                            "folded": cost(folded, jax.tree.leaves((params, x)))},
+                   "first_call": first if b == 1 else None}
+            log(f"forward {net} b{b}: fold {row['fold_vs_jit']:.3f}x, freeze "
+                f"{row['freeze_vs_jit']:.3f}x")
+            rows.append(row)
+    return rows
+
+
 # --------------------------------------------------------------------------- report
 
 def same_cost(row: dict) -> str:
@@ -271,6 +299,19 @@ def to_markdown(res: dict) -> str:
                c["original"][k] else "–")
         L.append(f"| {r['module']} | {ms(s['original'])} | {ms(s['folded'])} | "
                  f"**{r['folded_vs_original']:.3f}×** | {rel('flops')} | {rel('bytes')} |")
+    L += ["", "## 6. Forward folds behind SAME padding (per-position bias map; ms per call)",
+          "", "| network | batch | sites folded | jax.jit(f) | fold(f) | freeze= | fold/jit | "
+          "freeze/jit | XLA flops, folded/original | XLA bytes, folded/original | "
+          "first call fold/jit, freeze/jit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("forward", []):
+        s, c, fc = r["seconds"], r["cost"], r["first_call"]
+        rel = lambda k: f"{c['folded'][k] / c['original'][k]:.3f}×"  # noqa: E731
+        L.append(f"| {r['net']} {r['size']}px | {r['batch']} | {r['sites_folded']} | "
+                 f"{ms(s['jit'])} | {ms(s['fold'])} | {ms(s['freeze'])} | "
+                 f"**{r['fold_vs_jit']:.3f}×** | **{r['freeze_vs_jit']:.3f}×** | "
+                 f"{rel('flops')} | {rel('bytes')} | " +
+                 (f"{fc['fold_vs_jit']:.2f}×, {fc['freeze_vs_jit']:.2f}× "
+                  f"(jit {fc['seconds']['jit']['median']:.2f} s) |" if fc else "– |"))
     L += ["", "Timings on this VM vary by ±10–20% between rounds; XLA's cost analysis of the "
           "two compiled programs (same compiler, same machine) is the deterministic part of "
           "the comparison."]
@@ -283,7 +324,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--name", default=None)
     ap.add_argument("--first-call-worker", nargs=3, metavar=("NET", "SIZE", "VARIANT"))
-    ap.add_argument("--parts", default="first,jit,dispatch,changing,artifacts")
+    ap.add_argument("--parts", default="first,jit,dispatch,changing,artifacts,forward")
     ap.add_argument("--keep-from", help="a JSON of an earlier run on this machine: the parts "
                     "not run now are taken from it")
     a = ap.parse_args(argv)
@@ -311,11 +352,13 @@ def main(argv=None) -> int:
         if "changing" in parts else {}
     res["artifacts"] = artifacts(3 if q else 25, 3 if q else 10, log, q) \
         if "artifacts" in parts else []
+    res["forward"] = forward(32 if q else 224, 3 if q else 15, 3 if q else 10, 1 if q else 3, log) \
+        if "forward" in parts else []
     if a.keep_from:
         with open(a.keep_from) as fh:
             old = json.load(fh)
         kept = [k for k in ("first_call", "under_jit", "dispatch", "changing_params",
-                            "artifacts") if not res[k] and old.get(k)]
+                            "artifacts", "forward") if not res[k] and old.get(k)]
         for k in kept:
             res[k] = old[k]
         res["kept_from"] = {"parts": kept, "date_utc": old["machine"]["date_utc"],

@@ -5,7 +5,9 @@ Networks, as ``(f, params, x)`` with ``f(params, x)``:
 
 * ``flax-resnet18|50``, ``flax-mobilenetv2``: :mod:`benchmarks.models` (Flax linen);
 * ``haiku-resnet50``: ``haiku.nets.ResNet50``, inference mode;
-* ``tiny-flax``: a ResNet-18 of width 8 (smoke runs).
+* ``tiny-flax``: a ResNet-18 of width 8 (smoke runs);
+* ``fwd-stem``, ``fwd-bn-conv``: affines folded forward into SAME-padded convs, through a
+  per-position bias map (:func:`forward_net`).
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def network(name: str, size: int, batch: int = 1):
         def f(v, x):
             return tr.apply(v["params"], v["state"], None, x, False)[0]
         return f, params, x
+    if name.startswith("fwd-"):
+        return forward_net(name, size, batch)
     from . import models as M
     if name == "tiny-flax":
         model = M.resnet18(num_classes=10, width=8)
@@ -63,6 +67,41 @@ def network(name: str, size: int, batch: int = 1):
     shapes = jax.eval_shape(model.init, jax.random.key(0), x)
     params = fill(shapes)
     return (lambda v, x: model.apply(v, x)), params, x
+
+
+def forward_net(name: str, size: int, batch: int = 1):
+    """Affines in front of SAME-padded convs (folded with a bias map ``conv(pad(t), K)``):
+
+    * ``fwd-stem``: ``(x − mean)/std`` → conv 7×7/2 SAME, 64 → BatchNorm → ReLU (a ResNet
+      stem with its input standardization inside the model);
+    * ``fwd-bn-conv``: conv 3×3 SAME, 64 → ReLU → BatchNorm → conv 3×3 SAME → ReLU (BN
+      after the activation folds forward only), at ``size/4``."""
+    rng = np.random.default_rng(0)
+    he = lambda *s: jnp.asarray(rng.standard_normal(s) * np.sqrt(2 / np.prod(s[:-1])),  # noqa
+                                jnp.float32)
+    bn = lambda c: {"mean": jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32),  # noqa
+                    "var": jnp.asarray(np.exp(0.3 * rng.standard_normal(c)), jnp.float32),
+                    "scale": jnp.asarray(1 + 0.1 * rng.standard_normal(c), jnp.float32),
+                    "bias": jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32)}
+    conv = lambda x, k, s=1: jax.lax.conv_general_dilated(  # noqa: E731
+        x, k, (s, s), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    norm = lambda y, p: (y - p["mean"]) * jax.lax.rsqrt(p["var"] + 1e-5) * p["scale"] \
+        + p["bias"]  # noqa: E731
+    if name == "fwd-stem":
+        params = {"mean": jnp.asarray([0.485, 0.456, 0.406], jnp.float32),
+                  "std": jnp.asarray([0.229, 0.224, 0.225], jnp.float32),
+                  "k": he(7, 7, 3, 64), "bn": bn(64)}
+        x = jnp.asarray(rng.uniform(size=(batch, size, size, 3)), jnp.float32)
+
+        def f(p, x):
+            return jax.nn.relu(norm(conv((x - p["mean"]) / p["std"], p["k"], 2), p["bn"]))
+        return f, params, x
+    params = {"k1": he(3, 3, 64, 64), "bn": bn(64), "k2": he(3, 3, 64, 64)}
+    x = jnp.asarray(rng.standard_normal((batch, size // 4, size // 4, 64)), jnp.float32)
+
+    def f(p, x):
+        return jax.nn.relu(conv(norm(jax.nn.relu(conv(x, p["k1"])), p["bn"]), p["k2"]))
+    return f, params, x
 
 
 def one_conv():

@@ -296,6 +296,9 @@ class SiteEmitter:
                 y = cast(C.bind_eqn(eqn, invals, params)[0], out_dtype)
             else:
                 y = C.bind_eqn(eqn, invals)[0]
+            if site.bias_map is not None:      # broadcast over the batch
+                m = site.bias_map.astype(out_dtype)
+                y = lax.add(y, lax.broadcast_in_dim(m, y.shape, tuple(range(m.ndim))))
             for st in site.steps:
                 if isinstance(st, PassStep):
                     y = C.bind_eqn(st.eqn, [y])[0]

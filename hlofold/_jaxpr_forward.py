@@ -27,12 +27,23 @@ from . import _compat as C
 from ._chain_rules import AFFINE_STEPS, AffineStep, Refusal, affine_step, resolve_operand
 from ._patterns import FORWARD, PATTERNS, RootInfo
 from ._report import FOLDED, REFUSED, FoldSite
+from ._rules import bias_map_refusal
 
 _CONE_LIMIT = 256          # equations looked at per ancestry question (beyond: "activation")
 _SCALE_KINDS = ("mul", "div", "neg")
+# producers an elementwise consumer is not fused into: the affine in front is a pass of its own
+_OWN_PASS = frozenset({"conv_general_dilated", "dot_general", "pjit", "jit", "closed_call",
+                       "core_call", "custom_jvp_call", "custom_vjp_call", "remat",
+                       "checkpoint", "scan", "while", "cond", "custom_call", "sort"})
 _ELEMENTWISE = frozenset({"rsqrt", "sqrt", "exp", "log", "neg", "abs", "integer_pow",
                           "square", "convert_element_type", "add", "sub", "mul", "div",
                           "max", "min", "pow", "reduce_precision", "copy"})
+
+
+def _elems(shape, skip: int | None = None) -> int:
+    """Elements of ``shape`` (a symbolic dimension counts 1), without axis ``skip``."""
+    return int(np.prod([d if isinstance(d, (int, np.integer)) else 1
+                        for a, d in enumerate(shape) if a != skip], dtype=np.int64))
 
 
 @dataclasses.dataclass
@@ -47,6 +58,9 @@ class Forward:
     # per-token ops the root's input keeps, in program order: ("mul", r) or ("add", u)
     tokens: list = dataclasses.field(default_factory=list)
     act: int = 0                 # the root's operand that reads the chain
+    # per spatial dimension, which taps read the input (padding, lhs dilation): the shift
+    # then adds a bias map ``conv(pad(t), K)`` (``ConvAffinePattern.border_masks``)
+    masks: list | None = None
     s_known: np.ndarray | None = None
     t_known: np.ndarray | None = None
 
@@ -127,9 +141,15 @@ class ForwardPlanner:
                         for n in self.names(s.operand.source) if n})
         ic = pattern.input_channel(eqn, act)
         absorbed = [s.eqn.primitive.name for s in steps]
-        if isinstance(ic, Refusal):
+        masks = pattern.border_masks(eqn) if any(
+            s.kind in ("add", "sub", "rsub") for s in steps) else None
+        why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None)
+        if why is None and masks is not None:
+            why = bias_map_refusal(_elems(eqn.outvars[0].aval.shape, pattern.batch_axis(eqn)),
+                                   _elems(v.aval.shape), self._fused_with(v))
+        if why:
             self._record(eqn, fpat, info, REFUSED, absorbed=absorbed, params=names,
-                         reason=ic.reason)
+                         reason=why)
             return None
         rec = self._record(eqn, fpat, info, FOLDED, absorbed=absorbed, params=names)
         notes = []
@@ -138,15 +158,26 @@ class ForwardPlanner:
         n = self._n_consumers(top)
         if n > 1:
             notes.append(f"the same chain is folded into each of the {n} linear consumers")
+        if masks is not None:
+            notes.append("the padded border sees less of the shift: a per-position bias map")
         if reason:
             notes.append(f"chain stopped: {reason}")
         rec.note = "; ".join(notes) or None
-        return Forward(steps, v, ic[1], info.groups, rec, tokens=tokens, act=act)
+        return Forward(steps, v, ic[1], info.groups, rec, tokens=tokens, act=act,
+                       masks=masks)
 
     def _no_forward(self, eqn, info, reason: str | None) -> None:
         if reason is not None:     # an affine op was there, but could not be taken
             self._record(eqn, FORWARD[eqn.primitive.name], info, REFUSED, reason=reason)
         return None
+
+    def _fused_with(self, v) -> str | None:
+        """The op producing ``v`` when XLA computes an elementwise consumer of ``v`` in the
+        same loop (anything but an input, a convolution/dot or a call boundary)."""
+        prod = self.producer.get(v)
+        if prod is None or prod[1].primitive.name in _OWN_PASS:
+            return None
+        return prod[1].primitive.name
 
     # ---- who reads the chain
 

@@ -26,6 +26,9 @@ from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refu
 NOT_PREPARED = ("the parameters are not known at transform time (traced under an enclosing "
                 "transformation), so K·s would be recomputed on every call; left unfolded — "
                 "prepare outside your jit (Folded.split) or pass in_graph=True")
+BIAS_MAP_IN_GRAPH = ("a shift in front of a padded convolution folds into a per-position bias "
+                     "map conv(pad(t), K), which is computed once at transform time only; "
+                     "here the kernel or the shift is computed in the graph")
 
 
 def _not_prepared(kernel, out) -> str:
@@ -59,6 +62,9 @@ class Site:
     t_traced: Any = None                       # t computed in the graph (set while emitting)
     fwd: "Forward | None" = None              # affine folded in from *before* the root
     guard: bool = False                        # run-time check, original equations as fallback
+    # float64 bias per output position (a shift in front of a padded conv), shaped like
+    # the root's output with a batch of 1; replaces t
+    bias_map: np.ndarray | None = None
 
 
 class SitePlanner(ForwardPlanner):
@@ -208,10 +214,21 @@ class SitePlanner(ForwardPlanner):
         k_val = self.value(kernel)
         k64 = None if k_val is None else exact_f64(np.asarray(k_val))
         b64 = None
+        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
+        back_known = all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None)
         if fwd is not None:
             vals = [None if s.operand is None else self._operand_value(s.operand)
                     for s in fwd.steps]
-            if all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None):
+            fwd_known = all(v is not None for s, v in zip(fwd.steps, vals)
+                            if s.operand is not None)
+            if fwd.masks is not None and self.opts.in_graph != "never" and \
+                    not (fwd_known and back_known and k64 is not None):
+                self._refuse(fwd.record, BIAS_MAP_IN_GRAPH)
+                if not backward:
+                    return False
+                site.fwd = fwd = None
+        if fwd is not None:
+            if fwd_known:
                 s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels)
                 why = scale_refusal(s_in, "input scale s")
                 if why:
@@ -222,18 +239,19 @@ class SitePlanner(ForwardPlanner):
                 else:
                     fwd.s_known, fwd.t_known = s_in, t_in
                     if k64 is not None:
+                        ko, ki = info.kernel_axis, fwd.k_in_axis
                         s2 = group_matrix_np(s_in, info.out_channels, fwd.groups)
                         t2 = group_matrix_np(t_in, info.out_channels, fwd.groups)
-                        b64 = np.sum(k64 * place_np(t2, info.kernel_axis, fwd.k_in_axis,
-                                                     k64.ndim),
-                                     axis=tuple(a for a in range(k64.ndim)
-                                                if a != info.kernel_axis))
-                        k64 = k64 * place_np(s2, info.kernel_axis, fwd.k_in_axis, k64.ndim)
+                        w = k64 * place_np(t2, ko, ki, k64.ndim)
+                        b64 = (np.sum(w, axis=tuple(a for a in range(k64.ndim) if a != ko))
+                               if fwd.masks is None else
+                               pattern.bias_map(eqn, np.sum(w, axis=ki, keepdims=True),
+                                                fwd.masks))
+                        k64 = k64 * place_np(s2, ko, ki, k64.ndim)
             else:
                 k64 = None     # the input scale is computed in the graph
         site.has_shift |= fwd is not None and fwd.has_shift
-        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
-        if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
+        if back_known:
             s_vec, t_vec = collapse(kinds(affine), op_vals, info.out_channels)
             why = scale_refusal(s_vec)
             if why:
@@ -249,7 +267,13 @@ class SitePlanner(ForwardPlanner):
                         self._refuse(fwd.record, "the rescaled kernel is refused")
                     return self._refuse(rec, why)
                 site.kernel_const = kp_cast
-                if b64 is not None:
+                if b64 is not None and fwd.masks is not None:
+                    # s·conv(pad(t), K) + t', added to the root's output (before its
+                    # shape-only steps), so nothing is left to add at the chain's end
+                    nd, ax = b64.ndim, info.channel_axis
+                    site.bias_map = along(s_vec, ax, nd) * b64 + along(t_vec, ax, nd)
+                    site.t_known, site.has_shift = None, False
+                elif b64 is not None:
                     site.t_known = s_vec * b64 + t_vec
         rescale = "constant" if site.kernel_const is not None else "in-graph"
         if rescale == "in-graph" and self.opts.in_graph != "prepared":

@@ -113,19 +113,69 @@ class ConvAffinePattern:
 
     def input_channel(self, eqn: C.JaxprEqn, act: int = 0) -> tuple[int, int] | Refusal:
         """(lhs feature axis, kernel input-feature axis) for folding an affine *before* the
-        conv; refused where the padded or dilated zeros would not see the shift."""
+        conv. A scale is exact for any geometry (the padded and inserted zeros stay zero); a
+        shift that the padding or lhs dilation hides from some taps becomes a bias map
+        (:meth:`bias_map`)."""
         if act != 0:
             return Refusal("the convolution's activations are its rhs")
-        p = eqn.params
-        dn = p["dimension_numbers"]
-        if any(lo or hi for lo, hi in p["padding"]):
-            return Refusal(f"padding {tuple(map(tuple, p['padding']))}: the padded border "
-                           "would not see the shift t (only VALID/zero padding is exact)")
-        if any(d != 1 for d in p["lhs_dilation"]):
-            return Refusal("lhs dilation (transposed conv): the inserted zeros would not see t")
-        if p.get("batch_group_count", 1) != 1:
+        if eqn.params.get("batch_group_count", 1) != 1:
             return Refusal("batch_group_count > 1")
+        dn = eqn.params["dimension_numbers"]
         return dn.lhs_spec[1], dn.rhs_spec[1]
+
+    def batch_axis(self, eqn: C.JaxprEqn) -> int:
+        return eqn.params["dimension_numbers"].out_spec[0]
+
+    def border_masks(self, eqn: C.JaxprEqn) -> list | None | Refusal:
+        """Which taps read the input, per spatial dimension: a (kernel size, output size)
+        0/1 matrix each; None where every output position reads every tap from the input
+        (VALID, no lhs dilation), so a shift in front adds the same bias everywhere."""
+        p, dn = eqn.params, eqn.params["dimension_numbers"]
+        lhs, rhs, out = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, \
+            eqn.outvars[0].aval.shape
+        masks = []
+        for d in range(len(dn.lhs_spec) - 2):
+            h, k, ho = lhs[dn.lhs_spec[2 + d]], rhs[dn.rhs_spec[2 + d]], out[dn.out_spec[2 + d]]
+            if not all(isinstance(n, (int, np.integer)) for n in (h, k, ho)):
+                return Refusal("a symbolic spatial size: the bias map of a padded "
+                               "convolution (its border sees less of the shift t) needs "
+                               "the spatial sizes")
+            a = p["lhs_dilation"][d]
+            # position in the lhs-dilated input that output o reads at tap j
+            q = (np.arange(ho)[None, :] * p["window_strides"][d] +
+                 np.arange(k)[:, None] * p["rhs_dilation"][d] - p["padding"][d][0])
+            masks.append(((q >= 0) & (q <= (h - 1) * a) & (q % a == 0)).astype(np.float64))
+        return None if all(m.all() for m in masks) else masks
+
+    def bias_map(self, eqn: C.JaxprEqn, taps: np.ndarray, masks: list) -> np.ndarray:
+        """``conv(pad(t), K)``, the output of a constant image ``t``, from ``taps`` (the
+        float64 kernel with the input features contracted against ``t``: kernel layout, the
+        input-feature axis of size 1): shaped like the output with a batch of 1."""
+        dn = eqn.params["dimension_numbers"]
+        n = len(masks)
+        w = np.transpose(taps, tuple(dn.rhs_spec)).astype(np.float64)[:, 0]
+        letters = "abcdefgh"[:n]
+        spec = ("o" + letters + "," + ",".join(f"{c}{c.upper()}" for c in letters) +
+                "->" + letters.upper() + "o")
+        # interior positions share one column of taps: contract each distinct column once,
+        # then copy it out (features last: each copy moves contiguous rows)
+        cols = [_distinct_columns(m) for m in masks]
+        m = np.einsum(spec, w, *[u for u, _ in cols], optimize=True)
+        for d, (_, inv) in enumerate(cols):
+            m = np.take(m, inv, axis=d)
+        m = m[None]                                            # (1, *spatial out, O)
+        return np.moveaxis(m, list(range(n + 2)), [dn.out_spec[0]] + list(dn.out_spec[2:]) +
+                           [dn.out_spec[1]])
+
+
+def _distinct_columns(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(u, inv)`` with ``m == u[:, inv]``, the columns of the 0/1 matrix ``m`` distinct."""
+    if m.shape[0] > 50:
+        u, inv = np.unique(m, axis=1, return_inverse=True)
+        return u, inv.reshape(-1)
+    key = (2.0 ** np.arange(m.shape[0])) @ m           # exact: one bit per tap
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    return m[:, first], inv.reshape(-1)
 
 
 CONV_AFFINE = ConvAffinePattern()
@@ -182,6 +232,10 @@ class DotAffinePattern:
         """The contracted (input-feature) axis of operand ``act``, if there is one."""
         contracting = _dot_dims(eqn)[act]
         return contracting[0] if len(contracting) == 1 else None
+
+    def border_masks(self, eqn: C.JaxprEqn) -> None:
+        """A dot reads every input feature at every output position: no bias map."""
+        return None
 
     def input_channel(self, eqn: C.JaxprEqn, act: int = 0) -> tuple[int, int] | Refusal:
         """(feature axis of operand ``act``, the other operand's input-feature axis)."""

@@ -15,6 +15,8 @@ rule applies; the rule itself lives here once.
 * ``runtime_refusal``: a kernel rescaled in the graph (its parameters are not known at
   transform time) cannot be range-checked before it runs; for dtypes whose range is narrower
   than float32's that is refused.
+* ``bias_map_refusal``: a shift in front of a padded convolution folds into a per-position
+  bias map, read on every call; it must not cost more than the affine pass it removes.
 """
 from __future__ import annotations
 
@@ -112,3 +114,19 @@ def runtime_refusal(kernel_dtype) -> str | None:
     return (f"the {kd} kernel would be rescaled in the graph, where K·s cannot be checked for "
             f"overflow or underflow of {kd} before it runs; fold with the parameters known "
             "(freeze=, constants, or a prepare step)")
+
+
+def bias_map_refusal(map_elems: int, front_elems: int, fused_with: str | None) -> str | None:
+    """A bias map is one output's worth of elements (batch 1), read on every call. Folding
+    pays where the affine it removes is a pass of its own over at least as many elements;
+    an affine computed in the same loop as the op producing its input (XLA fuses elementwise
+    ops) costs nothing to remove, so the map would only add work."""
+    what = "a shift in front of a padded convolution needs a per-position bias map, and "
+    if fused_with is not None:
+        return (f"{what}the affine is computed in one loop with the {fused_with} producing its "
+                f"input (nothing to save) while the map adds a read of {map_elems} elements "
+                "per call")
+    if map_elems > front_elems:
+        return (f"{what}the map ({map_elems} elements, read per call) costs more than the "
+                f"affine pass it removes ({front_elems} elements)")
+    return None

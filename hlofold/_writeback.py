@@ -187,6 +187,9 @@ class _Writer:
                     "an embedding), not a leaf of its own")
         if site.kernel_const is None:
             return "the folded kernel is not known at transform time"
+        if site.bias_map is not None:
+            return ("the shift in front of a padded convolution becomes a bias per output "
+                    "position (its border sees less of it); no parameter of the layer holds one")
         back = [s for s in site.steps if isinstance(s, AffineStep)]
         front = fwd.steps if fwd is not None else []
         if any(s.kind not in ("add", "sub", "mul", "div") for s in back + front):
