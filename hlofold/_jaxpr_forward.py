@@ -32,9 +32,9 @@ from ._rules import bias_map_refusal
 _CONE_LIMIT = 256          # equations looked at per ancestry question (beyond: "activation")
 _SCALE_KINDS = ("mul", "div", "neg")
 # producers an elementwise consumer is not fused into: the affine in front is a pass of its own
-_OWN_PASS = frozenset({"conv_general_dilated", "dot_general", "pjit", "jit", "closed_call",
-                       "core_call", "custom_jvp_call", "custom_vjp_call", "remat",
-                       "checkpoint", "scan", "while", "cond", "custom_call", "sort"})
+_OWN_PASS = frozenset({"conv_general_dilated", "dot_general", "scan", "while", "cond",
+                       "custom_call", "sort"})
+_CALLS = frozenset(C.JIT_NAMES) | {"custom_jvp_call", "custom_vjp_call", "closed_call"}
 _ELEMENTWISE = frozenset({"rsqrt", "sqrt", "exp", "log", "neg", "abs", "integer_pow",
                           "square", "convert_element_type", "add", "sub", "mul", "div",
                           "max", "min", "pow", "reduce_precision", "copy"})
@@ -173,11 +173,24 @@ class ForwardPlanner:
 
     def _fused_with(self, v) -> str | None:
         """The op producing ``v`` when XLA computes an elementwise consumer of ``v`` in the
-        same loop (anything but an input, a convolution/dot or a call boundary)."""
+        same loop: anything but an input, a convolution/dot or control flow. Calls (jit,
+        custom_jvp: ``jax.nn.relu``) are inlined by XLA, so their body's op counts."""
         prod = self.producer.get(v)
-        if prod is None or prod[1].primitive.name in _OWN_PASS:
+        if prod is None:
             return None
-        return prod[1].primitive.name
+        eqn, body, depth = prod[1], None, 0
+        while eqn.primitive.name in _CALLS and depth < 8:
+            body = C.call_body(eqn)[1]
+            if body is None:
+                return None
+            out = body.jaxpr.outvars[eqn.outvars.index(v)]
+            v = out
+            eqn = next((e for e in body.jaxpr.eqns if out in e.outvars), None)
+            if eqn is None:          # the body passes an input through: its operand's op
+                return None
+            depth += 1
+        name = eqn.primitive.name
+        return None if name in _OWN_PASS else name
 
     # ---- who reads the chain
 

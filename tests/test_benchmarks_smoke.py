@@ -107,7 +107,13 @@ def test_calls_quick(tmp_path):
         c = r["cost"]
         assert c["folded"]["flops"] <= c["original"]["flops"], r
         assert c["folded"]["bytes"] <= c["original"]["bytes"] * 1.001, r
+    assert {(r["net"], r["batch"]) for r in res["forward"]} == {
+        (n, b) for n in ("fwd-stem", "fwd-bn-conv") for b in (1, 8)}
+    for r in res["forward"]:         # a bias map is folded only where it removes more work
+        c = r["cost"]
+        assert c["folded"]["flops"] <= c["original"]["flops"], r
+        assert c["folded"]["bytes"] <= c["original"]["bytes"] * 1.001, r
     md = (tmp_path / "calls.md").read_text()
     for section in ("First call", "Under the user's jit", "Dispatch", "new parameter pytree",
-                    "Artifacts"):
+                    "Artifacts", "Forward folds behind SAME padding"):
         assert section in md

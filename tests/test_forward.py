@@ -336,3 +336,18 @@ def test_per_pixel_input_affine_not_folded():
                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
     new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x, k, pix))
     assert rep.num_folded == 0
+
+
+def test_bias_map_after_jax_nn_relu_refused():
+    """``jax.nn.relu`` is a custom_jvp call that XLA inlines: the BN after it is fused all
+    the same, so the map is refused naming the ``max`` inside."""
+    k1 = RNG.standard_normal((3, 3, 4, 4)).astype(np.float32)
+    k2 = RNG.standard_normal((3, 3, 4, 4)).astype(np.float32)
+    a, b = vec(4, lo=True), vec(4)
+    conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME",  # noqa: E731
+                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    f = lambda x: conv(jax.nn.relu(conv(x, k1)) * a + b, k2)
+    x = jnp.asarray(RNG.standard_normal((8, 8, 8, 4)), jnp.float32)
+    new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x))
+    site = next(s for s in rep.sites if s.pattern == "affine_conv")
+    assert rep.num_folded == 0 and "in one loop with the max" in site.reason
