@@ -352,7 +352,8 @@ def main(argv=None) -> int:
         if "changing" in parts else {}
     res["artifacts"] = artifacts(3 if q else 25, 3 if q else 10, log, q) \
         if "artifacts" in parts else []
-    res["forward"] = forward(32 if q else 224, 3 if q else 15, 3 if q else 10, 1 if q else 7, log) \
+    res["forward"] = forward(32 if q else 224, 3 if q else 15, 3 if q else 10,
+                             1 if q else 7, log) \
         if "forward" in parts else []
     if a.keep_from:
         with open(a.keep_from) as fh:
