@@ -276,7 +276,11 @@ def test_kernel_shared_by_two_convs_with_different_bns():
 
     for kk in (k, kj):
         res = both(f, (X, kk, p1, p2), ("k", "p1", "p2"), FOLDED)
-        assert res["frozen"][1].num_folded == res["inputs"][1].num_folded == 2
+        # each BN after its conv, and the scale 2 in front of the second (zero padding
+        # stays zero under a scale)
+        assert res["frozen"][1].num_folded == res["inputs"][1].num_folded == 3
+        assert sorted(s.pattern for s in res["inputs"][1].folded) == [
+            "affine_conv", "conv_affine", "conv_affine"]
     for a, b in zip([k] + [a for p in (p1, p2) for a in p.values()], copies):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.asarray(kj), kj_copy)
