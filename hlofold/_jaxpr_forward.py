@@ -76,7 +76,7 @@ class ForwardPlanner:
         """Follow the root's lhs back through per-input-channel affine ops. Returns the
         forward fold, or None (no chain, or refused: then recorded)."""
         act = 1 - info.kernel_index          # the operand holding the activations
-        axis = pattern.lhs_channel_axis(eqn, act)
+        axis = pattern.input_feature_axis(eqn, act)
         if axis is None:
             return None
         producer = lambda u: self.producer.get(u, (0, None))[1]
@@ -214,7 +214,7 @@ class ForwardPlanner:
             pat = PATTERNS.get(c.primitive.name)
             ok = (pat is not None and c.primitive.name in FORWARD
                   and sum(u is v for u in c.invars) == 1
-                  and pat.lhs_channel_axis(c, pos) == axis
+                  and pat.input_feature_axis(c, pos) == axis
                   and not isinstance(pat.input_channel(c, pos), Refusal))
             if not ok:
                 what = c.primitive.name if pat is None else \

@@ -107,7 +107,7 @@ class ConvAffinePattern:
     def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:
         return conv_axis_role(axis, eqn.params["dimension_numbers"].out_spec[0])
 
-    def lhs_channel_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
+    def input_feature_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
         """The input-feature axis of operand ``act`` (the activations), if it has one."""
         return eqn.params["dimension_numbers"].lhs_spec[1] if act == 0 else None
 
@@ -228,7 +228,7 @@ class DotAffinePattern:
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         return dot_axis_role(axis, len(lb), len(lhs_free))
 
-    def lhs_channel_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
+    def input_feature_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
         """The contracted (input-feature) axis of operand ``act``, if there is one."""
         contracting = _dot_dims(eqn)[act]
         return contracting[0] if len(contracting) == 1 else None

@@ -23,6 +23,7 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("feature-axis", ("feature_index", "is not the output-feature", "not per-channel",
                       "varies along", "ambiguous")),
     ("not-affine", ("as divisor is not affine",)),
+    ("bias-map", ("bias map",)),      # a shift in front of a padded conv (jaxpr path only)
     ("not-float", ("not a float", "integer ")),
 )
 

@@ -351,3 +351,12 @@ def test_bias_map_after_jax_nn_relu_refused():
     new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x))
     site = next(s for s in rep.sites if s.pattern == "affine_conv")
     assert rep.num_folded == 0 and "in one loop with the max" in site.reason
+
+
+def test_bias_map_refusals_have_their_kind():
+    from hlofold._reasons import reason_kind
+    from hlofold._rules import bias_map_refusal
+    assert reason_kind(BIAS_MAP_IN_GRAPH) == "bias-map"
+    assert reason_kind(bias_map_refusal(10, 5, None)) == "bias-map"
+    assert reason_kind(bias_map_refusal(10, 50, "max")) == "bias-map"
+    assert bias_map_refusal(10, 50, None) is None
