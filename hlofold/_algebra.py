@@ -67,6 +67,11 @@ def kinds(steps) -> list[str]:
     return [st.kind for st in steps]
 
 
+def has_shift(steps) -> bool:
+    """Whether absorbed ``steps`` add to ``t`` (so a bias remains after the fold)."""
+    return any(st.kind in ("add", "sub", "rsub") for st in steps)
+
+
 def collapse(kinds: Sequence[str], vals: list, channels: int, xp=np64):
     """Collapse absorbed ops (``kinds``: add/sub/rsub/mul/div/neg, with operand ``vals``)
     into (s, t): vectors of length ``channels`` or scalars. ``xp`` is the arithmetic: NumPy

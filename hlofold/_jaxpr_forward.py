@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
+from ._algebra import has_shift
 from ._chain_rules import AFFINE_STEPS, AffineStep, Refusal, affine_step, resolve_operand
 from ._patterns import FORWARD, PATTERNS, RootInfo
 from ._report import FOLDED, REFUSED, FoldSite
@@ -66,7 +67,7 @@ class Forward:
 
     @property
     def has_shift(self) -> bool:
-        return any(s.kind in ("add", "sub", "rsub") for s in self.steps)
+        return has_shift(self.steps)
 
 
 class ForwardPlanner:
@@ -141,8 +142,7 @@ class ForwardPlanner:
                         for n in self.names(s.operand.source) if n})
         ic = pattern.input_channel(eqn, act)
         absorbed = [s.eqn.primitive.name for s in steps]
-        masks = pattern.border_masks(eqn) if any(
-            s.kind in ("add", "sub", "rsub") for s in steps) else None
+        masks = pattern.border_masks(eqn) if has_shift(steps) else None
         why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None)
         if why is None and masks is not None:
             why = bias_map_refusal(_elems(eqn.outvars[0].aval.shape, pattern.batch_axis(eqn)),
@@ -175,20 +175,17 @@ class ForwardPlanner:
         """The op producing ``v`` when XLA computes an elementwise consumer of ``v`` in the
         same loop: anything but an input, a convolution/dot or control flow. Calls (jit,
         custom_jvp: ``jax.nn.relu``) are inlined by XLA, so their body's op counts."""
-        prod = self.producer.get(v)
-        if prod is None:
-            return None
-        eqn, body, depth = prod[1], None, 0
-        while eqn.primitive.name in _CALLS and depth < 8:
+        eqn = self.producer.get(v, (0, None))[1]
+        for _ in range(8):               # into (nested) calls, to the op computing v
+            if eqn is None or eqn.primitive.name not in _CALLS:
+                break
             body = C.call_body(eqn)[1]
             if body is None:
                 return None
-            out = body.jaxpr.outvars[eqn.outvars.index(v)]
-            v = out
-            eqn = next((e for e in body.jaxpr.eqns if out in e.outvars), None)
-            if eqn is None:          # the body passes an input through: its operand's op
-                return None
-            depth += 1
+            v = body.jaxpr.outvars[eqn.outvars.index(v)]
+            eqn = next((e for e in body.jaxpr.eqns if v in e.outvars), None)
+        if eqn is None:                  # an input (or a call passing one through)
+            return None
         name = eqn.primitive.name
         return None if name in _OWN_PASS else name
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._algebra import collapse, exact_f64, group_matrix_np, kinds, place_np, along
+from ._algebra import along, collapse, exact_f64, group_matrix_np, has_shift, kinds, place_np
 from ._chain_rules import (AFFINE_STEPS, FROM_ACTIVATION, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
                            Refusal, affine_step, pass_step)
 from ._jaxpr_forward import Forward, ForwardPlanner
@@ -208,7 +208,7 @@ class SitePlanner(ForwardPlanner):
                 fwd = None
         end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
         site = Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
-                     has_shift=any(s.kind in ("add", "sub", "rsub") for s in affine), fwd=fwd)
+                     has_shift=has_shift(affine), fwd=fwd)
 
         # Everything that is known at transform time is computed now, in float64.
         k_val = self.value(kernel)
