@@ -32,6 +32,16 @@ GUARD_SCOPE = "hlofold_guard"
 CLONE_TEMPLATES = True
 # plan fields that say where a site is or what is reported of it, not what it computes
 _NOT_PLAN = frozenset({"root_idx", "end_idx", "record", "t_traced"})
+_SCALARS = frozenset({bool, int, float, str})
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _plan_fields(tx: type) -> tuple[str, ...] | None:
+    """The plan fields of a dataclass type (None for other types), computed once per type."""
+    if tx not in _FIELDS:
+        _FIELDS[tx] = (tuple(f.name for f in dataclasses.fields(tx) if f.name not in _NOT_PLAN)
+                       if dataclasses.is_dataclass(tx) else None)
+    return _FIELDS[tx]
 
 
 class SiteEmitter:
@@ -127,6 +137,9 @@ class SiteEmitter:
             return ("internal", internal.setdefault(v, len(internal)))
 
         def plan(x):
+            tx = type(x)
+            if x is None or tx in _SCALARS:
+                return x
             if isinstance(x, C.JaxprEqn):
                 return (x.primitive.name, tuple(sorted(x.params.items())),
                         tuple(map(atom, x.invars)), tuple(map(atom, x.outvars)))
@@ -136,10 +149,9 @@ class SiteEmitter:
                 raise TypeError("a value known at transform time")
             if isinstance(x, (list, tuple)):
                 return tuple(map(plan, x))
-            if dataclasses.is_dataclass(x) and not isinstance(x, type):
-                return (type(x).__name__,) + tuple(
-                    plan(getattr(x, f.name)) for f in dataclasses.fields(x)
-                    if f.name not in _NOT_PLAN)
+            names = _plan_fields(tx)
+            if names is not None:
+                return (tx.__name__,) + tuple(plan(getattr(x, f)) for f in names)
             return x
 
         try:
