@@ -219,17 +219,17 @@ def dce(module, inlined=frozenset()):
     pure = {"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
             "stablehlo.convert", "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply",
             "stablehlo.divide", "stablehlo.negate", "stablehlo.rsqrt", "stablehlo.sqrt"}
-    changed = True
-    while changed:
-        changed = False
-        for fop in module.body.operations:
-            if op_name(fop) != "func.func" or not fop.regions[0].blocks:
-                continue
-            for op in reversed(list(fop.regions[0].blocks[0].operations)):
-                if op_name(op) in pure and all(len(list(r.uses)) == 0 for r in op.results):
-                    op.erase()
-                    changed = True
-    drop_uncalled_private(module, only=inlined)  # their calls were inlined away
+    for fop in module.body.operations:
+        if op_name(fop) != "func.func" or not fop.regions[0].blocks:
+            continue
+        # one pass from the end: an op's users come after it in its block, so they are
+        # erased before it is looked at
+        for op in reversed(list(fop.regions[0].blocks[0].operations)):
+            if op_name(op) in pure and all(next(iter(r.uses), None) is None
+                                           for r in op.results):
+                op.erase()
+    if inlined:
+        drop_uncalled_private(module, only=inlined)  # their calls were inlined away
 
 
 def drop_uncalled_private(module, only=None) -> None:
