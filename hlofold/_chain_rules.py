@@ -198,10 +198,8 @@ def resolve_operand(atom, out_shape, channel_axis: int,
                                    lambda v: v.aval.shape)
 
 
-# Refusals both adapters write (after the op's name), in the same words.
+# A refusal both adapters write (after the op's name), in the same words.
 DIVISOR = "with the conv value as divisor is not affine"
-FROM_ACTIVATION = ("operand is computed from a convolution output (a residual or a gate), not "
-                   "from parameters")
 
 # Affine steps: which operand position holds the chain value decides the kind.
 _BINARY_KIND = {

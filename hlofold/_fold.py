@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _compat as C
 from ._host import evaluate as host_evaluate
+from ._chain import postorder
 from ._jaxpr_emit import SiteEmitter, is_guard
 from ._jaxpr_nested import NESTED_RULES, contains_root, other_rule
 from ._jaxpr_plan import Site, SitePlanner
@@ -165,32 +166,27 @@ class _Scope(SitePlanner, SiteEmitter):
     # ---- known values and provenance (memoized, iterative: programs can be deep)
 
     def _backward(self, atom, memo: dict, literal, leaf, combine):
-        """Memoized walk from ``atom`` back to the inputs: ``leaf(v)`` gives the value of a
-        variable without a producer in this scope,
+        """Memoized walk from ``atom`` back to the inputs (``_chain.postorder``): ``leaf(v)``
+        gives the value of a variable without a producer in this scope,
         ``combine(eqn, input_values)`` the values of an equation's outputs."""
         if isinstance(atom, C.Literal):
             return literal(atom)
-        stack = [atom]
-        while stack:
-            v = stack[-1]
-            if v in memo:
-                stack.pop()
-                continue
-            prod = self.producer.get(v)
+        producer = self.producer
+
+        def inputs_of(v):
+            prod = producer.get(v)
+            return () if prod is None else [u for u in prod[1].invars if isinstance(u, C.Var)]
+
+        def settle(v):
+            prod = producer.get(v)
             if prod is None:
                 memo[v] = leaf(v)
-                stack.pop()
-                continue
+                return
             eqn = prod[1]
-            missing = [u for u in eqn.invars if isinstance(u, C.Var) and u not in memo]
-            if missing:
-                stack.extend(missing)
-                continue
             ins = [literal(u) if isinstance(u, C.Literal) else memo[u] for u in eqn.invars]
             for o, val in zip(eqn.outvars, combine(eqn, ins)):
                 memo[o] = val
-            stack.pop()
-        return memo[atom]
+        return postorder(atom, memo, inputs_of, settle)
 
     def value(self, atom) -> Any:
         """Concrete value of ``atom`` if it is known at transform time, else None."""

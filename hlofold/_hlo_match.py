@@ -1,14 +1,17 @@
 """Matching on StableHLO: the chain after a root.
 
 Roots and operands are read by ``_hlo_patterns``. :class:`ChainWalker` (the matching half of
-the pass in ``_stablehlo``) follows a root's result through per-channel arithmetic,
-``batch_norm_inference`` and the shape ops of the shared rule ``_chain_rules.pass_axis``,
-into private callees (inlined on trial), and accounts for normalizations no root reaches.
+the pass in ``_stablehlo``) follows a root's result with the one chain walk of both paths
+(``_chain.walk``) over :class:`HloChain`, whose rule table :data:`HLO_STEPS` says what each
+op does: per-channel arithmetic, ``batch_norm_inference``, the shape ops of the shared rule
+``_chain_rules.pass_axis``, private callees (inlined on trial). It also accounts for
+normalizations no root reaches.
 """
 from __future__ import annotations
 
 from . import _compat as C
-from ._chain_rules import DIVISOR, FROM_ACTIVATION, Refusal, pass_axis
+from ._chain import AGAIN, Absorb, Pass, postorder, walk
+from ._chain_rules import DIVISOR, Refusal, pass_axis
 from ._hlo_ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
                       op_name, owner_op, reads, remap_operands, shape_of)
 from ._hlo_patterns import Step, axis_role, resolve
@@ -135,91 +138,11 @@ class ChainWalker:
         self.activation.clear()    # keyed by op addresses: drop them after erasing
         self.eval.memo.clear()
 
-    def _walk(self, root, axis):
-        v = root.results[0]
-        steps, committed, stop, refusal = [], 0, None, False
-        while True:
-            pending = {c for c, *_ in self.trial}      # inlined: their uses moved
-            uses = [u for u in v.uses if u.owner not in pending]
-            if len(uses) != 1:
-                if len(uses) > 1:
-                    stop = f"a value in the chain has {len(uses)} consumers"
-                    refusal = True
-                else:
-                    stop = "value is unused"
-                break
-            user, pos = uses[0].owner, uses[0].operand_number
-            name = op_name(user)
-            if name == "func.return":
-                stop = "value is returned"
-                break
-            if name == "stablehlo.return" and op_name(user.parent) in ("stablehlo.case",
-                                                                      "stablehlo.if"):
-                stop = (f"the root is inside a {op_name(user.parent)} branch (a multi-platform "
-                        "export lowers each convolution per platform); not followed out of "
-                        "the branch — export for one platform, or fold before exporting "
-                        "(hlofold.export)")
-                break
-            if name == "func.call":
-                why = self._inline_call(user, pos)
-                if why is None:
-                    continue
-                stop = why
-                break
-            if name in BINARY:
-                kind = {"add": "add", "mul": "mul"}.get(BINARY[name])
-                if BINARY[name] == "sub":
-                    kind = "sub" if pos == 0 else "rsub"
-                elif BINARY[name] == "div":
-                    kind = "div" if pos == 0 else None
-                if kind is None:
-                    stop, refusal = f"{name} {DIVISOR}", True
-                    break
-                op = resolve(user.operands[1 - pos], shape_of(v), axis)
-                if isinstance(op, Refusal):
-                    stop, refusal = f"{name}: {op.reason}", True
-                    if op.axis is not None and v == root.results[0]:
-                        stop += f"; axis {op.axis} is {axis_role(root, op.axis)}"
-                    break
-                if owner_op(op.value) is not None and self._from_root(op.value):
-                    stop, refusal = f"{name}: {FROM_ACTIVATION}", True
-                    break
-                steps.append(Step(user, kind, op, axis=axis))
-                committed = len(steps)
-            elif name == "stablehlo.negate":
-                steps.append(Step(user, "neg", axis=axis))
-                committed = len(steps)
-            elif name in SHAPE_KIND:
-                nxt = pass_axis(SHAPE_KIND[name], shape_of(v), shape_of(user.results[0]), axis,
-                                floats=is_float(v) and is_float(user.results[0]),
-                                perm=attr_dims(user, "permutation"),
-                                bdims=attr_dims(user, "broadcast_dimensions"))
-                if isinstance(nxt, Refusal):
-                    stop = f"{name}: {nxt.reason}"
-                    break
-                steps.append(Step(user, "convert" if SHAPE_KIND[name] == "convert"
-                                   else "shape", axis=nxt))
-                axis = nxt
-            elif name == "stablehlo.batch_norm_inference" and pos == 0:
-                fi = ir.IntegerAttr(user.attributes["feature_index"]).value
-                if fi != axis:
-                    stop = (f"batch_norm_inference feature_index {fi} is not the output-feature "
-                            f"dimension {axis}" + (" (same size: matched by dimension, not "
-                                                   "size)" if shape_of(v)[fi] == shape_of(v)[axis]
-                                                   else ""))
-                    refusal = True
-                    break
-                eps = ir.FloatAttr(user.attributes["epsilon"]).value
-                bn = {k: user.operands[i] for i, k in enumerate(
-                    ["x", "scale", "offset", "mean", "variance"])}
-                bn["epsilon"] = eps
-                steps.append(Step(user, "bn", bn=bn, axis=axis))
-                committed = len(steps)
-            else:
-                stop = f"chain ends at {name}"
-                break
-            v = user.results[0]
-        return steps[:committed], stop, refusal
+    def _walk(self, root, axis, fname: str):
+        """The chain after ``root`` (``_chain.walk`` over :class:`HloChain`): (steps, why the
+        walk stopped, whether that stop refuses the site)."""
+        w = walk(HloChain(self, root, fname), root.results[0], axis)
+        return w.steps, w.stop, w.refusal
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through
@@ -230,22 +153,118 @@ class ChainWalker:
         if top is None:
             return False
         memo = self.activation
-        stack = [top]
-        while stack:
-            op = stack[-1]
-            if op in memo:
-                stack.pop()
-                continue
-            if op_name(op) in ROOTS:
-                memo[op] = True
-                stack.pop()
-                continue
-            producers = [p for p in (owner_op(v) for v in reads(op)) if p is not None]
-            missing = [p for p in producers if p not in memo]
-            if missing:
-                stack.extend(missing)
-                continue
-            memo[op] = any(memo[p] for p in producers)
-            stack.pop()
-        return memo[top]
 
+        def inputs_of(op):
+            if op_name(op) in ROOTS:
+                return ()
+            return [p for p in (owner_op(v) for v in reads(op)) if p is not None]
+
+        def settle(op):
+            memo[op] = op_name(op) in ROOTS or any(memo[p] for p in inputs_of(op))
+        return postorder(top, memo, inputs_of, settle)
+
+
+class HloChain:
+    """The StableHLO adapter of the chain walk (``_chain.ChainIR``), for one root; what each
+    op does to the chain is the rule table :data:`HLO_STEPS`."""
+
+    def __init__(self, walker: ChainWalker, root, fname: str):
+        self.walker, self.root = walker, root
+        self.program = f"function @{fname}"
+
+    def uses(self, v):
+        pending = {c for c, *_ in self.walker.trial}      # inlined: their uses moved
+        users, n_out = [], 0
+        for u in v.uses:
+            if u.owner in pending:
+                continue
+            if op_name(u.owner) == "func.return":
+                n_out += 1
+            else:
+                users.append((u.owner, u.operand_number))
+        return users, n_out
+
+    def name(self, op) -> str:
+        return op_name(op)
+
+    def result(self, op):
+        return op.results[0]
+
+    def describe(self, v) -> str:
+        return str(v.type)
+
+    def step(self, op, pos, v, axis):
+        rule = HLO_STEPS.get(op_name(op))
+        return rule(self, op, pos, v, axis) if rule else f"chain ends at {op_name(op)}"
+
+    def from_root(self, v) -> bool:
+        return owner_op(v) is not None and self.walker._from_root(v)
+
+    def explain_axis(self, axis: int) -> str:
+        return axis_role(self.root, axis)
+
+
+def _binary(chain: HloChain, op, pos, v, axis):
+    name, kind = op_name(op), BINARY[op_name(op)]
+    if kind == "sub":
+        kind = "sub" if pos == 0 else "rsub"
+    elif kind == "div" and pos != 0:
+        return Refusal(f"{name} {DIVISOR}")
+    got = resolve(op.operands[1 - pos], shape_of(v), axis)
+    if isinstance(got, Refusal):
+        return Refusal(f"{name}: {got.reason}", got.axis)
+    return Absorb(Step(op, kind, got, axis=axis), got.value)
+
+
+def _negate(chain: HloChain, op, pos, v, axis):
+    return Absorb(Step(op, "neg", axis=axis))
+
+
+def _shape(chain: HloChain, op, pos, v, axis):
+    name = op_name(op)
+    nxt = pass_axis(SHAPE_KIND[name], shape_of(v), shape_of(op.results[0]), axis,
+                    floats=is_float(v) and is_float(op.results[0]),
+                    perm=attr_dims(op, "permutation"),
+                    bdims=attr_dims(op, "broadcast_dimensions"))
+    if isinstance(nxt, Refusal):
+        return f"{name}: {nxt.reason}"
+    return Pass(Step(op, "convert" if SHAPE_KIND[name] == "convert" else "shape", axis=nxt),
+                nxt)
+
+
+def _batch_norm(chain: HloChain, op, pos, v, axis):
+    if pos != 0:
+        return "chain ends at stablehlo.batch_norm_inference"
+    fi = ir.IntegerAttr(op.attributes["feature_index"]).value
+    if fi != axis:
+        same = " (same size: matched by dimension, not size)" if \
+            shape_of(v)[fi] == shape_of(v)[axis] else ""
+        return Refusal(f"batch_norm_inference feature_index {fi} is not the output-feature "
+                       f"dimension {axis}{same}")
+    bn = {k: op.operands[i] for i, k in enumerate(["x", "scale", "offset", "mean", "variance"])}
+    bn["epsilon"] = ir.FloatAttr(op.attributes["epsilon"]).value
+    return Absorb(Step(op, "bn", bn=bn, axis=axis))
+
+
+def _call(chain: HloChain, op, pos, v, axis):
+    why = chain.walker._inline_call(op, pos)
+    return AGAIN if why is None else why
+
+
+def _branch_return(chain: HloChain, op, pos, v, axis):
+    if op_name(op.parent) not in ("stablehlo.case", "stablehlo.if"):
+        return "chain ends at stablehlo.return"
+    return (f"the root is inside a {op_name(op.parent)} branch (a multi-platform export "
+            "lowers each convolution per platform); not followed out of the branch — export "
+            "for one platform, or fold before exporting (hlofold.export)")
+
+
+# what each op does to a chain that reaches it (others end the chain)
+HLO_STEPS = {
+    **{name: _binary for name in BINARY},
+    **{name: _shape for name in SHAPE_KIND},
+    "stablehlo.negate": _negate,
+    "stablehlo.batch_norm_inference": _batch_norm,
+    "func.call": _call,
+    "stablehlo.return": _branch_return,
+}

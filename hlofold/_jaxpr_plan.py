@@ -2,7 +2,8 @@
 
 :class:`SitePlanner` is the planning half of a jaxpr scope (``_fold._Scope``). For a root
 equation it walks the root's output through per-output-channel affine ops and shape ops
-(:meth:`SitePlanner._walk`, with the step rules of ``_chain_rules``), the root's input back
+(``_chain.walk`` over :class:`JaxprChain`, whose rule table :data:`JAXPR_STEPS` applies the
+step rules of ``_chain_rules``), the root's input back
 through per-input-channel affine ops (``_jaxpr_forward.ForwardPlanner``), and decides:
 fold (constants computed now, in float64, with the rules of ``_rules``), fold in the graph
 (guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a reason.
@@ -16,7 +17,9 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import along, collapse, exact_f64, group_matrix_np, has_shift, kinds, place_np
-from ._chain_rules import (AFFINE_STEPS, FROM_ACTIVATION, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
+from ._chain import (CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, UNUSED, Absorb, Pass,
+                     chain_kind, walk)
+from ._chain_rules import (AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
                            Refusal, affine_step, pass_step)
 from ._jaxpr_forward import Forward, ForwardPlanner
 from ._patterns import RootInfo
@@ -71,58 +74,6 @@ class SitePlanner(ForwardPlanner):
     """Decides each root's site; records it in the report (``self._record``) and, when it
     folds, in the plan the emitter reads (``site_at_end``, ``skip``, ``claimed``)."""
 
-    def _walk(self, eqn, info: RootInfo, pattern):
-        """Follow the root's output through the chain; return (steps, end_axis, stop_reason,
-        stop_is_refusal). ``steps`` ends with the last absorbable affine op."""
-        v, axis = eqn.outvars[0], info.channel_axis
-        steps: list = []
-        committed, committed_axis = 0, axis
-        reason, refusal = None, False
-        while True:
-            uses = self.uses.get(v, [])
-            n_out = self.out_uses.get(v, 0)
-            n = len(uses) + n_out
-            if n == 0:
-                reason = "value is unused"
-                break
-            if n > 1:
-                who = [self.jaxpr.eqns[j].primitive.name for j, _ in uses] + ["output"] * n_out
-                what = "the conv output" if v is eqn.outvars[0] else f"{_desc(v)} in the chain"
-                reason = f"{what} has {n} consumers ({', '.join(who)}); folding would change them"
-                refusal = True
-                break
-            if n_out:
-                reason = f"value is an output of the {self.path} program"
-                break
-            j, pos = uses[0]
-            e = self.jaxpr.eqns[j]
-            prim = e.primitive.name
-            if prim in AFFINE_STEPS:
-                r = affine_step(e, pos, axis, lambda u: self.producer.get(u, (0, None))[1])
-                if isinstance(r, Refusal):
-                    reason, refusal = r.reason, True
-                    if r.axis is not None and v is eqn.outvars[0]:
-                        reason += f"; axis {r.axis} is {pattern.explain_axis(eqn, r.axis)}"
-                    break
-                if r.operand is not None and self.from_root(r.operand.source):
-                    reason = f"{prim}: {FROM_ACTIVATION}"
-                    refusal = True
-                    break
-                steps.append(r)
-                committed, committed_axis = len(steps), axis
-            elif prim in PASS_STEPS and pos == 0:
-                r = pass_step(e, axis)
-                if isinstance(r, Refusal):
-                    reason = r.reason
-                    break
-                steps.append(PassStep(e))
-                axis = r
-            else:
-                reason = f"chain ends at {prim}"
-                break
-            v = e.outvars[0]
-        return steps[:committed], committed_axis, reason, refusal
-
     def _plan_site(self, i, eqn, pattern) -> bool:
         first = pattern.inspect_root(eqn)
         chosen = None
@@ -133,10 +84,10 @@ class SitePlanner(ForwardPlanner):
                     and not self._weight_like(eqn, info.kernel_index):
                 continue     # another reading only for a weight: an input on the lhs may as
                 # well be the activations
-            walked = self._walk(eqn, info, pattern)
-            aff = [s for s in walked[0] if isinstance(s, AffineStep)]
-            folds = bool(aff) and not (len(aff) == 1 and aff[0].kind in ("add", "sub")) and \
-                not self.from_root(eqn.invars[info.kernel_index])
+            w = walk(JaxprChain(self, eqn, pattern), eqn.outvars[0], info.channel_axis)
+            walked = (w.steps, w.axis, w.stop, w.refusal)
+            folds = chain_kind(s.kind for s in w.steps if isinstance(s, AffineStep)) == "fold" \
+                and not self.from_root(eqn.invars[info.kernel_index])
             if chosen is None or folds:
                 chosen = (info, walked)
             if folds:
@@ -148,16 +99,16 @@ class SitePlanner(ForwardPlanner):
         self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
-        backward = bool(affine) and not (len(affine) == 1 and affine[0].kind in ("add", "sub"))
+        backward = chain_kind(s.kind for s in affine) == "fold"
         fwd = self._plan_forward(eqn, pattern, info)
         if not backward:
             if not affine:
-                if not (fwd is not None and stop == "value is unused"):
+                if not (fwd is not None and stop == UNUSED):
                     self._record(eqn, pattern, info, REFUSED if stop_is_refusal else NO_PATTERN,
                                  reason=stop)
             else:
                 self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed,
-                             reason="already conv + per-channel bias")
+                             reason=CANONICAL_BIAS)
             if fwd is None:
                 return False
             if not affine:
@@ -168,8 +119,7 @@ class SitePlanner(ForwardPlanner):
         kernel = eqn.invars[info.kernel_index]
         kernel_names = sorted(n for n in self.names(kernel) if n)
         if self.from_root(kernel):
-            reason = ("the kernel (rhs) is computed from a convolution/dot output "
-                      "(an activation, e.g. attention), not from parameters")
+            reason = KERNEL_FROM_ACTIVATION
             if backward:
                 self._record(eqn, pattern, info, REFUSED, absorbed=absorbed, reason=reason)
             if fwd is not None:
@@ -329,5 +279,55 @@ class SitePlanner(ForwardPlanner):
         return arr.reshape(-1) if op.source_axis is not None else arr.reshape(())
 
 
-def _desc(v) -> str:
-    return f"value {v.aval.str_short()}"
+class JaxprChain:
+    """The jaxpr adapter of the chain walk (``_chain.ChainIR``), for one root of a scope;
+    what each primitive does to the chain is the rule table :data:`JAXPR_STEPS`."""
+
+    def __init__(self, scope: "SitePlanner", root: C.JaxprEqn, pattern):
+        self.scope, self.root, self.pattern = scope, root, pattern
+        self.program = f"{scope.path} program"
+
+    def uses(self, v):
+        eqns = self.scope.jaxpr.eqns
+        return ([(eqns[j], pos) for j, pos in self.scope.uses.get(v, ())],
+                self.scope.out_uses.get(v, 0))
+
+    def name(self, eqn) -> str:
+        return eqn.primitive.name
+
+    def result(self, eqn):
+        return eqn.outvars[0]
+
+    def describe(self, v) -> str:
+        return v.aval.str_short()
+
+    def step(self, eqn, pos, v, axis):
+        rule = JAXPR_STEPS.get(eqn.primitive.name)
+        return rule(self, eqn, pos, axis) if rule else f"chain ends at {eqn.primitive.name}"
+
+    def from_root(self, v) -> bool:
+        return self.scope.from_root(v)
+
+    def explain_axis(self, axis: int) -> str:
+        return self.pattern.explain_axis(self.root, axis)
+
+    def producer(self, v):
+        return self.scope.producer.get(v, (0, None))[1]
+
+
+def _affine_rule(chain: JaxprChain, eqn, pos, axis):
+    r = affine_step(eqn, pos, axis, chain.producer)
+    if isinstance(r, Refusal):
+        return r
+    return Absorb(r, r.operand.source if r.operand is not None else None)
+
+
+def _pass_rule(chain: JaxprChain, eqn, pos, axis):
+    if pos != 0:
+        return f"chain ends at {eqn.primitive.name}"
+    r = pass_step(eqn, axis)
+    return r.reason if isinstance(r, Refusal) else Pass(PassStep(eqn), r)
+
+
+# what each primitive does to a chain that reaches it (others end the chain)
+JAXPR_STEPS = {**{p: _affine_rule for p in AFFINE_STEPS}, **{p: _pass_rule for p in PASS_STEPS}}

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import along, collapse
+from ._chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, chain_kind
 from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith,
                       all_finite, dce, elem_type, is_float, location, np_dtype, numpy_to_dense, op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
 from ._hlo_match import ChainWalker
@@ -113,11 +114,10 @@ class _Pass(ChainWalker):
         for info in cands:              # the first reading of the root that folds
             if info is not first and self.eval(root.operands[info[1]]) is None:
                 continue                # a non-constant lhs may as well be the activations
-            walked = self._walk(root, info[0])
-            real = [s for s in walked[0] if s.kind not in PASS_KINDS]
+            walked = self._walk(root, info[0], fname)
             k = root.operands[info[1]]
-            folds = bool(real) and not (len(real) == 1 and real[0].kind in ("add", "sub")) \
-                and not (owner_op(k) is not None and self._from_root(k))
+            folds = chain_kind(s.kind for s in walked[0] if s.kind not in PASS_KINDS) == \
+                "fold" and not (owner_op(k) is not None and self._from_root(k))
             if chosen is None or folds:
                 chosen = (info, walked)
             if folds:
@@ -126,18 +126,19 @@ class _Pass(ChainWalker):
         out_axis, kidx, kaxis = info[:3]
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind not in PASS_KINDS]
-        if not real:
+        shape = chain_kind(s.kind for s in real)
+        if shape == "none":
             self._record(root, fname, info=info, status=REFUSED if refusal else NO_PATTERN,
                          reason=stop)
             return
-        if len(real) == 1 and real[0].kind in ("add", "sub"):
+        if shape == "canonical":
             self._record(root, fname, info=info, status=CANONICAL, absorbed=absorbed,
-                         reason="already conv + per-channel bias")
+                         reason=CANONICAL_BIAS)
             return
         kernel = root.operands[kidx]
         if owner_op(kernel) is not None and self._from_root(kernel):
             self._record(root, fname, info=info, status=REFUSED, absorbed=absorbed,
-                         reason="the kernel is computed from an activation")
+                         reason=KERNEL_FROM_ACTIVATION)
             return
         C_out = shape_of(root.results[0])[out_axis]
 

@@ -117,3 +117,17 @@ def test_calls_quick(tmp_path):
     for section in ("First call", "Under the user's jit", "Dispatch", "new parameter pytree",
                     "Artifacts", "Forward folds behind SAME padding"):
         assert section in md
+
+
+def test_foldtime_quick():
+    """``python -m benchmarks.foldtime --quick``: every row timed for this checkout (tiny
+    models, one round; it says nothing about performance)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.foldtime", "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| jaxpr") or
+            line.startswith("| stablehlo")]
+    assert len(rows) == 7, proc.stdout            # 4 jaxpr rows, 3 StableHLO rows
+    assert all(" ms [" in r for r in rows), proc.stdout

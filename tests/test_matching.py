@@ -225,3 +225,113 @@ def test_matching_layer_reads_jax_through_compat_only():
     import hlofold._patterns as P
     for mod in (R, P, H):
         assert "jax._src" not in inspect.getsource(mod)
+
+
+# --------------------------------------------------------------------------- the chain walk
+
+
+class _ToyIR:
+    """A minimal ``_chain.ChainIR``: ops are names in a list, each reads the one before it;
+    ``extra`` adds readers, ``rules`` says what each op does."""
+
+    program = "toy program"
+
+    def __init__(self, ops, rules, extra=(), activations=(), outputs=()):
+        self.ops, self.rules = ops, rules
+        self.extra, self.activations, self.outputs = dict(extra), set(activations), set(outputs)
+
+    def uses(self, v):
+        i = self.ops.index(v)
+        users = [(self.ops[i + 1], 0)] if i + 1 < len(self.ops) else []
+        users += [(u, 0) for u in self.extra.get(v, ())]
+        return users, int(v in self.outputs)
+
+    def name(self, op):
+        return op
+
+    def result(self, op):
+        return op
+
+    def describe(self, v):
+        return f"<{v}>"
+
+    def step(self, op, pos, v, axis):
+        return self.rules(op, axis)
+
+    def from_root(self, v):
+        return v in self.activations
+
+    def explain_axis(self, axis):
+        return f"role{axis}"
+
+
+def _toy_rules(op, axis):
+    from hlofold._chain import Absorb, Pass
+    kind = op.split("#")[0]
+    if kind in ("mul", "add"):
+        return Absorb((kind, op), f"param_of_{op}")
+    if kind == "gate":
+        return Absorb((kind, op), "act")
+    if kind == "transpose":
+        return Pass(("transpose", op), axis + 1)
+    if kind == "bad":
+        return Refusal("bad operand", 0)
+    return f"chain ends at {kind}"
+
+
+def test_walk_cuts_the_chain_after_its_last_affine_op():
+    from hlofold._chain import walk
+    ir = _ToyIR(["root", "mul#1", "transpose#1", "add#1", "transpose#2", "max#1"], _toy_rules)
+    w = walk(ir, "root", 3)
+    assert [s[1] for s in w.steps] == ["mul#1", "transpose#1", "add#1"]   # trailing pass cut
+    assert w.axis == 4 and w.stop == "chain ends at max" and not w.refusal
+
+
+def test_walk_refuses_a_second_reader_and_names_both():
+    from hlofold._chain import walk
+    ir = _ToyIR(["root", "mul#1", "add#1"], _toy_rules, extra={"mul#1": ["tanh#9"]})
+    w = walk(ir, "root", 3)
+    assert w.steps == [("mul", "mul#1")] and w.refusal
+    assert w.stop == ("value <mul#1> in the chain has 2 consumers (add#1, tanh#9); folding "
+                      "would change them")
+
+
+def test_walk_stops_at_an_output_unused_value_and_activation_operands():
+    from hlofold._chain import FROM_ACTIVATION, UNUSED, walk
+    out = walk(_ToyIR(["root", "mul#1", "add#1"], _toy_rules, outputs={"mul#1"}), "root", 0)
+    assert out.stop == "value <mul#1> in the chain has 2 consumers (add#1, output); folding " \
+        "would change them"
+    ret = walk(_ToyIR(["root", "mul#1"], _toy_rules, outputs={"mul#1"}), "root", 0)
+    assert ret.stop == "value is an output of the toy program" and not ret.refusal
+    assert len(ret.steps) == 1
+    assert walk(_ToyIR(["root"], _toy_rules), "root", 0).stop == UNUSED
+    gate = walk(_ToyIR(["root", "gate#1"], _toy_rules, activations={"act"}), "root", 0)
+    assert gate.refusal and gate.stop == f"gate#1: {FROM_ACTIVATION}" and gate.steps == []
+
+
+def test_walk_explains_an_axis_of_the_root_output_only():
+    from hlofold._chain import walk
+    at_root = walk(_ToyIR(["root", "bad#1"], _toy_rules), "root", 3)
+    assert at_root.refusal and at_root.stop == "bad operand; axis 0 is role0"
+    later = walk(_ToyIR(["root", "mul#1", "bad#1"], _toy_rules), "root", 3)
+    assert later.stop == "bad operand" and later.steps == [("mul", "mul#1")]
+
+
+def test_chain_kind():
+    from hlofold._chain import chain_kind
+    assert chain_kind([]) == "none"
+    assert chain_kind(["add"]) == chain_kind(["sub"]) == "canonical"
+    assert chain_kind(["mul"]) == chain_kind(["add", "add"]) == chain_kind(["bn"]) == "fold"
+
+
+def test_postorder_is_iterative_and_memoized():
+    from hlofold._chain import postorder
+    n = 50_000                        # deeper than Python's recursion limit
+    memo, calls = {}, []
+
+    def settle(i):
+        calls.append(i)
+        memo[i] = 0 if i == 0 else memo[i - 1] + 1
+    assert postorder(n, memo, lambda i: [i - 1] if i else [], settle) == n
+    assert postorder(n - 7, memo, lambda i: [i - 1] if i else [], settle) == n - 7
+    assert len(calls) == n + 1

@@ -245,7 +245,7 @@ def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
 def test_operand_computed_from_an_activation_is_refused_in_the_same_words():
     """A per-channel gate computed from another conv's output (squeeze-excite style) is not
     a parameter: both paths refuse it, in the shared words of ``_chain_rules``."""
-    from hlofold._chain_rules import FROM_ACTIVATION
+    from hlofold._chain import FROM_ACTIVATION
     x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
     k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
     k2 = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
@@ -259,3 +259,69 @@ def test_operand_computed_from_an_activation_is_refused_in_the_same_words():
                     "operand" in z.reason)
         assert site.reason.endswith(FROM_ACTIVATION), (path, site.reason)
         np.testing.assert_array_equal(out, ref)
+
+
+# ------------------------------------------------------------------ one chain walk (_chain.walk)
+
+
+def _main_site(rep):
+    return next(z for z in rep.sites if "forward" not in z.pattern
+                and z.pattern != "unreached_affine")
+
+
+def test_a_second_consumer_is_refused_in_the_same_words():
+    """The walk's consumer rule, written once in ``_chain.walk``: the conv output read twice
+    is refused on both paths with the same sentence (the ops named as each IR names them)."""
+    x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    s = RNG.uniform(0.5, 2, 4).astype(np.float32)
+
+    def f(x):
+        y = conv(x, k)
+        return y * s, jnp.tanh(y)
+    closed = jax.make_jaxpr(f)(x)
+    _, rep = hlofold.fold_jaxpr(closed)
+    _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(x).as_text(), in_graph=True)
+    for path, r in (("jaxpr", rep), ("stablehlo", srep)):
+        assert r.num_folded == 0, (path, str(r))
+        site = _main_site(r)
+        assert site.reason.startswith("the conv output has 2 consumers ("), (path, site.reason)
+        assert site.reason.endswith("); folding would change them"), (path, site.reason)
+        assert reason_kind(site.reason) == "consumers"
+
+
+def test_kernel_from_an_activation_and_a_canonical_bias_in_the_same_words():
+    from hlofold._chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION
+    x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 3)).astype(np.float32)
+    s = RNG.uniform(0.5, 2, 3).astype(np.float32)
+    b = RNG.standard_normal(3).astype(np.float32)
+
+    def attention_like(x):          # the second conv's kernel is the first conv's output
+        y = conv(x, k)
+        kk = jnp.transpose(y[0, :3, :3, :], (0, 1, 2))[:, :, :, None] * jnp.ones((1, 1, 1, 3))
+        return conv(x, kk) * s
+
+    def biased(x):
+        return conv(x, k) + b
+    for f, words in ((attention_like, KERNEL_FROM_ACTIVATION), (biased, CANONICAL_BIAS)):
+        _, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x))
+        _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(x).as_text(), in_graph=True)
+        for path, r in (("jaxpr", rep), ("stablehlo", srep)):
+            assert r.num_folded == 0, (path, str(r))
+            assert any(z.reason == words for z in r.sites), (path, str(r))
+
+
+def test_a_chain_that_is_returned_stops_in_the_same_words():
+    x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    s = RNG.uniform(0.5, 2, 4).astype(np.float32)
+
+    def f(x):
+        return conv(x, k) * s
+    results, ref = both_paths(f, x)
+    for path, rep, out in results:
+        assert rep.num_folded == 1, (path, str(rep))
+        assert _main_site(rep).note.startswith("chain stopped: value is an output of the "), \
+            (path, _main_site(rep).note)
+        assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref)), path

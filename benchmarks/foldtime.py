@@ -1,0 +1,115 @@
+"""How long hlofold itself takes to fold, next to another checkout of hlofold.
+
+``python -m benchmarks.foldtime [--against DIR] [--rounds N] [--quick]`` times, in one
+process per checkout and round (checkouts interleaved round by round, so machine noise
+falls on both):
+
+* ``fold_jaxpr`` on Flax ResNet-50 (64 px) with its parameters as inputs, in each
+  ``in_graph`` mode (``never``: the default of traced calls, ``prepared``, ``guarded``) and
+  with its parameters as constants (``K ⊙ s`` computed on the host);
+* ``fold_stablehlo`` on a 10,000-op module (2,000 conv → BN blocks) with its weights as
+  arguments (default: left unfolded; ``in_graph=True``: folded in the graph, guarded) and as
+  constants.
+
+``--against DIR``: a checkout (e.g. ``git worktree add /tmp/old <commit>``) whose
+``hlofold`` is timed the same way; modes it does not have are skipped. Each figure is the
+median of the per-round medians with [min–max]. This measures the transform, not the
+program it produces (``benchmarks.calls`` does that).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+_CHILD = r"""
+import inspect, json, sys, time, statistics
+sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2])
+import jax, numpy as np, hlofold
+quick = sys.argv[3] == "1"
+out = {}
+
+def timed(fn, n):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+from benchmarks import models as M
+name = "resnet18" if quick else "resnet50"
+model, _, variables, _ = M.build(name, image_size=32 if quick else 64)
+x = np.zeros((1, 32 if quick else 64, 32 if quick else 64, 3), np.float32)
+traced = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x)
+consts = jax.make_jaxpr(lambda x: model.apply(variables, x))(x)
+modes = ("never", "prepared", "guarded") if "in_graph" in inspect.signature(
+    hlofold.fold_jaxpr).parameters else ("",)
+for mode in modes:
+    kw = {"in_graph": mode} if mode else {}
+    hlofold.fold_jaxpr(traced, **kw)
+    out[f"jaxpr {name} params as inputs, {mode or 'in graph'}"] = timed(
+        lambda: hlofold.fold_jaxpr(traced, **kw), 5)
+hlofold.fold_jaxpr(consts)
+out[f"jaxpr {name} params as constants"] = timed(lambda: hlofold.fold_jaxpr(consts), 3)
+
+sys.path.insert(0, sys.argv[2] + "/tests")
+from test_stablehlo import _huge_module
+n = 200 if quick else 2000
+text = _huge_module(n)
+ktext = text.replace(
+    "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
+).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
+          "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
+          "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n    %mb =")
+has_flag = "in_graph" in inspect.signature(hlofold.fold_stablehlo).parameters
+runs = [("weights as arguments, default", text, {})]
+if has_flag:
+    runs.append(("weights as arguments, in_graph=True", text, {"in_graph": True}))
+runs.append(("weights as constants", ktext, {}))
+for label, t, kw in runs:
+    hlofold.fold_stablehlo(_huge_module(10), **kw)
+    out[f"stablehlo {5 * n} ops, {label}"] = timed(lambda: hlofold.fold_stablehlo(t, **kw), 2)
+print(json.dumps(out))
+"""
+
+
+def _one(checkout: str, here: str, quick: bool) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    got = subprocess.run([sys.executable, "-c", _CHILD, checkout, here, "1" if quick else "0"],
+                         capture_output=True, text=True, env=env, check=True)
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", help="another hlofold checkout to time the same way")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small models, one round")
+    args = ap.parse_args(argv)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkouts = [here] + ([os.path.abspath(args.against)] if args.against else [])
+    rounds = 1 if args.quick else args.rounds
+    samples: dict = {c: {} for c in checkouts}
+    for _ in range(rounds):
+        for c in checkouts:
+            for k, v in _one(c, here, args.quick).items():
+                samples[c].setdefault(k, []).append(v)
+    from .run import machine_info, machine_line
+    print(f"fold time, {rounds} round(s), {machine_line(machine_info())}")
+    keys = list(dict.fromkeys(k for c in checkouts for k in samples[c]))
+    print("| what | " + " | ".join(os.path.basename(c) or c for c in checkouts) + " |")
+    print("|---|" + "---|" * len(checkouts))
+    for k in keys:
+        cells = []
+        for c in checkouts:
+            v = samples[c].get(k)
+            cells.append("—" if not v else
+                         f"{1e3 * statistics.median(v):.1f} ms [{1e3 * min(v):.1f}–"
+                         f"{1e3 * max(v):.1f}]")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
