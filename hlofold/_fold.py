@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._host import evaluate as host_evaluate
 from ._chain import postorder
+from ._host import evaluate as host_evaluate
 from ._jaxpr_emit import SiteEmitter, is_guard
 from ._jaxpr_nested import NESTED_RULES, contains_root, other_rule
 from ._jaxpr_plan import Site, SitePlanner
