@@ -4,6 +4,8 @@
 process per checkout and round (checkouts interleaved round by round, so machine noise
 falls on both):
 
+* next to doing nothing: ``jax.make_jaxpr`` of the network (the trace every fold starts
+  from) and parsing and printing the StableHLO module without folding it;
 * ``fold_jaxpr`` on Flax ResNet-50 (64 px) with its parameters as inputs, in each
   ``in_graph`` mode (``never``: the default of traced calls, ``prepared``, ``guarded``) and
   with its parameters as constants (``K ⊙ s`` computed on the host);
@@ -46,6 +48,8 @@ model, _, variables, _ = M.build(name, image_size=32 if quick else 64)
 x = np.zeros((1, 32 if quick else 64, 32 if quick else 64, 3), np.float32)
 traced = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x)
 consts = jax.make_jaxpr(lambda x: model.apply(variables, x))(x)
+out[f"doing nothing: jax.make_jaxpr of {name} (the trace a fold starts from)"] = timed(
+    lambda: jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x), 3)
 modes = ("never", "prepared", "guarded") if "in_graph" in inspect.signature(
     hlofold.fold_jaxpr).parameters else ("",)
 for mode in modes:
@@ -68,6 +72,16 @@ ktext = text.replace(
 ).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
           "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
           "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n    %mb =")
+from jaxlib.mlir import ir
+from hlofold import _compat
+
+
+def round_trip():
+    with _compat.mlir_context():
+        return str(ir.Module.parse(text))
+
+
+out[f"doing nothing: parse and print the {5 * n}-op module"] = timed(round_trip, 2)
 has_flag = "in_graph" in inspect.signature(hlofold.fold_stablehlo).parameters
 runs = [("weights as arguments, default", text, {})]
 if has_flag:

@@ -1,16 +1,17 @@
 """Matching on StableHLO: the chain after a root.
 
 Roots and operands are read by ``_hlo_patterns``. :class:`ChainWalker` (the matching half of
-the pass in ``_stablehlo``) follows a root's result with the one chain walk of both paths
-(``_chain.walk``) over :class:`HloChain`, whose rule table :data:`HLO_STEPS` says what each
-op does: per-channel arithmetic, ``batch_norm_inference``, the shape ops of the shared rule
+the pass in ``_stablehlo``) holds what the walk needs across sites; the pass follows a
+root's result with the one chain walk of both paths (``_chain.walk``) over
+:class:`HloChain`, whose rule table :data:`HLO_STEPS` says what each op does: per-channel
+arithmetic, ``batch_norm_inference``, the shape ops of the shared rule
 ``_chain_rules.pass_axis``, private callees (inlined on trial). It also accounts for
 normalizations no root reaches.
 """
 from __future__ import annotations
 
 from . import _compat as C
-from ._chain import AGAIN, Absorb, Pass, postorder, walk
+from ._chain import AGAIN, Absorb, Pass, postorder
 from ._chain_rules import DIVISOR, Refusal, pass_axis
 from ._hlo_ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
                       op_name, owner_op, reads, remap_operands, shape_of)
@@ -22,7 +23,8 @@ ir, stablehlo, func_dialect = C.mlir()
 
 
 class ChainWalker:
-    """The chain walk of the StableHLO pass (``_stablehlo._Pass``)."""
+    """What the StableHLO pass (``_stablehlo._Pass``) keeps for its chain walks: private calls
+    inlined on trial, the activation memo, and the records of unreached normalizations."""
 
     def _account_unreached(self, fop, fname) -> None:
         """A NOT_REACHED record for each ``batch_norm_inference`` and each ``multiply`` of
@@ -137,12 +139,6 @@ class ChainWalker:
         self.trial.clear()
         self.activation.clear()    # keyed by op addresses: drop them after erasing
         self.eval.memo.clear()
-
-    def _walk(self, root, axis, fname: str):
-        """The chain after ``root`` (``_chain.walk`` over :class:`HloChain`): (steps, why the
-        walk stopped, whether that stop refuses the site)."""
-        w = walk(HloChain(self, root, fname), root.results[0], axis)
-        return w.steps, w.stop, w.refusal
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through

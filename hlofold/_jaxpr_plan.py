@@ -85,17 +85,17 @@ class SitePlanner(ForwardPlanner):
                 continue     # another reading only for a weight: an input on the lhs may as
                 # well be the activations
             w = walk(JaxprChain(self, eqn, pattern), eqn.outvars[0], info.channel_axis)
-            walked = (w.steps, w.axis, w.stop, w.refusal)
             folds = chain_kind(s.kind for s in w.steps if isinstance(s, AffineStep)) == "fold" \
                 and not self.from_root(eqn.invars[info.kernel_index])
             if chosen is None or folds:
-                chosen = (info, walked)
+                chosen = (info, w)
             if folds:
                 break
         if chosen is None:
             self._record(eqn, pattern, None, REFUSED, reason=first.reason)
             return False
-        info, (steps, end_axis, stop, stop_is_refusal) = chosen
+        info, w = chosen
+        steps, end_axis, stop, stop_is_refusal = w.steps, w.axis, w.stop, w.refusal
         self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]

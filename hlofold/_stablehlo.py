@@ -26,10 +26,10 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import along, collapse
-from ._chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, chain_kind
+from ._chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, chain_kind, walk
 from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith,
                       all_finite, dce, elem_type, is_float, location, np_dtype, numpy_to_dense, op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
-from ._hlo_match import ChainWalker
+from ._hlo_match import ChainWalker, HloChain
 from ._hlo_patterns import Evaluator, Operand, lhs_root_info, root_info
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
@@ -114,15 +114,16 @@ class _Pass(ChainWalker):
         for info in cands:              # the first reading of the root that folds
             if info is not first and self.eval(root.operands[info[1]]) is None:
                 continue                # a non-constant lhs may as well be the activations
-            walked = self._walk(root, info[0], fname)
+            w = walk(HloChain(self, root, fname), root.results[0], info[0])
             k = root.operands[info[1]]
-            folds = chain_kind(s.kind for s in walked[0] if s.kind not in PASS_KINDS) == \
+            folds = chain_kind(s.kind for s in w.steps if s.kind not in PASS_KINDS) == \
                 "fold" and not (owner_op(k) is not None and self._from_root(k))
             if chosen is None or folds:
-                chosen = (info, walked)
+                chosen = (info, w)
             if folds:
                 break
-        info, (steps, stop, refusal) = chosen
+        info, w = chosen
+        steps, stop, refusal = w.steps, w.stop, w.refusal
         out_axis, kidx, kaxis = info[:3]
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind not in PASS_KINDS]

@@ -130,4 +130,5 @@ def test_foldtime_quick():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| jaxpr") or
             line.startswith("| stablehlo")]
     assert len(rows) == 7, proc.stdout            # 4 jaxpr rows, 3 StableHLO rows
+    assert sum(line.startswith("| doing nothing") for line in proc.stdout.splitlines()) == 2
     assert all(" ms [" in r for r in rows), proc.stdout
