@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import jax.numpy as jnp
+
 from . import _compat as C
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -49,6 +51,19 @@ def np_dtype(etype) -> np.dtype | None:
     s = str(etype)
     return {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
             "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}.get(s)
+
+
+_FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "float8_e4m3fnuz",
+        "f8E5M2FNUZ": "float8_e5m2fnuz", "f8E4M3B11FNUZ": "float8_e4m3b11fnuz"}
+
+
+def float_dtype(etype) -> np.dtype | None:
+    """The NumPy dtype of any float element type, fp8 included (None: not a float). Kernels
+    and chain steps of these types are weighed by the precision rule; only the types of
+    :func:`np_dtype` are folded."""
+    dt = np_dtype(etype)
+    name = _FP8.get(str(etype))
+    return np.dtype(getattr(jnp, name)) if dt is None and name else dt
 
 
 def is_float(value) -> bool:

@@ -17,14 +17,14 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import along, collapse, exact_f64, group_matrix_np, has_shift, kinds, place_np
-from ._chain import (CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, UNUSED, Absorb, Pass,
-                     chain_kind, walk)
+from ._chain import UNUSED, Absorb, Pass, chain_kind, walk
+from ._decide import chain_status, decide
 from ._chain_rules import (AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
                            Refusal, affine_step, pass_step)
 from ._jaxpr_forward import Forward, ForwardPlanner
 from ._patterns import RootInfo
-from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldSite
-from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
+from ._report import CANONICAL, FOLDED, REFUSED, FoldSite
+from ._rules import precision_refusal, scale_refusal
 
 NOT_PREPARED = ("the parameters are not known at transform time (traced under an enclosing "
                 "transformation), so K·s would be recomputed on every call; left unfolded — "
@@ -99,16 +99,14 @@ class SitePlanner(ForwardPlanner):
         self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
         affine = [s for s in steps if isinstance(s, AffineStep)]
         absorbed = [s.eqn.primitive.name for s in steps]
-        backward = chain_kind(s.kind for s in affine) == "fold"
+        status, reason = chain_status((s.kind for s in affine), stop, stop_is_refusal)
+        backward = status == FOLDED
         fwd = self._plan_forward(eqn, pattern, info)
         if not backward:
-            if not affine:
-                if not (fwd is not None and stop == UNUSED):
-                    self._record(eqn, pattern, info, REFUSED if stop_is_refusal else NO_PATTERN,
-                                 reason=stop)
-            else:
-                self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed,
-                             reason=CANONICAL_BIAS)
+            if status == CANONICAL:
+                self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed, reason=reason)
+            elif not (fwd is not None and stop == UNUSED):
+                self._record(eqn, pattern, info, status, reason=reason)
             if fwd is None:
                 return False
             if not affine:
@@ -118,20 +116,14 @@ class SitePlanner(ForwardPlanner):
 
         kernel = eqn.invars[info.kernel_index]
         kernel_names = sorted(n for n in self.names(kernel) if n)
-        if self.from_root(kernel):
-            reason = KERNEL_FROM_ACTIVATION
-            if backward:
-                self._record(eqn, pattern, info, REFUSED, absorbed=absorbed, reason=reason)
-            if fwd is not None:
-                self._refuse(fwd.record, reason)
-            return False
+        kfa = self.from_root(kernel)
         rec = None
         if backward:
             op_names = sorted({n for s in affine if s.operand is not None
                                for n in self.names(s.operand.source) if n})
             rec = self._record(eqn, pattern, info, FOLDED, absorbed=absorbed, params=op_names,
                                kernel=", ".join(kernel_names) or None)
-            rec.note = f"chain stopped: {stop}" if stop else None
+            rec.note = f"chain stopped: {stop}" if stop and not kfa else None
         if fwd is not None:
             fwd.record.kernel = ", ".join(kernel_names) or None
             if not backward and affine:      # the merged canonical bias is read too
@@ -141,103 +133,51 @@ class SitePlanner(ForwardPlanner):
         kd = self._kernel_dtype(kernel)
         hint = ("" if self.opts.float32_kernels or kd.itemsize >= 4 else
                 "; fold with float32_kernels=True to keep a float32 kernel")
-        if backward:
-            why = precision_refusal(kd, [eqn.outvars[0].aval.dtype] +
-                                    [st.eqn.outvars[0].aval.dtype for st in steps], hint)
-            if why:
-                if fwd is not None:
-                    self._refuse(fwd.record, "the fold after the root is refused")
-                return self._refuse(rec, why)
-        if fwd is not None:
-            why = precision_refusal(kd, [st.eqn.outvars[0].aval.dtype for st in fwd.steps],
-                                    hint)
-            if why:
-                self._refuse(fwd.record, why)
+        end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
+        # Everything that is known at transform time is computed now, in float64.
+        k_val = None if kfa else self.value(kernel)
+        k64 = None if k_val is None else exact_f64(np.asarray(k_val))
+        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
+        s_vec = t_vec = None
+        if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
+            s_vec, t_vec = collapse(kinds(affine), op_vals, info.out_channels)
+        b64 = None
+        if fwd is not None and not kfa:       # the forward fold's own rules (jaxpr only)
+            if not self._check_forward(fwd, info, kd, hint,
+                                       all_known=s_vec is not None and k64 is not None):
                 if not backward:
                     return False
                 fwd = None
-        end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
-        site = Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
-                     has_shift=has_shift(affine), fwd=fwd)
-
-        # Everything that is known at transform time is computed now, in float64.
-        k_val = self.value(kernel)
-        k64 = None if k_val is None else exact_f64(np.asarray(k_val))
-        b64 = None
-        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
-        back_known = all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None)
-        if fwd is not None:
-            vals = [None if s.operand is None else self._operand_value(s.operand)
-                    for s in fwd.steps]
-            fwd_known = all(v is not None for s, v in zip(fwd.steps, vals)
-                            if s.operand is not None)
-            if fwd.masks is not None and self.opts.in_graph != "never" and \
-                    not (fwd_known and back_known and k64 is not None):
-                self._refuse(fwd.record, BIAS_MAP_IN_GRAPH)
-                if not backward:
-                    return False
-                site.fwd = fwd = None
-        if fwd is not None:
-            if fwd_known:
-                s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels)
-                why = scale_refusal(s_in, "input scale s")
-                if why:
-                    self._refuse(fwd.record, why)
-                    if not backward:
-                        return False
-                    site.fwd = fwd = None
-                else:
-                    fwd.s_known, fwd.t_known = s_in, t_in
-                    if k64 is not None:
-                        ko, ki = info.kernel_axis, fwd.k_in_axis
-                        s2 = group_matrix_np(s_in, info.out_channels, fwd.groups)
-                        t2 = group_matrix_np(t_in, info.out_channels, fwd.groups)
-                        w = k64 * place_np(t2, ko, ki, k64.ndim)
-                        b64 = (np.sum(w, axis=tuple(a for a in range(k64.ndim) if a != ko))
-                               if fwd.masks is None else
-                               pattern.bias_map(eqn, np.sum(w, axis=ki, keepdims=True),
-                                                fwd.masks))
-                        k64 = k64 * place_np(s2, ko, ki, k64.ndim)
-            else:
+            elif fwd.s_known is None:
                 k64 = None     # the input scale is computed in the graph
-        site.has_shift |= fwd is not None and fwd.has_shift
-        if back_known:
-            s_vec, t_vec = collapse(kinds(affine), op_vals, info.out_channels)
-            why = scale_refusal(s_vec)
-            if why:
-                if fwd is not None:
-                    self._refuse(fwd.record, "the scale after the root is not finite")
-                return self._refuse(rec, why)
-            site.s_known, site.t_known = s_vec, t_vec
-            if k64 is not None and (fwd is None or fwd.s_known is not None):
-                kp_cast, why = round_kernel(k64, along(s_vec, info.kernel_axis, k64.ndim),
-                                            kd, info.kernel_axis)
-                if why:
-                    if fwd is not None:
-                        self._refuse(fwd.record, "the rescaled kernel is refused")
-                    return self._refuse(rec, why)
-                site.kernel_const = kp_cast
-                if b64 is not None and fwd.masks is not None:
-                    # s·conv(pad(t), K) + t', added to the root's output (before its
-                    # shape-only steps), so nothing is left to add at the chain's end
-                    nd, ax = b64.ndim, info.channel_axis
-                    site.bias_map = along(s_vec, ax, nd) * b64 + along(t_vec, ax, nd)
-                    site.t_known, site.has_shift = None, False
-                elif b64 is not None:
-                    site.t_known = s_vec * b64 + t_vec
-        rescale = "constant" if site.kernel_const is not None else "in-graph"
-        if rescale == "in-graph" and self.opts.in_graph != "prepared":
-            why = (_not_prepared(kernel, site.end_var) if self.opts.in_graph == "never"
-                   else runtime_refusal(kd))
-            if why:
-                if fwd is not None:
-                    self._refuse(fwd.record, why)
-                return self._refuse(rec, why)
-            # the scale is only known at run time: check it there
-            site.guard = site.s_known is None or (fwd is not None and fwd.s_known is None)
+            elif k64 is not None:
+                k64, b64 = self._forward_kernel(eqn, pattern, info, fwd, k64)
+        site = Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
+                     has_shift=has_shift(affine) or (fwd is not None and fwd.has_shift),
+                     fwd=fwd)
+        dec = decide(kernel_dtype=kd, math_dtypes=[eqn.outvars[0].aval.dtype] + [
+            st.eqn.outvars[0].aval.dtype for st in steps] if backward else [],
+            s=s_vec, kernel=k64, kernel_axis=info.kernel_axis, in_graph=self.opts.in_graph,
+            not_now=_not_prepared(kernel, end_var), kernel_from_activation=kfa, hint=hint,
+            scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None))
+        if not dec.folds:
+            if fwd is not None:
+                self._refuse(fwd.record, dec.reason)
+            return self._refuse(rec, dec.reason)
+        site.s_known, site.t_known = s_vec, t_vec
+        site.kernel_const, site.guard = dec.kernel, dec.guard
+        if b64 is not None and dec.kernel is not None:
+            if fwd.masks is not None:
+                # s·conv(pad(t), K) + t', added to the root's output (before its
+                # shape-only steps), so nothing is left to add at the chain's end
+                nd, ax = b64.ndim, info.channel_axis
+                site.bias_map = along(s_vec, ax, nd) * b64 + along(t_vec, ax, nd)
+                site.t_known, site.has_shift = None, False
+            else:
+                site.t_known = s_vec * b64 + t_vec
         for r in (rec, fwd.record if fwd is not None else None):
             if r is not None:
-                r.rescale, r.guarded = rescale, site.guard
+                r.rescale, r.guarded = dec.rescale, dec.guard
 
         if steps:
             self.skip.add(i)
@@ -245,6 +185,37 @@ class SitePlanner(ForwardPlanner):
             self.skip.add(self.producer[s.eqn.outvars[0]][0])
         self.site_at_end[site.end_idx] = site
         return True
+
+    def _check_forward(self, fwd: Forward, info, kd, hint, all_known: bool) -> bool:
+        """The forward fold's own rules (jaxpr only), before the shared decision: the chain in
+        front computes no wider than the kernel, a bias map only of values known now, a
+        finite input scale (``fwd.s_known``/``t_known`` set when known). False: refused."""
+        why = precision_refusal(kd, [st.eqn.outvars[0].aval.dtype for st in fwd.steps], hint)
+        vals = [None if s.operand is None else self._operand_value(s.operand)
+                for s in fwd.steps]
+        known = all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None)
+        if not why and fwd.masks is not None and self.opts.in_graph != "never" and \
+                not (known and all_known):
+            why = BIAS_MAP_IN_GRAPH
+        if not why and known:
+            s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels)
+            why = scale_refusal(s_in, "input scale s")
+            fwd.s_known, fwd.t_known = (None, None) if why else (s_in, t_in)
+        if why:
+            self._refuse(fwd.record, why)
+        return not why
+
+    def _forward_kernel(self, eqn, pattern, info, fwd: Forward, k64):
+        """``K`` rescaled by the known input scale (float64), and the bias the input shift
+        adds: per output channel, or a bias map (a padded convolution)."""
+        ko, ki = info.kernel_axis, fwd.k_in_axis
+        s2 = group_matrix_np(fwd.s_known, info.out_channels, fwd.groups)
+        t2 = group_matrix_np(fwd.t_known, info.out_channels, fwd.groups)
+        w = k64 * place_np(t2, ko, ki, k64.ndim)
+        b64 = (np.sum(w, axis=tuple(a for a in range(k64.ndim) if a != ko))
+               if fwd.masks is None else
+               pattern.bias_map(eqn, np.sum(w, axis=ki, keepdims=True), fwd.masks))
+        return k64 * place_np(s2, ko, ki, k64.ndim), b64
 
     def _weight_like(self, eqn, k: int) -> bool:
         """Operand ``k`` of ``eqn`` is an input (through at most a few layout ops) and the

@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._algebra import along, collapse
-from ._chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, chain_kind, walk
+from ._algebra import collapse
+from ._chain import chain_kind, walk
 from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith,
-                      all_finite, dce, elem_type, is_float, location, np_dtype, numpy_to_dense, op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
+                      all_finite, dce, elem_type, float_dtype, is_float, location, np_dtype, numpy_to_dense, op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
 from ._hlo_match import ChainWalker, HloChain
 from ._hlo_patterns import Evaluator, Operand, lhs_root_info, root_info
-from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
-from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
+from ._report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
+from ._decide import chain_status, decide
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -127,63 +127,49 @@ class _Pass(ChainWalker):
         out_axis, kidx, kaxis = info[:3]
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind not in PASS_KINDS]
-        shape = chain_kind(s.kind for s in real)
-        if shape == "none":
-            self._record(root, fname, info=info, status=REFUSED if refusal else NO_PATTERN,
-                         reason=stop)
-            return
-        if shape == "canonical":
-            self._record(root, fname, info=info, status=CANONICAL, absorbed=absorbed,
-                         reason=CANONICAL_BIAS)
+        status, reason = chain_status((s.kind for s in real), stop, refusal)
+        if status != FOLDED:
+            self._record(root, fname, info=info, status=status, reason=reason,
+                         **({"absorbed": absorbed} if status == CANONICAL else {}))
             return
         kernel = root.operands[kidx]
-        if owner_op(kernel) is not None and self._from_root(kernel):
-            self._record(root, fname, info=info, status=REFUSED, absorbed=absorbed,
-                         reason=KERNEL_FROM_ACTIVATION)
-            return
         C_out = shape_of(root.results[0])[out_axis]
-
         known = self._np_chain(real, C_out)      # (kinds, float64 operands) or None
         rec = self._record(root, fname, info=info, status=FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None)
-        kd = np_dtype(elem_type(kernel))
+        kd = float_dtype(elem_type(kernel))
+        if kd is None:
+            rec.status, rec.reason = REFUSED, f"the kernel is {elem_type(kernel)}, not a float"
+            return
         # in-graph arithmetic: float32, or float64 when the program computes in float64
         wide = any(str(elem_type(v)) == "f64"
                    for v in (kernel, root.results[0], steps[-1].op.results[0]))
         self.ct = ir.F64Type.get() if wide else ir.F32Type.get()
-        why = precision_refusal(kd, [np_dtype(elem_type(root.results[0]))] + [
-            np_dtype(elem_type(st.op.results[0])) for st in steps]) if kd is not None else None
-        if why is None and not (known and self.eval(kernel) is not None):
-            # the rescale would run in the graph, on every call
-            why = runtime_refusal(kd) if self.in_graph else WEIGHTS_ARE_ARGUMENTS
-        if why:
-            rec.status, rec.reason = REFUSED, why
+        s_vec = t_vec = None
+        if known:
+            with np.errstate(all="ignore"):
+                s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in collapse(*known, C_out))
+        k_np = self.eval(kernel) if known else None
+        math = [float_dtype(elem_type(v.results[0])) for v in [root] + [st.op for st in steps]]
+        dec = decide(kernel_dtype=kd, math_dtypes=[d for d in math if d is not None], s=s_vec,
+            kernel=None if k_np is None else np.asarray(k_np, np.float64),
+            kernel_axis=kaxis, not_now=WEIGHTS_ARE_ARGUMENTS,
+            in_graph=("never" if not self.in_graph else
+                      "guarded" if self.guard else "unguarded"),
+            kernel_from_activation=owner_op(kernel) is not None and self._from_root(kernel))
+        if not dec.folds:
+            rec.status, rec.reason = REFUSED, dec.reason
             return
+        rec.rescale, rec.guarded = dec.rescale, dec.guard
         end_op = steps[-1].op
         end_value = end_op.results[0]
-        k_np = self.eval(kernel)
         kdt = elem_type(kernel)
         out_t = end_value.type
         with ir.Location.unknown(), ir.InsertionPoint(end_op):
-            if known:
-                with np.errstate(all="ignore"):
-                    s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in collapse(
-                        *known, C_out))
-                why = scale_refusal(s_vec)
-                if why:
-                    rec.status, rec.reason = REFUSED, why
-                    return
-                s_val, t_val = s_vec, t_vec
-            else:
-                s_val, t_val = collapse(*self._ir_chain(real, C_out), C_out,
-                                         xp=IrArith(C_out, self.ct))
-            if known and k_np is not None:
-                kp_cast, why = round_kernel(k_np, along(s_vec, kaxis, k_np.ndim), kd, kaxis)
-                if why:
-                    rec.status, rec.reason = REFUSED, why
-                    return
-                new_k = stablehlo.ConstantOp(numpy_to_dense(kp_cast, kdt)).result
-                rec.rescale = "constant"
+            s_val, t_val = (s_vec, t_vec) if known else collapse(
+                *self._ir_chain(real, C_out), C_out, xp=IrArith(C_out, self.ct))
+            if dec.kernel is not None:
+                new_k = stablehlo.ConstantOp(numpy_to_dense(dec.kernel, kdt)).result
             else:
                 s_ir = self._const_or(s_val, C_out)
                 s_b = stablehlo.BroadcastInDimOp(
@@ -191,10 +177,8 @@ class _Pass(ChainWalker):
                     ir.DenseI64ArrayAttr.get([kaxis])).result
                 k32 = self._convert(kernel, self.ct)
                 new_k = self._convert(stablehlo.MulOp(k32, s_b).result, kdt)
-                rec.rescale = "in-graph"
             t_of = lambda: self._convert(self._const_or(t_val, C_out), elem_type(end_value))
-            guard = not known and self.guard   # s is known only at run time: check it there
-            rec.guarded = guard
+            guard = dec.guard        # s is known only at run time: check it there
             if not known and not self.guard:     # the caller checks these (hlofold._split)
                 new_k = self._mark_prepared(new_k)
                 t_ir = self._mark_prepared(t_of())

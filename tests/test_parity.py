@@ -325,3 +325,73 @@ def test_a_chain_that_is_returned_stops_in_the_same_words():
         assert _main_site(rep).note.startswith("chain stopped: value is an output of the "), \
             (path, _main_site(rep).note)
         assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref)), path
+
+
+# ------------------------------------------------------------ one decision, in one order
+
+
+def _decisions(f, *args, jaxpr_mode, in_graph):
+    """The main site's (status, reason kind) on both paths (``_decide.decide``'s order)."""
+    closed = jax.make_jaxpr(f)(*args)
+    new, rep = hlofold.fold_jaxpr(closed, in_graph=jaxpr_mode)
+    text = jax.jit(f, keep_unused=True).lower(*args).as_text()
+    folded, srep = hlofold.fold_stablehlo(text, in_graph=in_graph)
+    got = {}
+    for path, r in (("jaxpr", rep), ("stablehlo", srep)):
+        site = _main_site(r)
+        got[path] = (site.status, reason_kind(site.reason))
+    if rep.num_folded == 0:
+        assert new is closed
+    if srep.num_folded == 0:
+        assert str(parse_module(folded)) == str(parse_module(text))
+    return got
+
+
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_a_site_failing_two_rules_is_refused_for_the_same_one(in_graph):
+    """A kernel that is an argument (a policy question) and a scale that is not finite (σ² = 0
+    with ε = 0): both paths apply the scale rule first, whatever the in-graph policy, so they
+    refuse for the same reason. The StableHLO path once asked the policy first."""
+    x = RNG.standard_normal((1, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    var = np.array([1, 0, 1, 1], np.float32)             # σ² = 0 with ε = 0
+
+    def f(x, k):
+        return conv(x, k) * lax.rsqrt(jnp.asarray(var)) + 1.0
+    got = _decisions(f, x, k, jaxpr_mode="guarded" if in_graph else "never",
+                     in_graph=in_graph)
+    assert got == {"jaxpr": ("refused", "not-finite"),
+                   "stablehlo": ("refused", "not-finite")}, got
+
+
+def test_weights_known_only_at_run_time_are_refused_for_the_same_kind():
+    """in_graph off, weights as inputs: refused on both paths as weights-not-known."""
+    x = RNG.standard_normal((1, 5, 5, 3)).astype(np.float32)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    s = RNG.uniform(0.5, 2, 4).astype(np.float32)
+    got = _decisions(lambda x, k, s: conv(x, k) * s + 1.0, x, k, s, jaxpr_mode="never",
+                     in_graph=False)
+    assert got == {"jaxpr": ("refused", "weights-not-known"),
+                   "stablehlo": ("refused", "weights-not-known")}, got
+
+
+@pytest.mark.parametrize("params", ["constants", "arguments"])
+def test_an_fp8_kernel_with_float32_math_is_refused_on_both_paths(params):
+    """An fp8 kernel accumulating in float32: K·s rounded to fp8 would lose what the unfolded
+    program keeps (rel. error 3e-2). The StableHLO path did not know the fp8 element types
+    and, with the kernel an argument, folded it in the graph."""
+    x = RNG.standard_normal((1, 5, 5, 3)).astype(jnp.float8_e4m3fn)
+    k = RNG.standard_normal((3, 3, 3, 4)).astype(jnp.float8_e4m3fn)
+    s = RNG.uniform(0.5, 2, 4).astype(np.float32)
+
+    def conv32(x, k):
+        return lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        preferred_element_type=jnp.float32)
+    if params == "constants":
+        f, args = (lambda x: conv32(x, jnp.asarray(k)) * s + 1.0), (x,)
+    else:
+        f, args = (lambda x, k: conv32(x, k) * s + 1.0), (x, k)
+    got = _decisions(f, *args, jaxpr_mode="guarded", in_graph=True)
+    assert got == {"jaxpr": ("refused", "precision"),
+                   "stablehlo": ("refused", "precision")}, got
