@@ -234,6 +234,18 @@ def call_body(eqn) -> tuple[str, Any]:
     return key, (sub if isinstance(sub, ClosedJaxpr) else None)
 
 
+def inlinable_call(eqn) -> bool:
+    """A jit/pjit/closed_call whose parameters say nothing but its body: no shardings,
+    layouts, donations or compiler options, which inlining the body would drop."""
+    if eqn.primitive.name not in JIT_NAMES or call_body(eqn)[1] is None:
+        return False
+    p = eqn.params
+    return (all(type(x).__name__ == "UnspecifiedValue"
+                for x in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+            and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
+            and not any(p.get("donated_invars", ())) and not p.get("compiler_options_kvs"))
+
+
 def remat_body(eqn) -> Jaxpr:
     """The open jaxpr of a checkpoint/remat equation."""
     return eqn.params["jaxpr"]

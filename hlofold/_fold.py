@@ -32,7 +32,7 @@ from . import _compat as C
 from ._chain import postorder
 from ._host import evaluate as host_evaluate
 from ._jaxpr_emit import SiteEmitter, is_guard
-from ._jaxpr_nested import NESTED_RULES, contains_root, other_rule
+from ._jaxpr_nested import NESTED_RULES, contains_root, inline_calls, other_rule
 from ._jaxpr_plan import Site, SitePlanner
 from ._chain_rules import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
 from ._patterns import PATTERNS, RootInfo
@@ -41,6 +41,7 @@ from ._unreached import unreached_reason
 
 # Largest constant sub-computation evaluated at transform time (elements per output).
 _MAX_CONST_EVAL = 1 << 26
+_MAX_INLINE_ROUNDS = 8      # calls within calls a chain is followed into
 
 
 def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = None,
@@ -131,16 +132,24 @@ class _Scope(SitePlanner, SiteEmitter):
     def __init__(self, closed: C.ClosedJaxpr, known_in: list[Callable], names_in: list[Callable],
                  const_names: list, path: str, sites: list[FoldSite], opts: "_Options"):
         self.opts = opts
-        self.closed = closed
-        self.jaxpr = closed.jaxpr
+        self.original = closed           # returned when nothing folds
         self.path = path
         self.sites = sites
+        self.known_thunks: dict[Any, Callable] = dict(zip(closed.jaxpr.invars, known_in))
+        self.name_thunks: dict[Any, Callable] = dict(zip(closed.jaxpr.invars, names_in))
+        self.const_names = list(const_names)
+        self._index(closed, const_names)
+
+    def _index(self, closed: C.ClosedJaxpr, const_names: Sequence) -> None:
+        """(Re)build what planning reads of ``closed`` and clear the plan: ``closed`` is the
+        scope's program, or it with calls inlined (same inputs and outputs)."""
+        self.closed = closed
+        self.jaxpr = closed.jaxpr
         self.known: dict[Any, Any] = {}
-        self.known_thunks: dict[Any, Callable] = dict(zip(self.jaxpr.invars, known_in))
-        self.name_thunks: dict[Any, Callable] = dict(zip(self.jaxpr.invars, names_in))
         self.origins: dict[Any, frozenset] = {}
         self.activation: dict[Any, bool] = {}
-        for v, val, nm in zip(self.jaxpr.constvars, closed.consts, const_names):
+        names = list(const_names) + [None] * (len(closed.consts) - len(const_names))
+        for v, val, nm in zip(self.jaxpr.constvars, closed.consts, names):
             self.known[v] = val
             self.origins[v] = frozenset({nm}) if nm else frozenset()
         self.producer: dict[Any, tuple[int, C.JaxprEqn]] = {}
@@ -162,6 +171,8 @@ class _Scope(SitePlanner, SiteEmitter):
         self.claimed: set[int] = set()
         self.forward_taken: set[int] = set()     # equations of forward chains (any status)
         self.new_eqn: dict[int, tuple[dict, Callable]] = {}
+        # calls (jit/pjit) a chain continues into: inlined, then the scope is planned again
+        self.calls_reached: set[int] = set()
 
     # ---- known values and provenance (memoized, iterative: programs can be deep)
 
@@ -226,7 +237,7 @@ class _Scope(SitePlanner, SiteEmitter):
         first = len(self.sites)
         changed = self.plan()
         if not changed:
-            return self.closed
+            return self.original
         try:
             return _dce(self._emit())
         except Exception as e:     # fail closed: this scope runs as written, and says why
@@ -239,10 +250,22 @@ class _Scope(SitePlanner, SiteEmitter):
             warnings.warn(f"hlofold: a scope of the program is left unfolded after an "
                           f"internal error ({type(e).__name__}: {e})", RuntimeWarning,
                           stacklevel=2)
-            return self.closed
+            return self.original
 
     def plan(self) -> bool:
-        """Decide every site of this scope (nested scopes are folded); True if one folds."""
+        """Decide every site of this scope (nested scopes are folded); True if one folds.
+        A chain that continues into a call (``jit``) has the call inlined and the scope
+        planned again, as the StableHLO path inlines a private ``func.call``."""
+        first = len(self.sites)
+        for rounds in range(_MAX_INLINE_ROUNDS, 0, -1):
+            changed = self._plan_once()
+            if not self.calls_reached or rounds == 1:
+                return changed
+            del self.sites[first:]
+            self._index(inline_calls(self.closed, self.calls_reached), self.const_names)
+        return changed   # pragma: no cover
+
+    def _plan_once(self) -> bool:
         changed = False
         for i, eqn in enumerate(self.jaxpr.eqns):
             pattern = PATTERNS.get(eqn.primitive.name)

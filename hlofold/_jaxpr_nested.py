@@ -150,3 +150,47 @@ def with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in
         return C.eval_jaxpr(closed.jaxpr, a[lo:hi], *a[n:])
 
     return jax.make_jaxpr(fn)(*const_avals, *in_avals)
+
+
+def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
+    """``closed`` with the call equations at indices ``at`` (jit/pjit, closed_call) replaced
+    by their bodies, every body variable fresh (one body may be called twice), the bodies'
+    constants appended as constvars. Inputs and outputs stay the same variables. This is what
+    the StableHLO path does to a private ``func.call`` a chain continues into."""
+    jaxpr = closed.jaxpr
+    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    sub: dict = {}          # an inlined call's output -> the body's atom for it
+
+    def read(a):
+        return sub.get(a, a) if isinstance(a, C.Var) else a
+
+    eqns = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i not in at:
+            ins = [read(a) for a in eqn.invars]
+            eqns.append(eqn if all(x is y for x, y in zip(ins, eqn.invars)) else
+                        eqn.replace(invars=ins))
+            continue
+        body = C.call_body(eqn)[1]
+        env: dict = {}
+        for v, c in zip(body.jaxpr.constvars, body.consts):
+            env[v] = C.new_var(v.aval)
+            constvars.append(env[v])
+            consts.append(c)
+        env.update(zip(body.jaxpr.invars, map(read, eqn.invars)))
+
+        def rd(a, env=env):
+            return env.get(a, a) if isinstance(a, C.Var) else a
+        for e in body.jaxpr.eqns:
+            outs = []
+            for o in e.outvars:
+                if not isinstance(o, C.DropVar):
+                    env[o] = C.new_var(o.aval)
+                outs.append(env.get(o, o))
+            eqns.append(e.replace(invars=[rd(a) for a in e.invars], outvars=outs))
+        for o, r in zip(eqn.outvars, body.jaxpr.outvars):
+            if not isinstance(o, C.DropVar):
+                sub[o] = rd(r)
+    new = jaxpr.replace(constvars=constvars, eqns=eqns,
+                        outvars=[read(a) for a in jaxpr.outvars])
+    return C.ClosedJaxpr(new, consts)

@@ -4,9 +4,11 @@
 equation it walks the root's output through per-output-channel affine ops and shape ops
 (``_chain.walk`` over :class:`JaxprChain`, whose rule table :data:`JAXPR_STEPS` applies the
 step rules of ``_chain_rules``), the root's input back
-through per-input-channel affine ops (``_jaxpr_forward.ForwardPlanner``), and decides:
-fold (constants computed now, in float64, with the rules of ``_rules``), fold in the graph
-(guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a reason.
+through per-input-channel affine ops (``_jaxpr_forward.ForwardPlanner``), and decides with
+the decision both paths share (``_decide``): fold (constants computed now, in float64), fold
+in the graph (guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a
+reason. A chain that continues into a ``jit`` call is marked (``_call_rule``); the scope
+inlines the call and plans again.
 """
 from __future__ import annotations
 
@@ -300,5 +302,22 @@ def _pass_rule(chain: JaxprChain, eqn, pos, axis):
     return r.reason if isinstance(r, Refusal) else Pass(PassStep(eqn), r)
 
 
+def _call_rule(chain: JaxprChain, eqn, pos, axis):
+    """A call (jit/pjit) whose body takes the chain on: the scope inlines it and plans
+    again (``_fold._Scope.plan``), as the StableHLO path inlines a private callee."""
+    if not C.inlinable_call(eqn):      # its shardings, layouts or donations would be lost
+        return f"chain ends at {eqn.primitive.name}"
+    body = C.call_body(eqn)[1]
+    v = body.jaxpr.invars[pos]
+    readers = [e.primitive.name for e in body.jaxpr.eqns if any(a is v for a in e.invars)]
+    readers += ["output"] * sum(o is v for o in body.jaxpr.outvars)
+    if len(readers) == 1 and readers[0] in JAXPR_STEPS:
+        chain.scope.calls_reached.add(chain.scope.producer[eqn.outvars[0]][0])
+        return f"chain ends at {eqn.primitive.name}"
+    return (f"chain ends at {eqn.primitive.name} (its argument feeds "
+            f"{', '.join(readers) or 'nothing'})")
+
+
 # what each primitive does to a chain that reaches it (others end the chain)
-JAXPR_STEPS = {**{p: _affine_rule for p in AFFINE_STEPS}, **{p: _pass_rule for p in PASS_STEPS}}
+JAXPR_STEPS = {**{p: _affine_rule for p in AFFINE_STEPS}, **{p: _pass_rule for p in PASS_STEPS},
+               **{p: _call_rule for p in C.JIT_NAMES}}
