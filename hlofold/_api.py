@@ -32,7 +32,7 @@ from . import _compat as C
 from ._dispatch import (CHURN_LIMIT, MISS, Program, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
                         leaf_key, make_fast, same_contents, static_key, trace_struct)
 from ._fold import fold_jaxpr
-from ._jaxpr_plan import NOT_PREPARED
+from ._reasons import reason_kind
 from ._tolerance import accumulation_of, mismatch
 from ._prepare import Executables, fold_with_values, folding_of, place
 from ._report import FoldReport
@@ -223,7 +223,7 @@ class Folded(FoldedViews):
                                    float32_kernels=self._float32_kernels, in_graph="never")
         needed = set()
         for s in found.sites:
-            if (s.reason or "").startswith(NOT_PREPARED):
+            if reason_kind(s.reason) == "weights-not-known":
                 needed.update(s.params)
                 needed.update((s.kernel or "").split(", "))
         known_idx = [i for i, n in enumerate(names) if n in needed]

@@ -23,14 +23,16 @@ import dataclasses
 from typing import Any, Callable, Hashable, Iterable, Protocol
 
 from ._chain_rules import Refusal
+from ._reasons import Reason
 
 # Refusals and notes both paths write, in the same words.
-FROM_ACTIVATION = ("operand is computed from a convolution output (a residual or a gate), not "
-                   "from parameters")
-KERNEL_FROM_ACTIVATION = ("the kernel (rhs) is computed from a convolution/dot output (an "
-                          "activation, e.g. attention), not from parameters")
-CANONICAL_BIAS = "already conv + per-channel bias"
-UNUSED = "value is unused"
+FROM_ACTIVATION = Reason("operand-from-activation", "operand is computed from a convolution "
+                         "output (a residual or a gate), not from parameters")
+KERNEL_FROM_ACTIVATION = Reason("kernel-from-activation", "the kernel (rhs) is computed from a "
+                                "convolution/dot output (an activation, e.g. attention), not "
+                                "from parameters")
+CANONICAL_BIAS = Reason("canonical", "already conv + per-channel bias")
+UNUSED = Reason("chain-end", "value is unused")
 
 _MAX_STEPS = 100_000          # a chain is never longer than its program
 
@@ -111,11 +113,12 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
             who = [ir.name(op) for op, _ in users] + ["output"] * n_out
             what = "the conv output" if v == root_value else \
                 f"value {ir.describe(v)} in the chain"
-            stop = f"{what} has {n} consumers ({', '.join(who)}); folding would change them"
+            stop = Reason("consumers", f"{what} has {n} consumers ({', '.join(who)}); "
+                          "folding would change them")
             refusal = True
             break
         if n_out:
-            stop = f"value is an output of the {ir.program}"
+            stop = Reason("chain-end", f"value is an output of the {ir.program}")
             break
         op, pos = users[0]
         got = ir.step(op, pos, v, axis)
@@ -124,14 +127,14 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
         if isinstance(got, Refusal):
             stop, refusal = got.reason, True
             if got.axis is not None and (v == root_value):
-                stop += f"; axis {got.axis} is {ir.explain_axis(got.axis)}"
+                stop = stop.then(f"; axis {got.axis} is {ir.explain_axis(got.axis)}")
             break
-        if isinstance(got, str):
-            stop = got
+        if isinstance(got, str):        # the chain ends here (a str: why)
+            stop = got if isinstance(got, Reason) else Reason("chain-end", got)
             break
         if isinstance(got, Absorb):
             if got.source is not None and ir.from_root(got.source):
-                stop, refusal = f"{ir.name(op)}: {FROM_ACTIVATION}", True
+                stop, refusal = FROM_ACTIVATION.after(f"{ir.name(op)}: "), True
                 break
             steps.append(got.step)
             committed, committed_axis = len(steps), axis

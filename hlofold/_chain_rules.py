@@ -23,14 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
+from ._reasons import Reason
 
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Why a match failed, in words a user can act on (``axis``: the offending axis, if any)."""
+    """Why a match failed, in words a user can act on (``axis``: the offending axis, if any;
+    ``kind``: the rule, a key of ``_reasons.KINDS``, unless ``reason`` is a Reason)."""
 
     reason: str
     axis: int | None = None
+    kind: str = "feature-axis"
+
+    def __post_init__(self):
+        if not isinstance(self.reason, Reason):
+            object.__setattr__(self, "reason", Reason(self.kind, self.reason))
+        object.__setattr__(self, "kind", self.reason.kind)
 
     def __str__(self) -> str:
         return self.reason
@@ -162,7 +170,7 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
         elif kind == "dynamic":
             return Refusal("operand is broadcast to a symbolic (dynamic) shape: symbolic-shape "
                            "modules are not folded at the StableHLO level; fold before "
-                           "exporting (hlofold.export takes symbolic shapes)")
+                           "exporting (hlofold.export takes symbolic shapes)", kind="symbolic")
         else:
             break
         cur = src
@@ -199,7 +207,7 @@ def resolve_operand(atom, out_shape, channel_axis: int,
 
 
 # A refusal both adapters write (after the op's name), in the same words.
-DIVISOR = "with the conv value as divisor is not affine"
+DIVISOR = Reason("not-affine", "with the conv value as divisor is not affine")
 
 # Affine steps: which operand position holds the chain value decides the kind.
 _BINARY_KIND = {
@@ -219,20 +227,20 @@ def affine_step(eqn: C.JaxprEqn, pos: int, channel_axis: int,
     prim = eqn.primitive.name
     out = eqn.outvars[0].aval
     if not is_float(out.dtype):
-        return Refusal(f"{prim} produces {out.dtype}, not a float")
+        return Refusal(f"{prim} produces {out.dtype}, not a float", kind="not-float")
     if prim == "neg":
         return AffineStep(eqn, "neg", None)
     if len(eqn.invars) != 2:
-        return Refusal(f"{prim} with {len(eqn.invars)} operands")
+        return Refusal(f"{prim} with {len(eqn.invars)} operands", kind="chain-end")
     kind = _BINARY_KIND.get((prim, pos))
     if kind is None:
-        return Refusal(f"{prim} {DIVISOR}")
+        return Refusal(DIVISOR.after(f"{prim} "))
     other = eqn.invars[1 - pos]
     if tuple(eqn.invars[pos].aval.shape) != tuple(out.shape):
         return Refusal(f"{prim} broadcasts the conv value to a larger shape {tuple(out.shape)}")
     op = resolve_operand(other, tuple(out.shape), channel_axis, producer)
     if isinstance(op, Refusal):
-        return Refusal(f"{prim}: {op.reason}", op.axis)
+        return Refusal(op.reason.after(f"{prim}: "), op.axis)
     return AffineStep(eqn, kind, op)
 
 
@@ -242,7 +250,8 @@ def pass_axis(kind: str, src_shape, out_shape, axis: int, *, floats: bool = True
     for both IR adapters (``kind``: convert, reshape, squeeze, broadcast_in_dim, transpose,
     sharding_constraint; ``floats``: a convert is between float types)."""
     if kind == "convert":
-        return axis if floats else Refusal("cast between a float and a non-float type")
+        return axis if floats else Refusal("cast between a float and a non-float type",
+                                           kind="not-float")
     if kind == "sharding_constraint":     # replayed on the folded conv's output, same shape
         return axis
     if src_shape[axis] == 1 and kind != "transpose":
@@ -263,7 +272,7 @@ def pass_axis(kind: str, src_shape, out_shape, axis: int, *, floats: bool = True
         return bdims[axis]
     if kind == "transpose":
         return tuple(int(p) for p in perm).index(axis)
-    return Refusal(f"chain ends at {kind}")
+    return Refusal(f"chain ends at {kind}", kind="chain-end")
 
 
 def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
@@ -273,13 +282,14 @@ def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
     src = eqn.invars[0].aval
     out = eqn.outvars[0].aval
     if prim not in PASS_STEPS:
-        return Refusal(f"chain ends at {prim}")
+        return Refusal(f"chain ends at {prim}", kind="chain-end")
     if prim == "convert_element_type":
         if not (is_float(src.dtype) and is_float(out.dtype)):
-            return Refusal(f"cast {src.dtype} -> {out.dtype} is not between float types")
+            return Refusal(f"cast {src.dtype} -> {out.dtype} is not between float types",
+                           kind="not-float")
         return channel_axis
     if prim == "reshape" and eqn.params.get("dimensions") is not None:
-        return Refusal("reshape with a dimension permutation")
+        return Refusal("reshape with a dimension permutation", kind="chain-end")
     return pass_axis(prim, tuple(src.shape), tuple(out.shape), channel_axis,
                      perm=eqn.params.get("permutation"),
                      bdims=eqn.params.get("broadcast_dimensions"),

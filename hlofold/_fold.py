@@ -37,6 +37,7 @@ from ._jaxpr_plan import Site, SitePlanner
 from ._chain_rules import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
 from ._patterns import PATTERNS, RootInfo
 from ._report import FOLDED, NOT_REACHED, REFUSED, FoldReport, FoldSite
+from ._reasons import Reason
 from ._unreached import unreached_reason
 
 # Largest constant sub-computation evaluated at transform time (elements per output).
@@ -244,9 +245,9 @@ class _Scope(SitePlanner, SiteEmitter):
             for rec in self.sites[first:]:
                 if rec.status == FOLDED:
                     rec.status = REFUSED
-                    rec.reason = (f"hlofold could not rewrite this part of the program "
-                                  f"({type(e).__name__}: {e}); it runs unfolded — please "
-                                  "report this")
+                    rec.reason = Reason("internal", f"hlofold could not rewrite this part of "
+                                        f"the program ({type(e).__name__}: {e}); it runs "
+                                        "unfolded — please report this")
             warnings.warn(f"hlofold: a scope of the program is left unfolded after an "
                           f"internal error ({type(e).__name__}: {e})", RuntimeWarning,
                           stacklevel=2)

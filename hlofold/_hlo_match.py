@@ -205,10 +205,10 @@ def _binary(chain: HloChain, op, pos, v, axis):
     if kind == "sub":
         kind = "sub" if pos == 0 else "rsub"
     elif kind == "div" and pos != 0:
-        return Refusal(f"{name} {DIVISOR}")
+        return Refusal(DIVISOR.after(f"{name} "))
     got = resolve(op.operands[1 - pos], shape_of(v), axis)
     if isinstance(got, Refusal):
-        return Refusal(f"{name}: {got.reason}", got.axis)
+        return Refusal(got.reason.after(f"{name}: "), got.axis)
     return Absorb(Step(op, kind, got, axis=axis), got.value)
 
 
@@ -223,7 +223,7 @@ def _shape(chain: HloChain, op, pos, v, axis):
                     perm=attr_dims(op, "permutation"),
                     bdims=attr_dims(op, "broadcast_dimensions"))
     if isinstance(nxt, Refusal):
-        return f"{name}: {nxt.reason}"
+        return nxt.reason.after(f"{name}: ")
     return Pass(Step(op, "convert" if SHAPE_KIND[name] == "convert" else "shape", axis=nxt),
                 nxt)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _compat as C
 from ._chain_rules import Refusal, resolve_channel_operand
+from ._reasons import Reason
 from ._hlo_ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
                       owner_op, shape_of)
 from ._patterns import conv_axis_role, conv_layout, dot_axis_role, dot_layout
@@ -145,7 +146,7 @@ def root_info(op):
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     rfree = [d for d in range(len(rhs)) if d not in rb + rc]
     if len(rfree) != 1:
-        return f"the rhs has {len(rfree)} free dimensions"
+        return Reason("root", f"the rhs has {len(rfree)} free dimensions")
     return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
             int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
 

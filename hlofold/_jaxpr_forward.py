@@ -28,6 +28,7 @@ from ._algebra import has_shift
 from ._chain_rules import AFFINE_STEPS, AffineStep, Refusal, affine_step, resolve_operand
 from ._patterns import FORWARD, PATTERNS, RootInfo
 from ._report import FOLDED, REFUSED, FoldSite
+from ._reasons import Reason
 from ._rules import bias_map_refusal
 
 _CONE_LIMIT = 256          # equations looked at per ancestry question (beyond: "activation")
@@ -114,7 +115,8 @@ class ForwardPlanner:
                 cands = [] if shift is None else [shift[:4]]
             if len(cands) != 1:
                 if len(cands) > 1:
-                    reason = "both operands of the op before the root look per-channel"
+                    reason = Reason("feature-axis", "both operands of the op before the root "
+                                    "look per-channel")
                 break
             pos, step, token, split_eqn = cands[0]
             if (tokens or pending) and step is not None and step.kind not in _SCALE_KINDS:
@@ -130,8 +132,9 @@ class ForwardPlanner:
                             (shift[5] if shift else [])]
             v = e.invars[pos]
         if pending:                 # the product the shift distributes over was not taken
-            return self._no_forward(eqn, info, "a per-token shift (LayerNorm's −μ·r·γ) "
-                                    "without the product it distributes over")
+            return self._no_forward(eqn, info, Reason(
+                "chain-end", "a per-token shift (LayerNorm's −μ·r·γ) without the product it "
+                "distributes over"))
         self.forward_taken.update(taken)
         if not steps:
             return self._no_forward(eqn, info, reason)
@@ -202,10 +205,10 @@ class ForwardPlanner:
         if n == 1:
             return None
         if v is not top:
-            return f"a value before the root has {n} consumers"
+            return Reason("consumers", f"a value before the root has {n} consumers")
         if self.out_uses.get(v, 0):
-            return (f"the root's input has {n} consumers, one of them an output of the "
-                    f"{self.path} program, which would change")
+            return Reason("consumers", f"the root's input has {n} consumers, one of them an "
+                          f"output of the {self.path} program, which would change")
         for j, pos in self.uses.get(v, []):
             c = self.jaxpr.eqns[j]
             pat = PATTERNS.get(c.primitive.name)
@@ -218,9 +221,9 @@ class ForwardPlanner:
                     f"{c.primitive.name} reading it as operand {pos} or along another axis"
                 file, line, _ = C.user_location(c)
                 where = f" ({file}:{line})" if file else ""
-                return (f"the root's input has {n} consumers and {what}{where} is not a "
-                        "linear layer reading its features; folding needs every consumer "
-                        "linear")
+                return Reason("consumers", f"the root's input has {n} consumers and "
+                              f"{what}{where} is not a linear layer reading its features; "
+                              "folding needs every consumer linear")
         return None
 
     # ---- activations and per-token factors

@@ -26,14 +26,17 @@ from ._chain_rules import (AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand,
 from ._jaxpr_forward import Forward, ForwardPlanner
 from ._patterns import RootInfo
 from ._report import CANONICAL, FOLDED, REFUSED, FoldSite
+from ._reasons import Reason
 from ._rules import precision_refusal, scale_refusal
 
-NOT_PREPARED = ("the parameters are not known at transform time (traced under an enclosing "
-                "transformation), so K·s would be recomputed on every call; left unfolded — "
-                "prepare outside your jit (Folded.split) or pass in_graph=True")
-BIAS_MAP_IN_GRAPH = ("a shift in front of a padded convolution folds into a per-position bias "
-                     "map conv(pad(t), K), which is computed once at transform time only; "
-                     "here the kernel or the shift is computed in the graph")
+NOT_PREPARED = Reason("weights-not-known", "the parameters are not known at transform time "
+                      "(traced under an enclosing transformation), so K·s would be recomputed "
+                      "on every call; left unfolded — prepare outside your jit (Folded.split) "
+                      "or pass in_graph=True")
+BIAS_MAP_IN_GRAPH = Reason("bias-map", "a shift in front of a padded convolution folds into a "
+                           "per-position bias map conv(pad(t), K), which is computed once at "
+                           "transform time only; here the kernel or the shift is computed in "
+                           "the graph")
 
 
 def _not_prepared(kernel, out) -> str:
@@ -45,8 +48,9 @@ def _not_prepared(kernel, out) -> str:
         for d in aval.shape:
             n = n * d
         return str(n)
-    return (f"{NOT_PREPARED} (in the graph: {size(kernel.aval)} kernel elements rescaled and "
-            f"checked per call, to remove an epilogue over {size(out.aval)} output elements)")
+    return NOT_PREPARED.then(f" (in the graph: {size(kernel.aval)} kernel elements rescaled "
+                             f"and checked per call, to remove an epilogue over "
+                             f"{size(out.aval)} output elements)")
 
 
 
@@ -315,7 +319,7 @@ def _call_rule(chain: JaxprChain, eqn, pos, axis):
         chain.scope.calls_reached.add(chain.scope.producer[eqn.outvars[0]][0])
         return f"chain ends at {eqn.primitive.name}"
     return (f"chain ends at {eqn.primitive.name} (its argument feeds "
-            f"{', '.join(readers) or 'nothing'})")
+            f"{', '.join(readers) or 'nothing'})")     # a chain-end (``_chain.walk``)
 
 
 # what each primitive does to a chain that reaches it (others end the chain)

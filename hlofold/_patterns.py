@@ -96,9 +96,10 @@ class ConvAffinePattern:
                         out_channels=int(out.shape[out_spec[1]]), groups=groups)
         if not (is_float(rhs.dtype) and is_float(out.dtype)):
             return Refusal(f"integer convolution ({rhs.dtype} kernel, {out.dtype} output): "
-                           "folding a scale into an integer kernel is not exact")
+                           "folding a scale into an integer kernel is not exact", kind="not-float")
         if rhs.shape[rhs_spec[0]] != out.shape[out_spec[1]]:
-            return Refusal("kernel output-feature size differs from the output feature size")
+            return Refusal("kernel output-feature size differs from the output feature size",
+                           kind="root")
         # batch_group_count > 1 is fine: every output feature still comes from exactly one
         # slice of the kernel along its output-feature dimension (checked numerically in tests).
         return info
@@ -117,9 +118,9 @@ class ConvAffinePattern:
         shift that the padding or lhs dilation hides from some taps becomes a bias map
         (:meth:`bias_map`)."""
         if act != 0:
-            return Refusal("the convolution's activations are its rhs")
+            return Refusal("the convolution's activations are its rhs", kind="root")
         if eqn.params.get("batch_group_count", 1) != 1:
-            return Refusal("batch_group_count > 1")
+            return Refusal("batch_group_count > 1", kind="root")
         dn = eqn.params["dimension_numbers"]
         return dn.lhs_spec[1], dn.rhs_spec[1]
 
@@ -139,7 +140,7 @@ class ConvAffinePattern:
             if not all(isinstance(n, (int, np.integer)) for n in (h, k, ho)):
                 return Refusal("a symbolic spatial size: the bias map of a padded "
                                "convolution (its border sees less of the shift t) needs "
-                               "the spatial sizes")
+                               "the spatial sizes", kind="symbolic")
             a = p["lhs_dilation"][d]
             # position in the lhs-dilated input that output o reads at tap j
             q = (np.arange(ho)[None, :] * p["window_strides"][d] +
@@ -201,10 +202,10 @@ class DotAffinePattern:
         lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
         layout = dot_layout(lhs.shape, rhs.shape, out.shape)
         if not (is_float(rhs.dtype) and is_float(out.dtype)):
-            return Refusal(f"integer dot ({rhs.dtype} rhs, {out.dtype} output)")
+            return Refusal(f"integer dot ({rhs.dtype} rhs, {out.dtype} output)", kind="not-float")
         if len(rhs_free) != 1:
             return Refusal(f"the rhs has {len(rhs_free)} free dimensions; one output-feature "
-                           "dimension is needed to rescale")
+                           "dimension is needed to rescale", kind="root")
         return RootInfo(channel_axis=len(lb) + len(lhs_free), kernel_index=1,
                         kernel_axis=rhs_free[0], layout=layout,
                         in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
@@ -241,9 +242,9 @@ class DotAffinePattern:
         """(feature axis of operand ``act``, the other operand's input-feature axis)."""
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         if lb:
-            return Refusal("dot with batch dimensions")
+            return Refusal("dot with batch dimensions", kind="root")
         if len(lc) != 1:
-            return Refusal(f"dot contracting {len(lc)} dimensions")
+            return Refusal(f"dot contracting {len(lc)} dimensions", kind="root")
         return (lc[0], rc[0]) if act == 0 else (rc[0], lc[0])
 
 

@@ -24,6 +24,8 @@ import numpy as np
 
 import jax.numpy as jnp
 
+from ._reasons import Reason
+
 _F32 = jnp.finfo(np.float32)
 
 
@@ -33,8 +35,8 @@ def scale_refusal(s, what: str = "scale s") -> str | None:
     bad = np.flatnonzero(~np.isfinite(s))
     if not bad.size:
         return None
-    return (f"{what} is not finite at {bad.size} channel(s) (first: {bad[:5].tolist()}); "
-            "folding would turn 0·inf into NaN")
+    return Reason("not-finite", f"{what} is not finite at {bad.size} channel(s) (first: "
+                  f"{bad[:5].tolist()}); folding would turn 0·inf into NaN")
 
 
 def _float(dt) -> np.dtype | None:
@@ -51,8 +53,8 @@ def precision_refusal(kernel_dtype, math_dtypes, hint: str = "") -> str | None:
     widest = max(widths, key=lambda d: d.itemsize)
     if widest.itemsize <= kd.itemsize:
         return None
-    return (f"the kernel is {kd} but the chain computes in {widest}: K·s rounded to {kd} "
-            f"would lose accuracy the unfolded program keeps{hint}")
+    return Reason("precision", f"the kernel is {kd} but the chain computes in {widest}: K·s "
+                  f"rounded to {kd} would lose accuracy the unfolded program keeps{hint}")
 
 
 def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
@@ -75,12 +77,14 @@ def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
         kp = np.asarray(k, np.float64) * s
     overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
     if overflow.any():
-        return kp_cast, f"the rescaled kernel overflows {kd} at {int(overflow.sum())} element(s)"
+        return kp_cast, Reason("overflow", f"the rescaled kernel overflows {kd} at "
+                                           f"{int(overflow.sum())} element(s)")
     lost = underflowing_channels(kp, kp_cast, axis)
     if lost.size:
-        return kp_cast, (f"the rescaled kernel underflows {kd} in {lost.size} output "
-                         f"channel(s) (first: {lost[:5].tolist()}): K·s falls below the {kd} "
-                         "normal range (unfolded, conv·s is rounded instead)")
+        return kp_cast, Reason("underflow", f"the rescaled kernel underflows {kd} in {lost.size} "
+                               f"output channel(s) (first: {lost[:5].tolist()}): K·s falls "
+                               f"below the {kd} normal range (unfolded, conv·s is rounded "
+                               "instead)")
     return kp_cast, None
 
 
@@ -111,9 +115,9 @@ def runtime_refusal(kernel_dtype) -> str | None:
     kd = np.dtype(kernel_dtype)
     if _float(kd) is None or jnp.finfo(kd).maxexp >= _F32.maxexp:   # bf16: float32's range
         return None
-    return (f"the {kd} kernel would be rescaled in the graph, where K·s cannot be checked for "
-            f"overflow or underflow of {kd} before it runs; fold with the parameters known "
-            "(freeze=, constants, or a prepare step)")
+    return Reason("unchecked-range", f"the {kd} kernel would be rescaled in the graph, where "
+                  f"K·s cannot be checked for overflow or underflow of {kd} before it runs; "
+                  "fold with the parameters known (freeze=, constants, or a prepare step)")
 
 
 def bias_map_refusal(map_elems: int, front_elems: int, fused_with: str | None) -> str | None:
@@ -123,10 +127,10 @@ def bias_map_refusal(map_elems: int, front_elems: int, fused_with: str | None) -
     ops) costs nothing to remove, so the map would only add work."""
     what = "a shift in front of a padded convolution needs a per-position bias map, and "
     if fused_with is not None:
-        return (f"{what}the affine is computed in one loop with the {fused_with} producing its "
-                f"input (nothing to save) while the map adds a read of {map_elems} elements "
-                "per call")
+        return Reason("bias-map", f"{what}the affine is computed in one loop with the "
+                      f"{fused_with} producing its input (nothing to save) while the map adds "
+                      f"a read of {map_elems} elements per call")
     if map_elems > front_elems:
-        return (f"{what}the map ({map_elems} elements, read per call) costs more than the "
-                f"affine pass it removes ({front_elems} elements)")
+        return Reason("bias-map", f"{what}the map ({map_elems} elements, read per call) costs "
+                      f"more than the affine pass it removes ({front_elems} elements)")
     return None

@@ -4,8 +4,9 @@ TF, PyTorch/XLA, hand-written modules and plain ``jax.export`` artifacts carry B
 ``stablehlo.batch_norm_inference`` or as the decomposed arithmetic JAX and XLA emit
 (``convolution → subtract/multiply/add/divide`` with ``broadcast_in_dim`` of per-channel
 values, with ``convert`` casts). This pass walks every ``stablehlo.convolution`` (and
-``stablehlo.dot_general`` and ``stablehlo.dot``), follows its result through such a chain — into private functions
-that continue it — collapses the chain into ``y·s + t`` and rewrites it to
+``stablehlo.dot_general`` and ``stablehlo.dot``), follows its result through such a chain
+(``_chain.walk``; into private functions that continue it), decides the site
+(``_decide``), collapses the chain into ``y·s + t`` and rewrites it to
 ``convolution(x, K ⊙ s) + broadcast_in_dim(t)``:
 
 * operands that are constants (possibly computed from constants) give a new constant kernel
@@ -27,12 +28,14 @@ import numpy as np
 from . import _compat as C
 from ._algebra import collapse
 from ._chain import chain_kind, walk
-from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith,
-                      all_finite, dce, elem_type, float_dtype, is_float, location, np_dtype, numpy_to_dense, op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
+from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith, all_finite, dce,
+                      elem_type, float_dtype, is_float, location, np_dtype, numpy_to_dense,
+                      op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
 from ._hlo_match import ChainWalker, HloChain
 from ._hlo_patterns import Evaluator, Operand, lhs_root_info, root_info
 from ._report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
 from ._decide import chain_status, decide
+from ._reasons import Reason
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -40,7 +43,8 @@ ir, stablehlo, func_dialect = C.mlir()
 
 
 # the reason an argument-weight site stays unfolded with in_graph=False
-WEIGHTS_ARE_ARGUMENTS = (
+WEIGHTS_ARE_ARGUMENTS = Reason(
+    "weights-not-known",
     "the weights are module arguments, so K·s would be recomputed (and range-checked) on every "
     "call, costing more than the BatchNorm it removes; fold with the weight values "
     "(fold_stablehlo(..., params=), hlofold fold --params) or in the graph (in_graph=True, "
@@ -108,7 +112,7 @@ class _Pass(ChainWalker):
             self._record(root, fname, REFUSED, reason=first)
             return
         if not is_float(root.results[0]):
-            self._record(root, fname, REFUSED, reason="not a float root")
+            self._record(root, fname, REFUSED, reason=Reason("not-float", "not a float root"))
             return
         chosen = None
         for info in cands:              # the first reading of the root that folds
@@ -139,7 +143,8 @@ class _Pass(ChainWalker):
                            note=f"chain stopped: {stop}" if stop else None)
         kd = float_dtype(elem_type(kernel))
         if kd is None:
-            rec.status, rec.reason = REFUSED, f"the kernel is {elem_type(kernel)}, not a float"
+            rec.status, rec.reason = REFUSED, Reason(
+                "not-float", f"the kernel is {elem_type(kernel)}, not a float")
             return
         # in-graph arithmetic: float32, or float64 when the program computes in float64
         wide = any(str(elem_type(v)) == "f64"

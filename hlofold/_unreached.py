@@ -11,6 +11,8 @@ primitives around it.
 """
 from __future__ import annotations
 
+from ._reasons import Reason
+
 # why a chain cannot start after these (keyed by the primitive's short name)
 _AFTER = {
     "add": "a residual add of two activations: no single convolution owns the sum",
@@ -38,5 +40,5 @@ def unreached_reason(after: str, then: str) -> str:
     desc = _AFTER.get(after, "an op that is not per-channel arithmetic")
     to = ("it is a program output" if then == "output" else
           f"its result goes to {then}, not straight into a convolution or dense layer")
-    return (f"per-channel scale after {after} ({desc}); no convolution or dense output "
-            f"reaches it, and {to}")
+    return Reason("unreached", f"per-channel scale after {after} ({desc}); no convolution or "
+                  f"dense output reaches it, and {to}")

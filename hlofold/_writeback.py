@@ -24,6 +24,7 @@ import numpy as np
 from . import _compat as C
 from ._chain_rules import AffineStep
 from ._fold import plan_sites
+from ._reasons import Reason
 from ._report import REFUSED, FoldReport, FoldSite
 from ._tolerance import accumulation_of, compare
 
@@ -102,7 +103,7 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
             for site in group:
                 for r in (site.record, site.fwd and site.fwd.record):
                     if r is not None:
-                        r.status, r.reason = REFUSED, _NOT_WRITTEN + got
+                        r.status, r.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + got)
             continue
         for site, (kernel, bias, identity) in zip(group, got):
             changes.append(ParamChange(

@@ -335,3 +335,50 @@ def test_postorder_is_iterative_and_memoized():
     assert postorder(n, memo, lambda i: [i - 1] if i else [], settle) == n
     assert postorder(n - 7, memo, lambda i: [i - 1] if i else [], settle) == n - 7
     assert len(calls) == n + 1
+
+
+# ------------------------------------------------------------------ reasons and their kinds
+
+
+def test_a_reason_keeps_its_kind_through_copies_and_extensions():
+    import copy
+    import json
+    import pickle
+
+    from hlofold._reasons import KINDS, Reason, reason_kind
+    r = Reason("consumers", "the conv output has 2 consumers")
+    assert r == "the conv output has 2 consumers" and reason_kind(r) == "consumers"
+    for c in (copy.deepcopy(r), pickle.loads(pickle.dumps(r)), r.then("; more"),
+              r.after("mul: ")):
+        assert reason_kind(c) == "consumers"
+    assert json.loads(json.dumps({"reason": r})) == {"reason": str(r)}
+    assert reason_kind("plain words") == "other" and reason_kind(None) is None
+    assert reason_kind(r + "!") == "other"        # str operations give plain strings
+    with pytest.raises(ValueError, match="unknown reason kind"):
+        Reason("no-such-kind", "x")
+    assert "other" not in KINDS
+
+
+def test_every_rule_writes_its_kind():
+    """The rules of ``_rules`` and the shared sentences carry their kinds."""
+    import numpy as np
+
+    from hlofold import _chain, _rules
+    from hlofold._reasons import reason_kind
+    f16 = np.dtype(np.float16)
+    got = {
+        "scale": _rules.scale_refusal(np.array([1.0, np.inf])),
+        "precision": _rules.precision_refusal(f16, [np.float32]),
+        "overflow": _rules.round_kernel(np.full((2, 2), 6e4), np.array([10.0, 1.0]), f16,
+                                        1)[1],
+        "underflow": _rules.round_kernel(np.full((2, 2), 1.0), np.array([1e-9, 1.0]), f16,
+                                         1)[1],
+        "runtime": _rules.runtime_refusal(f16),
+        "bias map": _rules.bias_map_refusal(10, 5, None),
+    }
+    assert {k: reason_kind(v) for k, v in got.items()} == {
+        "scale": "not-finite", "precision": "precision", "overflow": "overflow",
+        "underflow": "underflow", "runtime": "unchecked-range", "bias map": "bias-map"}
+    assert [reason_kind(r) for r in (_chain.FROM_ACTIVATION, _chain.KERNEL_FROM_ACTIVATION,
+                                     _chain.CANONICAL_BIAS, _chain.UNUSED)] == [
+        "operand-from-activation", "kernel-from-activation", "canonical", "chain-end"]
