@@ -77,7 +77,7 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
       kernel_dtype: the dtype the folded kernel is rounded to.
       math_dtypes: the dtypes the chain computes in (the root's output and each step's).
       s: the float64 scale per output channel when it is known now, else None.
-      kernel: the float64 kernel when it is known now (and nothing before the root that is
+      kernel: the kernel's values when they are known now (and nothing before the root that is
         only known at run time rescales it), else None.
       kernel_axis: the kernel's output-feature axis.
       in_graph: one of :data:`IN_GRAPH_POLICIES`.

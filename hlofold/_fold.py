@@ -33,6 +33,7 @@ from ._chain import postorder
 from ._host import evaluate as host_evaluate
 from ._jaxpr_emit import SiteEmitter, is_guard
 from ._jaxpr_nested import NESTED_RULES, contains_root, inline_calls, other_rule
+from ._decide import IN_GRAPH_POLICIES
 from ._jaxpr_plan import Site, SitePlanner
 from ._chain_rules import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
 from ._patterns import PATTERNS, RootInfo
@@ -110,7 +111,8 @@ def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str]
     return scope
 
 
-IN_GRAPH_MODES = ("guarded", "prepared", "never")
+# the in-graph policies of ``_decide`` a caller of fold_jaxpr picks ("unguarded" is _split's)
+IN_GRAPH_MODES = tuple(p for p in IN_GRAPH_POLICIES if p != "unguarded")
 @dataclasses.dataclass(frozen=True)
 class _Options:
     float32_kernels: bool = False
@@ -258,13 +260,13 @@ class _Scope(SitePlanner, SiteEmitter):
         A chain that continues into a call (``jit``) has the call inlined and the scope
         planned again, as the StableHLO path inlines a private ``func.call``."""
         first = len(self.sites)
-        for rounds in range(_MAX_INLINE_ROUNDS, 0, -1):
+        for _ in range(_MAX_INLINE_ROUNDS - 1):
             changed = self._plan_once()
-            if not self.calls_reached or rounds == 1:
+            if not self.calls_reached:
                 return changed
             del self.sites[first:]
             self._index(inline_calls(self.closed, self.calls_reached), self.const_names)
-        return changed   # pragma: no cover
+        return self._plan_once()
 
     def _plan_once(self) -> bool:
         changed = False

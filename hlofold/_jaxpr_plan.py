@@ -129,7 +129,7 @@ class SitePlanner(ForwardPlanner):
                                for n in self.names(s.operand.source) if n})
             rec = self._record(eqn, pattern, info, FOLDED, absorbed=absorbed, params=op_names,
                                kernel=", ".join(kernel_names) or None)
-            rec.note = f"chain stopped: {stop}" if stop and not kfa else None
+            rec.note = f"chain stopped: {stop}" if stop else None
         if fwd is not None:
             fwd.record.kernel = ", ".join(kernel_names) or None
             if not backward and affine:      # the merged canonical bias is read too

@@ -157,7 +157,7 @@ class _Pass(ChainWalker):
         k_np = self.eval(kernel) if known else None
         math = [float_dtype(elem_type(v.results[0])) for v in [root] + [st.op for st in steps]]
         dec = decide(kernel_dtype=kd, math_dtypes=[d for d in math if d is not None], s=s_vec,
-            kernel=None if k_np is None else np.asarray(k_np, np.float64),
+            kernel=None if k_np is None else np.asarray(k_np),
             kernel_axis=kaxis, not_now=WEIGHTS_ARE_ARGUMENTS,
             in_graph=("never" if not self.in_graph else
                       "guarded" if self.guard else "unguarded"),

@@ -108,3 +108,28 @@ def fold_checked(f, *args, folds, freeze=(), root=None, refused=None):
     assert_close(ref, ff(*args), program)            # cached prepared values
     assert_close(ref, jax.jit(ff)(*args), program)   # under an enclosing transformation
     return ff, rep, ref, out
+
+
+def fold_both(f, *args, jaxpr_mode="guarded", in_graph=True, run=True):
+    """``f`` folded on both paths: ``fold_jaxpr`` of its jaxpr (``in_graph=jaxpr_mode``) and
+    ``fold_stablehlo`` of its lowering (``in_graph``). Returns
+    ``([(path, report, first output, folded program)], reference output, unchanged)``
+    (outputs None without ``run``: a module the CPU cannot run), ``unchanged[path]``: the program is exactly the original (the jaxpr object itself; the
+    same module text)."""
+    import jax
+
+    import hlofold
+    from hlofold._artifacts import module_callable
+    from hlofold._hlo_ir import parse_module
+    closed = jax.make_jaxpr(f)(*args)
+    new, rep = hlofold.fold_jaxpr(closed, in_graph=jaxpr_mode)
+    C.check_jaxpr(new.jaxpr)
+    text = jax.jit(f, keep_unused=True).lower(*args).as_text()
+    folded, srep = hlofold.fold_stablehlo(text, in_graph=in_graph)
+    first = lambda outs: np.asarray(jax.tree.leaves(outs)[0]) if run else None
+    ref = first(jax.jit(f)(*args) if run else None)
+    outs = [("jaxpr", rep, first(C.jaxpr_as_fun(new)(*args) if run else None), new),
+            ("stablehlo", srep, first(module_callable(folded)(*args) if run else None), folded)]
+    unchanged = {"jaxpr": new is closed,
+                 "stablehlo": str(parse_module(folded)) == str(parse_module(text))}
+    return outs, ref, unchanged

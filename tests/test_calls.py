@@ -13,10 +13,8 @@ from jax import lax
 
 import hlofold
 import hlofold._compat as C
-from hlofold._artifacts import module_callable
 from hlofold._reasons import reason_kind
-from hlofold._stablehlo import parse_module
-from tests.helpers import assert_close, assert_no_scaling_after_convs
+from tests.helpers import assert_close, assert_no_scaling_after_convs, fold_both
 
 RNG = np.random.default_rng(11)
 X = RNG.standard_normal((2, 6, 6, 3)).astype(np.float32)
@@ -36,24 +34,9 @@ def bn(y, scale, shift):
     return y * scale + shift
 
 
-def both(f, *args):
-    """``[(path, report, folded outputs or None)]``, the original outputs, and whether
-    each path left its program exactly as it was."""
-    closed = jax.make_jaxpr(f)(*args)
-    new, rep = hlofold.fold_jaxpr(closed)
-    C.check_jaxpr(new.jaxpr)
-    text = jax.jit(f).lower(*args).as_text()
-    folded, srep = hlofold.fold_stablehlo(text)
-    ref = jax.jit(f)(*args)
-    same = {"jaxpr": new is closed,
-            "stablehlo": str(parse_module(folded)) == str(parse_module(text))}
-    return ([("jaxpr", rep, C.jaxpr_as_fun(new)(*args)[0], new),
-             ("stablehlo", srep, module_callable(folded)(*args)[0], None)], ref, same)
-
-
 def test_a_chain_into_a_jitted_helper_folds_on_both_paths():
     f = lambda x: jax.nn.relu(bn(conv(x, K1), S, T))
-    results, ref, _ = both(f, X)
+    results, ref, _ = fold_both(f, X)
     for path, rep, out, new in results:
         assert rep.num_folded == 1, (path, str(rep))
         assert_close(ref, out)
@@ -71,7 +54,7 @@ def test_one_helper_called_twice_inlines_with_fresh_variables():
     closed = jax.make_jaxpr(f)(X)
     calls = [e for e in closed.jaxpr.eqns if e.primitive.name in C.JIT_NAMES]
     assert len(calls) == 2 and C.call_body(calls[0])[1] is C.call_body(calls[1])[1]
-    results, ref, _ = both(f, X)
+    results, ref, _ = fold_both(f, X)
     for path, rep, out, new in results:
         assert rep.num_folded == 2, (path, str(rep))
         assert_close(ref, out)
@@ -87,7 +70,7 @@ def test_a_helper_that_also_returns_its_input_is_not_entered():
     def f(x):
         a, b = bn_and_raw(conv(x, K1))
         return a + jnp.sum(b)
-    results, ref, same = both(f, X)
+    results, ref, same = fold_both(f, X)
     for path, rep, out, _ in results:
         assert rep.num_folded == 0, (path, str(rep))
         assert "chain ends at" in rep.sites[0].reason, (path, rep.sites[0].reason)
@@ -105,7 +88,7 @@ def test_a_chain_refused_inside_the_helper_leaves_the_program_as_it_was():
         return y + r
 
     f = lambda x: add_residual(conv(x, K1), conv(x, K1 * 2))
-    results, ref, same = both(f, X)
+    results, ref, same = fold_both(f, X)
     for path, rep, out, _ in results:
         assert rep.num_folded == 0, (path, str(rep))
         assert all(s.status != "folded" for s in rep.sites)
