@@ -184,6 +184,25 @@ def stage_cond(pred: Any, branches: Sequence[Callable], operands: Sequence[Any])
     return out[0]
 
 
+def cond_eqn(index: Any, operands: Sequence[Any], branches: Sequence[ClosedJaxpr], out: Var,
+             source_info: Any, scope: str) -> JaxprEqn:
+    """``out = branches[index](*operands)``, a ``cond`` equation made without a trace: the
+    branches are closed jaxprs of the operands' types, without constants; the equation
+    carries ``source_info`` with the name scope ``scope`` added."""
+    from jax import lax
+    info = _siu.SourceInfo(source_info.traceback, source_info.name_stack.extend(scope))
+    effects = _core.join_effects(*(b.effects for b in branches))
+    return _core.new_jaxpr_eqn([index, *operands], [out], lax.cond_p,
+                               {"branches": tuple(branches)}, effects, info)
+
+
+def add_eqn(x: Any, y: Any, out: Var, source_info: Any) -> JaxprEqn:
+    """``out = x + y`` (``y`` may have size-1 dimensions where ``x`` has more), made without
+    a trace."""
+    from jax import lax
+    return _core.new_jaxpr_eqn([x, y], [out], lax.add_p, {}, _core.no_effects, source_info)
+
+
 def jaxpr_of(invars: Sequence[Var], eqns: Sequence[JaxprEqn], outvars: Sequence[Any]
              ) -> ClosedJaxpr:
     """A closed jaxpr made of existing equations (no trace)."""

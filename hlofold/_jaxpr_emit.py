@@ -10,7 +10,7 @@ or bias is not finite.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -30,10 +30,22 @@ GUARD_SCOPE = "hlofold_guard"
 # sites of equal plans are traced once and cloned (tests turn it off to compare with a trace
 # per site)
 CLONE_TEMPLATES = True
+# the activation side of a site (root, shape steps, bias add, guard) is made of the site's
+# own equations rather than traced (tests turn it off to compare with the traced form)
+SPLICE_ACTIVATIONS = True
 # plan fields that say where a site is or what is reported of it, not what it computes
 _NOT_PLAN = frozenset({"root_idx", "end_idx", "record", "t_traced"})
 _SCALARS = frozenset({bool, int, float, str})
 _FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+class _Splice(NamedTuple):
+    """What is traced of a site whose activation side is spliced from its own equations:
+    the rescaled kernel, the bias (None: no shift) and, for a guarded site, the ``cond``
+    index (1: the fold is finite)."""
+    kernel: Any
+    bias: Any
+    index: Any
 
 
 def _plan_fields(tx: type) -> tuple[str, ...] | None:
@@ -136,27 +148,31 @@ class SiteEmitter:
             # an internal value's type follows from the inputs' types and the equations
             return ("internal", internal.setdefault(v, len(internal)))
 
+        eqn_t, var_ts = C.JaxprEqn, (C.Var, C.Literal)
+
         def plan(x):
             tx = type(x)
             if x is None or tx in _SCALARS:
                 return x
-            if isinstance(x, C.JaxprEqn):
+            if tx is list or tx is tuple:
+                return tuple([plan(y) for y in x])
+            if tx is eqn_t:
                 return (x.primitive.name, tuple(sorted(x.params.items())),
-                        tuple(map(atom, x.invars)), tuple(map(atom, x.outvars)))
-            if isinstance(x, (C.Var, C.Literal)):
+                        tuple([atom(v) for v in x.invars]), tuple([atom(v) for v in x.outvars]))
+            if isinstance(x, var_ts):
                 return atom(x)
             if isinstance(x, np.ndarray):
                 raise TypeError("a value known at transform time")
-            if isinstance(x, (list, tuple)):
-                return tuple(map(plan, x))
             names = _plan_fields(tx)
             if names is not None:
-                return (tx.__name__,) + tuple(plan(getattr(x, f)) for f in names)
+                return (tx, *[plan(getattr(x, f)) for f in names])
+            if isinstance(x, (list, tuple)):
+                return tuple([plan(y) for y in x])
             return x
 
         try:
-            key = (plan(site), tuple((a.aval.shape, str(a.aval.dtype),
-                                      getattr(a.aval, "weak_type", False)) for a in atoms),
+            key = (plan(site), tuple([(a.aval.shape, a.aval.dtype,
+                                       getattr(a.aval, "weak_type", False)) for a in atoms]),
                    self.opts)
             hash(key)
         except TypeError:
@@ -172,19 +188,38 @@ class SiteEmitter:
         atoms = list(dict.fromkeys(v for site in sites for v in self._site_atoms(site)))
         index = {a: k for k, a in enumerate(atoms)}
 
+        parts: list = []        # per site: a _Splice (its traced parts) or None (its result)
+
         def fn(*vals):
             def read(a):
                 return a.val if isinstance(a, C.Literal) else vals[index[a]]
-            return [self._emit_site(site, read) for site in sites]
+            outs = []
+            for site in sites:
+                r = self._emit_site(site, read)
+                parts.append(r if isinstance(r, _Splice) else None)
+                outs += [x for x in r if x is not None] if isinstance(r, _Splice) else [r]
+            return outs
 
         sub = C.trace(fn, [a.aval for a in atoms])
         ren: dict[Any, Any] = dict(zip(sub.jaxpr.invars, atoms))
         ren.update((cv, new_const(c)) for cv, c in zip(sub.jaxpr.constvars, sub.consts))
         owner: dict[Any, int] = {}
         final: dict[Any, Any] = {}
-        for k, (site, out) in enumerate(zip(sites, sub.jaxpr.outvars)):
-            owner[out] = k
-            final[out] = site.end_var
+        outvars = iter(sub.jaxpr.outvars)
+        spliced: dict[int, _Splice] = {}
+        for k, (site, part) in enumerate(zip(sites, parts)):
+            if part is None:
+                out = next(outvars)
+                owner[out] = k
+                final[out] = site.end_var
+                continue
+            vals = []
+            for x in part:
+                o = None if x is None else next(outvars)
+                if isinstance(o, C.Var):
+                    owner.setdefault(o, k)
+                vals.append(ren.get(o, o) if isinstance(o, C.Var) else o)
+            spliced[k] = _Splice(*vals)
         by_site: list[list] = [[] for _ in sites]
         for e in reversed(sub.jaxpr.eqns):
             k = next((owner[o] for o in e.outvars if o in owner), None)
@@ -196,7 +231,48 @@ class SiteEmitter:
             by_site[k].append(e.replace(
                 invars=[ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars],
                 outvars=[final.get(o, o) for o in e.outvars]))
-        return {site.end_idx: list(reversed(eqs)) for site, eqs in zip(sites, by_site)}
+        out = {site.end_idx: list(reversed(eqs)) for site, eqs in zip(sites, by_site)}
+        for k, part in spliced.items():
+            out[sites[k].end_idx] += self._spliced_eqns(sites[k], part)
+        return out
+
+    def _spliced_eqns(self, site: Site, part: "_Splice") -> list:
+        """The activation side of a site whose parameter side was traced (``part``): the
+        root on the rescaled kernel, the chain's shape steps and the bias add, made from the
+        site's own equations (no trace); a guarded site's as one ``cond`` equation."""
+        if part.index is None:
+            return self._activation_eqns(site, {}, part.kernel, part.bias, site.end_var)
+        atoms = self._site_atoms(site)
+        extra = [x for x in (part.kernel, part.bias) if x is not None]
+        avals = [x.aval for x in extra]
+        original = self._original_branch(site, atoms, avals)
+        ren = {a: C.new_var(a.aval) for a in atoms}
+        ins = list(ren.values()) + [C.new_var(av) for av in avals]
+        kp, tb = ins[len(atoms)], (ins[len(atoms) + 1] if part.bias is not None else None)
+        end = C.new_var(site.end_var.aval)
+        folded = C.jaxpr_of(ins, self._activation_eqns(site, ren, kp, tb, end), [end])
+        return [C.cond_eqn(part.index, atoms + extra, (original, folded), site.end_var,
+                           site.eqn.source_info, GUARD_SCOPE)]
+
+    @staticmethod
+    def _activation_eqns(site: Site, ren: dict, kp, tb, end) -> list:
+        """``root(x, kp)``, the chain's shape steps, ``+ tb`` (when not None), ending in
+        ``end``: the site's equations re-wired (inputs renamed by ``ren``)."""
+        eqn, info = site.eqn, site.info
+        ins = [ren.get(v, v) if isinstance(v, C.Var) else v for v in eqn.invars]
+        ins[info.kernel_index] = kp
+        y = C.new_var(eqn.outvars[0].aval)
+        out = [eqn.replace(invars=ins, outvars=[y])]
+        for st in site.steps:
+            if isinstance(st, PassStep):
+                z = C.new_var(st.eqn.outvars[0].aval)
+                out.append(st.eqn.replace(invars=[y], outvars=[z]))
+                y = z
+        if tb is not None:
+            z = C.new_var(site.end_var.aval)
+            out.append(C.add_eqn(y, tb, z, eqn.source_info))
+        out[-1] = out[-1].replace(outvars=[end])
+        return out
 
     def _emit_site(self, site: Site, read):
         eqn, info, fwd = site.eqn, site.info, site.fwd
@@ -242,12 +318,19 @@ class SiteEmitter:
                     t = xp.add(xp.mul(s, b), xp.asarray(t))
                 kp = xp.mul(kc, along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
                 kp = cast(kp, self._kernel_dtype(kernel))
+            ok = None
             if site.guard:
                 # run-time check of what transform time could not see (σ² = 0, inf γ,
                 # overflow): a non-finite kernel or bias runs the site's original equations
                 ok = all_finite(kp)
                 if site.has_shift and not isinstance(t, np.ndarray):
                     ok = lax.bitwise_and(ok, all_finite(cast(t, end_dtype)))
+            if SPLICE_ACTIVATIONS and fwd is None and site.bias_map is None and \
+                    np.dtype(kp.dtype) == np.dtype(kernel.aval.dtype):
+                # the activation side is made of the site's own equations, not traced
+                return _Splice(kp, self._bias(site, t) if site.has_shift else None,
+                               None if ok is None else lax.convert_element_type(ok, np.int32))
+            if site.guard:
                 return self._guarded(site, read, ok, kp, t)
             return self._folded_value(site, read, kp, t)
 
@@ -289,7 +372,6 @@ class SiteEmitter:
         """``root(x, kp)``, the chain's shape ops replayed, plus the bias ``t``."""
         eqn, info, fwd = site.eqn, site.info, site.fwd
         kernel = eqn.invars[info.kernel_index]
-        end_dtype = np.dtype(site.end_var.aval.dtype)
         with C.source_of(eqn):
             invals = [read(v) for v in eqn.invars]
             invals[info.kernel_index] = kp
@@ -315,20 +397,25 @@ class SiteEmitter:
                 if isinstance(st, PassStep):
                     y = C.bind_eqn(st.eqn, [y])[0]
             if site.has_shift:
-                shape = [1] * len(site.end_var.aval.shape)
-                if isinstance(t, np.ndarray):
-                    tb = np.asarray(t, np.float64).astype(end_dtype)
-                    if tb.ndim:
-                        shape[site.end_axis] = tb.shape[0]
-                    tb = tb.reshape(shape)
-                else:
-                    tb = cast(t, end_dtype)
-                    dims = (site.end_axis,) if tb.ndim else ()
-                    if tb.ndim:
-                        shape[site.end_axis] = tb.shape[0]
-                    tb = lax.broadcast_in_dim(tb, tuple(shape), dims)
-                y = lax.add(y, tb)
+                y = lax.add(y, self._bias(site, t))
         return y
+
+    @staticmethod
+    def _bias(site: Site, t):
+        """The bias ``t`` in the chain end's dtype, shaped to broadcast against it (size 1
+        but along its feature axis)."""
+        end_dtype = np.dtype(site.end_var.aval.dtype)
+        shape = [1] * len(site.end_var.aval.shape)
+        if isinstance(t, np.ndarray):
+            tb = np.asarray(t, np.float64).astype(end_dtype)
+            if tb.ndim:
+                shape[site.end_axis] = tb.shape[0]
+            return tb.reshape(shape)
+        tb = cast(t, end_dtype)
+        dims = (site.end_axis,) if tb.ndim else ()
+        if tb.ndim:
+            shape[site.end_axis] = tb.shape[0]
+        return lax.broadcast_in_dim(tb, tuple(shape), dims)
 
     def _operand_traced(self, op: ChannelOperand, read, cdt):
         known = self._operand_value(op)

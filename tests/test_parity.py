@@ -7,6 +7,8 @@ generated programs.
 """
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from jax import lax
 import hlofold
 import hlofold._compat as C
 from hlofold._artifacts import module_callable
+from hlofold._jaxpr_emit import is_guard
 from hlofold._reasons import reason_kind
 from hlofold._stablehlo import fold_module, parse_module
 from tests.helpers import fold_both
@@ -235,6 +238,31 @@ def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
               if e.primitive.name == "conv_general_dilated"]
     assert len(set(scopes)) == len(scopes) == 20      # each clone keeps its own layer's scope
     assert all(s.count("conv") == 1 for s in scopes), scopes
+
+
+@pytest.mark.parametrize("in_graph", ["guarded", "prepared"])
+def test_spliced_activation_side_equals_the_traced_one(monkeypatch, in_graph):
+    """A site's activation side (root on the rescaled kernel, shape steps, bias add, guard)
+    made of its own equations computes what tracing it computes, bit for bit, with the same
+    equations: a ``cond`` per guarded site whose branches hold the same primitives."""
+    from benchmarks import models
+    from hlofold import _jaxpr_emit
+    from tests.helpers import primitives
+    model, _, variables, _ = models.build("resnet18", image_size=32, width=8)
+    x = RNG.standard_normal((2, 32, 32, 3)).astype(np.float32)
+    closed = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x)
+    spliced, rep = hlofold.fold_jaxpr(closed, in_graph=in_graph)
+    monkeypatch.setattr(_jaxpr_emit, "SPLICE_ACTIVATIONS", False)
+    traced, rep2 = hlofold.fold_jaxpr(closed, in_graph=in_graph)
+    assert rep.num_folded == rep2.num_folded >= 20, str(rep)
+    assert [s.guarded for s in rep.sites] == [s.guarded for s in rep2.sites]
+    C.check_jaxpr(spliced.jaxpr)
+    assert collections.Counter(primitives(spliced)) == collections.Counter(primitives(traced))
+    guards = [e for e in spliced.jaxpr.eqns if is_guard(e)]
+    assert len(guards) == (rep.num_folded if in_graph == "guarded" else 0)
+    args = jax.tree.leaves((variables, x))
+    np.testing.assert_array_equal(jax.jit(C.jaxpr_as_fun(spliced))(*args)[0],
+                                  jax.jit(C.jaxpr_as_fun(traced))(*args)[0])
 
 
 def test_operand_computed_from_an_activation_is_refused_in_the_same_words():
