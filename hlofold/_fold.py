@@ -125,6 +125,9 @@ def _NONE():
     return None
 
 
+_MISSING = object()
+
+
 def _const(v):
     return lambda: v
 
@@ -151,6 +154,8 @@ class _Scope(SitePlanner, SiteEmitter):
         self.known: dict[Any, Any] = {}
         self.origins: dict[Any, frozenset] = {}
         self.activation: dict[Any, bool] = {}
+        self.maybe_known: dict[Any, bool] = {}
+        self.swept: dict[int, int] = {}      # per memo: the equations swept so far
         names = list(const_names) + [None] * (len(closed.consts) - len(const_names))
         for v, val, nm in zip(self.jaxpr.constvars, closed.consts, names):
             self.known[v] = val
@@ -204,6 +209,8 @@ class _Scope(SitePlanner, SiteEmitter):
 
     def value(self, atom) -> Any:
         """Concrete value of ``atom`` if it is known at transform time, else None."""
+        if not self._may_be_known(atom):
+            return None
         def leaf(v):
             return self.known_thunks[v]() if v in self.known_thunks else None
 
@@ -217,22 +224,58 @@ class _Scope(SitePlanner, SiteEmitter):
             return [None] * len(eqn.outvars)
         return self._backward(atom, self.known, lambda a: a.val, leaf, combine)
 
+    def _swept(self, atom, memo: dict, leaf, combine, literal):
+        """``memo[atom]``, computed by a sweep over the equations in program order (they are
+        topologically sorted) up to ``atom``'s producer, from where the last sweep of
+        ``memo`` stopped: each equation once, no stack. ``leaf(v)``: a variable without a
+        producer; ``combine(eqn, input values)``: the value of an equation's outputs."""
+        if isinstance(atom, C.Literal):
+            return literal
+        got = memo.get(atom, _MISSING)
+        if got is not _MISSING:
+            return got
+        prod = self.producer.get(atom)
+        if prod is None:
+            memo[atom] = got = leaf(atom)
+            return got
+        eqns, start = self.jaxpr.eqns, self.swept.get(id(memo), 0)
+        for j in range(start, prod[0] + 1):
+            eqn = eqns[j]
+            ins = []
+            for u in eqn.invars:
+                if isinstance(u, C.Literal):
+                    ins.append(literal)
+                else:
+                    val = memo.get(u, _MISSING)
+                    if val is _MISSING:
+                        memo[u] = val = leaf(u)
+                    ins.append(val)
+            val = combine(eqn, ins)
+            for o in eqn.outvars:
+                memo[o] = val
+        self.swept[id(memo)] = max(start, prod[0] + 1)
+        return memo[atom]
+
     def names(self, atom) -> frozenset:
         """Names of the program inputs (or named constants) that ``atom`` derives from."""
         def leaf(v):
             return self.name_thunks[v]() if v in self.name_thunks else frozenset()
-
-        def combine(eqn, vals):
-            return [frozenset().union(*vals)] * len(eqn.outvars)
-        return self._backward(atom, self.origins, lambda a: frozenset(), leaf, combine)
+        return self._swept(atom, self.origins, leaf,
+                           lambda eqn, vals: frozenset().union(*vals), frozenset())
 
     def from_root(self, atom) -> bool:
         """Whether ``atom`` is computed from the output of a pattern root (a convolution),
         directly or through nested jaxprs: then it is an activation, never a parameter."""
         def combine(eqn, vals):
-            act = eqn.primitive.name in PATTERNS or any(vals) or contains_root(eqn)
-            return [act] * len(eqn.outvars)
-        return self._backward(atom, self.activation, lambda a: False, lambda v: False, combine)
+            return eqn.primitive.name in PATTERNS or any(vals) or contains_root(eqn)
+        return self._swept(atom, self.activation, lambda v: False, combine, False)
+
+    def _may_be_known(self, atom) -> bool:
+        """False when ``atom`` is computed from an input whose value is not known at
+        transform time (then :meth:`value` is None without walking back)."""
+        def leaf(v):
+            return v in self.known or self.known_thunks.get(v, _NONE) is not _NONE
+        return self._swept(atom, self.maybe_known, leaf, lambda eqn, vals: all(vals), True)
 
     # ---- planning
 

@@ -47,10 +47,12 @@ def elem_type(value):
     return ir.RankedTensorType(value.type).element_type
 
 
+_NP_DTYPES = {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
+              "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}
+
+
 def np_dtype(etype) -> np.dtype | None:
-    s = str(etype)
-    return {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
-            "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}.get(s)
+    return _NP_DTYPES.get(str(etype))
 
 
 _FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "float8_e4m3fnuz",
@@ -61,9 +63,10 @@ def float_dtype(etype) -> np.dtype | None:
     """The NumPy dtype of any float element type, fp8 included (None: not a float). Kernels
     and chain steps of these types are weighed by the precision rule; only the types of
     :func:`np_dtype` are folded."""
-    dt = np_dtype(etype)
-    name = _FP8.get(str(etype))
-    return np.dtype(getattr(jnp, name)) if dt is None and name else dt
+    s = str(etype)
+    dt = _NP_DTYPES.get(s)
+    name = None if dt is not None else _FP8.get(s)
+    return np.dtype(getattr(jnp, name)) if name else dt
 
 
 def is_float(value) -> bool:
