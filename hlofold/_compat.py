@@ -77,8 +77,7 @@ def user_location(eqn: JaxprEqn) -> tuple[str | None, int | None, str | None]:
     tb = eqn.source_info.traceback
     if tb is None:
         return None, None, None
-    frames = list(_siu.user_frames(tb))
-    for fr in frames:
+    for fr in _siu.user_frames(tb):        # lazily: frames are converted one at a time
         name = fr.file_name.replace("\\", "/")
         if not any(m in name for m in _LIBRARY_MARKERS):
             return fr.file_name, fr.start_line, fr.function_name

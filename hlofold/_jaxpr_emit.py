@@ -455,16 +455,16 @@ def clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end,
             if o not in ren:
                 ren[o] = C.new_var(o.aval)
             outs.append(ren[o])
-        out.append(_rebased(e, from_root, to_root).replace(invars=ins, outvars=outs))
+        out.append(_rebased(e, from_root, to_root, invars=ins, outvars=outs))
     return out
 
 
-def _rebased(e, old, new):
+def _rebased(e, old, new, **changes):
     """``e`` with ``old``'s source location and scopes replaced by ``new``'s, also inside the
-    branches of a guard (a cloned ``cond`` would otherwise share the template's)."""
-    params = e.params
+    branches of a guard (a cloned ``cond`` would otherwise share the template's), and
+    ``changes`` made (one ``replace``)."""
     if e.primitive.name == "cond":
-        params = C.with_cond_branches(params, tuple(
+        changes["params"] = C.with_cond_branches(e.params, tuple(
             C.ClosedJaxpr(b.jaxpr.replace(eqns=[_rebased(x, old, new) for x in b.jaxpr.eqns]),
                           b.consts) for b in C.cond_branches(e)))
-    return e.replace(params=params, source_info=C.rebase_source(e, old, new))
+    return e.replace(source_info=C.rebase_source(e, old, new), **changes)
