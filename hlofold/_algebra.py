@@ -142,6 +142,20 @@ def place_np(m, o_axis: int, i_axis: int, ndim: int):
     return m.reshape(shape)
 
 
+def forward_kernel(k64, s_in, t_in, ko: int, ki: int, groups: int, out_channels: int,
+                   bias_map=None):
+    """An affine ``x·s_in + t_in`` in front of a root, folded on the host (float64):
+    ``(K ⊙_in s_in, b)`` with ``b`` the bias the shift adds, ``Σ K·t_in`` per output channel,
+    or ``bias_map(taps)`` (a padded convolution: ``taps`` is the kernel with the input
+    features contracted against ``t_in``, that axis kept with size 1)."""
+    s2 = group_matrix_np(s_in, out_channels, groups)
+    t2 = group_matrix_np(t_in, out_channels, groups)
+    w = k64 * place_np(t2, ko, ki, k64.ndim)
+    b64 = (np.sum(w, axis=tuple(a for a in range(k64.ndim) if a != ko)) if bias_map is None
+           else bias_map(np.sum(w, axis=ki, keepdims=True)))
+    return k64 * place_np(s2, ko, ki, k64.ndim), b64
+
+
 def place_traced(m, o_axis: int, i_axis: int, ndim: int):
     if isinstance(m, np.ndarray) or np.ndim(m) == 0:
         return place_np(m, o_axis, i_axis, ndim) if isinstance(m, np.ndarray) else m

@@ -34,6 +34,7 @@ import numpy as np
 from ._algebra import along
 from ._chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, chain_kind
 from ._report import CANONICAL, FOLDED, NO_PATTERN, REFUSED
+from ._reasons import Reason
 from ._rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
 
 IN_GRAPH_POLICIES = ("guarded", "unguarded", "prepared", "never")
@@ -110,3 +111,23 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
             return Decision(why)
     known = s is not None if scale_known is None else scale_known
     return Decision(None, None, "in-graph", in_graph == "guarded" and not known)
+
+
+BIAS_MAP_IN_GRAPH = Reason("bias-map", "a shift in front of a padded convolution folds into a "
+                           "per-position bias map conv(pad(t), K), which is computed once at "
+                           "transform time only; here the kernel or the shift is computed in "
+                           "the graph")
+
+
+def forward_refusal(*, kernel_dtype, step_dtypes: Sequence, hint: str, bias_map: bool,
+                    in_graph: str, all_known: bool, s_in: np.ndarray | None) -> str | None:
+    """The forward fold's own rules (an affine *in front of* a root), before :func:`decide`:
+    the chain in front computes no wider than the kernel; a bias map (a shift in front of a
+    padded convolution) only of values known now (``all_known``: the kernel, the chain in
+    front and the one after); a finite input scale ``s_in`` (None: known at run time only)."""
+    why = precision_refusal(kernel_dtype, step_dtypes, hint)
+    if not why and bias_map and in_graph != "never" and not all_known:
+        why = BIAS_MAP_IN_GRAPH
+    if not why and s_in is not None:
+        why = scale_refusal(s_in, "input scale s")
+    return why or None

@@ -18,26 +18,20 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._algebra import along, collapse, exact_f64, group_matrix_np, has_shift, kinds, place_np
+from ._algebra import along, collapse, exact_f64, forward_kernel, has_shift, kinds
 from ._chain import UNUSED, Absorb, Pass, chain_kind, walk
-from ._decide import chain_status, decide
+from ._decide import chain_status, decide, forward_refusal
 from ._chain_rules import (AFFINE_STEPS, PASS_STEPS, AffineStep, ChannelOperand, PassStep,
                            Refusal, affine_step, pass_step)
 from ._jaxpr_forward import Forward, ForwardPlanner
 from ._patterns import RootInfo
 from ._report import CANONICAL, FOLDED, REFUSED, FoldSite
 from ._reasons import Reason
-from ._rules import precision_refusal, scale_refusal
 
 NOT_PREPARED = Reason("weights-not-known", "the parameters are not known at transform time "
                       "(traced under an enclosing transformation), so K·s would be recomputed "
                       "on every call; left unfolded — prepare outside your jit (Folded.split) "
                       "or pass in_graph=True")
-BIAS_MAP_IN_GRAPH = Reason("bias-map", "a shift in front of a padded convolution folds into a "
-                           "per-position bias map conv(pad(t), K), which is computed once at "
-                           "transform time only; here the kernel or the shift is computed in "
-                           "the graph")
-
 
 def _not_prepared(kernel, out) -> str:
     """The reason a site with traced parameters stays unfolded, with what folding it in the
@@ -193,35 +187,31 @@ class SitePlanner(ForwardPlanner):
         return True
 
     def _check_forward(self, fwd: Forward, info, kd, hint, all_known: bool) -> bool:
-        """The forward fold's own rules (jaxpr only), before the shared decision: the chain in
-        front computes no wider than the kernel, a bias map only of values known now, a
-        finite input scale (``fwd.s_known``/``t_known`` set when known). False: refused."""
-        why = precision_refusal(kd, [st.eqn.outvars[0].aval.dtype for st in fwd.steps], hint)
+        """The forward fold's own rules (``_decide.forward_refusal``), before the shared
+        decision; ``fwd.s_known``/``t_known`` set when known. False: refused."""
         vals = [None if s.operand is None else self._operand_value(s.operand)
                 for s in fwd.steps]
         known = all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None)
-        if not why and fwd.masks is not None and self.opts.in_graph != "never" and \
-                not (known and all_known):
-            why = BIAS_MAP_IN_GRAPH
-        if not why and known:
+        s_in = t_in = None
+        if known:
             s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels)
-            why = scale_refusal(s_in, "input scale s")
-            fwd.s_known, fwd.t_known = (None, None) if why else (s_in, t_in)
+        why = forward_refusal(
+            kernel_dtype=kd, step_dtypes=[st.eqn.outvars[0].aval.dtype for st in fwd.steps],
+            hint=hint, bias_map=fwd.masks is not None, in_graph=self.opts.in_graph,
+            all_known=known and all_known, s_in=s_in)
         if why:
             self._refuse(fwd.record, why)
+        else:
+            fwd.s_known, fwd.t_known = s_in, t_in
         return not why
 
     def _forward_kernel(self, eqn, pattern, info, fwd: Forward, k64):
         """``K`` rescaled by the known input scale (float64), and the bias the input shift
         adds: per output channel, or a bias map (a padded convolution)."""
-        ko, ki = info.kernel_axis, fwd.k_in_axis
-        s2 = group_matrix_np(fwd.s_known, info.out_channels, fwd.groups)
-        t2 = group_matrix_np(fwd.t_known, info.out_channels, fwd.groups)
-        w = k64 * place_np(t2, ko, ki, k64.ndim)
-        b64 = (np.sum(w, axis=tuple(a for a in range(k64.ndim) if a != ko))
-               if fwd.masks is None else
-               pattern.bias_map(eqn, np.sum(w, axis=ki, keepdims=True), fwd.masks))
-        return k64 * place_np(s2, ko, ki, k64.ndim), b64
+        return forward_kernel(k64, fwd.s_known, fwd.t_known, info.kernel_axis, fwd.k_in_axis,
+                              fwd.groups, info.out_channels,
+                              None if fwd.masks is None else
+                              (lambda taps: pattern.bias_map(eqn, taps, fwd.masks)))
 
     def _weight_like(self, eqn, k: int) -> bool:
         """Operand ``k`` of ``eqn`` is an input (through at most a few layout ops) and the

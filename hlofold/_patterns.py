@@ -8,6 +8,7 @@ the root is matched by the rules of :mod:`hlofold._chain_rules`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
@@ -128,45 +129,63 @@ class ConvAffinePattern:
         return eqn.params["dimension_numbers"].out_spec[0]
 
     def border_masks(self, eqn: C.JaxprEqn) -> list | None | Refusal:
-        """Which taps read the input, per spatial dimension: a (kernel size, output size)
-        0/1 matrix each; None where every output position reads every tap from the input
-        (VALID, no lhs dilation), so a shift in front adds the same bias everywhere."""
+        """Which taps read the input (:func:`border_masks`) for this equation."""
         p, dn = eqn.params, eqn.params["dimension_numbers"]
         lhs, rhs, out = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, \
             eqn.outvars[0].aval.shape
-        masks = []
-        for d in range(len(dn.lhs_spec) - 2):
-            h, k, ho = lhs[dn.lhs_spec[2 + d]], rhs[dn.rhs_spec[2 + d]], out[dn.out_spec[2 + d]]
-            if not all(isinstance(n, (int, np.integer)) for n in (h, k, ho)):
-                return Refusal("a symbolic spatial size: the bias map of a padded "
-                               "convolution (its border sees less of the shift t) needs "
-                               "the spatial sizes", kind="symbolic")
-            a = p["lhs_dilation"][d]
-            # position in the lhs-dilated input that output o reads at tap j
-            q = (np.arange(ho)[None, :] * p["window_strides"][d] +
-                 np.arange(k)[:, None] * p["rhs_dilation"][d] - p["padding"][d][0])
-            masks.append(((q >= 0) & (q <= (h - 1) * a) & (q % a == 0)).astype(np.float64))
-        return None if all(m.all() for m in masks) else masks
+        n = len(dn.lhs_spec) - 2
+        return border_masks([lhs[dn.lhs_spec[2 + d]] for d in range(n)],
+                            [rhs[dn.rhs_spec[2 + d]] for d in range(n)],
+                            [out[dn.out_spec[2 + d]] for d in range(n)],
+                            p["window_strides"], [lo for lo, _ in p["padding"]],
+                            p["lhs_dilation"], p["rhs_dilation"])
 
     def bias_map(self, eqn: C.JaxprEqn, taps: np.ndarray, masks: list) -> np.ndarray:
-        """``conv(pad(t), K)``, the output of a constant image ``t``, from ``taps`` (the
-        float64 kernel with the input features contracted against ``t``: kernel layout, the
-        input-feature axis of size 1): shaped like the output with a batch of 1."""
         dn = eqn.params["dimension_numbers"]
-        n = len(masks)
-        w = np.transpose(taps, tuple(dn.rhs_spec)).astype(np.float64)[:, 0]
-        letters = "abcdefgh"[:n]
-        spec = ("o" + letters + "," + ",".join(f"{c}{c.upper()}" for c in letters) +
-                "->" + letters.upper() + "o")
-        # interior positions share one column of taps: contract each distinct column once,
-        # then copy it out (features last: each copy moves contiguous rows)
-        cols = [_distinct_columns(m) for m in masks]
-        m = np.einsum(spec, w, *[u for u, _ in cols], optimize=True)
-        for d, (_, inv) in enumerate(cols):
-            m = np.take(m, inv, axis=d)
-        m = m[None]                                            # (1, *spatial out, O)
-        return np.moveaxis(m, list(range(n + 2)), [dn.out_spec[0]] + list(dn.out_spec[2:]) +
-                           [dn.out_spec[1]])
+        return bias_map(taps, masks, dn.rhs_spec, dn.out_spec)
+
+
+def border_masks(lhs: Sequence, rhs: Sequence, out: Sequence, strides: Sequence,
+                 pad_lo: Sequence, lhs_dilation: Sequence, rhs_dilation: Sequence
+                 ) -> list | None | Refusal:
+    """Which taps of a convolution read the input, per spatial dimension (sizes of the input,
+    kernel and output there; strides, low padding, dilations): a (kernel size, output size)
+    0/1 matrix each; None where every output position reads every tap from the input
+    (VALID, no lhs dilation), so a shift in front adds the same bias everywhere. One rule
+    for both IRs."""
+    masks = []
+    for h, k, ho, st, lo, a, rd in zip(lhs, rhs, out, strides, pad_lo, lhs_dilation,
+                                        rhs_dilation):
+        if not all(isinstance(n, (int, np.integer)) for n in (h, k, ho)):
+            return Refusal("a symbolic spatial size: the bias map of a padded "
+                           "convolution (its border sees less of the shift t) needs "
+                           "the spatial sizes", kind="symbolic")
+        # position in the lhs-dilated input that output o reads at tap j
+        q = np.arange(ho)[None, :] * st + np.arange(k)[:, None] * rd - lo
+        masks.append(((q >= 0) & (q <= (h - 1) * a) & (q % a == 0)).astype(np.float64))
+    return None if all(m.all() for m in masks) else masks
+
+
+def bias_map(taps: np.ndarray, masks: list, rhs_spec: Sequence, out_spec: Sequence
+             ) -> np.ndarray:
+    """``conv(pad(t), K)``, the output of a constant image ``t``, from ``taps`` (the
+    float64 kernel with the input features contracted against ``t``: kernel layout, the
+    input-feature axis of size 1): shaped like the output with a batch of 1 (``rhs_spec``,
+    ``out_spec``: the kernel's and output's (O/N, I/C, spatial...) axes)."""
+    n = len(masks)
+    w = np.transpose(taps, tuple(rhs_spec)).astype(np.float64)[:, 0]
+    letters = "abcdefgh"[:n]
+    spec = ("o" + letters + "," + ",".join(f"{c}{c.upper()}" for c in letters) +
+            "->" + letters.upper() + "o")
+    # interior positions share one column of taps: contract each distinct column once,
+    # then copy it out (features last: each copy moves contiguous rows)
+    cols = [_distinct_columns(m) for m in masks]
+    m = np.einsum(spec, w, *[u for u, _ in cols], optimize=True)
+    for d, (_, inv) in enumerate(cols):
+        m = np.take(m, inv, axis=d)
+    m = m[None]                                            # (1, *spatial out, O)
+    return np.moveaxis(m, list(range(n + 2)), [out_spec[0]] + list(out_spec[2:]) +
+                       [out_spec[1]])
 
 
 def _distinct_columns(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from jax import lax
 
 import hlofold
 import hlofold._compat as C
-from hlofold._jaxpr_plan import BIAS_MAP_IN_GRAPH
+from hlofold._decide import BIAS_MAP_IN_GRAPH
 from tests.helpers import conv_consumers, fold_checked, fold_jaxpr_checked, primitives
 
 RNG = np.random.default_rng(7)
