@@ -250,6 +250,23 @@ def dce(module, inlined=frozenset()):
         drop_uncalled_private(module, only=inlined)  # their calls were inlined away
 
 
+def call_sites(module) -> dict:
+    """Every ``func.call`` of the module (nested regions included), by callee name."""
+    out: dict = {}
+
+    def calls_in(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if op_name(inner) == "func.call":
+                        out.setdefault(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value,
+                                       []).append(inner)
+                    calls_in(inner)
+    for fop in module.body.operations:
+        calls_in(fop)
+    return out
+
+
 def drop_uncalled_private(module, only=None) -> None:
     """Erase the private functions no ``func.call`` anywhere (nested regions included)
     calls; with ``only``, just those of these names."""

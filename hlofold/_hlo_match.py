@@ -32,6 +32,8 @@ class ChainWalker:
         rule of :mod:`hlofold._unreached`, as on the jaxpr path)."""
         for op in list(fop.regions[0].blocks[0].operations):
             name = op_name(op)
+            if op.operation in self.forward_taken:     # a forward chain's (any status)
+                continue
             if name == "stablehlo.batch_norm_inference":
                 x = op.operands[0]
                 size = shape_of(x)[ir.IntegerAttr(op.attributes["feature_index"]).value]
@@ -129,6 +131,8 @@ class ChainWalker:
             return
         for call, callee_name, cloned, results in reversed(self.trial):
             if folded:
+                sites = self.eval.calls.get(callee_name, [])
+                sites[:] = [c for c in sites if c.operation != call.operation]
                 call.erase()
                 self.inlined.add(callee_name)
                 continue

@@ -48,8 +48,10 @@ class Evaluator:
             "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
             "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
 
-    def __init__(self):
+    def __init__(self, calls: dict | None = None):
         self.memo: dict[Any, np.ndarray | None] = {}
+        self.calls = calls or {}     # private function name -> its call ops
+
 
     def __call__(self, value) -> np.ndarray | None:
         key = value
@@ -61,7 +63,10 @@ class Evaluator:
 
     def _eval(self, value):
         op = owner_op(value)
-        if op is None or not is_float(value):
+        if op is None:
+            outer = entering_value(value, self.calls)
+            return None if outer is None else self(outer)
+        if not is_float(value):
             return None
         name = op_name(op)
         dt = np_dtype(elem_type(value))
@@ -89,6 +94,32 @@ class Evaluator:
                     exp[d] = src.shape[i]
                 return np.broadcast_to(src.reshape(exp), shape).astype(dt)
         return None
+
+
+def entering_value(arg, calls: dict):
+    """The value a block argument always holds, where one can be named: for a loop-invariant
+    argument of a ``stablehlo.while`` (the body returns it unchanged), the loop's operand;
+    for an argument of a private function called once (``calls``: name -> call ops), the
+    call's operand. None otherwise. As a nested jaxpr's inputs are known where the outer
+    values are, so are these."""
+    arg = ir.BlockArgument(arg)
+    block, k = arg.owner, arg.arg_number
+    holder = block.owner
+    name = op_name(holder)
+    if name == "stablehlo.while":
+        body = holder.regions[1].blocks[0]
+        ret = list(body.operations)[-1]
+        if k < len(ret.operands) and ret.operands[k] == body.arguments[k]:
+            return holder.operands[k]
+        return None
+    if name == "func.func":
+        fname = ir.StringAttr(holder.attributes["sym_name"]).value
+        sites = calls.get(fname, [])
+        private = "sym_visibility" in holder.attributes and \
+            ir.StringAttr(holder.attributes["sym_visibility"]).value == "private"
+        if private and len(sites) == 1:
+            return sites[0].operands[k]
+    return None
 
 
 def resolve(value, out_shape, axis) -> Operand | Refusal:

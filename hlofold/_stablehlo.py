@@ -26,16 +26,19 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._algebra import collapse
-from ._chain import chain_kind, walk
-from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, PREPARED_ATTR, IrArith, all_finite, dce,
-                      elem_type, float_dtype, is_float, location, np_dtype, numpy_to_dense,
-                      op_name, owner_op, parse_module, remap_operands, roots_in, shape_of)
+from ._algebra import along, collapse, exact_f64, forward_kernel
+from ._chain import UNUSED, chain_kind, walk
+from ._decide import chain_status, decide, forward_refusal
+from ._hlo_forward import HloForwardPlanner, conv_specs, forward_values
+from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, call_sites, dce, elem_type,
+                      float_dtype, is_float, location, numpy_to_dense, op_name, owner_op,
+                      parse_module, remap_operands, roots_in, shape_of)
 from ._hlo_match import ChainWalker, HloChain
-from ._hlo_patterns import Evaluator, Operand, lhs_root_info, root_info
-from ._report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
-from ._decide import chain_status, decide
+from ._hlo_patterns import Evaluator, lhs_root_info, root_info
+from ._hlo_values import HloValues
+from ._patterns import bias_map
 from ._reasons import Reason
+from ._report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -51,17 +54,21 @@ WEIGHTS_ARE_ARGUMENTS = Reason(
     "--in-graph)")
 
 
-class _Pass(ChainWalker):
+class _Pass(ChainWalker, HloForwardPlanner, HloValues):
     def __init__(self, module, in_graph: bool = True, guard: bool = True):
         self.in_graph = in_graph
         self.guard = guard
         self.module = module
         self.sites: list[FoldSite] = []
-        self.eval = Evaluator()
+        self.eval = Evaluator(call_sites(module))
         self.activation: dict[Any, bool] = {}
         # ops a folded site replaced: erased after all sites, so that no op is freed while
         # the memos (keyed by the ops' addresses) are in use
         self.dead: list = []
+        self.dead_set: set = set()
+        # ops of an earlier root's chain (a later root's forward chain does not take them)
+        self.claimed: set = set()
+        self.forward_taken: set = set()    # ops of forward chains (any status)
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
@@ -81,6 +88,8 @@ class _Pass(ChainWalker):
         for op in self.dead:
             op.erase()
         self.dead.clear()
+        self.dead_set.clear()
+        self.claimed.clear()         # may name erased ops: not read after the sites
         self.activation.clear()
         self.eval.memo.clear()
         for fname, fop in list(self.symbols.items()):
@@ -88,12 +97,13 @@ class _Pass(ChainWalker):
                 self._account_unreached(fop, fname)
         return FoldReport(self.sites)
 
-    def _record(self, op, fname, status, info=None, **kw) -> FoldSite:
+    def _record(self, op, fname, status, info=None, pattern=None, **kw) -> FoldSite:
         file, line, name = location(op)
         shape = shape_of(op.results[0])
         info = info or root_info(op)
-        rec = FoldSite(pattern="stablehlo_" + ("conv" if "conv" in op_name(op) else "dot") +
-                       "_affine", primitive=op_name(op), status=status, scope=f"@{fname}",
+        pattern = pattern or ("stablehlo_" + ("conv" if "conv" in op_name(op) else "dot") +
+                              "_affine")
+        rec = FoldSite(pattern=pattern, primitive=op_name(op), status=status, scope=f"@{fname}",
                        file=file, line=line, name_stack=name,
                        dtype=str(elem_type(op.results[0])), **kw)
         if not isinstance(info, str):
@@ -132,64 +142,140 @@ class _Pass(ChainWalker):
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind not in PASS_KINDS]
         status, reason = chain_status((s.kind for s in real), stop, refusal)
-        if status != FOLDED:
-            self._record(root, fname, info=info, status=status, reason=reason,
-                         **({"absorbed": absorbed} if status == CANONICAL else {}))
-            return
+        self.claimed.update(s.op.operation for s in steps)
+        fwd = self.plan_forward(root, info, fname)
+        backward = status == FOLDED
+        if not backward:
+            if status == CANONICAL:
+                self._record(root, fname, info=info, status=status, reason=reason,
+                             absorbed=absorbed)
+            elif not (fwd is not None and stop == UNUSED):
+                self._record(root, fname, info=info, status=status, reason=reason)
+            if fwd is None:
+                return
+            if not real:
+                steps = []
+            # else: a canonical bias after the root merges into the forward fold's bias
         kernel = root.operands[kidx]
         C_out = shape_of(root.results[0])[out_axis]
-        known = self._np_chain(real, C_out)      # (kinds, float64 operands) or None
+        known = self.np_chain(real, C_out)      # (kinds, float64 operands) or None
         rec = self._record(root, fname, info=info, status=FOLDED, absorbed=absorbed,
-                           note=f"chain stopped: {stop}" if stop else None)
+                           note=f"chain stopped: {stop}" if stop else None) if backward else None
         kd = float_dtype(elem_type(kernel))
         if kd is None:
-            rec.status, rec.reason = REFUSED, Reason(
-                "not-float", f"the kernel is {elem_type(kernel)}, not a float")
-            return
+            return self._refuse(rec, fwd, Reason(
+                "not-float", f"the kernel is {elem_type(kernel)}, not a float"))
+        end_value = steps[-1].op.results[0] if steps else root.results[0]
         # in-graph arithmetic: float32, or float64 when the program computes in float64
-        wide = any(str(elem_type(v)) == "f64"
-                   for v in (kernel, root.results[0], steps[-1].op.results[0]))
+        wide = any(str(elem_type(v)) == "f64" for v in (kernel, root.results[0], end_value))
         self.ct = ir.F64Type.get() if wide else ir.F32Type.get()
         s_vec = t_vec = None
         if known:
             with np.errstate(all="ignore"):
                 s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in collapse(*known, C_out))
-        k_np = self.eval(kernel) if known else None
+        kfa = owner_op(kernel) is not None and self._from_root(kernel)
+        k_np = None if kfa else self.eval(kernel)
+        k_np = None if k_np is None else exact_f64(np.asarray(k_np))
+        policy = "never" if not self.in_graph else "guarded" if self.guard else "unguarded"
+        b64 = None
+        if fwd is not None and not kfa:
+            fwd, k_np, b64 = self._check_forward(root, fwd, info, kd, policy, k_np,
+                                                 s_vec is not None)
+            if fwd is None and not backward:
+                return
         math = [float_dtype(elem_type(v.results[0])) for v in [root] + [st.op for st in steps]]
-        dec = decide(kernel_dtype=kd, math_dtypes=[d for d in math if d is not None], s=s_vec,
-            kernel=None if k_np is None else np.asarray(k_np),
-            kernel_axis=kaxis, not_now=WEIGHTS_ARE_ARGUMENTS,
-            in_graph=("never" if not self.in_graph else
-                      "guarded" if self.guard else "unguarded"),
-            kernel_from_activation=owner_op(kernel) is not None and self._from_root(kernel))
+        dec = decide(kernel_dtype=kd, math_dtypes=[d for d in math if d is not None]
+                     if backward else [], s=s_vec, kernel=k_np if s_vec is not None else None,
+                     kernel_axis=kaxis, not_now=WEIGHTS_ARE_ARGUMENTS, in_graph=policy,
+                     kernel_from_activation=kfa,
+                     scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None))
         if not dec.folds:
-            rec.status, rec.reason = REFUSED, dec.reason
-            return
-        rec.rescale, rec.guarded = dec.rescale, dec.guard
-        end_op = steps[-1].op
+            return self._refuse(rec, fwd, dec.reason)
+        for r in (rec, fwd.record if fwd is not None else None):
+            if r is not None:
+                r.rescale, r.guarded = dec.rescale, dec.guard
+        bmap, add_t = None, True
+        if b64 is not None and dec.kernel is not None:
+            if fwd.masks is not None:      # s·conv(pad(t), K) + t', added to the root's output
+                nd = len(shape_of(root.results[0]))
+                bmap = along(s_vec, out_axis, nd) * b64 + along(t_vec, out_axis, nd)
+                add_t = False
+            else:
+                t_vec = s_vec * b64 + t_vec
+        self._rewrite(root, steps, real, info, fwd, dec, known, s_vec, t_vec, bmap, add_t)
+
+    def _check_forward(self, root, fwd, info, kd, policy, k_np, s_known: bool):
+        """The forward fold's own rules (``_decide.forward_refusal``); returns ``(fwd or None
+        when refused, the kernel known now (rescaled by s_in) or None, the bias it adds)``."""
+        c_in, c_out = info[4], shape_of(root.results[0])[info[0]]
+        fv = forward_values(fwd, self.operand_np, c_in)
+        s_in = t_in = None
+        if fv is not None:
+            with np.errstate(all="ignore"):
+                s_in, t_in = collapse(*fv, c_in)
+        why = forward_refusal(
+            kernel_dtype=kd, step_dtypes=[float_dtype(elem_type(st.op.results[0]))
+                                          for st in fwd.steps], hint="",
+            bias_map=fwd.masks is not None, in_graph=policy,
+            all_known=fv is not None and s_known and k_np is not None, s_in=s_in)
+        if why:
+            fwd.record.status, fwd.record.reason = REFUSED, why
+            return None, k_np, None
+        fwd.s_known, fwd.t_known = s_in, t_in
+        if s_in is None:
+            return fwd, None, None          # the input scale is computed in the graph
+        if k_np is None:
+            return fwd, None, None
+        k_np, b64 = forward_kernel(k_np, s_in, t_in, info[2], fwd.k_in_axis, fwd.groups, c_out,
+                                   None if fwd.masks is None else
+                                   (lambda taps: bias_map(taps, fwd.masks, *conv_specs(root))))
+        return fwd, k_np, b64
+
+    @staticmethod
+    def _refuse(rec, fwd, reason) -> None:
+        for r in (rec, fwd.record if fwd is not None else None):
+            if r is not None:
+                r.status, r.reason, r.rescale, r.guarded = REFUSED, reason, None, False
+
+    def _rewrite(self, root, steps, real, info, fwd, dec, known, s_vec, t_vec, bmap, add_t):
+        """Replace the site's ops: ``root(x, K')`` (+ bias map), the chain's casts and shape
+        ops, ``+ t``; in the graph, guarded: an ``if`` that runs the original ops when the
+        folded kernel or bias is not finite."""
+        out_axis, kidx, kaxis = info[:3]
+        kernel = root.operands[kidx]
+        C_out = shape_of(root.results[0])[out_axis]
+        end_op = steps[-1].op if steps else root
         end_value = end_op.results[0]
         kdt = elem_type(kernel)
         out_t = end_value.type
         with ir.Location.unknown(), ir.InsertionPoint(end_op):
             s_val, t_val = (s_vec, t_vec) if known else collapse(
-                *self._ir_chain(real, C_out), C_out, xp=IrArith(C_out, self.ct))
+                *self.ir_chain(real, C_out), C_out, xp=IrArith(C_out, self.ct))
             if dec.kernel is not None:
                 new_k = stablehlo.ConstantOp(numpy_to_dense(dec.kernel, kdt)).result
             else:
-                s_ir = self._const_or(s_val, C_out)
+                kc = self.convert(kernel, self.ct)
+                if fwd is not None:
+                    kc, b = self.forward_kernel_ir(kc, fwd, info, C_out)
+                    if b is not None:     # the bias the input shift adds, through the chain
+                        xp = IrArith(C_out, self.ct)
+                        t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))
+                s_ir = self.const_or(s_val, C_out)
                 s_b = stablehlo.BroadcastInDimOp(
                     ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
                     ir.DenseI64ArrayAttr.get([kaxis])).result
-                k32 = self._convert(kernel, self.ct)
-                new_k = self._convert(stablehlo.MulOp(k32, s_b).result, kdt)
-            t_of = lambda: self._convert(self._const_or(t_val, C_out), elem_type(end_value))
+                new_k = self.convert(stablehlo.MulOp(kc, s_b).result, kdt)
+            t_of = lambda: self.convert(self.const_or(t_val, C_out), elem_type(end_value))
             guard = dec.guard        # s is known only at run time: check it there
-            if not known and not self.guard:     # the caller checks these (hlofold._split)
-                new_k = self._mark_prepared(new_k)
-                t_ir = self._mark_prepared(t_of())
-                t_of = lambda: t_ir
+            if not known or (fwd is not None and fwd.s_known is None):
+                if not self.guard:     # the caller checks these (hlofold._split)
+                    new_k = self.mark_prepared(new_k)
+                    t_ir = self.mark_prepared(t_of())
+                    t_of = lambda: t_ir
+            fold = dict(root=root, steps=steps, info=info, fwd=fwd, new_k=new_k, out_t=out_t,
+                        bmap=bmap, add_t=add_t)
             if not guard:
-                new_out = self._folded_ops(root, steps, kidx, new_k, t_of, out_t, out_axis)
+                new_out = self._folded_ops(t_of=t_of, **fold)
             else:
                 t_ir = t_of()
                 t_of = lambda: t_ir
@@ -199,8 +285,7 @@ class _Pass(ChainWalker):
                 if_op = stablehlo.IfOp([out_t], pred)
                 if_op.operation.attributes[GUARD_ATTR] = ir.UnitAttr.get()
                 with ir.InsertionPoint(if_op.true_branch.blocks.append()):
-                    stablehlo.ReturnOp([self._folded_ops(root, steps, kidx, new_k, t_of,
-                                                         out_t, out_axis)])
+                    stablehlo.ReturnOp([self._folded_ops(t_of=t_of, **fold)])
                 with ir.InsertionPoint(if_op.false_branch.blocks.append()):
                     mapping, last = {}, None
                     for op in [root] + [st.op for st in steps]:
@@ -210,117 +295,43 @@ class _Pass(ChainWalker):
                     stablehlo.ReturnOp([last])
                 new_out = if_op.results[0]
         end_value.replace_all_uses_with(new_out)
-        self.dead.extend([s.op for s in reversed(steps)] + [root])
+        dead = [s.op for s in reversed(steps)] + [root]
+        self.dead.extend(dead)
+        self.dead_set.update(op.operation for op in dead)
 
-    def _folded_ops(self, root, steps, kidx, new_k, t_of, out_t, out_axis):
-        """``root(x, new_k)``, the chain's casts replayed, plus ``broadcast(t_of())``."""
+    def _folded_ops(self, root, steps, info, fwd, new_k, t_of, out_t, bmap, add_t):
+        """``root(x, new_k)`` (x: before the forward chain), plus the bias map, the chain's
+        casts and shape ops replayed, plus ``broadcast(t_of())``; the final op is claimed (a
+        later root's forward chain does not take it)."""
         operands = list(root.operands)
-        operands[kidx] = new_k
+        operands[info[1]] = new_k
+        if fwd is not None:
+            operands[fwd.act] = fwd.source
         attrs = {n: root.attributes[n] for n in root.attributes}
         y = ir.Operation.create(op_name(root), results=[root.results[0].type],
                                 operands=operands, attributes=attrs,
                                 loc=root.location).results[0]
+        if bmap is not None:          # broadcast over the batch
+            etype = elem_type(y)
+            m = stablehlo.ConstantOp(numpy_to_dense(bmap, etype)).result
+            y = stablehlo.AddOp(y, stablehlo.BroadcastInDimOp(
+                y.type, m, ir.DenseI64ArrayAttr.get(list(range(len(shape_of(y)))))).result
+            ).result
         for s in steps:        # replay the casts and shape ops of the chain on the new result
             if s.kind == "convert":
-                y = self._convert(y, elem_type(s.op.results[0]))
+                y = self.convert(y, elem_type(s.op.results[0]))
             elif s.kind == "shape":
                 new = s.op.clone()
                 new.operands[0] = y
                 y = new.results[0]
-        t_b = stablehlo.BroadcastInDimOp(out_t, t_of(),
-                                         ir.DenseI64ArrayAttr.get([steps[-1].axis])).result
-        return stablehlo.AddOp(y, t_b).result
-
-    def _mark_prepared(self, value):
-        """``value`` through an op marked :data:`PREPARED_ATTR` (a folded kernel or bias
-        computed in the graph, unguarded: whoever runs it checks that it is finite)."""
-        op = stablehlo.ConvertOp(value.type, value)
-        op.operation.attributes[PREPARED_ATTR] = ir.UnitAttr.get()
-        return op.result
-
-    def _vec(self, value, c):
-        x = self.eval(value)
-        return None if x is None else np.broadcast_to(np.asarray(x, np.float64).reshape(-1)
-                                                      if np.size(x) > 1 else
-                                                      np.asarray(x, np.float64).reshape(()),
-                                                      (c,)).astype(np.float64)
-
-    def _operand_np(self, op: Operand):
-        x = self.eval(op.value)
-        if x is None:
-            return None
-        for et in op.casts:
-            x = x.astype(np_dtype(et))
-        return np.asarray(x, np.float64).reshape(-1) if op.axis is not None else \
-            np.asarray(x, np.float64).reshape(())
-
-    # -- IR builders (inside an insertion point)
-
-    def _convert(self, value, etype):
-        if str(elem_type(value)) == str(etype):
-            return value
-        return stablehlo.ConvertOp(ir.RankedTensorType.get(shape_of(value), etype), value).result
-
-    def _const_or(self, val, c):
-        if isinstance(val, np.ndarray):
-            arr = np.broadcast_to(np.asarray(val, np.float64), (c,))
-            return stablehlo.ConstantOp(numpy_to_dense(arr, self.ct)).result
-        return val
-
-    def _vector_ir(self, op: Operand, c):
-        """The operand as a tensor<c x f32> in the graph."""
-        v = op.value
-        for et in op.casts:
-            v = self._convert(v, et)
-        v = self._convert(v, self.ct)
-        flat = stablehlo.ReshapeOp(ir.RankedTensorType.get([op.size], self.ct),
-                                   v).result if shape_of(v) != (op.size,) else v
-        if op.size == c:
-            return flat
-        return stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([c], self.ct),
-                                          stablehlo.ReshapeOp(ir.RankedTensorType.get(
-                                              [], self.ct), flat).result,
-                                          ir.DenseI64ArrayAttr.get([])).result
-
-    def _np_chain(self, steps, c):
-        """The chain as (kinds, float64 operands), ``batch_norm_inference`` spelled out as
-        sub μ, mul γ/√(σ²+ε), add β; None when an operand is not known at transform time."""
-        kinds, vals = [], []
-        for st in steps:
-            if st.kind == "bn":
-                v = {k: self._vec(st.bn[k], c) for k in ("scale", "offset", "mean", "variance")}
-                if any(x is None for x in v.values()):
-                    return None
-                with np.errstate(all="ignore"):
-                    sc = v["scale"] / np.sqrt(v["variance"] + st.bn["epsilon"])
-                kinds += ["sub", "mul", "add"]
-                vals += [v["mean"], sc, v["offset"]]
-                continue
-            x = None if st.operand is None else self._operand_np(st.operand)
-            if st.operand is not None and x is None:
-                return None
-            kinds.append(st.kind)
-            vals.append(x)
-        return kinds, vals
-
-    def _ir_chain(self, steps, c):
-        """The same chain with operands as tensor<c x f32> values in the graph."""
-        f32 = self.ct
-        kinds, vals = [], []
-        for st in steps:
-            if st.kind == "bn":
-                v = {k: self._convert(st.bn[k], f32) for k in
-                     ("scale", "offset", "mean", "variance")}
-                eps = stablehlo.ConstantOp(numpy_to_dense(
-                    np.full(c, st.bn["epsilon"], np.float64), f32)).result
-                sc = stablehlo.MulOp(v["scale"], stablehlo.RsqrtOp(
-                    stablehlo.AddOp(v["variance"], eps).result).result).result
-                kinds += ["sub", "mul", "add"]
-                vals += [v["mean"], sc, v["offset"]]
-                continue
-            kinds.append(st.kind)
-            vals.append(None if st.operand is None else self._vector_ir(st.operand, c))
-        return kinds, vals
+        if add_t:
+            axis = steps[-1].axis if steps else info[0]
+            t_b = stablehlo.BroadcastInDimOp(out_t, t_of(),
+                                             ir.DenseI64ArrayAttr.get([axis])).result
+            y = stablehlo.AddOp(y, t_b).result
+        if owner_op(y) is not None:
+            self.claimed.add(owner_op(y).operation)
+        return y
 
 
 def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport:

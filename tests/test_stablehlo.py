@@ -127,15 +127,16 @@ def test_unfolded_export_artifact_folds():
     ref = jax.jit(examples.resnet_apply)(p, x)
     data = jax.export.export(jax.jit(examples.resnet_apply))(p, x).serialize()
     folded, report = hlofold.fold_stablehlo(data, in_graph=True)
-    assert report.num_folded == examples.count_bn(p)
+    assert report.num_folded == examples.count_bn(p) + 1  # and the pool's 1/HW, folded forward into the head (both paths)
     back = jax.export.deserialize(folded)
     out = back.call(p, x)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-5 * float(jnp.abs(ref).max()))
     assert "rsqrt" in jax.export.deserialize(data).mlir_module()
     text = back.mlir_module()
-    # weights are arguments: each site guarded (folded conv | original conv + BN ops)
+    # weights are arguments: each site guarded (folded conv | original conv + BN ops; the
+    # head's bias is an argument too)
     assert text.count("stablehlo.convolution") == 2 * examples.count_bn(p)
-    assert text.count("stablehlo.if") == examples.count_bn(p)
+    assert text.count("stablehlo.if") == examples.count_bn(p) + 1
     # the in-memory Exported works as well, and the input object is untouched
     exp = jax.export.deserialize(data)
     before = exp.mlir_module_serialized
@@ -148,7 +149,7 @@ def test_lower_matches_and_cached_module_is_untouched():
     lowered = jax.jit(examples.resnet_apply).lower(p, x)
     text = lowered.as_text()
     folded, rep = hlofold.fold_stablehlo(text, in_graph=True)
-    assert rep.num_folded == examples.count_bn(p)
+    assert rep.num_folded == examples.count_bn(p) + 1  # and the pool's 1/HW, folded forward into the head (both paths)
     assert lowered.as_text() == text           # we work on a copy, never on JAX's module
     t2 = hlofold.lower(examples.resnet_apply, p, x, freeze=0)
     assert "rsqrt" not in t2 and t2.count("stablehlo.convolution") == examples.count_bn(p)

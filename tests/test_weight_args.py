@@ -110,7 +110,7 @@ def test_jax_export_with_weight_arguments():
     assert isinstance(new, jax.export.Exported)
     # on the device already: a NumPy argument would be copied to it on every call
     assert all(isinstance(p, jax.Array) for p in prepared)
-    assert rep.num_folded == examples.count_bn(P), str(rep)
+    assert rep.num_folded == examples.count_bn(P) + 1, str(rep)  # and the pool's 1/HW, folded forward into the head (both paths)
     ref = exp.call(*leaves, x)
     out = new.call(x, *prepared)
     err = float(jnp.max(jnp.abs(ref - out)))
