@@ -414,3 +414,34 @@ def test_an_fp8_kernel_with_float32_math_is_refused_on_both_paths(params):
     got = _decisions(f, *args, jaxpr_mode="guarded", in_graph=True)
     assert got == {"jaxpr": ("refused", "precision"),
                    "stablehlo": ("refused", "precision")}, got
+
+
+# ------------------------------------------------------------------ values entering a region
+
+
+@pytest.mark.parametrize("wrap", ["scan", "jit"])
+def test_frozen_float16_weights_inside_a_loop_or_helper_fold_now_on_both_paths(wrap):
+    """Constant fp16 weights reaching a conv through a ``scan`` (a ``while`` loop's
+    invariant argument) or a jitted helper's argument (a private function called once) are
+    known at transform time on both paths, so both fold them as constants; the StableHLO
+    pass used to see an argument and refuse (an fp16 rescale in the graph cannot be
+    range-checked)."""
+    x = RNG.standard_normal((1, 6, 6, 3)).astype(np.float16)
+    k = (0.3 * RNG.standard_normal((1, 1, 3, 3))).astype(np.float16)
+    s = RNG.uniform(0.5, 2.0, 3).astype(np.float16)
+    t = RNG.standard_normal(3).astype(np.float16)
+
+    def layer(h, k, s, t):
+        return jnp.tanh(conv(h, k) * s + t)
+
+    if wrap == "scan":
+        def f(x):
+            return lax.scan(lambda h, _: (layer(h, k, s, t), None), x, None, length=2)[0]
+    else:
+        def f(x):
+            return jax.jit(layer)(x, k, s, t)
+    results, ref = both_paths(f, x)
+    for path, rep, out in results:
+        assert [(z.status, z.rescale) for z in rep.sites] == [("folded", "constant")], \
+            (path, str(rep))
+        assert np.max(np.abs(out - ref)) <= 2e-2 * np.max(np.abs(ref)), path
