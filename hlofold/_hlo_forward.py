@@ -29,7 +29,7 @@ from ._algebra import has_shift
 from ._chain import Absorb
 from ._chain_rules import Refusal
 from ._hlo_ir import (BINARY, GUARD_ATTR, ROOTS, is_float, location, op_name, owner_op,
-                      shape_of)
+                      reader_beside, same_block, shape_of)
 from ._hlo_match import HLO_STEPS
 from ._hlo_patterns import dot_dims
 from ._patterns import border_masks
@@ -150,7 +150,7 @@ class HloForwardPlanner:
         while True:
             op = owner_op(v)
             if op is None or op_name(op) not in _AFFINE or op.operation in self.claimed or \
-                    not is_float(op.results[0]) or not _same_parent(op, root):
+                    not is_float(op.results[0]) or not same_block(op, root):
                 break            # (a value from outside the root's region: as on a jaxpr,
                 # where a nested jaxpr's input has no producer, the chain stops there)
             why = self._consumers_refusal(v, top, axis)
@@ -214,21 +214,21 @@ class HloForwardPlanner:
 
     def _readers(self, v) -> list:
         """The ops reading ``v`` (operand positions), but for roots already replaced and the
-        original ops a site's guard keeps; a read inside a region (a ``case`` branch reading
-        a value from above) counts as a read by the op holding the region, with position
-        -1, as a jaxpr's ``cond`` equation reads its operands."""
+        original ops a site's guard keeps; a read inside a region counts as a read by the
+        op holding the region (``_hlo_ir.reader_beside``), at position -1."""
         anchor = owner_op(v)
-        out = []
+        out, holders = [], set()
         for u in v.uses:
             owner, pos = u.owner, u.operand_number
             if owner.operation in self.dead_set or GUARD_ATTR in _parent_attributes(owner):
                 continue
-            while anchor is not None and not _same_parent(owner, anchor):
-                owner, pos = owner.parent, -1
-                if owner is None or GUARD_ATTR in owner.operation.attributes:
-                    break
-            else:
-                out.append((owner, pos))
+            if anchor is not None and not same_block(owner, anchor):
+                owner, pos = reader_beside(owner, anchor), -1
+                if owner is None or owner.operation in holders or \
+                        GUARD_ATTR in owner.operation.attributes:
+                    continue
+                holders.add(owner.operation)
+            out.append((owner, pos))
         return out
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
@@ -304,11 +304,6 @@ class HloForwardPlanner:
             ret = list(callee.regions[0].blocks[0].operations)[-1]
             v = ret.operands[list(op.results).index(v)]
         return None
-
-
-def _same_parent(a, b) -> bool:
-    pa, pb = a.parent, b.parent
-    return pa is not None and pb is not None and pa.operation == pb.operation
 
 
 def _parent_attributes(op):

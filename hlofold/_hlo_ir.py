@@ -192,6 +192,24 @@ def all_finite(value):
     return red.results[0]
 
 
+def same_block(a, b) -> bool:
+    """Whether ops ``a`` and ``b`` sit in the same region (their parent is one op)."""
+    pa, pb = a.parent, b.parent
+    return pa is not None and pb is not None and pa.operation == pb.operation
+
+
+def reader_beside(owner, anchor):
+    """The op in ``anchor``'s region that reads a value ``owner`` reads: ``owner`` itself, or
+    the op holding the region ``owner`` sits in (a ``case`` branch reading a value from
+    above is a read by the ``case``, as a jaxpr's ``cond`` equation reads its operands);
+    None when ``owner`` is not nested in ``anchor``'s region."""
+    while owner is not None and not same_block(owner, anchor):
+        owner = owner.parent
+        if owner is not None and op_name(owner) == "func.func":
+            return None
+    return owner
+
+
 def reads(op) -> list:
     """The values ``op`` reads: its operands and, inside its regions, values from above."""
     out = list(op.operands)

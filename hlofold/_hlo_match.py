@@ -14,7 +14,8 @@ from . import _compat as C
 from ._chain import AGAIN, Absorb, Pass, postorder
 from ._chain_rules import DIVISOR, Refusal, pass_axis
 from ._hlo_ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
-                      op_name, owner_op, reads, remap_operands, shape_of)
+                      op_name, owner_op, reader_beside, reads, remap_operands, same_block,
+                      shape_of)
 from ._hlo_patterns import Step, axis_role, resolve
 from ._report import NOT_REACHED, FoldSite
 from ._unreached import unreached_reason
@@ -174,14 +175,22 @@ class HloChain:
 
     def uses(self, v):
         pending = {c for c, *_ in self.walker.trial}      # inlined: their uses moved
-        users, n_out = [], 0
+        anchor = owner_op(v)
+        users, n_out, holders = [], 0, set()
         for u in v.uses:
-            if u.owner in pending:
+            owner, pos = u.owner, u.operand_number
+            if owner in pending:
                 continue
-            if op_name(u.owner) == "func.return":
+            if anchor is not None and not same_block(owner, anchor):
+                # read inside a region (a case branch): a read by the op holding it, once
+                owner, pos = reader_beside(owner, anchor), -1
+                if owner is None or owner.operation in holders:
+                    continue
+                holders.add(owner.operation)
+            if op_name(owner) == "func.return":
                 n_out += 1
             else:
-                users.append((u.owner, u.operand_number))
+                users.append((owner, pos))
         return users, n_out
 
     def name(self, op) -> str:

@@ -445,3 +445,21 @@ def test_frozen_float16_weights_inside_a_loop_or_helper_fold_now_on_both_paths(w
         assert [(z.status, z.rescale) for z in rep.sites] == [("folded", "constant")], \
             (path, str(rep))
         assert np.max(np.abs(out - ref)) <= 2e-2 * np.max(np.abs(ref)), path
+
+
+def test_a_value_both_branches_of_a_cond_read_is_one_reader_on_both_paths():
+    """A conv output read inside both branches of a ``lax.cond``: on a jaxpr the ``cond``
+    equation is its one reader (the chain ends there); StableHLO's branches read it from
+    above, and the pass counted each branch as a reader ("2 consumers", refused). Now a
+    read inside a region is the read of the op holding it, once."""
+    x = RNG.standard_normal((1, 6, 6, 3)).astype(np.float32)
+    k = RNG.standard_normal((1, 1, 3, 3)).astype(np.float32)
+    k2 = RNG.standard_normal((1, 1, 3, 3)).astype(np.float32)
+
+    def f(x, p):
+        y = conv(x, k)
+        return lax.cond(p, lambda h: jnp.tanh(conv(h, k2)), lambda h: conv(h, k2) * 2.0, y)
+    results, ref = both_paths(f, x, np.bool_(True))
+    first = [[(z.status, reason_kind(z.reason) if z.status == "refused" else None)
+              for z in rep.sites][0] for _, rep, _ in results]
+    assert first == [("no-pattern", None)] * 2, [str(r) for _, r, _ in results]
