@@ -11,13 +11,14 @@ and rewrites the chain to ``conv(x, K ⊙ s) + broadcast_in_dim(t)``. ``K ⊙ s`
 kernel along its output-feature dimension, which is exact for any rank, stride, padding,
 dilation (lhs dilation included) and feature/batch grouping.
 
-The work is split by job: this module holds the scope (known values and provenance, the
-walk over equations, the report records, nested jaxprs through the rule table of
-``_jaxpr_nested``); ``_jaxpr_plan`` decides each site (matching with ``_patterns`` and ``_chain_rules``, safety
-rules from ``_rules``); ``_jaxpr_emit`` splices the folded equations into the program. The
-plan is made outside any trace, with constants evaluated eagerly (``K ⊙ s`` of constant
-parameters is computed once, in float64 on the host); emission keeps every untouched
-equation as it is and traces only the folded sites.
+The work is split by job: this module holds the scope (the walk over equations, the report
+records, nested jaxprs through the rule table of ``_jaxpr_nested``); ``_jaxpr_values`` its
+known values and provenance; ``_jaxpr_plan`` decides each site (matching with ``_patterns``
+and ``_chain_rules``, the shared decision of ``_decide``); ``_jaxpr_emit`` splices the folded
+equations into the program. The plan is made outside any trace, with constants evaluated
+eagerly (``K ⊙ s`` of constant parameters is computed once, in float64 on the host);
+emission keeps every untouched equation as it is and traces only the parameter side of the
+folded sites.
 """
 from __future__ import annotations
 
@@ -25,24 +26,20 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from . import _compat as C
-from ._chain import postorder
-from ._host import evaluate as host_evaluate
 from ._jaxpr_emit import SiteEmitter, is_guard
 from ._jaxpr_nested import NESTED_RULES, contains_root, inline_calls, other_rule
 from ._decide import IN_GRAPH_POLICIES
 from ._jaxpr_plan import Site, SitePlanner
+from ._jaxpr_values import NONE, ScopeValues
 from ._chain_rules import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
 from ._patterns import PATTERNS, RootInfo
 from ._report import FOLDED, NOT_REACHED, REFUSED, FoldReport, FoldSite
 from ._reasons import Reason
 from ._unreached import unreached_reason
 
-# Largest constant sub-computation evaluated at transform time (elements per output).
-_MAX_CONST_EVAL = 1 << 26
 _MAX_INLINE_ROUNDS = 8      # calls within calls a chain is followed into
 
 
@@ -90,7 +87,7 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     cnames = list(const_names) if const_names is not None else [None] * len(closed.consts)
     sites: list[FoldSite] = []
     scope = _Scope(closed,
-                   known_in=[_NONE] * n_in,
+                   known_in=[NONE] * n_in,
                    names_in=[_const(frozenset({n})) for n in names],
                    const_names=cnames, path="top", sites=sites,
                    opts=_Options(float32_kernels=float32_kernels, in_graph=in_graph))
@@ -121,18 +118,13 @@ class _Options:
 
 
 
-def _NONE():
-    return None
-
-
-_MISSING = object()
 
 
 def _const(v):
     return lambda: v
 
 
-class _Scope(SitePlanner, SiteEmitter):
+class _Scope(ScopeValues, SitePlanner, SiteEmitter):
     """Planning and emission for one (closed) jaxpr."""
 
     def __init__(self, closed: C.ClosedJaxpr, known_in: list[Callable], names_in: list[Callable],
@@ -181,103 +173,6 @@ class _Scope(SitePlanner, SiteEmitter):
         self.new_eqn: dict[int, tuple[dict, Callable]] = {}
         # calls (jit/pjit) a chain continues into: inlined, then the scope is planned again
         self.calls_reached: set[int] = set()
-
-    # ---- known values and provenance (memoized, iterative: programs can be deep)
-
-    def _backward(self, atom, memo: dict, literal, leaf, combine):
-        """Memoized walk from ``atom`` back to the inputs (``_chain.postorder``): ``leaf(v)``
-        gives the value of a variable without a producer in this scope,
-        ``combine(eqn, input_values)`` the values of an equation's outputs."""
-        if isinstance(atom, C.Literal):
-            return literal(atom)
-        producer = self.producer
-
-        def inputs_of(v):
-            prod = producer.get(v)
-            return () if prod is None else [u for u in prod[1].invars if isinstance(u, C.Var)]
-
-        def settle(v):
-            prod = producer.get(v)
-            if prod is None:
-                memo[v] = leaf(v)
-                return
-            eqn = prod[1]
-            ins = [literal(u) if isinstance(u, C.Literal) else memo[u] for u in eqn.invars]
-            for o, val in zip(eqn.outvars, combine(eqn, ins)):
-                memo[o] = val
-        return postorder(atom, memo, inputs_of, settle)
-
-    def value(self, atom) -> Any:
-        """Concrete value of ``atom`` if it is known at transform time, else None."""
-        if not self._may_be_known(atom):
-            return None
-        def leaf(v):
-            return self.known_thunks[v]() if v in self.known_thunks else None
-
-        def combine(eqn, vals):
-            if all(x is not None for x in vals) and _evaluable(eqn):
-                out = host_evaluate(eqn, vals)      # NumPy: no XLA compile per op
-                if out is not None:
-                    return out
-                with jax.ensure_compile_time_eval():
-                    return C.bind_eqn(eqn, vals)
-            return [None] * len(eqn.outvars)
-        return self._backward(atom, self.known, lambda a: a.val, leaf, combine)
-
-    def _swept(self, atom, memo: dict, leaf, combine, literal):
-        """``memo[atom]``, computed by a sweep over the equations in program order (they are
-        topologically sorted) up to ``atom``'s producer, from where the last sweep of
-        ``memo`` stopped: each equation once, no stack. ``leaf(v)``: a variable without a
-        producer; ``combine(eqn, input values)``: the value of an equation's outputs."""
-        if isinstance(atom, C.Literal):
-            return literal
-        got = memo.get(atom, _MISSING)
-        if got is not _MISSING:
-            return got
-        prod = self.producer.get(atom)
-        if prod is None:
-            memo[atom] = got = leaf(atom)
-            return got
-        eqns, start = self.jaxpr.eqns, self.swept.get(id(memo), 0)
-        for j in range(start, prod[0] + 1):
-            eqn = eqns[j]
-            ins = []
-            for u in eqn.invars:
-                if isinstance(u, C.Literal):
-                    ins.append(literal)
-                else:
-                    val = memo.get(u, _MISSING)
-                    if val is _MISSING:
-                        memo[u] = val = leaf(u)
-                    ins.append(val)
-            val = combine(eqn, ins)
-            for o in eqn.outvars:
-                memo[o] = val
-        self.swept[id(memo)] = max(start, prod[0] + 1)
-        return memo[atom]
-
-    def names(self, atom) -> frozenset:
-        """Names of the program inputs (or named constants) that ``atom`` derives from."""
-        def leaf(v):
-            return self.name_thunks[v]() if v in self.name_thunks else frozenset()
-        return self._swept(atom, self.origins, leaf,
-                           lambda eqn, vals: frozenset().union(*vals), frozenset())
-
-    def from_root(self, atom) -> bool:
-        """Whether ``atom`` is computed from the output of a pattern root (a convolution),
-        directly or through nested jaxprs: then it is an activation, never a parameter."""
-        def combine(eqn, vals):
-            return eqn.primitive.name in PATTERNS or any(vals) or contains_root(eqn)
-        return self._swept(atom, self.activation, lambda v: False, combine, False)
-
-    def _may_be_known(self, atom) -> bool:
-        """False when ``atom`` is computed from an input whose value is not known at
-        transform time (then :meth:`value` is None without walking back)."""
-        def leaf(v):
-            return v in self.known or self.known_thunks.get(v, _NONE) is not _NONE
-        return self._swept(atom, self.maybe_known, leaf, lambda eqn, vals: all(vals), True)
-
-    # ---- planning
 
     def fold(self) -> C.ClosedJaxpr:
         first = len(self.sites)
@@ -397,7 +292,7 @@ class _Scope(SitePlanner, SiteEmitter):
                label: str) -> C.ClosedJaxpr:
         known_in, names_in = [], []
         for atom, k in zip(outer, known_mask):
-            known_in.append((lambda a=atom: self.value(a)) if k else _NONE)
+            known_in.append((lambda a=atom: self.value(a)) if k else NONE)
             names_in.append(lambda a=atom: self.names(a))
         child = _Scope(sub, known_in, names_in, [None] * len(sub.consts),
                        f"{self.path}/{label}", self.sites, self.opts)
@@ -412,15 +307,6 @@ class _Scope(SitePlanner, SiteEmitter):
             return False
         self.new_eqn[i] = new
         return True
-
-
-def _evaluable(eqn) -> bool:
-    if eqn.effects:
-        return False
-    for o in eqn.outvars:
-        if int(np.prod(getattr(o.aval, "shape", ()), dtype=np.int64)) > _MAX_CONST_EVAL:
-            return False
-    return True
 
 
 def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

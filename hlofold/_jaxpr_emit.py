@@ -1,15 +1,18 @@
 """Emission of planned jaxpr sites: the folded equations spliced into the program.
 
-Untouched equations are kept as they are (no retrace). The folded sites of a scope are
-traced together (:meth:`SiteEmitter._traced_site_eqns`) and the traced equations split per
-site; sites with equal plans (:meth:`SiteEmitter._template_key`: derived from the equations
-and every plan field) are traced once and cloned. A site whose parameters are only known at
-run time gets a guard: a ``cond`` that runs its original equations when the rescaled kernel
-or bias is not finite.
+Untouched equations are kept as they are (no retrace). Of a folded site only the parameter
+side is traced (``K ⊙ s``, the bias, the finiteness check of a guarded site), for all sites of
+a scope together (:meth:`SiteEmitter._traced_site_eqns`), and the traced equations split per
+site; its activation side is made of the site's own equations (:meth:`SiteEmitter.
+_spliced_eqns`: the root on the rescaled kernel, the chain's shape steps, the bias add), and
+a site whose parameters are only known at run time gets a guard: a ``cond`` that runs its
+original equations when the rescaled kernel or bias is not finite. Sites with equal plans
+(``_jaxpr_templates.template_key``) are traced once and cloned. A forward fold's per-token
+factors, a bias map and float32 kernels of a narrower conv are traced whole
+(:meth:`SiteEmitter._folded_value`).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -20,6 +23,7 @@ from . import _compat as C
 from ._algebra import (along_traced, cast, collapse, group_matrix_traced, kinds, lax_arith,
                        place_traced, reduce_but)
 from ._chain_rules import AffineStep, ChannelOperand, PassStep
+from ._jaxpr_templates import clone_eqns, template_key
 
 if TYPE_CHECKING:
     from ._jaxpr_plan import Site
@@ -33,10 +37,6 @@ CLONE_TEMPLATES = True
 # the activation side of a site (root, shape steps, bias add, guard) is made of the site's
 # own equations rather than traced (tests turn it off to compare with the traced form)
 SPLICE_ACTIVATIONS = True
-# plan fields that say where a site is or what is reported of it, not what it computes
-_NOT_PLAN = frozenset({"root_idx", "end_idx", "record", "t_traced"})
-_SCALARS = frozenset({bool, int, float, str})
-_FIELDS: dict[type, tuple[str, ...] | None] = {}
 
 
 class _Splice(NamedTuple):
@@ -46,14 +46,6 @@ class _Splice(NamedTuple):
     kernel: Any
     bias: Any
     index: Any
-
-
-def _plan_fields(tx: type) -> tuple[str, ...] | None:
-    """The plan fields of a dataclass type (None for other types), computed once per type."""
-    if tx not in _FIELDS:
-        _FIELDS[tx] = (tuple(f.name for f in dataclasses.fields(tx) if f.name not in _NOT_PLAN)
-                       if dataclasses.is_dataclass(tx) else None)
-    return _FIELDS[tx]
 
 
 class SiteEmitter:
@@ -132,56 +124,13 @@ class SiteEmitter:
               if isinstance(v, C.Var) and v not in internal] if site.guard else [])))
 
     def _template_key(self, site):
-        """A hashable description of a site's plan, derived from its equations and plan
-        fields themselves (every field, so a new one cannot be forgotten): two sites with
-        equal keys trace to the same equations up to renaming. None when the site bakes a
-        value known at transform time into its equations (it is traced on its own)."""
-        atoms = self._site_atoms(site)
-        index = {a: k for k, a in enumerate(atoms)}
-        internal: dict[Any, int] = {}
-
-        def atom(v):
-            if isinstance(v, C.Literal):
-                return ("literal", repr(v.val), v.aval.dtype)
-            if v in index:
-                return ("input", index[v])
-            # an internal value's type follows from the inputs' types and the equations
-            return ("internal", internal.setdefault(v, len(internal)))
-
-        eqn_t, var_ts = C.JaxprEqn, (C.Var, C.Literal)
-
-        def plan(x):
-            tx = type(x)
-            if x is None or tx in _SCALARS:
-                return x
-            if tx is list or tx is tuple:
-                return tuple([plan(y) for y in x])
-            if tx is eqn_t:
-                return (x.primitive.name, tuple(sorted(x.params.items())),
-                        tuple([atom(v) for v in x.invars]), tuple([atom(v) for v in x.outvars]))
-            if isinstance(x, var_ts):
-                return atom(x)
-            if isinstance(x, np.ndarray):
-                raise TypeError("a value known at transform time")
-            names = _plan_fields(tx)
-            if names is not None:
-                return (tx, *[plan(getattr(x, f)) for f in names])
-            if isinstance(x, (list, tuple)):
-                return tuple([plan(y) for y in x])
-            return x
-
-        try:
-            key = (plan(site), tuple([(a.aval.shape, a.aval.dtype,
-                                       getattr(a.aval, "weak_type", False)) for a in atoms]),
-                   self.opts)
-            hash(key)
-        except TypeError:
-            return None
+        """``_jaxpr_templates.template_key`` of a site; None also when an operand of its
+        chains is known at transform time (its value is baked into the equations)."""
         if any(self._operand_value(st.operand) is not None
                for st in site.steps + (site.fwd.steps if site.fwd else [])
                if isinstance(st, AffineStep) and st.operand is not None):
             return None
-        return key
+        return template_key(site, self._site_atoms(site), self.opts)
 
     def _traced_site_eqns(self, sites, new_const) -> dict[int, list]:
         """Trace ``sites`` together and split the equations per site."""
@@ -438,33 +387,3 @@ def is_guard(eqn) -> bool:
 def all_finite(x):
     f = lax.is_finite(x)
     return lax.reduce_and(f, tuple(range(f.ndim))) if f.ndim else f
-
-
-def clone_eqns(eqns: list, from_atoms: list, to_atoms: list, from_end, to_end,
-                from_root, to_root) -> list:
-    """``eqns`` (one site's equations, reading ``from_atoms``, ending in ``from_end``) renamed
-    for another site: inputs mapped to ``to_atoms``, fresh variables inside, ``to_end`` out,
-    and the source location and name scope of ``from_root`` replaced by ``to_root``'s."""
-    ren: dict[Any, Any] = dict(zip(from_atoms, to_atoms))
-    ren[from_end] = to_end
-    out = []
-    for e in eqns:
-        ins = [ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars]
-        outs = []
-        for o in e.outvars:
-            if o not in ren:
-                ren[o] = C.new_var(o.aval)
-            outs.append(ren[o])
-        out.append(_rebased(e, from_root, to_root, invars=ins, outvars=outs))
-    return out
-
-
-def _rebased(e, old, new, **changes):
-    """``e`` with ``old``'s source location and scopes replaced by ``new``'s, also inside the
-    branches of a guard (a cloned ``cond`` would otherwise share the template's), and
-    ``changes`` made (one ``replace``)."""
-    if e.primitive.name == "cond":
-        changes["params"] = C.with_cond_branches(e.params, tuple(
-            C.ClosedJaxpr(b.jaxpr.replace(eqns=[_rebased(x, old, new) for x in b.jaxpr.eqns]),
-                          b.consts) for b in C.cond_branches(e)))
-    return e.replace(source_info=C.rebase_source(e, old, new), **changes)
