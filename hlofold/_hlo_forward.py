@@ -29,7 +29,7 @@ from ._algebra import has_shift
 from ._chain import Absorb
 from ._chain_rules import Refusal
 from ._hlo_ir import (BINARY, GUARD_ATTR, ROOTS, is_float, location, op_name, owner_op,
-                      reader_beside, same_block, shape_of)
+                      parent_of, reader_beside, same_block, shape_of)
 from ._hlo_match import HLO_STEPS
 from ._hlo_patterns import dot_dims
 from ._patterns import border_masks
@@ -217,13 +217,14 @@ class HloForwardPlanner:
         original ops a site's guard keeps; a read inside a region counts as a read by the
         op holding the region (``_hlo_ir.reader_beside``), at position -1."""
         anchor = owner_op(v)
+        home = None if anchor is None else parent_of(anchor)
         out, holders = [], set()
         for u in v.uses:
             owner, pos = u.owner, u.operand_number
             if owner.operation in self.dead_set or GUARD_ATTR in _parent_attributes(owner):
                 continue
-            if anchor is not None and not same_block(owner, anchor):
-                owner, pos = reader_beside(owner, anchor), -1
+            if home is not None and parent_of(owner) != home:
+                owner, pos = reader_beside(owner, home), -1
                 if owner is None or owner.operation in holders or \
                         GUARD_ATTR in owner.operation.attributes:
                     continue

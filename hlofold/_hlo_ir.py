@@ -192,22 +192,31 @@ def all_finite(value):
     return red.results[0]
 
 
+def parent_of(op):
+    """The op whose region holds ``op`` (None at the top)."""
+    p = op.parent
+    return None if p is None else p.operation
+
+
 def same_block(a, b) -> bool:
     """Whether ops ``a`` and ``b`` sit in the same region (their parent is one op)."""
-    pa, pb = a.parent, b.parent
-    return pa is not None and pb is not None and pa.operation == pb.operation
+    pa = parent_of(a)
+    return pa is not None and pa == parent_of(b)
 
 
-def reader_beside(owner, anchor):
-    """The op in ``anchor``'s region that reads a value ``owner`` reads: ``owner`` itself, or
-    the op holding the region ``owner`` sits in (a ``case`` branch reading a value from
-    above is a read by the ``case``, as a jaxpr's ``cond`` equation reads its operands);
-    None when ``owner`` is not nested in ``anchor``'s region."""
-    while owner is not None and not same_block(owner, anchor):
-        owner = owner.parent
-        if owner is not None and op_name(owner) == "func.func":
+def reader_beside(owner, home):
+    """The op in the region held by ``home`` (an op, see :func:`parent_of`) that reads a
+    value ``owner`` reads: ``owner`` itself, or the op holding the region ``owner`` sits in
+    (a ``case`` branch reading a value from above is a read by the ``case``, as a jaxpr's
+    ``cond`` equation reads its operands); None when ``owner`` is not nested there."""
+    while owner is not None:
+        parent = parent_of(owner)
+        if parent is None or parent == home:
+            return owner if parent is not None else None
+        if op_name(parent) == "func.func":
             return None
-    return owner
+        owner = parent
+    return None
 
 
 def reads(op) -> list:

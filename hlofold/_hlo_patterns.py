@@ -15,8 +15,8 @@ import numpy as np
 from . import _compat as C
 from ._chain_rules import Refusal, resolve_channel_operand
 from ._reasons import Reason
-from ._hlo_ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
-                      owner_op, shape_of)
+from ._hlo_ir import (DOTS, call_sites, dense_to_numpy, elem_type, int_dims, is_float,
+                      np_dtype, op_name, owner_op, shape_of)
 from ._patterns import conv_axis_role, conv_layout, dot_axis_role, dot_layout
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -48,9 +48,17 @@ class Evaluator:
             "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
             "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
 
-    def __init__(self, calls: dict | None = None):
+    def __init__(self, module=None):
         self.memo: dict[Any, np.ndarray | None] = {}
-        self.calls = calls or {}     # private function name -> its call ops
+        self.module = module
+        self._calls: dict | None = None
+
+    @property
+    def calls(self) -> dict:
+        """Private function name -> its call ops (found on first use)."""
+        if self._calls is None:
+            self._calls = {} if self.module is None else call_sites(self.module)
+        return self._calls
 
 
     def __call__(self, value) -> np.ndarray | None:

@@ -30,7 +30,7 @@ from ._algebra import along, collapse, exact_f64, forward_kernel
 from ._chain import UNUSED, chain_kind, walk
 from ._decide import chain_status, decide, forward_refusal
 from ._hlo_forward import HloForwardPlanner, conv_specs, forward_values
-from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, call_sites, dce, elem_type,
+from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, dce, elem_type,
                       float_dtype, is_float, location, numpy_to_dense, op_name, owner_op,
                       parse_module, remap_operands, roots_in, shape_of)
 from ._hlo_match import ChainWalker, HloChain
@@ -60,7 +60,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.guard = guard
         self.module = module
         self.sites: list[FoldSite] = []
-        self.eval = Evaluator(call_sites(module))
+        self.eval = Evaluator(module)
         self.activation: dict[Any, bool] = {}
         # ops a folded site replaced: erased after all sites, so that no op is freed while
         # the memos (keyed by the ops' addresses) are in use
