@@ -27,7 +27,7 @@ on a module) gathers what it knows about a site and asks two questions here:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -131,3 +131,43 @@ def forward_refusal(*, kernel_dtype, step_dtypes: Sequence, hint: str, bias_map:
     if not why and s_in is not None:
         why = scale_refusal(s_in, "input scale s")
     return why or None
+
+
+def forward_consumers_refusal(n: int, at_top: bool, output_of: Optional[str],
+                              readers: Iterable[tuple]) -> Optional[str]:
+    """The consumers rule of a chain in front of a root, for both paths: a value ``n`` ops
+    read may be taken when it has one reader, or when it is the roots' input
+    (``at_top``) and is not a program output (``output_of``: what it is an output of) and
+    every reader is a linear root reading it as its input features. ``readers`` yields, on
+    demand, ``(name, is a root, reads it as its features, operand position, file, line)``."""
+    if n == 1:
+        return None
+    if not at_top:
+        return Reason("consumers", f"a value before the root has {n} consumers")
+    if output_of:
+        return Reason("consumers", f"the root's input has {n} consumers, one of them an "
+                      f"output of the {output_of}, which would change")
+    for name, is_root, linear, pos, file, line in readers:
+        if not linear:
+            what = name if not is_root else \
+                f"{name} reading it as operand {pos} or along another axis"
+            where = f" ({file}:{line})" if file else ""
+            return Reason("consumers", f"the root's input has {n} consumers and "
+                          f"{what}{where} is not a linear layer reading its features; "
+                          "folding needs every consumer linear")
+    return None
+
+
+def forward_note(tokens: int, consumers: int, bias_map: bool, stop: Optional[str]
+                 ) -> Optional[str]:
+    """The report's note on a folded chain in front of a root, the same on both paths."""
+    notes = []
+    if tokens:
+        notes.append(f"{tokens} per-token factor(s) kept in the graph")
+    if consumers > 1:
+        notes.append(f"the same chain is folded into each of the {consumers} linear consumers")
+    if bias_map:
+        notes.append("the padded border sees less of the shift: a per-position bias map")
+    if stop:
+        notes.append(f"chain stopped: {stop}")
+    return "; ".join(notes) or None

@@ -28,6 +28,7 @@ from . import _compat as C
 from ._algebra import has_shift
 from ._chain import Absorb
 from ._chain_rules import Refusal
+from ._decide import forward_consumers_refusal, forward_note
 from ._hlo_ir import (BINARY, GUARD_ATTR, ROOTS, is_float, location, op_name, owner_op,
                       parent_of, reader_beside, same_block, shape_of)
 from ._hlo_match import HLO_STEPS
@@ -200,15 +201,7 @@ class HloForwardPlanner:
                          reason=why)
             return None
         rec = self._record(root, fname, FOLDED, info, pattern=pattern, absorbed=absorbed)
-        notes = []
-        n = len(self._readers(top))
-        if n > 1:
-            notes.append(f"the same chain is folded into each of the {n} linear consumers")
-        if masks is not None:
-            notes.append("the padded border sees less of the shift: a per-position bias map")
-        if reason:
-            notes.append(f"chain stopped: {reason}")
-        rec.note = "; ".join(notes) or None
+        rec.note = forward_note(0, len(self._readers(top)), masks is not None, reason)
         groups = info[5]
         return HloForward(steps, v, ic[1], groups, rec, act, masks=masks)
 
@@ -233,29 +226,21 @@ class HloForwardPlanner:
         return out
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
-        readers = self._readers(v)
-        n = len(readers)
-        if n == 1 and op_name(readers[0][0]) != "func.return":
-            return None
-        if v is not top and v != top:
-            return Reason("consumers", f"a value before the root has {n} consumers")
-        if any(op_name(o) == "func.return" for o, _ in readers):
-            return Reason("consumers", f"the root's input has {n} consumers, one of them an "
-                          "output of the function, which would change")
-        for o, pos in readers:
-            name = op_name(o)
-            ok = (name in ROOTS and sum(1 for w in o.operands if w == v) == 1
-                  and input_feature_axis(o, pos) == axis
-                  and not isinstance(input_channel(o, pos), Refusal))
-            if not ok:
-                what = name if name not in ROOTS else \
-                    f"{name} reading it as operand {pos} or along another axis"
-                file, line, _ = location(o)
-                where = f" ({file}:{line})" if file else ""
-                return Reason("consumers", f"the root's input has {n} consumers and "
-                              f"{what}{where} is not a linear layer reading its features; "
-                              "folding needs every consumer linear")
-        return None
+        """None if the chain may take the op producing ``v``
+        (``_decide.forward_consumers_refusal``)."""
+        got = self._readers(v)
+
+        def readers():
+            for o, pos in got:
+                name = op_name(o)
+                linear = (name in ROOTS and sum(1 for w in o.operands if w == v) == 1
+                          and input_feature_axis(o, pos) == axis
+                          and not isinstance(input_channel(o, pos), Refusal))
+                file, line, _ = location(o) if not linear else (None, None, None)
+                yield name, name in ROOTS, linear, pos, file, line
+        returned = any(op_name(o) == "func.return" for o, _ in got)
+        return forward_consumers_refusal(len(got), v == top, "function" if returned else None,
+                                         readers())
 
     def _cone(self, value, limit: int) -> set | None:
         """The values ``value`` is computed from (itself included), or None beyond

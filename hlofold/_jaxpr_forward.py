@@ -26,6 +26,7 @@ import numpy as np
 from . import _compat as C
 from ._algebra import has_shift
 from ._chain_rules import AFFINE_STEPS, AffineStep, Refusal, affine_step, resolve_operand
+from ._decide import forward_consumers_refusal, forward_note
 from ._patterns import FORWARD, PATTERNS, RootInfo
 from ._report import FOLDED, REFUSED, FoldSite
 from ._reasons import Reason
@@ -155,17 +156,7 @@ class ForwardPlanner:
                          reason=why)
             return None
         rec = self._record(eqn, fpat, info, FOLDED, absorbed=absorbed, params=names)
-        notes = []
-        if tokens:
-            notes.append(f"{len(tokens)} per-token factor(s) kept in the graph")
-        n = self._n_consumers(top)
-        if n > 1:
-            notes.append(f"the same chain is folded into each of the {n} linear consumers")
-        if masks is not None:
-            notes.append("the padded border sees less of the shift: a per-position bias map")
-        if reason:
-            notes.append(f"chain stopped: {reason}")
-        rec.note = "; ".join(notes) or None
+        rec.note = forward_note(len(tokens), self._n_consumers(top), masks is not None, reason)
         return Forward(steps, v, ic[1], info.groups, rec, tokens=tokens, act=act,
                        masks=masks)
 
@@ -198,33 +189,21 @@ class ForwardPlanner:
         return len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
-        """None if the chain may take the op producing ``v``: ``v`` has one consumer, or
-        (``v`` is the roots' input) every consumer is a linear root reading ``v`` as its
-        input features."""
-        n = self._n_consumers(v)
-        if n == 1:
-            return None
-        if v is not top:
-            return Reason("consumers", f"a value before the root has {n} consumers")
-        if self.out_uses.get(v, 0):
-            return Reason("consumers", f"the root's input has {n} consumers, one of them an "
-                          f"output of the {self.path} program, which would change")
-        for j, pos in self.uses.get(v, []):
-            c = self.jaxpr.eqns[j]
-            pat = PATTERNS.get(c.primitive.name)
-            ok = (pat is not None and c.primitive.name in FORWARD
-                  and sum(u is v for u in c.invars) == 1
-                  and pat.input_feature_axis(c, pos) == axis
-                  and not isinstance(pat.input_channel(c, pos), Refusal))
-            if not ok:
-                what = c.primitive.name if pat is None else \
-                    f"{c.primitive.name} reading it as operand {pos} or along another axis"
-                file, line, _ = C.user_location(c)
-                where = f" ({file}:{line})" if file else ""
-                return Reason("consumers", f"the root's input has {n} consumers and "
-                              f"{what}{where} is not a linear layer reading its features; "
-                              "folding needs every consumer linear")
-        return None
+        """None if the chain may take the op producing ``v``
+        (``_decide.forward_consumers_refusal``)."""
+        def readers():
+            for j, pos in self.uses.get(v, []):
+                c = self.jaxpr.eqns[j]
+                pat = PATTERNS.get(c.primitive.name)
+                linear = (pat is not None and c.primitive.name in FORWARD
+                          and sum(u is v for u in c.invars) == 1
+                          and pat.input_feature_axis(c, pos) == axis
+                          and not isinstance(pat.input_channel(c, pos), Refusal))
+                file, line, _ = C.user_location(c) if not linear else (None, None, None)
+                yield c.primitive.name, pat is not None, linear, pos, file, line
+        return forward_consumers_refusal(
+            self._n_consumers(v), v is top,
+            f"{self.path} program" if self.out_uses.get(v, 0) else None, readers())
 
     # ---- activations and per-token factors
 

@@ -35,6 +35,11 @@ CONVS = ("Conv2D", "DepthwiseConv2D")
 
 
 def build(name: str, size: int):
+    # Keras draws the initial weights from its global seed, which earlier tests in the same
+    # process advance: fixed here, so the model does not depend on the test order. Some
+    # draws are chaotic: EfficientNetV2B0 under seed 7 moves its logits by 19 % when its
+    # kernels move by one ulp, unfolded — no tolerance separates a fold's rounding from that.
+    keras.utils.set_random_seed(0)
     model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
                                               classes=10)
     rng = np.random.default_rng(0)
