@@ -281,7 +281,7 @@ class HloForwardPlanner:
             op = owner_op(v)
             if op is None:
                 return None
-            name = op_name(op)
+            name = self.replaced.get(op.operation) or op_name(op)
             if name != "func.call":
                 return None if name in _OWN_PASS else name.split(".")[-1]
             callee = self.symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)

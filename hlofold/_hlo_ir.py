@@ -129,8 +129,29 @@ def dense_to_numpy(attr) -> np.ndarray | None:
     if dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
         arr = np.array(a)
         return arr.reshape(shape) if arr.dtype == dt else None
-    return None   # bf16 non-splat: the bindings cannot read it (the fold stays in the graph,
-    # guarded; bf16 has float32's range, so only a non-finite s can go wrong there)
+    if dt == np.dtype(C.bfloat16):
+        return _bf16_values(a, shape)
+    return None
+
+
+def _bf16_values(attr, shape) -> np.ndarray | None:
+    """A bf16 elements attribute's values: the bindings give no buffer for bf16, so they are
+    read from the attribute's own printed form (MLIR prints every bf16 value exactly: as a
+    hex blob of the raw little-endian bits, or as decimals with hex bits for non-finite
+    values). None if the form is not one of these."""
+    text = str(attr)
+    body = text[text.index("<") + 1:text.rindex("> :")].strip()
+    try:
+        if body.startswith('"0x'):
+            bits = np.frombuffer(bytes.fromhex(body[3:body.index('"', 3)]), "<u2")
+        else:
+            toks = body.replace("[", " ").replace("]", " ").replace(",", " ").split()
+            bits = np.array([int(t, 16) if t.startswith("0x") else
+                             np.array(float(t), np.float32).astype(C.bfloat16).view(np.uint16)
+                             for t in toks], np.uint16)
+        return bits.view(C.bfloat16).reshape(shape).copy()
+    except (ValueError, TypeError):
+        return None
 
 
 def numpy_to_dense(arr: np.ndarray, etype):

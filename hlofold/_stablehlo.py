@@ -69,6 +69,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         # ops of an earlier root's chain (a later root's forward chain does not take them)
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
+        self.replaced: dict = {}           # op ending a folded site -> the name of the old one
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
@@ -90,6 +91,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.dead.clear()
         self.dead_set.clear()
         self.claimed.clear()         # may name erased ops: not read after the sites
+        self.replaced.clear()
         self.activation.clear()
         self.eval.memo.clear()
         for fname, fop in list(self.symbols.items()):
@@ -295,6 +297,9 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
                     stablehlo.ReturnOp([last])
                 new_out = if_op.results[0]
         end_value.replace_all_uses_with(new_out)
+        # the rules of later sites read the program as written (the jaxpr path plans on the
+        # original equations): the op now producing the site's value stands for its old one
+        self.replaced[owner_op(new_out).operation] = op_name(end_op)
         dead = [s.op for s in reversed(steps)] + [root]
         self.dead.extend(dead)
         self.dead_set.update(op.operation for op in dead)

@@ -82,3 +82,12 @@ def check_both_paths(spec):
 def test_jaxpr_and_stablehlo_paths_agree(spec):
     with jax.enable_x64(spec.dtype == "float64"):
         check_both_paths(spec)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.filter_too_much], max_examples=25)
+@given(specs(dtypes=DTYPES).filter(lambda s: bool(s.pre)))
+def test_both_paths_fold_the_affine_in_front_the_same_way(spec):
+    """Only programs with affine ops in front of the first conv (a quarter of the others)."""
+    with jax.enable_x64(spec.dtype == "float64"):
+        check_both_paths(spec)
