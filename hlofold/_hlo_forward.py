@@ -30,7 +30,7 @@ from ._chain import Absorb
 from ._chain_rules import Refusal
 from ._decide import forward_consumers_refusal, forward_note
 from ._hlo_ir import (BINARY, GUARD_ATTR, ROOTS, is_float, location, op_name, owner_op,
-                      parent_of, reader_beside, same_block, shape_of)
+                      parent_of, readers, same_block, shape_of)
 from ._hlo_match import HLO_STEPS
 from ._hlo_patterns import dot_dims
 from ._patterns import border_masks
@@ -206,24 +206,13 @@ class HloForwardPlanner:
         return HloForward(steps, v, ic[1], groups, rec, act, masks=masks)
 
     def _readers(self, v) -> list:
-        """The ops reading ``v`` (operand positions), but for roots already replaced and the
-        original ops a site's guard keeps; a read inside a region counts as a read by the
-        op holding the region (``_hlo_ir.reader_beside``), at position -1."""
-        anchor = owner_op(v)
-        home = None if anchor is None else parent_of(anchor)
-        out, holders = [], set()
-        for u in v.uses:
-            owner, pos = u.owner, u.operand_number
-            if owner.operation in self.dead_set or GUARD_ATTR in _parent_attributes(owner):
-                continue
-            if home is not None and parent_of(owner) != home:
-                owner, pos = reader_beside(owner, home), -1
-                if owner is None or owner.operation in holders or \
-                        GUARD_ATTR in owner.operation.attributes:
-                    continue
-                holders.add(owner.operation)
-            out.append((owner, pos))
-        return out
+        """The ops reading ``v`` (``_hlo_ir.readers``), but for roots already replaced and the
+        ops a site's guard holds (its original ops)."""
+        def skip(op):
+            parent = parent_of(op)
+            return op.operation in self.dead_set or GUARD_ATTR in op.operation.attributes or \
+                (parent is not None and GUARD_ATTR in parent.attributes)
+        return readers(v, skip)
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
         """None if the chain may take the op producing ``v``
@@ -290,22 +279,3 @@ class HloForwardPlanner:
             ret = list(callee.regions[0].blocks[0].operations)[-1]
             v = ret.operands[list(op.results).index(v)]
         return None
-
-
-def _parent_attributes(op):
-    parent = op.parent
-    return parent.operation.attributes if parent is not None else {}
-
-
-def forward_values(fwd: HloForward, evaluate, c_in: int):
-    """The chain in front as (kinds, float64 operands) when every operand is known now."""
-    kinds, vals = [], []
-    for st in fwd.steps:
-        x = None if st.operand is None else evaluate(st.operand)
-        if st.operand is not None and x is None:
-            return None
-        kinds.append(st.kind)
-        vals.append(x)
-    return kinds, vals
-
-

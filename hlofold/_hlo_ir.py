@@ -240,6 +240,27 @@ def reader_beside(owner, home):
     return None
 
 
+def readers(value, skip=lambda op: False) -> list:
+    """The ops reading ``value`` with the operand position, but those ``skip`` names; a read
+    inside a region (a ``case`` branch reading a value from above) is a read by the op
+    holding the region (:func:`reader_beside`), once, at position -1 — as a jaxpr's ``cond``
+    equation reads its operand."""
+    anchor = owner_op(value)
+    home = None if anchor is None else parent_of(anchor)
+    out, holders = [], set()
+    for u in value.uses:
+        owner, pos = u.owner, u.operand_number
+        if skip(owner):
+            continue
+        if home is not None and parent_of(owner) != home:
+            owner, pos = reader_beside(owner, home), -1
+            if owner is None or owner.operation in holders or skip(owner):
+                continue
+            holders.add(owner.operation)
+        out.append((owner, pos))
+    return out
+
+
 def reads(op) -> list:
     """The values ``op`` reads: its operands and, inside its regions, values from above."""
     out = list(op.operands)

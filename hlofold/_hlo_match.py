@@ -14,8 +14,7 @@ from . import _compat as C
 from ._chain import AGAIN, Absorb, Pass, postorder
 from ._chain_rules import DIVISOR, Refusal, pass_axis
 from ._hlo_ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
-                      op_name, owner_op, parent_of, reader_beside, reads, remap_operands,
-                      shape_of)
+                      op_name, owner_op, readers, reads, remap_operands, shape_of)
 from ._hlo_patterns import Step, axis_role, resolve
 from ._report import NOT_REACHED, FoldSite
 from ._unreached import unreached_reason
@@ -175,19 +174,8 @@ class HloChain:
 
     def uses(self, v):
         pending = {c for c, *_ in self.walker.trial}      # inlined: their uses moved
-        anchor = owner_op(v)
-        home = None if anchor is None else parent_of(anchor)
-        users, n_out, holders = [], 0, set()
-        for u in v.uses:
-            owner, pos = u.owner, u.operand_number
-            if owner in pending:
-                continue
-            if home is not None and parent_of(owner) != home:
-                # read inside a region (a case branch): a read by the op holding it, once
-                owner, pos = reader_beside(owner, home), -1
-                if owner is None or owner.operation in holders:
-                    continue
-                holders.add(owner.operation)
+        users, n_out = [], 0
+        for owner, pos in readers(v, lambda op: op in pending):
             if op_name(owner) == "func.return":
                 n_out += 1
             else:

@@ -119,11 +119,8 @@ class HloValues:
         if fwd.s_known is not None:
             s_in, t_in = fwd.s_known, fwd.t_known
         else:
-            kinds, vals = [], []
-            for st in fwd.steps:
-                kinds.append(st.kind)
-                vals.append(None if st.operand is None else self.vector_ir(st.operand, c_in))
-            s_in, t_in = collapse(kinds, vals, c_in, xp=IrArith(c_in, self.ct))
+            s_in, t_in = collapse(*self.ir_chain(fwd.steps, c_in), c_in,
+                                  xp=IrArith(c_in, self.ct))
         kshape = shape_of(kc)
         ktype = ir.RankedTensorType.get(kshape, self.ct)
         b = None

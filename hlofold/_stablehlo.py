@@ -29,7 +29,7 @@ from . import _compat as C
 from ._algebra import along, collapse, exact_f64, forward_kernel
 from ._chain import UNUSED, chain_kind, walk
 from ._decide import chain_status, decide, forward_refusal
-from ._hlo_forward import HloForwardPlanner, conv_specs, forward_values
+from ._hlo_forward import HloForwardPlanner, conv_specs
 from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, dce, elem_type,
                       float_dtype, is_float, location, numpy_to_dense, op_name, owner_op,
                       parse_module, remap_operands, roots_in, shape_of)
@@ -210,7 +210,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         """The forward fold's own rules (``_decide.forward_refusal``); returns ``(fwd or None
         when refused, the kernel known now (rescaled by s_in) or None, the bias it adds)``."""
         c_in, c_out = info[4], shape_of(root.results[0])[info[0]]
-        fv = forward_values(fwd, self.operand_np, c_in)
+        fv = self.np_chain(fwd.steps, c_in)
         s_in = t_in = None
         if fv is not None:
             with np.errstate(all="ignore"):
