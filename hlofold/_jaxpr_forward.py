@@ -1,15 +1,10 @@
 """Planning a forward fold on a jaxpr: the affine chain *in front of* a root.
 
 ``root(x·s + t, K) = root(x, K ⊙_in s) + root(t, K)`` for ``s``/``t`` per input feature. The
-chain is walked back from the root's input through per-input-channel affine ops (the step
-rules of ``_chain_rules``) and, for LayerNorm/RMSNorm, through *per-token* factors:
-
-* a ``mul`` by a value constant along the feature axis (the ``rsqrt`` of a token's variance)
-  is not absorbed; it stays in the graph, and the root reads ``x·r`` (:class:`Forward.tokens`).
-  It commutes with per-feature scales only, so once a token factor is passed the chain takes
-  ``mul``/``div``/``neg`` steps only;
-* a ``mul`` by a product ``r ⊗ γ`` (Flax and Haiku write ``x · (rsqrt(var+eps)·scale)``) is
-  split: ``r`` stays as a token factor, ``γ`` is absorbed.
+chain is the shared walk ``_forward_walk.walk_forward`` (per-input-channel steps, LayerNorm's
+and RMSNorm's per-token factors kept in the graph as :attr:`Forward.tokens`) over
+:class:`JaxprForwardIR`; here are the jaxpr's answers to its questions (who reads a value,
+what is computed from the activations, what is per token) and the site's record.
 
 A normalized value read by several roots (Q/K/V, gate/up) folds into each of them when every
 consumer is a linear root reading it as its input features; any other consumer refuses them
@@ -27,13 +22,13 @@ from . import _compat as C
 from ._algebra import has_shift
 from ._chain_rules import AFFINE_STEPS, AffineStep, Refusal, affine_step, resolve_operand
 from ._decide import forward_consumers_refusal, forward_note
+from ._forward_walk import walk_forward
 from ._patterns import FORWARD, PATTERNS, RootInfo
 from ._report import FOLDED, REFUSED, FoldSite
 from ._reasons import Reason
 from ._rules import bias_map_refusal
 
 _CONE_LIMIT = 256          # equations looked at per ancestry question (beyond: "activation")
-_SCALE_KINDS = ("mul", "div", "neg")
 # producers an elementwise consumer is not fused into: the affine in front is a pass of its own
 _OWN_PASS = frozenset({"conv_general_dilated", "dot_general", "scan", "while", "cond",
                        "custom_call", "sort"})
@@ -76,71 +71,22 @@ class ForwardPlanner:
     """The forward-chain half of :class:`hlofold._jaxpr_plan.SitePlanner`."""
 
     def _plan_forward(self, eqn, pattern, info: RootInfo) -> Forward | None:
-        """Follow the root's lhs back through per-input-channel affine ops. Returns the
-        forward fold, or None (no chain, or refused: then recorded)."""
+        """Follow the root's lhs back through per-input-channel affine ops
+        (``_forward_walk.walk_forward``). Returns the forward fold, or None (no chain, or
+        refused: then recorded)."""
         act = 1 - info.kernel_index          # the operand holding the activations
         axis = pattern.input_feature_axis(eqn, act)
         if axis is None:
             return None
-        producer = lambda u: self.producer.get(u, (0, None))[1]
         top = eqn.invars[act]
-        v, steps, tokens, taken, reason, pending = top, [], [], [], None, []
-        while isinstance(v, C.Var) and v in self.producer:
-            k, e = self.producer[v]
-            if e.primitive.name not in AFFINE_STEPS or k in self.claimed:
-                break
-            why = self._consumers_refusal(v, top, axis)
-            if why:
-                reason = why
-                break
-            cands = []
-            for pos in range(len(e.invars)):
-                if not isinstance(e.invars[pos], C.Var):
-                    continue
-                r = affine_step(e, pos, axis, producer)
-                if isinstance(r, AffineStep) and (
-                        r.operand is None or not self._is_activation(r.operand.source,
-                                                                     e.invars[pos])):
-                    cands.append((pos, r, None, None))
-            if len(cands) > 1:        # a chain value is not known at transform time
-                cands = [c for c in cands if self.value(e.invars[c[0]]) is None]
-            if len(cands) > 1:        # and is computed, where the operand is an input
-                cands = [c for c in cands if e.invars[c[0]] in self.producer
-                         and c[1].operand is not None
-                         and c[1].operand.source not in self.producer]
-            shift = None
-            if not cands and e.primitive.name == "mul":
-                cands = self._token_split(e, axis, producer)
-            elif not cands and e.primitive.name == "add" and not pending:
-                shift = self._distributed_shift(e, axis, producer)
-                cands = [] if shift is None else [shift[:4]]
-            if len(cands) != 1:
-                if len(cands) > 1:
-                    reason = Reason("feature-axis", "both operands of the op before the root "
-                                    "look per-channel")
-                break
-            pos, step, token, split_eqn = cands[0]
-            if (tokens or pending) and step is not None and step.kind not in _SCALE_KINDS:
-                break        # a shift before a per-token factor does not commute with it
-            if step is not None:
-                steps.append(step)
-            if token is not None:
-                tokens.append(("mul", token))
-            tokens += [("add", u) for u in pending]
-            pending = [] if shift is None else [shift[4]]
-            taken += [k] + [self.producer[u][0] for u in
-                            ([split_eqn] if split_eqn is not None else []) +
-                            (shift[5] if shift else [])]
-            v = e.invars[pos]
-        if pending:                 # the product the shift distributes over was not taken
-            return self._no_forward(eqn, info, Reason(
-                "chain-end", "a per-token shift (LayerNorm's −μ·r·γ) without the product it "
-                "distributes over"))
+        chain = walk_forward(JaxprForwardIR(self), top, axis)
+        if isinstance(chain, Reason):
+            return self._no_forward(eqn, info, chain)
+        v, steps, tokens, reason = chain.source, chain.steps, chain.tokens, chain.stop
+        taken = [self.producer[e.outvars[0]][0] for e in chain.taken]
         self.forward_taken.update(taken)
         if not steps:
             return self._no_forward(eqn, info, reason)
-        steps.reverse()
-        tokens.reverse()
         fpat = FORWARD[eqn.primitive.name]
         names = sorted({n for s in steps if s.operand is not None
                         for n in self.names(s.operand.source) if n})
@@ -248,80 +194,60 @@ class ForwardPlanner:
         return cone is None or any(u in cone for u in
                                    self._ancestors(chain_value, 4 * _CONE_LIMIT))
 
-    def _invariant(self, atom, axis: int, shape, depth: int = 0) -> bool:
-        """Whether ``atom``, broadcast to ``shape``, is constant along ``axis``."""
-        if isinstance(atom, C.Literal):
-            return True
-        s = tuple(atom.aval.shape)
-        if len(s) == 0 or (len(s) == len(shape) and s[axis] == 1 and shape[axis] != 1):
-            return True
-        if s != tuple(shape) or depth > 16:
-            return False
-        e = self.producer.get(atom, (0, None))[1]
-        if e is None:
-            return False
-        prim = e.primitive.name
-        if prim == "broadcast_in_dim":
-            dims = tuple(e.params["broadcast_dimensions"])
-            return axis not in dims or e.invars[0].aval.shape[dims.index(axis)] == 1
-        if prim in _ELEMENTWISE:
-            return all(self._invariant(u, axis, shape, depth + 1) for u in e.invars)
-        return False
 
-    def _token_split(self, e, axis: int, producer) -> list:
-        """``mul(x, r)`` with ``r`` per token, or ``mul(x, r ⊗ γ)`` with ``γ`` per input
-        channel: ``[(chain position, step or None, token, split variable or None)]``."""
-        out = tuple(e.outvars[0].aval.shape)
-        found = []
-        for pos in (0, 1):
-            c, o = e.invars[pos], e.invars[1 - pos]
-            if not isinstance(c, C.Var) or tuple(c.aval.shape) != out or \
-                    self._invariant(c, axis, out):
-                continue
-            if self._invariant(o, axis, out):
-                found.append((pos, None, o, None))
-                continue
-            prod = self.producer.get(o, (0, None))[1] if isinstance(o, C.Var) else None
-            if prod is None or prod.primitive.name != "mul":
-                continue
-            oshape = tuple(o.aval.shape)
-            for q in (0, 1):
-                tok, ch = prod.invars[q], prod.invars[1 - q]
-                if not self._invariant(tok, axis, oshape):
-                    continue
-                op = resolve_operand(ch, oshape, axis, producer)
-                if isinstance(op, Refusal) or self._is_activation(op.source, c):
-                    continue
-                found.append((pos, AffineStep(e, "mul", op), tok, o))
-                break
-        return found
+class JaxprForwardIR:
+    """The jaxpr adapter of the forward walk (``_forward_walk.ForwardIR``), for one root."""
 
-    def _distributed_shift(self, e, axis: int, producer):
-        """Keras's LayerNorm: ``x·P + (u·P + β)`` with ``P = r ⊗ γ`` and ``u = −μ`` per
-        token is ``(x + u)·P + β``. Returns ``(position of x·P, step β or None, None, None,
-        u, [variables computing u·P + β])``, or None."""
-        out = tuple(e.outvars[0].aval.shape)
-        for pos in (0, 1):
-            a, b = e.invars[pos], e.invars[1 - pos]
-            pa = self.producer.get(a, (0, None))[1] if isinstance(a, C.Var) else None
-            if pa is None or pa.primitive.name != "mul":
-                continue
-            beta, dead, b_eqn = None, [b], self.producer.get(b, (0, None))[1]
-            if b_eqn is not None and b_eqn.primitive.name == "add" and \
-                    self._n_consumers(b) == 1:
-                for q in (0, 1):
-                    op = resolve_operand(b_eqn.invars[q], out, axis, producer)
-                    if not isinstance(op, Refusal) and \
-                            not self._is_activation(op.source, b_eqn.invars[1 - q]):
-                        beta, b = AffineStep(e, "add", op), b_eqn.invars[1 - q]
-                        dead.append(b)
-                        break
-            pb = self.producer.get(b, (0, None))[1] if isinstance(b, C.Var) else None
-            if pb is None or pb.primitive.name != "mul":
-                continue
-            for P in set(pa.invars) & set(pb.invars):
-                u = pb.invars[1 - pb.invars.index(P)]
-                if isinstance(P, C.Var) and self._invariant(u, axis, out) and \
-                        pa.invars.count(P) == 1 and pb.invars.count(P) == 1:
-                    return (pos, beta, None, None, u, dead)
-        return None
+    def __init__(self, planner: ForwardPlanner):
+        self.p = planner
+        self.get = lambda u: planner.producer.get(u, (0, None))[1]
+
+    def producer(self, value):
+        return self.get(value) if isinstance(value, C.Var) else None
+
+    def takeable(self, e) -> bool:
+        return e.primitive.name in AFFINE_STEPS and \
+            self.p.producer[e.outvars[0]][0] not in self.p.claimed
+
+    def kind(self, e) -> str:
+        name = e.primitive.name
+        if name in AFFINE_STEPS or name == "broadcast_in_dim":
+            return name
+        return "elementwise" if name in _ELEMENTWISE else "other"
+
+    def operands(self, e) -> list:
+        return e.invars
+
+    def result(self, e):
+        return e.outvars[0]
+
+    def shape(self, value):
+        return None if isinstance(value, C.Literal) else tuple(value.aval.shape)
+
+    def broadcast_dims(self, e) -> tuple:
+        return tuple(e.params["broadcast_dimensions"])
+
+    def affine(self, e, pos: int, axis: int):
+        r = affine_step(e, pos, axis, self.get)
+        if not isinstance(r, AffineStep):
+            return None
+        return r, (r.operand.source if r.operand is not None else None)
+
+    def channel(self, value, shape, axis: int):
+        op = resolve_operand(value, shape, axis, self.get)
+        return None if isinstance(op, Refusal) else (op, op.source)
+
+    def step(self, e, kind: str, operand, axis: int):
+        return AffineStep(e, kind, operand)
+
+    def known(self, value) -> bool:
+        return self.p.value(value) is not None
+
+    def is_activation(self, source, chain_value) -> bool:
+        return self.p._is_activation(source, chain_value)
+
+    def consumers_refusal(self, value, top, axis: int):
+        return self.p._consumers_refusal(value, top, axis)
+
+    def n_consumers(self, value) -> int:
+        return self.p._n_consumers(value)
