@@ -1,9 +1,10 @@
 """Planning a forward fold on StableHLO: the affine chain *in front of* a root.
 
 The StableHLO side of ``_jaxpr_forward``: ``root(x·s + t, K) = root(x, K ⊙_in s) + root(t, K)``
-for ``s``/``t`` per input feature. The chain is walked back from the root's activation
-operand through the per-channel steps of ``_hlo_match.HLO_STEPS`` (add, subtract, multiply,
-divide, negate), with the rules both paths share:
+for ``s``/``t`` per input feature. The chain is the shared walk
+``_forward_walk.walk_forward`` (per-channel steps of ``_hlo_match.HLO_STEPS``; LayerNorm's
+and RMSNorm's per-token factors, kept in the graph) over :class:`HloForwardIR`, with the
+rules both paths share:
 
 * a value before the root has one reader; the root's input may feed several roots when
   every one of them is a linear layer reading it as its input features;
@@ -13,9 +14,6 @@ divide, negate), with the rules both paths share:
   ``_patterns.bias_map``), refused where it costs more than it saves
   (``_rules.bias_map_refusal``);
 * an op an earlier root's chain took is not taken again (one op, one owner).
-
-Per-token factors (LayerNorm's ``rsqrt`` of a token's variance) are taken on the jaxpr path
-only; here the chain stops at them.
 """
 from __future__ import annotations
 
@@ -29,18 +27,24 @@ from ._algebra import has_shift
 from ._chain import Absorb
 from ._chain_rules import Refusal
 from ._decide import forward_consumers_refusal, forward_note
-from ._hlo_ir import (BINARY, GUARD_ATTR, ROOTS, is_float, location, op_name, owner_op,
-                      parent_of, readers, same_block, shape_of)
+from ._forward_walk import walk_forward
+from ._hlo_ir import (BINARY, GUARD_ATTR, ROOTS, SHAPE_KIND, attr_dims, is_float, location, op_name,
+                      owner_op, parent_of, readers, same_block, shape_of)
 from ._hlo_match import HLO_STEPS
-from ._hlo_patterns import dot_dims
+from ._hlo_patterns import Step, dot_dims, resolve
 from ._patterns import border_masks
 from ._reasons import Reason
 from ._report import FOLDED, REFUSED, FoldSite
-from ._rules import bias_map_refusal
+from ._rules import WEIGHT_CONE, bias_map_refusal, weight_like
 
 ir, stablehlo, func_dialect = C.mlir()
 
 _AFFINE = frozenset(BINARY) | {"stablehlo.negate"}
+_KINDS = {**BINARY, "stablehlo.negate": "neg", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
+# ops computing each element from the same element of their operands (per-token stays so)
+_ELEMENTWISE = frozenset(f"stablehlo.{n}" for n in (
+    "rsqrt", "sqrt", "exponential", "log", "abs", "power", "convert", "maximum", "minimum",
+    "reduce_precision", "cbrt", "tanh", "logistic")) | {"chlo.square"}
 _CONE_LIMIT = 256          # ops looked at per ancestry question (beyond: "activation")
 # producers an elementwise consumer is not fused into: the affine in front is a pass of its own
 _OWN_PASS = frozenset({*ROOTS, "stablehlo.while", "stablehlo.if", "stablehlo.case",
@@ -57,6 +61,8 @@ class HloForward:
     groups: int
     record: FoldSite
     act: int                     # the root's operand that reads the chain
+    # per-token ops the root's input keeps, in program order: ("mul", r) or ("add", u)
+    tokens: list = dataclasses.field(default_factory=list)
     masks: list | None = None    # per spatial dimension, the taps that read the input
     s_known: np.ndarray | None = None
     t_known: np.ndarray | None = None
@@ -132,6 +138,10 @@ def conv_specs(root) -> tuple[tuple, tuple]:
              *dn.output_spatial_dimensions))
 
 
+def _distinct(readers) -> int:
+    return len({op.operation for op, _ in readers})
+
+
 def _elems(shape, skip: int | None = None) -> int:
     return int(np.prod([d for a, d in enumerate(shape) if a != skip], dtype=np.int64))
 
@@ -147,46 +157,18 @@ class HloForwardPlanner:
         if axis is None:
             return None
         top = root.operands[act]
-        v, steps, taken, reason = top, [], [], None
-        while True:
-            op = owner_op(v)
-            if op is None or op_name(op) not in _AFFINE or op.operation in self.claimed or \
-                    not is_float(op.results[0]) or not same_block(op, root):
-                break            # (a value from outside the root's region: as on a jaxpr,
-                # where a nested jaxpr's input has no producer, the chain stops there)
-            why = self._consumers_refusal(v, top, axis)
-            if why:
-                reason = why
-                break
-            cands = []
-            for pos, u in enumerate(op.operands):
-                got = HLO_STEPS[op_name(op)](None, op, pos, u, axis)
-                if isinstance(got, Absorb) and (got.source is None or
-                                                not self._is_activation(got.source, u)):
-                    cands.append((pos, got.step))
-            if len(cands) > 1:        # a chain value is not known at transform time
-                cands = [c for c in cands if self.eval(op.operands[c[0]]) is None]
-            if len(cands) > 1:        # and is computed, where the operand is an input
-                cands = [c for c in cands if owner_op(op.operands[c[0]]) is not None
-                         and c[1].operand is not None
-                         and owner_op(c[1].operand.value) is None]
-            if len(cands) != 1:
-                if len(cands) > 1:
-                    reason = Reason("feature-axis", "both operands of the op before the root "
-                                    "look per-channel")
-                break
-            pos, step = cands[0]
-            steps.append(step)
-            taken.append(op)
-            v = op.operands[pos]
-        self.forward_taken.update(o.operation for o in taken)
         kind = "conv" if op_name(root) == "stablehlo.convolution" else "dot"
         pattern = f"stablehlo_affine_{kind}"
+        chain = walk_forward(HloForwardIR(self, root), top, axis)
+        if isinstance(chain, Reason):
+            self._record(root, fname, REFUSED, info, pattern=pattern, reason=chain)
+            return None
+        v, steps, reason = chain.source, chain.steps, chain.stop
+        self.forward_taken.update(o.operation for o in chain.taken)
         if not steps:
             if reason is not None:
                 self._record(root, fname, REFUSED, info, pattern=pattern, reason=reason)
             return None
-        steps.reverse()
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         ic = input_channel(root, act)
         masks = conv_masks(root) if has_shift(steps) else None
@@ -201,18 +183,24 @@ class HloForwardPlanner:
                          reason=why)
             return None
         rec = self._record(root, fname, FOLDED, info, pattern=pattern, absorbed=absorbed)
-        rec.note = forward_note(0, len(self._readers(top)), masks is not None, reason)
-        groups = info[5]
-        return HloForward(steps, v, ic[1], groups, rec, act, masks=masks)
+        rec.note = forward_note(len(chain.tokens), self.n_readers(top), masks is not None,
+                                reason)
+        return HloForward(steps, v, ic[1], info[5], rec, act, tokens=chain.tokens,
+                          masks=masks)
 
     def _readers(self, v) -> list:
-        """The ops reading ``v`` (``_hlo_ir.readers``), but for roots already replaced and the
-        ops a site's guard holds (its original ops)."""
+        """The ops reading ``v`` in the program as written (the jaxpr path plans on the
+        original equations): ``_hlo_ir.readers`` but for the ops folds wrote (their roots,
+        per-token ops, guards and the original ops a guard holds)."""
         def skip(op):
             parent = parent_of(op)
-            return op.operation in self.dead_set or GUARD_ATTR in op.operation.attributes or \
+            return op.operation in self.written or GUARD_ATTR in op.operation.attributes or \
                 (parent is not None and GUARD_ATTR in parent.attributes)
         return readers(v, skip)
+
+    def n_readers(self, v) -> int:
+        """Ops reading ``v`` (one reading it twice, ``multiply(x, x)``, counts once)."""
+        return _distinct(self._readers(v))
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
         """None if the chain may take the op producing ``v``
@@ -228,8 +216,19 @@ class HloForwardPlanner:
                 file, line, _ = location(o) if not linear else (None, None, None)
                 yield name, name in ROOTS, linear, pos, file, line
         returned = any(op_name(o) == "func.return" for o, _ in got)
-        return forward_consumers_refusal(len(got), v == top, "function" if returned else None,
+        return forward_consumers_refusal(_distinct(got), v == top, "function" if returned else None,
                                          readers())
+
+    def weight_like(self, root, k: int) -> bool:
+        """Operand ``k`` of ``root`` is the weight, not yet known (``_rules.weight_like``)."""
+        def kinds(v):
+            cone = self._cone(v, WEIGHT_CONE)
+            return None if cone is None else [
+                SHAPE_KIND.get(op_name(o), op_name(o)) for o in map(owner_op, cone)
+                if o is not None]
+        w = root.operands[k]
+        return weight_like(kinds(w), owner_op(w) is not None and self._from_root(w),
+                           kinds(root.operands[1 - k]))
 
     def _cone(self, value, limit: int) -> set | None:
         """The values ``value`` is computed from (itself included), or None beyond
@@ -279,3 +278,61 @@ class HloForwardPlanner:
             ret = list(callee.regions[0].blocks[0].operations)[-1]
             v = ret.operands[list(op.results).index(v)]
         return None
+
+
+class HloForwardIR:
+    """The StableHLO adapter of the forward walk (``_forward_walk.ForwardIR``), for one
+    root."""
+
+    def __init__(self, planner: HloForwardPlanner, root):
+        self.p, self.root = planner, root
+
+    def producer(self, value):
+        return owner_op(value)
+
+    def takeable(self, op) -> bool:
+        # (a value from outside the root's region ends the chain: as on a jaxpr, where a
+        # nested jaxpr's input has no producer)
+        return op_name(op) in _AFFINE and op.operation not in self.p.claimed and \
+            is_float(op.results[0]) and same_block(op, self.root)
+
+    def kind(self, op) -> str:
+        name = op_name(op)
+        if name in _KINDS:
+            return _KINDS[name]
+        return "elementwise" if name in _ELEMENTWISE else "other"
+
+    def operands(self, op) -> list:
+        return list(op.operands)
+
+    def result(self, op):
+        return op.results[0]
+
+    def shape(self, value):
+        return shape_of(value)
+
+    def broadcast_dims(self, op) -> tuple:
+        return tuple(attr_dims(op, "broadcast_dimensions"))
+
+    def affine(self, op, pos: int, axis: int):
+        got = HLO_STEPS[op_name(op)](None, op, pos, op.operands[pos], axis)
+        return (got.step, got.source) if isinstance(got, Absorb) else None
+
+    def channel(self, value, shape, axis: int):
+        got = resolve(value, shape, axis)
+        return None if isinstance(got, Refusal) else (got, got.value)
+
+    def step(self, op, kind: str, operand, axis: int):
+        return Step(op, kind, operand, axis=axis)
+
+    def known(self, value) -> bool:
+        return self.p.eval(value) is not None
+
+    def is_activation(self, source, chain_value) -> bool:
+        return self.p._is_activation(source, chain_value)
+
+    def consumers_refusal(self, value, top, axis: int):
+        return self.p._consumers_refusal(value, top, axis)
+
+    def n_consumers(self, value) -> int:
+        return self.p.n_readers(value)

@@ -93,6 +93,8 @@ class Evaluator:
                 return ins[0].astype(dt)
             if name == "stablehlo.reshape":
                 return ins[0].reshape(shape_of(value))
+            if name == "stablehlo.transpose":
+                return np.transpose(ins[0], int_dims(op.attributes["permutation"]))
             if name == "stablehlo.broadcast_in_dim":
                 dims = int_dims(op.attributes["broadcast_dimensions"])
                 shape = shape_of(value)

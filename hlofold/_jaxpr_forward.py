@@ -132,7 +132,9 @@ class ForwardPlanner:
     # ---- who reads the chain
 
     def _n_consumers(self, v) -> int:
-        return len(self.uses.get(v, [])) + self.out_uses.get(v, 0)
+        """Equations reading ``v`` (one reading it twice, ``mul(x, x)``, counts once) and
+        program outputs returning it."""
+        return len({j for j, _ in self.uses.get(v, [])}) + self.out_uses.get(v, 0)
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
         """None if the chain may take the op producing ``v``

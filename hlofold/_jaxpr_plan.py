@@ -27,6 +27,9 @@ from ._jaxpr_forward import Forward, ForwardPlanner
 from ._patterns import RootInfo
 from ._report import CANONICAL, FOLDED, REFUSED, FoldSite
 from ._reasons import Reason
+from ._rules import WEIGHT_CONE, weight_like
+
+_LAYOUT = {"convert_element_type": "convert"}       # jaxpr names of _rules.WEIGHT_LAYOUT
 
 NOT_PREPARED = Reason("weights-not-known", "the parameters are not known at transform time "
                       "(traced under an enclosing transformation), so K·s would be recomputed "
@@ -214,15 +217,12 @@ class SitePlanner(ForwardPlanner):
                               (lambda taps: pattern.bias_map(eqn, taps, fwd.masks)))
 
     def _weight_like(self, eqn, k: int) -> bool:
-        """Operand ``k`` of ``eqn`` is an input (through at most a few layout ops) and the
-        other operand is computed from the activations: the weight, not yet known (the
-        prepare step binds it)."""
-        small = self.cone(eqn.invars[k], limit=3)
-        other = self.cone(eqn.invars[1 - k], limit=3)
-        return (small is not None and not self.from_root(eqn.invars[k])
-                and all(v not in self.producer or self.producer[v][1].primitive.name in
-                        ("transpose", "reshape", "convert_element_type") for v in small)
-                and other is None)
+        """Operand ``k`` of ``eqn`` is the weight, not yet known (``_rules.weight_like``)."""
+        kinds = lambda v: None if (c := self.cone(v, limit=WEIGHT_CONE)) is None else [
+            _LAYOUT.get(n, n) for n in (self.producer[u][1].primitive.name
+                                        for u in c if u in self.producer)]
+        return weight_like(kinds(eqn.invars[k]), self.from_root(eqn.invars[k]),
+                           kinds(eqn.invars[1 - k]))
 
     def _kernel_dtype(self, kernel) -> np.dtype:
         """The dtype the folded kernel is rounded to."""

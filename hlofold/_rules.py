@@ -17,6 +17,8 @@ rule applies; the rule itself lives here once.
   than float32's that is refused.
 * ``bias_map_refusal``: a shift in front of a padded convolution folds into a per-position
   bias map, read on every call; it must not cost more than the affine pass it removes.
+* ``weight_like``: a root read the other way round (a dot's lhs as the weight, Equinox's
+  ``W @ x``) is tried only for an operand that is a weight.
 """
 from __future__ import annotations
 
@@ -134,3 +136,16 @@ def bias_map_refusal(map_elems: int, front_elems: int, fused_with: str | None) -
         return Reason("bias-map", f"{what}the map ({map_elems} elements, read per call) costs "
                       f"more than the affine pass it removes ({front_elems} elements)")
     return None
+
+
+WEIGHT_CONE = 3                                   # ops looked at on each side
+WEIGHT_LAYOUT = frozenset({"transpose", "reshape", "convert"})
+
+
+def weight_like(cone_kinds, from_root: bool, other_cone_kinds) -> bool:
+    """Whether an operand not known now is the weight of its root (the prepare step binds
+    it): it is an input through at most :data:`WEIGHT_CONE` layout ops (``cone_kinds``: the
+    kinds of the ops computing it, None beyond the bound), not computed from a root's
+    output, and the other operand is computed by more ops (the activations; None beyond)."""
+    return (cone_kinds is not None and not from_root
+            and all(k in WEIGHT_LAYOUT for k in cone_kinds) and other_cone_kinds is None)

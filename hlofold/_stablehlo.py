@@ -70,6 +70,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
         self.replaced: dict = {}           # op ending a folded site -> the name of the old one
+        self.written: set = set()          # roots and per-token ops folds wrote (not
+        #                                    readers in the program as written)
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
@@ -92,6 +94,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.dead_set.clear()
         self.claimed.clear()         # may name erased ops: not read after the sites
         self.replaced.clear()
+        self.written.clear()
         self.activation.clear()
         self.eval.memo.clear()
         for fname, fop in list(self.symbols.items()):
@@ -128,8 +131,10 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
             return
         chosen = None
         for info in cands:              # the first reading of the root that folds
-            if info is not first and self.eval(root.operands[info[1]]) is None:
-                continue                # a non-constant lhs may as well be the activations
+            if info is not first and self.eval(root.operands[info[1]]) is None and \
+                    not self.weight_like(root, info[1]):
+                continue     # another reading only for a weight: an input on the lhs may as
+                # well be the activations
             w = walk(HloChain(self, root, fname), root.results[0], info[0])
             k = root.operands[info[1]]
             folds = chain_kind(s.kind for s in w.steps if s.kind not in PASS_KINDS) == \
@@ -138,6 +143,9 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
                 chosen = (info, w)
             if folds:
                 break
+        if chosen is None:
+            self._record(root, fname, REFUSED, reason=first)
+            return
         info, w = chosen
         steps, stop, refusal = w.steps, w.stop, w.refusal
         out_axis, kidx, kaxis = info[:3]
@@ -305,17 +313,22 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.dead_set.update(op.operation for op in dead)
 
     def _folded_ops(self, root, steps, info, fwd, new_k, t_of, out_t, bmap, add_t):
-        """``root(x, new_k)`` (x: before the forward chain), plus the bias map, the chain's
+        """``root(x, new_k)`` (x: before the forward chain, times its per-token factors), plus the bias map, the chain's
         casts and shape ops replayed, plus ``broadcast(t_of())``; the final op is claimed (a
         later root's forward chain does not take it)."""
         operands = list(root.operands)
         operands[info[1]] = new_k
         if fwd is not None:
-            operands[fwd.act] = fwd.source
+            x = fwd.source
+            for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
+                x = (stablehlo.MulOp if kind == "mul" else stablehlo.AddOp)(x, w).result
+                self.written.add(owner_op(x).operation)
+            operands[fwd.act] = x
         attrs = {n: root.attributes[n] for n in root.attributes}
         y = ir.Operation.create(op_name(root), results=[root.results[0].type],
                                 operands=operands, attributes=attrs,
                                 loc=root.location).results[0]
+        self.written.add(owner_op(y).operation)
         if bmap is not None:          # broadcast over the batch
             etype = elem_type(y)
             m = stablehlo.ConstantOp(numpy_to_dense(bmap, etype)).result

@@ -13,7 +13,8 @@ StableHLO pass's counterpart of the jaxpr path's guarded in-graph fold). For eve
    bfloat16/float16: ``_bf16_bound`` against a float32 run of the same numbers).
 
 The generated affine ops in front of the first convolution (``Spec.pre``: a scalar or
-per-channel add/sub/mul/div, on either side) are folded forward on both paths.
+per-channel add/sub/mul/div, on either side, or a per-token factor as RMSNorm's) are folded
+forward on both paths.
 """
 from __future__ import annotations
 
@@ -89,5 +90,17 @@ def test_jaxpr_and_stablehlo_paths_agree(spec):
 @given(specs(dtypes=DTYPES).filter(lambda s: bool(s.pre)))
 def test_both_paths_fold_the_affine_in_front_the_same_way(spec):
     """Only programs with affine ops in front of the first conv (a quarter of the others)."""
+    with jax.enable_x64(spec.dtype == "float64"):
+        check_both_paths(spec)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.filter_too_much], max_examples=20)
+@given(specs(dtypes=DTYPES).filter(lambda s: any(op.operand in ("token", "token-vec")
+                                                 for op in s.pre)))
+def test_both_paths_keep_per_token_factors_the_same_way(spec):
+    """Programs with an RMSNorm-like per-token factor (``rsqrt`` of the mean square over the
+    channels, alone or times a per-channel γ) in front of the first conv: both paths keep
+    the factor in the graph and fold what is per channel, or refuse for the same reason."""
     with jax.enable_x64(spec.dtype == "float64"):
         check_both_paths(spec)

@@ -56,6 +56,7 @@ BF16 = np.dtype(jnp.bfloat16)
 LOW = ("bfloat16", "float16")     # nets checked against a float32 run of the same numbers
 AFFINE = ("add", "sub", "rsub", "mul", "div", "neg")
 OPERANDS = ("literal", "scalar", "unit", "vec-bid", "vec-reshape", "vec-implicit", "vec-bn")
+TOKEN_OPERANDS = ("token", "token-vec")   # per-token factors: in front of the first conv only
 
 
 # --------------------------------------------------------------------------- the spec
@@ -64,7 +65,7 @@ OPERANDS = ("literal", "scalar", "unit", "vec-bid", "vec-reshape", "vec-implicit
 @dataclasses.dataclass
 class Op:
     kind: str                   # AFFINE, or "transpose" / "cast" (pass steps)
-    operand: str | None = None  # OPERANDS
+    operand: str | None = None  # OPERANDS, TOKEN_OPERANDS
     left: bool = False          # operand on the left (c + y, c * y)
     store: str = "same"         # dtype the operand is stored in: "same", "float32", "float16"
     perm: tuple = ()            # transpose: the permutation
@@ -177,8 +178,12 @@ def specs(draw, dtypes=("float32",) * 4 + ("bfloat16",), params=("input", "froze
     pre = []
     if draw(st.integers(0, 3)) == 0:
         for _ in range(draw(st.integers(1, 2))):
-            pre.append(Op(draw(st.sampled_from(["add", "sub", "mul", "div"])),
-                          draw(st.sampled_from(["scalar", "vec-bid", "vec-reshape"])),
+            kind = draw(st.sampled_from(["add", "sub", "mul", "div"]))
+            # a per-token factor (RMSNorm's rsqrt of the mean square over the channels),
+            # alone or times a per-channel γ: kept in the graph, γ folded
+            pre.append(Op(kind, draw(st.sampled_from(
+                ["scalar", "vec-bid", "vec-reshape"] +
+                (list(TOKEN_OPERANDS) if kind == "mul" else []))),
                           left=draw(st.booleans())))
     layers = []
     cur = dict(sizes)
@@ -297,6 +302,8 @@ class _Builder:
         if op.operand == "literal":
             v = float(self.value(vals(1))[0])
             return ("literal", v)
+        if op.operand == "token":           # computed from the activations only
+            return ("token", None)
         if op.operand == "scalar":
             return ("scalar", self.param(vals(1)[0], store))
         if op.operand == "unit":
@@ -320,6 +327,11 @@ class _Builder:
             return cast(val())
         if how == "unit":
             return cast(jnp.reshape(val(), (1,) * nd))
+        if how in ("token", "token-vec"):     # rsqrt(mean(y²) over the channels), per token
+            ms = jnp.mean(jnp.square(y.astype(jnp.float32)), axis=ca, keepdims=True)
+            r = cast(lax.rsqrt(ms + np.float32(EPS)))
+            return r if how == "token" else r * self.apply_operand(("vec-bid", val), y, ca,
+                                                                    cdt)
         if how == "vec-bn":
             g, v = cast(val[0]()), cast(val[1]())
             p = g * lax.rsqrt(v + np.asarray(EPS, cdt))

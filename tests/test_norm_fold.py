@@ -2,7 +2,8 @@
 
 Each library's own layers build a pre-norm transformer block (norm → Q/K/V → attention → out,
 norm → gate/up → down): γ (and β) of each norm fold into every linear consumer, the per-token
-``rsqrt`` stays in the graph, and outputs match the unfolded program.
+``rsqrt`` stays in the graph, and outputs match the unfolded program. The same blocks lowered
+to StableHLO fold the same norms (issue 11: one forward walk for both paths).
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import numpy as np
 import pytest
 
 import hlofold
-from tests.helpers import assert_close, fold_checked, fold_jaxpr_checked, walk_eqns
+from hlofold._artifacts import module_callable
+from hlofold._reasons import reason_kind
+from tests.helpers import (assert_close, fold_both, fold_checked, fold_jaxpr_checked, max_err,
+                           walk_eqns)
 
 D, H, F = 16, 2, 24          # model width, heads, MLP width
 RNG = np.random.default_rng(12)
@@ -51,7 +55,26 @@ def check_block(f, params, *, folds, freeze=True, written=None):
     assert all(s.file and s.file.endswith(".py") for s in forward)
     if freeze:
         fold_checked(f, params, X, folds=folds, freeze=0)
+    check_stablehlo(f, params, X, rep)
     return rep
+
+
+def check_stablehlo(f, params, x, rep):
+    """The block's lowering folds on StableHLO as its jaxpr did (``rep``): weights as
+    module arguments (in the graph, guarded) and as constants; the same norm sites with the
+    same notes (per-token factors kept, consumers), and the unfolded module's outputs."""
+    leaves, tree = jax.tree.flatten(params)
+    flat = lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1])
+    ref = np.asarray(f(params, x))
+    want = [s.note for s in rep.folded]     # per-token factors, consumers: the same words
+    for args, lowered, in_graph in [
+            ((*leaves, x), jax.jit(flat).lower(*leaves, x), True),
+            ((x,), jax.jit(lambda x: f(params, x)).lower(x), False)]:
+        folded, srep = hlofold.fold_stablehlo(lowered.as_text(), in_graph=in_graph)
+        forward = [s for s in srep.folded if s.pattern == "stablehlo_affine_dot"]
+        assert [s.note for s in forward] == want, (str(rep), str(srep))
+        assert len(srep.folded) == len(rep.folded), (str(rep), str(srep))
+        assert_close(ref, np.asarray(jax.tree.leaves(module_callable(folded)(*args))[0]))
 
 
 # ---------------------------------------------------------------- the libraries' own layers
@@ -205,6 +228,7 @@ def test_decoder_stack(spelling):
     tokens = jnp.asarray(RNG.integers(0, 32, (2, 5)), jnp.int32)
     ff, rep, _, _ = fold_checked(f, p, tokens, folds=11)
     ff, rep, _, _ = fold_checked(f, p, tokens, folds=11, freeze=0)
+    check_stablehlo(f, p, tokens, rep)
     folded = ff.jaxpr(p, tokens)
     # the norms' scales are gone: no multiply by a (D,) vector is left
     muls = [e for e, _ in walk_eqns(folded) if e.primitive.name == "mul"
@@ -229,6 +253,10 @@ def test_non_linear_consumer_refuses_every_consumer():
     refused = [s for s in rep.refused if s.pattern == "affine_dot"]
     assert len(refused) == 2
     assert all("tanh" in s.reason and "linear" in s.reason for s in refused), str(rep)
+    (_, srep, _, _), = same_on_stablehlo(f, X, g, w)
+    refused = [s for s in srep.refused if s.pattern == "stablehlo_affine_dot"]
+    assert len(refused) == 2 and srep.num_folded == 0
+    assert all("tanh" in s.reason and "linear" in s.reason for s in refused), str(srep)
 
 
 def test_shift_before_a_per_token_factor_stays():
@@ -245,6 +273,8 @@ def test_shift_before_a_per_token_factor_stays():
     new, rep = fold_jaxpr_checked(f, X, b0, g, w, folds=1, in_graph="prepared")
     assert rep.folded[0].absorbed == ["mul"]
     assert "add" in [e.primitive.name for e, _ in walk_eqns(new)]
+    (_, srep, _, folded), = same_on_stablehlo(f, X, b0, g, w)
+    assert srep.folded[0].absorbed == ["multiply"] and "stablehlo.add" in folded
 
 
 def test_per_token_statistic_is_not_a_parameter():
@@ -259,6 +289,23 @@ def test_per_token_statistic_is_not_a_parameter():
     new, rep = fold_jaxpr_checked(f, X[0, 0], g, w, folds=1, in_graph="prepared")
     assert rep.folded[0].absorbed == ["mul"] and "per-token" in rep.folded[0].note
     assert "rsqrt" in [e.primitive.name for e, _ in walk_eqns(new)]
+    (_, srep, _, folded), = same_on_stablehlo(f, X[0, 0], g, w)
+    assert srep.folded[0].absorbed == ["multiply"] and "per-token" in srep.folded[0].note
+    assert "stablehlo.rsqrt" in folded
+
+
+def same_on_stablehlo(f, *args):
+    """``f`` folded on both paths: the same decision and note per site, the same reason
+    kind for each refusal, the unfolded outputs; returns the StableHLO result."""
+    results, ref, _ = fold_both(f, *args)
+    (_, rj, _, _), (_, rs, _, _) = results
+    assert [(s.status, s.note, reason_kind(s.reason) if s.reason else None)
+            for s in rj.sites if s.pattern == "affine_dot"] == \
+        [(s.status, s.note, reason_kind(s.reason) if s.reason else None)
+         for s in rs.sites if s.pattern == "stablehlo_affine_dot"], (str(rj), str(rs))
+    for _, rep, out, _ in results:
+        assert max_err(ref, out) <= 1e-5 * float(np.abs(ref).max()), str(rep)
+    return results[1:]
 
 
 def test_fold_report_names_each_norm_site():
