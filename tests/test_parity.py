@@ -463,3 +463,28 @@ def test_a_value_both_branches_of_a_cond_read_is_one_reader_on_both_paths():
     first = [[(z.status, reason_kind(z.reason) if z.status == "refused" else None)
               for z in rep.sites][0] for _, rep, _ in results]
     assert first == [("no-pattern", None)] * 2, [str(r) for _, r, _ in results]
+
+
+@pytest.mark.parametrize("lhs", ["weight", "activation"])
+def test_a_dot_read_with_its_lhs_as_the_weight_is_tried_for_a_weight_only(lhs):
+    """``dot(W, h)`` with W an input through a transpose (Equinox's ``W @ x``) is read with
+    the lhs as the weight on both paths and folds; with the lhs computed by a non-layout op
+    (``tanh``) no reading is tried and both refuse with the root's own reason (the
+    StableHLO pass used to raise ``TypeError`` here)."""
+    w = RNG.standard_normal((4, 6)).astype(np.float32)
+    h = RNG.standard_normal((4, 3, 5)).astype(np.float32)
+    s = RNG.uniform(0.5, 2.0, (6, 1, 1)).astype(np.float32)
+
+    def f(w, h, s):
+        a = w.T if lhs == "weight" else jnp.tanh(w.T)
+        act = jnp.tanh(jnp.tanh(h) * 2.0 + 1.0)        # computed: the activations
+        return lax.dot_general(a, act, (([1], [0]), ([], []))) * s
+
+    results, ref = both_paths(f, w, h, s)
+    kinds = []
+    for path, rep, out in results:
+        assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref)), (path, str(rep))
+        assert len(rep.folded) == (lhs == "weight"), (path, str(rep))
+        kinds.append([(x.status, reason_kind(x.reason) if x.reason else None)
+                      for x in rep.sites])
+    assert kinds[0] == kinds[1], kinds
