@@ -47,7 +47,7 @@ class HloValues:
     # -- IR builders (inside an insertion point)
 
     def convert(self, value, etype):
-        if str(elem_type(value)) == str(etype):
+        if elem_type(value) == etype:
             return value
         return stablehlo.ConvertOp(ir.RankedTensorType.get(shape_of(value), etype), value).result
 

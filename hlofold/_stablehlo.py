@@ -177,7 +177,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
                 "not-float", f"the kernel is {elem_type(kernel)}, not a float"))
         end_value = steps[-1].op.results[0] if steps else root.results[0]
         # in-graph arithmetic: float32, or float64 when the program computes in float64
-        wide = any(str(elem_type(v)) == "f64" for v in (kernel, root.results[0], end_value))
+        f64 = ir.F64Type.get()
+        wide = any(elem_type(v) == f64 for v in (kernel, root.results[0], end_value))
         self.ct = ir.F64Type.get() if wide else ir.F32Type.get()
         s_vec = t_vec = None
         if known:
@@ -316,19 +317,18 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         """``root(x, new_k)`` (x: before the forward chain, times its per-token factors), plus the bias map, the chain's
         casts and shape ops replayed, plus ``broadcast(t_of())``; the final op is claimed (a
         later root's forward chain does not take it)."""
-        operands = list(root.operands)
-        operands[info[1]] = new_k
+        x = None
         if fwd is not None:
             x = fwd.source
             for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
                 x = (stablehlo.MulOp if kind == "mul" else stablehlo.AddOp)(x, w).result
                 self.written.add(owner_op(x).operation)
-            operands[fwd.act] = x
-        attrs = {n: root.attributes[n] for n in root.attributes}
-        y = ir.Operation.create(op_name(root), results=[root.results[0].type],
-                                operands=operands, attributes=attrs,
-                                loc=root.location).results[0]
-        self.written.add(owner_op(y).operation)
+        new_root = root.clone()           # (its attributes and location, as one call)
+        new_root.operands[info[1]] = new_k
+        if x is not None:
+            new_root.operands[fwd.act] = x
+        y = new_root.results[0]
+        self.written.add(new_root.operation)
         if bmap is not None:          # broadcast over the batch
             etype = elem_type(y)
             m = stablehlo.ConstantOp(numpy_to_dense(bmap, etype)).result
