@@ -13,7 +13,8 @@ The rules that decide are here, once:
 * LayerNorm/RMSNorm **per-token factors**: a ``mul`` by a value constant along the feature
   axis (the ``rsqrt`` of a token's variance) is not absorbed: it stays in the graph and the
   root reads ``x·r``; a ``mul`` by a product ``r ⊗ γ`` (Flax, Haiku) is split, ``r`` kept and
-  ``γ`` absorbed; Keras's ``x·P + (u·P + β)`` is ``(x + u)·P + β`` (the per-token ``+u`` kept).
+  ``γ`` absorbed; Keras's ``x·P + (u·P + β)`` is ``(x + u)·P + β`` (the per-token ``+u``
+  kept).
   A token factor commutes with per-feature scales only: once one is passed, the chain takes
   ``mul``/``div``/``neg`` steps only.
 """
@@ -195,8 +196,8 @@ def token_split(ir: ForwardIR, op, axis: int) -> list:
 
 
 def distributed_shift(ir: ForwardIR, op, axis: int):
-    """Keras's LayerNorm: ``x·P + (u·P + β)`` with ``P = r ⊗ γ`` and ``u = −μ`` per token is
-    ``(x + u)·P + β``. Returns ``(position of x·P, step β or None, None, [ops computing
+    """Keras's LayerNorm: ``x·P + (u·P + β)`` with ``P = r ⊗ γ`` and ``u = −μ`` per token
+    is ``(x + u)·P + β``. Returns ``(position of x·P, step β or None, None, [ops computing
     u·P + β], u)``, or None."""
     out = tuple(ir.shape(ir.result(op)))
     ops = ir.operands(op)

@@ -314,9 +314,10 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.dead_set.update(op.operation for op in dead)
 
     def _folded_ops(self, root, steps, info, fwd, new_k, t_of, out_t, bmap, add_t):
-        """``root(x, new_k)`` (x: before the forward chain, times its per-token factors), plus the bias map, the chain's
-        casts and shape ops replayed, plus ``broadcast(t_of())``; the final op is claimed (a
-        later root's forward chain does not take it)."""
+        """``root(x, new_k)`` (x: before the forward chain, times its per-token factors),
+        plus the bias map, the chain's casts and shape ops replayed, plus
+        ``broadcast(t_of())``; the final op is claimed (a later root's forward chain does not
+        take it)."""
         x = None
         if fwd is not None:
             x = fwd.source

@@ -382,3 +382,133 @@ def test_every_rule_writes_its_kind():
     assert [reason_kind(r) for r in (_chain.FROM_ACTIVATION, _chain.KERNEL_FROM_ACTIVATION,
                                      _chain.CANONICAL_BIAS, _chain.UNUSED)] == [
         "operand-from-activation", "kernel-from-activation", "canonical", "chain-end"]
+
+
+# --------------------------------------------------------------------------- walk_forward
+
+import collections  # noqa: E402
+
+from hlofold._forward_walk import (AMBIGUOUS, LONE_SHIFT, ForwardChain,  # noqa: E402
+                                   walk_forward)
+from hlofold._reasons import Reason  # noqa: E402
+
+_Step = collections.namedtuple("_Step", "kind operand")
+_FULL, _TOKEN, _CHANNEL = (2, 4), (2, 1), (4,)     # features on axis 1
+
+
+class _ToyForward:
+    """A toy IR for ``walk_forward``: an op is named by its result; ``ops[v] = (kind,
+    operands)``; values named ``g*``/``b*`` are per-channel (shape (4,); their source, an
+    input, is the name primed), ``r*`` per-token factors (shape (2, 1)), anything else
+    full-shaped."""
+
+    def __init__(self, ops, readers=None, activations=(), known=()):
+        self.ops, self.n = ops, readers or {}
+        self.acts, self.known_ = set(activations), set(known)
+
+    def producer(self, v):
+        return v if v in self.ops else None
+
+    def takeable(self, op):
+        return self.ops[op][0] in ("mul", "add", "sub", "div", "neg")
+
+    def kind(self, op):
+        return self.ops[op][0]
+
+    def operands(self, op):
+        return self.ops[op][1]
+
+    def result(self, op):
+        return op
+
+    def shape(self, v):
+        return _CHANNEL if v[0] in "gb" else _TOKEN if v[0] == "r" else _FULL
+
+    def broadcast_dims(self, op):
+        return (0, 1)
+
+    def affine(self, op, pos, axis):
+        kind, ins = self.ops[op]
+        if kind == "neg":
+            return _Step("neg", None), None
+        got = self.channel(ins[1 - pos], _FULL, axis)
+        return None if got is None else (_Step(kind, got[0]), got[1])
+
+    def channel(self, v, shape, axis):          # (operand, its source: an input, v')
+        return (v, v + "'") if self.shape(v) == _CHANNEL else None
+
+    def step(self, op, kind, operand, axis):
+        return _Step(kind, operand)
+
+    def known(self, v):
+        return v in self.known_
+
+    def is_activation(self, source, chain_value):
+        return source in self.acts
+
+    def consumers_refusal(self, v, top, axis):
+        n = self.n.get(v, 1)
+        return None if n == 1 or v == top else Reason("consumers", f"{n} consumers")
+
+    def n_consumers(self, v):
+        return self.n.get(v, 1)
+
+
+def _walked(ops, top="top", **kw) -> ForwardChain:
+    got = walk_forward(_ToyForward(ops, **kw), top, 1)
+    assert isinstance(got, ForwardChain), got
+    return got
+
+
+def test_walk_forward_takes_per_channel_steps_in_program_order():
+    got = _walked({"top": ("add", ["h", "b1"]), "h": ("mul", ["x", "g1"]),
+                   "x": ("other", [])})
+    assert [(s.kind, s.operand) for s in got.steps] == [("mul", "g1"), ("add", "b1")]
+    assert got.source == "x" and got.tokens == [] and got.taken == ["top", "h"]
+
+
+def test_walk_forward_keeps_a_per_token_factor_and_absorbs_the_scale_after_it():
+    """RMSNorm ``(x·r)·γ``: r stays (the root reads x·r), γ is absorbed."""
+    got = _walked({"top": ("mul", ["h", "g1"]), "h": ("mul", ["x", "r1"])})
+    assert [s.operand for s in got.steps] == ["g1"]
+    assert got.tokens == [("mul", "r1")] and got.source == "x"
+
+
+def test_walk_forward_splits_a_product_of_a_token_factor_and_a_scale():
+    """Flax/Haiku ``x·(r ⊗ γ)``: the product is split, r kept, γ absorbed; the product's
+    op is taken."""
+    got = _walked({"top": ("add", ["h", "b1"]), "h": ("mul", ["x", "p"]),
+                   "p": ("mul", ["r1", "g1"])})
+    assert [(s.kind, s.operand) for s in got.steps] == [("mul", "g1"), ("add", "b1")]
+    assert got.tokens == [("mul", "r1")] and set(got.taken) == {"top", "h", "p"}
+
+
+def test_walk_forward_reads_keras_distributed_shift():
+    """Keras ``x·P + (u·P + β)`` = ``(x + u)·P + β``: the per-token +u and ·r are kept, in
+    program order."""
+    got = _walked({"top": ("add", ["xp", "shift"]), "xp": ("mul", ["x", "p"]),
+                   "shift": ("add", ["up", "b1"]), "up": ("mul", ["r2", "p"]),
+                   "p": ("mul", ["r1", "g1"])})
+    assert [(s.kind, s.operand) for s in got.steps] == [("mul", "g1"), ("add", "b1")]
+    assert got.tokens == [("add", "r2"), ("mul", "r1")] and got.source == "x"
+
+
+def test_walk_forward_stops_at_a_shift_before_a_token_factor():
+    """``(x + β₀)·r·γ``: β₀·r is not a per-feature shift; the add stays in the graph."""
+    got = _walked({"top": ("mul", ["h", "g1"]), "h": ("mul", ["y", "r1"]),
+                   "y": ("add", ["x", "b0"])})
+    assert [s.operand for s in got.steps] == ["g1"] and got.source == "y"
+
+
+def test_walk_forward_refusals():
+    lone = walk_forward(_ToyForward({"top": ("add", ["xp", "up"]), "xp": ("mul", ["x", "q"]),
+                                     "up": ("mul", ["r2", "q"])}), "top", 1)
+    assert lone is LONE_SHIFT                # the product it distributes over is not taken
+    two = _walked({"top": ("mul", ["h", "g1"]), "h": ("mul", ["x", "g2"])},
+                  readers={"h": 2})
+    assert two.stop.kind == "consumers" and [s.operand for s in two.steps] == ["g1"]
+    both = _walked({"top": ("mul", ["ga", "gb"]), "ga": ("mul", ["x", "g1"]),
+                    "gb": ("mul", ["x", "g2"]), "g1": ("other", []), "g2": ("other", [])})
+    assert both.stop is AMBIGUOUS and both.steps == []
+    gate = _walked({"top": ("mul", ["x", "g1"])}, activations={"g1'"})
+    assert gate.steps == [] and gate.stop is None          # an activation: not a parameter
