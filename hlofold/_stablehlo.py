@@ -72,6 +72,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.replaced: dict = {}           # op ending a folded site -> the name of the old one
         self.written: set = set()          # roots and per-token ops folds wrote (not
         #                                    readers in the program as written)
+        self.token_inputs: dict = {}       # (source, per-token values, kinds) -> x·r
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
@@ -95,6 +96,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.claimed.clear()         # may name erased ops: not read after the sites
         self.replaced.clear()
         self.written.clear()
+        self.token_inputs.clear()
         self.activation.clear()
         self.eval.memo.clear()
         for fname, fop in list(self.symbols.items()):
@@ -259,6 +261,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         end_value = end_op.results[0]
         kdt = elem_type(kernel)
         out_t = end_value.type
+        # first, before anything this site writes: x·r, before the root
+        x = None if fwd is None else self._token_input(fwd, root)
         with ir.Location.unknown(), ir.InsertionPoint(end_op):
             s_val, t_val = (s_vec, t_vec) if known else collapse(
                 *self.ir_chain(real, C_out), C_out, xp=IrArith(C_out, self.ct))
@@ -283,8 +287,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
                     new_k = self.mark_prepared(new_k)
                     t_ir = self.mark_prepared(t_of())
                     t_of = lambda: t_ir
-            fold = dict(root=root, steps=steps, info=info, fwd=fwd, new_k=new_k, out_t=out_t,
-                        bmap=bmap, add_t=add_t)
+            fold = dict(root=root, steps=steps, info=info, fwd=fwd, x=x, new_k=new_k,
+                        out_t=out_t, bmap=bmap, add_t=add_t)
             if not guard:
                 new_out = self._folded_ops(t_of=t_of, **fold)
             else:
@@ -313,17 +317,11 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.dead.extend(dead)
         self.dead_set.update(op.operation for op in dead)
 
-    def _folded_ops(self, root, steps, info, fwd, new_k, t_of, out_t, bmap, add_t):
-        """``root(x, new_k)`` (x: before the forward chain, times its per-token factors),
-        plus the bias map, the chain's casts and shape ops replayed, plus
-        ``broadcast(t_of())``; the final op is claimed (a later root's forward chain does not
-        take it)."""
-        x = None
-        if fwd is not None:
-            x = fwd.source
-            for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
-                x = (stablehlo.MulOp if kind == "mul" else stablehlo.AddOp)(x, w).result
-                self.written.add(owner_op(x).operation)
+    def _folded_ops(self, root, steps, info, fwd, x, new_k, t_of, out_t, bmap, add_t):
+        """``root(x, new_k)`` (``x``: before the forward chain, times its per-token factors;
+        None: the root's own input), plus the bias map, the chain's casts and shape ops
+        replayed, plus ``broadcast(t_of())``; the final op is claimed (a later root's forward
+        chain does not take it)."""
         new_root = root.clone()           # (its attributes and location, as one call)
         new_root.operands[info[1]] = new_k
         if x is not None:
@@ -351,6 +349,25 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         if owner_op(y) is not None:
             self.claimed.add(owner_op(y).operation)
         return y
+
+
+    def _token_input(self, fwd, root):
+        """The root's new input: the chain's source through its per-token ops (``x·r``),
+        written once per source and kept factors, just before the first root reading it
+        (later roots reading the same normalized value, Q/K/V, sit after it in the same
+        block and read the same op)."""
+        if not fwd.tokens:
+            return fwd.source
+        key = (fwd.source, *(w for _, w in fwd.tokens), *(k for k, _ in fwd.tokens))
+        x = self.token_inputs.get(key)
+        if x is None:
+            x = fwd.source
+            with ir.Location.unknown(), ir.InsertionPoint(root):
+                for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
+                    x = (stablehlo.MulOp if kind == "mul" else stablehlo.AddOp)(x, w).result
+                    self.written.add(owner_op(x).operation)
+            self.token_inputs[key] = x
+        return x
 
 
 def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport:
