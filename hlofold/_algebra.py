@@ -11,6 +11,8 @@ arithmetic runs in float32, or float64 when the program computes in float64.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,9 +30,10 @@ class np64:
     neg = staticmethod(np.negative)
 
 
+@functools.lru_cache(maxsize=None)
 def lax_arith(cdt):
     """Arithmetic staged with ``lax`` in ``cdt`` (no ``jnp`` dispatch: folding stays cheap);
-    operands that are known stay NumPy constants."""
+    operands that are known stay NumPy constants. One namespace per dtype (made once)."""
 
     def lift(x):
         if isinstance(x, np.ndarray) or np.isscalar(x):

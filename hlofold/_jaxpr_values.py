@@ -115,8 +115,7 @@ class ScopeValues:
         """Names of the program inputs (or named constants) that ``atom`` derives from."""
         def leaf(v):
             return self.name_thunks[v]() if v in self.name_thunks else frozenset()
-        return self._swept(atom, self.origins, leaf,
-                           lambda eqn, vals: frozenset().union(*vals), frozenset())
+        return self._swept(atom, self.origins, leaf, _union, _EMPTY)
 
     def from_root(self, atom) -> bool:
         """Whether ``atom`` is computed from the output of a pattern root (a convolution),
@@ -133,6 +132,20 @@ class ScopeValues:
         return self._swept(atom, self.maybe_known, leaf, lambda eqn, vals: all(vals), True)
 
     # ---- planning
+
+
+_EMPTY: frozenset = frozenset()
+
+
+def _union(eqn, sets) -> frozenset:
+    """The union of ``sets``, a new set only where it is larger than the largest of them:
+    the sweep over a program's activations (each reads the names of all parameters before
+    it) would otherwise copy a growing set at every equation."""
+    out = max(sets, key=len, default=_EMPTY)
+    for x in sets:
+        if x is not out and not x <= out:
+            out = out | x
+    return out
 
 
 def _evaluable(eqn) -> bool:
