@@ -14,6 +14,7 @@ activations (a statistic of the token), never a parameter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,7 @@ class ForwardPlanner:
         if axis is None:
             return None
         top = eqn.invars[act]
-        chain = walk_forward(JaxprForwardIR(self), top, axis)
+        chain = walk_forward(self._forward_ir, top, axis)
         if isinstance(chain, Reason):
             return self._no_forward(eqn, info, chain)
         v, steps, tokens, reason = chain.source, chain.steps, chain.tokens, chain.stop
@@ -105,6 +106,12 @@ class ForwardPlanner:
         rec.note = forward_note(len(tokens), self._n_consumers(top), masks is not None, reason)
         return Forward(steps, v, ic[1], info.groups, rec, tokens=tokens, act=act,
                        masks=masks)
+
+    @functools.cached_property
+    def _forward_ir(self) -> "JaxprForwardIR":
+        """The scope's forward-walk adapter (it reads the scope's tables when asked: one per
+        scope, not one per root)."""
+        return JaxprForwardIR(self)
 
     def _no_forward(self, eqn, info, reason: str | None) -> None:
         if reason is not None:     # an affine op was there, but could not be taken
@@ -198,7 +205,8 @@ class ForwardPlanner:
 
 
 class JaxprForwardIR:
-    """The jaxpr adapter of the forward walk (``_forward_walk.ForwardIR``), for one root."""
+    """The jaxpr adapter of the forward walk (``_forward_walk.ForwardIR``), for one scope
+    (a jaxpr has no regions: the walk's questions do not depend on the root)."""
 
     def __init__(self, planner: ForwardPlanner):
         self.p = planner

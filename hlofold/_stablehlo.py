@@ -65,7 +65,6 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         # ops a folded site replaced: erased after all sites, so that no op is freed while
         # the memos (keyed by the ops' addresses) are in use
         self.dead: list = []
-        self.dead_set: set = set()
         # ops of an earlier root's chain (a later root's forward chain does not take them)
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
@@ -92,7 +91,6 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         for op in self.dead:
             op.erase()
         self.dead.clear()
-        self.dead_set.clear()
         self.claimed.clear()         # may name erased ops: not read after the sites
         self.replaced.clear()
         self.written.clear()
@@ -181,7 +179,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         # in-graph arithmetic: float32, or float64 when the program computes in float64
         f64 = ir.F64Type.get()
         wide = any(elem_type(v) == f64 for v in (kernel, root.results[0], end_value))
-        self.ct = ir.F64Type.get() if wide else ir.F32Type.get()
+        self.ct = f64 if wide else ir.F32Type.get()
         s_vec = t_vec = None
         if known:
             with np.errstate(all="ignore"):
@@ -313,9 +311,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         # the rules of later sites read the program as written (the jaxpr path plans on the
         # original equations): the op now producing the site's value stands for its old one
         self.replaced[owner_op(new_out).operation] = op_name(end_op)
-        dead = [s.op for s in reversed(steps)] + [root]
-        self.dead.extend(dead)
-        self.dead_set.update(op.operation for op in dead)
+        self.dead.extend([s.op for s in reversed(steps)] + [root])
 
     def _folded_ops(self, root, steps, info, fwd, x, new_k, t_of, out_t, bmap, add_t):
         """``root(x, new_k)`` (``x``: before the forward chain, times its per-token factors;
@@ -349,7 +345,6 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         if owner_op(y) is not None:
             self.claimed.add(owner_op(y).operation)
         return y
-
 
     def _token_input(self, fwd, root):
         """The root's new input: the chain's source through its per-token ops (``x·r``),
