@@ -106,11 +106,16 @@ def collapse(kinds: Sequence[str], vals: list, channels: int, xp=np64):
     s = xp.asarray(1.0) if s is None else s
     t = xp.asarray(0.0) if t is None else t
     if xp is np64:
-        s = np.broadcast_to(s, (channels,)) if np.ndim(s) else s
-        t = np.broadcast_to(t, (channels,)) if np.ndim(t) else t
-        return np.asarray(s, np.float64), np.asarray(t, np.float64)
+        return (per_channel(s, channels) if np.ndim(s) else np.asarray(s, np.float64),
+                per_channel(t, channels) if np.ndim(t) else np.asarray(t, np.float64))
     return s, t
 
+
+def per_channel(x, channels: int) -> np.ndarray:
+    """``x`` (a scalar, or a vector broadcasting to ``channels``) as a float64 vector of length
+    ``channels`` (a read-only view where it is broadcast)."""
+    x = np.asarray(x, np.float64)
+    return x if x.shape == (channels,) else np.broadcast_to(x, (channels,))
 
 
 def group_matrix_np(vec, out_channels: int, groups: int):

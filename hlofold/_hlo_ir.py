@@ -12,6 +12,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import _compat as C
+from ._algebra import per_channel
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -40,29 +41,51 @@ class StableHLOError(ValueError):
 
 
 def shape_of(value) -> tuple[int, ...]:
-    return tuple(ir.RankedTensorType(value.type).shape)
+    t = value.type
+    if type(t) is not ir.RankedTensorType:       # the bindings hand back the concrete type
+        t = ir.RankedTensorType(t)
+    return tuple(t.shape)
 
 
 def elem_type(value):
-    return ir.RankedTensorType(value.type).element_type
+    t = value.type
+    if type(t) is not ir.RankedTensorType:
+        t = ir.RankedTensorType(t)
+    return t.element_type
 
 
 _NP_DTYPES = {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
               "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}
+_FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "float8_e4m3fnuz",
+        "f8E5M2FNUZ": "float8_e5m2fnuz", "f8E4M3B11FNUZ": "float8_e4m3b11fnuz"}
+# the same, by the Python class the bindings give an element type (a type is printed, which
+# is slow, only when its class is not one of these)
+_BY_CLASS = {ir.F32Type: _NP_DTYPES["f32"], ir.F64Type: _NP_DTYPES["f64"],
+             ir.F16Type: _NP_DTYPES["f16"], ir.BF16Type: _NP_DTYPES["bf16"],
+             ir.IntegerType: None, ir.ComplexType: None}
+_FP8_BY_CLASS = {getattr(ir, cls): np.dtype(getattr(jnp, name)) for cls, name in (
+    ("Float8E4M3FNType", "float8_e4m3fn"), ("Float8E5M2Type", "float8_e5m2"),
+    ("Float8E4M3FNUZType", "float8_e4m3fnuz"), ("Float8E5M2FNUZType", "float8_e5m2fnuz"),
+    ("Float8E4M3B11FNUZType", "float8_e4m3b11fnuz")) if hasattr(ir, cls)}
+_UNSET = object()
 
 
 def np_dtype(etype) -> np.dtype | None:
-    return _NP_DTYPES.get(str(etype))
-
-
-_FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "float8_e4m3fnuz",
-        "f8E5M2FNUZ": "float8_e5m2fnuz", "f8E4M3B11FNUZ": "float8_e4m3b11fnuz"}
+    """The NumPy dtype of an element type hlofold folds (f32, f64, f16, bf16), else None."""
+    dt = _BY_CLASS.get(type(etype), _UNSET)
+    return _NP_DTYPES.get(str(etype)) if dt is _UNSET else dt
 
 
 def float_dtype(etype) -> np.dtype | None:
     """The NumPy dtype of any float element type, fp8 included (None: not a float). Kernels
     and chain steps of these types are weighed by the precision rule; only the types of
     :func:`np_dtype` are folded."""
+    cls = type(etype)
+    dt = _BY_CLASS.get(cls, _UNSET)
+    if dt is not _UNSET:
+        return dt
+    if cls in _FP8_BY_CLASS:
+        return _FP8_BY_CLASS[cls]
     s = str(etype)
     dt = _NP_DTYPES.get(s)
     name = None if dt is not None else _FP8.get(s)
@@ -77,12 +100,11 @@ def owner_op(value):
     """The defining op of ``value``, or None for block arguments."""
     if isinstance(value, ir.BlockArgument):
         return None
-    owner = value.owner
-    return owner if isinstance(owner, ir.Operation) else owner.operation
+    return value.owner.operation
 
 
 def op_name(op) -> str:
-    return op.name if isinstance(op, ir.Operation) else op.operation.name
+    return op.operation.name
 
 
 def int_dims(attr) -> list[int]:
@@ -164,32 +186,48 @@ def numpy_to_dense(arr: np.ndarray, etype):
 
 
 class IrArith:
-    """The arithmetic ``collapse`` needs, as StableHLO ops on tensor<c x f32> (constants
-    for host values); used inside an insertion point."""
+    """The arithmetic ``collapse`` needs, as StableHLO ops on tensor<c x f32>; used inside an
+    insertion point. Host values (NumPy, Python numbers) stay on the host, also through
+    arithmetic among themselves, until an op reads them: then they become a constant (so
+    an identity ``collapse`` adds, such as a zero shift nothing reads, writes nothing)."""
 
     def __init__(self, c: int, ct):
         self.c, self.ct = c, ct
 
     def asarray(self, x):
-        if isinstance(x, (np.ndarray, float, int)):
-            arr = np.broadcast_to(np.asarray(x, np.float64), (self.c,))
-            return stablehlo.ConstantOp(numpy_to_dense(arr, self.ct)).result
         return x
 
+    def value(self, x):
+        """``x`` in the graph (a constant for a host value)."""
+        if is_host(x):
+            return stablehlo.ConstantOp(numpy_to_dense(per_channel(x, self.c), self.ct)).result
+        return x
+
+    def _binary(self, host_op, op, a, b):
+        if is_host(a) and is_host(b):
+            return host_op(np.asarray(a, np.float64), np.asarray(b, np.float64))
+        return op(self.value(a), self.value(b)).result
+
     def add(self, a, b):
-        return stablehlo.AddOp(a, b).result
+        return self._binary(np.add, stablehlo.AddOp, a, b)
 
     def sub(self, a, b):
-        return stablehlo.SubtractOp(a, b).result
+        return self._binary(np.subtract, stablehlo.SubtractOp, a, b)
 
     def mul(self, a, b):
-        return stablehlo.MulOp(a, b).result
+        return self._binary(np.multiply, stablehlo.MulOp, a, b)
 
     def div(self, a, b):
-        return stablehlo.DivOp(a, b).result
+        return self._binary(np.divide, stablehlo.DivOp, a, b)
 
     def neg(self, a):
-        return stablehlo.NegOp(a).result
+        return np.negative(np.asarray(a, np.float64)) if is_host(a) else \
+            stablehlo.NegOp(a).result
+
+
+def is_host(x) -> bool:
+    """Whether ``x`` is a value on the host (not one in the graph)."""
+    return isinstance(x, (np.ndarray, np.generic, float, int))
 
 
 GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
@@ -268,17 +306,22 @@ def reads(op) -> list:
     return out
 
 
-def roots_in(op) -> list:
+def roots_in(op, keep=(), kept: list | None = None) -> list:
     """The roots in ``op``'s regions, nested regions included (a multi-platform export puts
-    its program in the branches of a ``stablehlo.case``), hlofold's own guards excepted."""
+    its program in the branches of a ``stablehlo.case``), hlofold's own guards excepted.
+    The ops directly in ``op``'s regions named in ``keep`` are appended to ``kept`` (one walk
+    over the program for both)."""
     out = []
     for region in op.regions:
         for block in region.blocks:
             for inner in block.operations:
-                inner = inner.operation if not isinstance(inner, ir.Operation) else inner
-                if op_name(inner) in ROOTS:
+                inner = inner.operation
+                name = inner.name
+                if name in ROOTS:
                     out.append(inner)
                 elif GUARD_ATTR not in inner.attributes:
+                    if name in keep:
+                        kept.append(inner)
                     out.extend(roots_in(inner))
     return out
 
@@ -297,23 +340,33 @@ def remap_operands(op, mapping):
                 remap_operands(inner, mapping)
 
 
-def dce(module, inlined=frozenset()):
-    """Erase side-effect-free ops whose results nobody uses (left behind by the rewrite), and
-    the ``inlined`` private functions no longer called anywhere."""
-    pure = {"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
-            "stablehlo.convert", "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply",
-            "stablehlo.divide", "stablehlo.negate", "stablehlo.rsqrt", "stablehlo.sqrt"}
-    for fop in module.body.operations:
-        if op_name(fop) != "func.func" or not fop.regions[0].blocks:
-            continue
-        # one pass from the end: an op's users come after it in its block, so they are
-        # erased before it is looked at
-        for op in reversed(list(fop.regions[0].blocks[0].operations)):
-            if op_name(op) in pure and all(next(iter(r.uses), None) is None
-                                           for r in op.results):
-                op.erase()
-    if inlined:
-        drop_uncalled_private(module, only=inlined)  # their calls were inlined away
+PURE = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                  "stablehlo.convert", "stablehlo.add", "stablehlo.subtract",
+                  "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
+                  "stablehlo.rsqrt", "stablehlo.sqrt"})
+
+
+def erase_unused(ops) -> None:
+    """Erase those of ``ops`` (and, in turn, of the ops computing their operands) that are
+    side-effect free and whose results nobody uses: what a rewrite left behind, found from
+    the ops it replaced, without a walk over the whole program. ``ops`` must all be live."""
+    todo, queued = [], set()     # each op once in ``todo`` (several Python objects may
+    #                              stand for one op: a second one would outlive the erase)
+
+    def push(op):
+        if op is not None and op not in queued:
+            queued.add(op)
+            todo.append(op)
+    for op in ops:
+        push(op.operation)
+    while todo:
+        op = todo.pop()
+        queued.discard(op)       # re-queued if a reader erased later was its last
+        if op.name in PURE and all(next(iter(r.uses), None) is None for r in op.results):
+            producers = [owner_op(v) for v in op.operands]
+            op.erase()
+            for p in producers:
+                push(p)
 
 
 def call_sites(module) -> dict:

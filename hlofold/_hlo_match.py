@@ -22,22 +22,31 @@ from ._unreached import unreached_reason
 ir, stablehlo, func_dialect = C.mlir()
 
 
+# the ops the unreached accounting looks at
+UNREACHED_OPS = frozenset({"stablehlo.batch_norm_inference", "stablehlo.multiply"})
+
+
 class ChainWalker:
     """What the StableHLO pass (``_stablehlo._Pass``) keeps for its chain walks: private calls
     inlined on trial, the activation memo, and the records of unreached normalizations."""
 
-    def _account_unreached(self, fop, fname) -> None:
+    def _account_unreached(self, fop, fname, ops=None, dead=frozenset()) -> None:
         """A NOT_REACHED record for each ``batch_norm_inference`` and each ``multiply`` of
         an activation by a per-channel vector of parameters that no root's chain took (the
-        rule of :mod:`hlofold._unreached`, as on the jaxpr path)."""
-        for op in list(fop.regions[0].blocks[0].operations):
-            name = op_name(op)
-            if op.operation in self.forward_taken:     # a forward chain's (any status)
+        rule of :mod:`hlofold._unreached`, as on the jaxpr path). ``ops``: the function's
+        ops named in :data:`UNREACHED_OPS` in program order (None: read them from it);
+        ``dead``: ops a fold replaced."""
+        if ops is None:
+            ops = [op.operation for op in fop.regions[0].blocks[0].operations
+                   if op.operation.name in UNREACHED_OPS]
+        for op in ops:
+            name = op.name
+            if op in dead or op in self.forward_taken:   # a chain's, a forward chain's
                 continue
             if name == "stablehlo.batch_norm_inference":
                 x = op.operands[0]
                 size = shape_of(x)[ir.IntegerAttr(op.attributes["feature_index"]).value]
-            elif name == "stablehlo.multiply" and len(shape_of(op.results[0])) >= 2:
+            elif len(shape_of(op.results[0])) >= 2:           # a multiply
                 acts = [v for v in op.operands if self._from_root(v)]
                 if len(acts) != 1:
                     continue
@@ -125,10 +134,11 @@ class ChainWalker:
         self.trial.append((call, callee_name, cloned, results))
         return None
 
-    def _end_trial(self, folded: bool) -> None:
-        """Keep (``folded``) or undo the private calls a site's walk inlined."""
+    def _end_trial(self, folded: bool) -> bool:
+        """Keep (``folded``) or undo the private calls a site's walk inlined; whether the
+        program now holds inlined ops."""
         if not self.trial:
-            return
+            return False
         for call, callee_name, cloned, results in reversed(self.trial):
             if folded:
                 sites = self.eval.calls.get(callee_name, [])
@@ -143,6 +153,7 @@ class ChainWalker:
         self.trial.clear()
         self.activation.clear()    # keyed by op addresses: drop them after erasing
         self.eval.memo.clear()
+        return folded
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compat as C
-from ._algebra import collapse
-from ._hlo_ir import PREPARED_ATTR, IrArith, elem_type, np_dtype, numpy_to_dense, shape_of
+from ._algebra import collapse, per_channel
+from ._hlo_ir import (PREPARED_ATTR, IrArith, elem_type, is_host, np_dtype, numpy_to_dense,
+                      shape_of)
 from ._hlo_patterns import Operand
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -30,10 +31,8 @@ class HloValues:
 
     def vec_np(self, value, c):
         x = self.eval(value)
-        return None if x is None else np.broadcast_to(np.asarray(x, np.float64).reshape(-1)
-                                                      if np.size(x) > 1 else
-                                                      np.asarray(x, np.float64).reshape(()),
-                                                      (c,)).astype(np.float64)
+        return None if x is None else per_channel(np.reshape(x, -1) if np.size(x) > 1 else
+                                                  np.reshape(x, ()), c)
 
     def operand_np(self, op: Operand):
         x = self.eval(op.value)
@@ -52,9 +51,8 @@ class HloValues:
         return stablehlo.ConvertOp(ir.RankedTensorType.get(shape_of(value), etype), value).result
 
     def const_or(self, val, c):
-        if isinstance(val, np.ndarray):
-            arr = np.broadcast_to(np.asarray(val, np.float64), (c,))
-            return stablehlo.ConstantOp(numpy_to_dense(arr, self.ct)).result
+        if is_host(val):
+            return stablehlo.ConstantOp(numpy_to_dense(per_channel(val, c), self.ct)).result
         return val
 
     def vector_ir(self, op: Operand, c):

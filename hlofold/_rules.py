@@ -22,6 +22,8 @@ rule applies; the rule itself lives here once.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 import jax.numpy as jnp
@@ -34,6 +36,8 @@ _F32 = jnp.finfo(np.float32)
 def scale_refusal(s, what: str = "scale s") -> str | None:
     """``s`` (float64, per channel or scalar) is not finite somewhere."""
     s = np.atleast_1d(np.asarray(s))
+    if np.isfinite(s).all():
+        return None
     bad = np.flatnonzero(~np.isfinite(s))
     if not bad.size:
         return None
@@ -41,9 +45,15 @@ def scale_refusal(s, what: str = "scale s") -> str | None:
                   f"{bad[:5].tolist()}); folding would turn 0·inf into NaN")
 
 
+@functools.lru_cache(maxsize=None)
 def _float(dt) -> np.dtype | None:
     dt = np.dtype(dt)
     return dt if jnp.issubdtype(dt, jnp.floating) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny(kd: np.dtype) -> float:
+    return float(jnp.finfo(kd).tiny)
 
 
 def precision_refusal(kernel_dtype, math_dtypes, hint: str = "") -> str | None:
@@ -70,10 +80,10 @@ def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
     with np.errstate(over="ignore", invalid="ignore"):
         try:
             kp_cast = np.multiply(k, s, dtype=np.float64, casting="unsafe",
-                                  out=np.empty(np.broadcast_shapes(k.shape, s.shape), kd))
+                                  out=np.empty(np.broadcast(k, s).shape, kd))
         except TypeError:        # a dtype NumPy cannot round into directly
             kp_cast = (np.asarray(k, np.float64) * s).astype(kd)
-        tiny = float(jnp.finfo(kd).tiny)
+        tiny = _tiny(kd)
         if not np.isinf(kp_cast).any() and not (np.abs(kp_cast) < tiny).any():
             return kp_cast, None
         kp = np.asarray(k, np.float64) * s

@@ -26,14 +26,15 @@ from typing import Any
 import numpy as np
 
 from . import _compat as C
-from ._algebra import along, collapse, exact_f64, forward_kernel
+from ._algebra import along, collapse, exact_f64, forward_kernel, per_channel
 from ._chain import UNUSED, chain_kind, walk
 from ._decide import chain_status, decide, forward_refusal
 from ._hlo_forward import HloForwardPlanner, conv_specs
-from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, dce, elem_type,
-                      float_dtype, is_float, location, numpy_to_dense, op_name, owner_op,
-                      parse_module, remap_operands, roots_in, shape_of)
-from ._hlo_match import ChainWalker, HloChain
+from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, drop_uncalled_private,
+                      elem_type, erase_unused, float_dtype, is_float, location,
+                      numpy_to_dense, op_name, owner_op, parse_module, remap_operands,
+                      roots_in, shape_of)
+from ._hlo_match import UNREACHED_OPS, ChainWalker, HloChain
 from ._hlo_patterns import Evaluator, lhs_root_info, root_info
 from ._hlo_values import HloValues
 from ._patterns import bias_map
@@ -81,15 +82,26 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
                 self.symbols[ir.StringAttr(op.attributes["sym_name"]).value] = op
 
     def run(self) -> FoldReport:
+        affines = {}          # function -> its ops the unreached accounting looks at
         for fname, fop in list(self.symbols.items()):
             if not fop.regions[0].blocks:      # a declaration: no body to fold
                 continue
-            for op in roots_in(fop):
+            affines[fname] = []
+            for op in roots_in(fop, UNREACHED_OPS, affines[fname]):
                 n = len(self.sites)
                 self._site(op, fname)
-                self._end_trial(any(r.status == FOLDED for r in self.sites[n:]))
+                if self._end_trial(any(r.status == FOLDED for r in self.sites[n:])):
+                    affines[fname] = None      # inlined ops: look at the program again
+        # accounted before the replaced ops are erased: the activation memo stays valid
+        dead = {op.operation for op in self.dead}
+        for fname, fop in list(self.symbols.items()):
+            if fname in affines and fname not in self.inlined:
+                self._account_unreached(fop, fname, affines[fname], dead)
+        inputs = [p for op in self.dead for p in map(owner_op, op.operands)
+                  if p is not None and p not in dead]
         for op in self.dead:
             op.erase()
+        erase_unused(inputs)       # what computed only their operands (nothing else is read)
         self.dead.clear()
         self.claimed.clear()         # may name erased ops: not read after the sites
         self.replaced.clear()
@@ -97,9 +109,6 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.token_inputs.clear()
         self.activation.clear()
         self.eval.memo.clear()
-        for fname, fop in list(self.symbols.items()):
-            if fop.regions[0].blocks and fname not in self.inlined:
-                self._account_unreached(fop, fname)
         return FoldReport(self.sites)
 
     def _record(self, op, fname, status, info=None, pattern=None, **kw) -> FoldSite:
@@ -183,7 +192,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         s_vec = t_vec = None
         if known:
             with np.errstate(all="ignore"):
-                s_vec, t_vec = (np.broadcast_to(v, (C_out,)) for v in collapse(*known, C_out))
+                s_vec, t_vec = (per_channel(v, C_out) for v in collapse(*known, C_out))
         kfa = owner_op(kernel) is not None and self._from_root(kernel)
         k_np = None if kfa else self.eval(kernel)
         k_np = None if k_np is None else exact_f64(np.asarray(k_np))
@@ -373,8 +382,8 @@ def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport
     caller to check (see :mod:`hlofold._split`)."""
     folder = _Pass(module, in_graph, guard)
     report = folder.run()
-    if report.num_folded:         # nothing folded: the module stays exactly as it was
-        dce(module, folder.inlined)
+    if folder.inlined:          # private functions whose calls were all inlined
+        drop_uncalled_private(module, only=folder.inlined)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report

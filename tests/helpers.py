@@ -110,6 +110,33 @@ def fold_checked(f, *args, folds, freeze=(), root=None, refused=None):
     return ff, rep, ref, out
 
 
+def unread_ops(text) -> int:
+    """How many side-effect-free ops of a StableHLO module nobody reads (nested regions
+    included)."""
+    from hlofold._hlo_ir import PURE, parse_module
+    module = parse_module(text)
+    n = 0
+
+    def visit(op):
+        nonlocal n
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    inner = inner.operation
+                    n += inner.name in PURE and all(next(iter(r.uses), None) is None
+                                                    for r in inner.results)
+                    visit(inner)
+    with module.context:
+        visit(module.operation)
+    return n
+
+
+def assert_nothing_left_behind(text, folded):
+    """The fold of ``text`` left no op nobody reads (the ops a folded site replaced, what
+    computed only their operands, and the identities the algebra did not need)."""
+    assert unread_ops(folded) <= unread_ops(text), (unread_ops(folded), unread_ops(text))
+
+
 def fold_both(f, *args, jaxpr_mode="guarded", in_graph=True, run=True):
     """``f`` folded on both paths: ``fold_jaxpr`` of its jaxpr (``in_graph=jaxpr_mode``) and
     ``fold_stablehlo`` of its lowering (``in_graph``). Returns
@@ -126,6 +153,7 @@ def fold_both(f, *args, jaxpr_mode="guarded", in_graph=True, run=True):
     C.check_jaxpr(new.jaxpr)
     text = jax.jit(f, keep_unused=True).lower(*args).as_text()
     folded, srep = hlofold.fold_stablehlo(text, in_graph=in_graph)
+    assert_nothing_left_behind(text, folded)
     first = lambda outs: np.asarray(jax.tree.leaves(outs)[0]) if run else None
     ref = first(jax.jit(f)(*args) if run else None)
     outs = [("jaxpr", rep, first(C.jaxpr_as_fun(new)(*args) if run else None), new),

@@ -31,6 +31,7 @@ import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
 from hlofold._artifacts import module_callable  # noqa: E402
 from hlofold._reasons import reason_kind  # noqa: E402
+from tests.helpers import assert_nothing_left_behind  # noqa: E402
 from tests.test_generated import LOW, _bf16_bound, _bound, _err, build, specs  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -53,6 +54,7 @@ def check_both_paths(spec):
     new, rep = hlofold.fold_jaxpr(closed)
     text = jax.jit(f, keep_unused=True).lower(*args).as_text()
     folded_text, srep = hlofold.fold_stablehlo(text, in_graph=True)
+    assert_nothing_left_behind(text, folded_text)
     for jp, sp in (("conv_affine", "stablehlo_conv"), ("affine_conv", "stablehlo_affine_conv")):
         dj, ds = _decisions(rep, jp), _decisions(srep, sp)
         assert dj == ds, f"{jp}: jaxpr {dict(dj)} vs StableHLO {dict(ds)}\n{rep}\n{srep}"

@@ -19,8 +19,8 @@ import pytest
 import hlofold
 from hlofold._artifacts import module_callable
 from hlofold._reasons import reason_kind
-from tests.helpers import (assert_close, fold_both, fold_checked, fold_jaxpr_checked, max_err,
-                           walk_eqns)
+from tests.helpers import (assert_close, assert_nothing_left_behind, fold_both, fold_checked,
+                           fold_jaxpr_checked, max_err, walk_eqns)
 
 D, H, F = 16, 2, 24          # model width, heads, MLP width
 RNG = np.random.default_rng(12)
@@ -73,6 +73,7 @@ def check_stablehlo(f, params, x, rep):
             ((x,), jax.jit(lambda x: f(params, x)).lower(x), False)]:
         text = lowered.as_text()
         folded, srep = hlofold.fold_stablehlo(text, in_graph=in_graph)
+        assert_nothing_left_behind(text, folded)
         forward = [s for s in srep.folded if s.pattern == "stablehlo_affine_dot"]
         if not in_graph:     # x·r written once per norm, not per projection: no more work
             assert folded.count("stablehlo.multiply") < text.count("stablehlo.multiply")
