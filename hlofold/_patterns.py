@@ -8,6 +8,7 @@ the root is matched by the rules of :mod:`hlofold._chain_rules`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -38,8 +39,13 @@ _SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 def conv_layout(lhs_spec, rhs_spec, out_spec) -> str:
     """``"NHWC,HWIO->NHWC"`` from the (batch/out-feature, feature/in-feature, *spatial)
     dimension numbers of a convolution's three operands; shared by both IR adapters."""
-    return (f"{_spec_letters(tuple(lhs_spec), 'N', 'C')},"
-            f"{_spec_letters(tuple(rhs_spec), 'O', 'I')}->{_spec_letters(tuple(out_spec), 'N', 'C')}")
+    return _conv_layout(tuple(lhs_spec), tuple(rhs_spec), tuple(out_spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _conv_layout(lhs_spec, rhs_spec, out_spec) -> str:
+    return (f"{_spec_letters(lhs_spec, 'N', 'C')},"
+            f"{_spec_letters(rhs_spec, 'O', 'I')}->{_spec_letters(out_spec, 'N', 'C')}")
 
 
 def dot_layout(lhs, rhs, out, weight_on_lhs: bool = False) -> str:

@@ -74,8 +74,8 @@ def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
     """``K·s`` computed in float64 and rounded once to ``kd`` (``s`` broadcasts against
     ``k``), and the reason to refuse it: it overflows, or underflows a whole output channel
     along ``axis`` (None: it is safe). The product is rounded into ``kd`` as it is formed;
-    the float64 product is materialized only to check a result with an inf or a value
-    below the normal range of ``kd``."""
+    the float64 product is materialized only to check a result with an inf, or with a value
+    below the normal range of ``kd`` where ``K`` is not zero (:func:`_may_be_out_of_range`)."""
     kd = np.dtype(kd)
     with np.errstate(over="ignore", invalid="ignore"):
         try:
@@ -83,8 +83,7 @@ def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
                                   out=np.empty(np.broadcast(k, s).shape, kd))
         except TypeError:        # a dtype NumPy cannot round into directly
             kp_cast = (np.asarray(k, np.float64) * s).astype(kd)
-        tiny = _tiny(kd)
-        if not np.isinf(kp_cast).any() and not (np.abs(kp_cast) < tiny).any():
+        if not _may_be_out_of_range(kp_cast, k, _tiny(kd)):
             return kp_cast, None
         kp = np.asarray(k, np.float64) * s
     overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
@@ -98,6 +97,27 @@ def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
                                f"below the {kd} normal range (unfolded, conv·s is rounded "
                                "instead)")
     return kp_cast, None
+
+
+_CHUNK = 1 << 16
+
+
+def _may_be_out_of_range(kp_cast: np.ndarray, k: np.ndarray, tiny: float) -> bool:
+    """Whether ``kp_cast`` (``K·s`` rounded) holds an inf, or a value below ``tiny`` where
+    ``K`` is not zero (an exact zero of the kernel stays zero: nothing to check). Read in
+    cache-sized chunks: no temporary as large as the kernel (a large model's kernels are
+    hundreds of MB)."""
+    same = np.shape(k) == kp_cast.shape
+    flat = kp_cast.reshape(-1)
+    kflat = np.asarray(k).reshape(-1) if same else None
+    for i in range(0, flat.size, _CHUNK if same else max(flat.size, 1)):
+        a = np.abs(flat[i:i + _CHUNK] if same else flat)
+        if np.isinf(a).any():
+            return True
+        small = a < tiny
+        if small.any() and (not same or (small & (kflat[i:i + _CHUNK] != 0)).any()):
+            return True
+    return False
 
 
 def underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.ndarray:

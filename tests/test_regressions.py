@@ -119,3 +119,25 @@ def test_fp16_channel_underflow_is_refused():
     # ordinary rounding is never flagged: a moderate scale folds
     g = lambda x: conv(x, k) * np.array([0.5, 3.0], np.float16)
     assert hlofold.fold_jaxpr(jax.make_jaxpr(g)(x))[1].num_folded == 1
+
+
+def test_underflow_is_found_past_the_first_block_and_kernel_zeros_are_not_underflow():
+    """The range check reads a rescaled kernel in blocks of 65,536 elements (no temporary as
+    large as the kernel): an underflowing channel whose nonzero entries all lie past the
+    first block is refused; exact zeros of the kernel (pruned weights) stay zero and do
+    not count as underflow."""
+    x = RNG.standard_normal((1, 5, 5, 128)).astype(np.float16)
+    k = (1e-4 * RNG.standard_normal((3, 3, 128, 64))).astype(np.float16)
+    k.reshape(-1)[:70_000] = 0        # 73,728 entries: channel 0 is nonzero only at the end
+    tiny = np.ones(64, np.float16)
+    tiny[0] = 1e-4
+    closed = jax.make_jaxpr(lambda x: conv(x, k) * tiny)(x)
+    new, rep = hlofold.fold_jaxpr(closed)
+    assert new is closed and rep.num_folded == 0
+    assert "underflows float16 in 1 output channel(s) (first: [0])" in rep.sites[0].reason
+    f = lambda x: conv(x, k) * np.linspace(0.5, 2, 64).astype(np.float16)
+    closed = jax.make_jaxpr(f)(x)
+    new, rep = hlofold.fold_jaxpr(closed)
+    assert rep.num_folded == 1, str(rep)
+    assert "mul" not in primitives(new)
+    assert_close(f(x), C.jaxpr_as_fun(new)(x)[0])
