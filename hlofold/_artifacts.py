@@ -110,8 +110,8 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
     """Text, MLIR bytecode, or (``portable``: a target version) a portable artifact."""
     if portable is not None:
         return bytes(stablehlo.serialize_portable_artifact(module, portable))
-    if not as_bytecode:
-        return str(module)
+    if not as_bytecode:       # (verified already: fold_module checks what it wrote)
+        return module.operation.get_asm(assume_verified=True)
     import io
     buf = io.BytesIO()
     module.operation.write_bytecode(buf)

@@ -234,17 +234,29 @@ GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
 PREPARED_ATTR = "hlofold.prepared"   # marks an unguarded folded kernel or bias (guard=False)
 
 
-def all_finite(value):
-    """A ``tensor<i1>``: every element of ``value`` is finite (insert where you are)."""
-    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+def all_finite(value, templates: dict | None = None):
+    """A ``tensor<i1>``: every element of ``value`` is finite (insert where you are).
+    ``templates``: the reductions made so far, by rank; a later one of the same rank is a
+    clone of the first with its operands set (one call, not a reduction built and its body
+    filled op by op)."""
+    rank = len(shape_of(value))
     fin = stablehlo.IsFiniteOp(value).result
+    made = None if templates is None else templates.get(rank)
+    if made is not None:
+        init, red = made[0].clone(), made[1].clone()
+        red.operands[0] = fin
+        red.operands[1] = init.results[0]
+        return red.results[0]
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
     init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result
-    red = stablehlo.ReduceOp([scalar], [fin], [init],
-                             ir.DenseI64ArrayAttr.get(list(range(len(shape_of(value))))))
+        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1)))
+    red = stablehlo.ReduceOp([scalar], [fin], [init.result],
+                             ir.DenseI64ArrayAttr.get(list(range(rank))))
     body = red.body.blocks.append(scalar, scalar)
     with ir.InsertionPoint(body):
         stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
+    if templates is not None:
+        templates[rank] = (init.operation, red.operation)
     return red.results[0]
 
 

@@ -76,6 +76,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
+        self.finite_made: dict = {}        # guards' reductions by rank (cloned: _hlo_ir)
         self.symbols = {}
         for op in module.body.operations:
             if op_name(op) == "func.func":
@@ -303,7 +304,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
                 t_of = lambda: t_ir
                 # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
                 # inf γ) runs the site's original ops instead
-                pred = stablehlo.AndOp(all_finite(new_k), all_finite(t_ir)).result
+                pred = stablehlo.AndOp(all_finite(new_k, self.finite_made),
+                                       all_finite(t_ir, self.finite_made)).result
                 if_op = stablehlo.IfOp([out_t], pred)
                 if_op.operation.attributes[GUARD_ATTR] = ir.UnitAttr.get()
                 with ir.InsertionPoint(if_op.true_branch.blocks.append()):

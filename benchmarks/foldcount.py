@@ -1,0 +1,86 @@
+"""Instructions per StableHLO fold, counted by callgrind: a figure the machine's noise does
+not move.
+
+``python -m benchmarks.foldcount [--against DIR] [--sites N]`` runs, for this checkout (and
+``DIR``, another checkout's ``hlofold``), ``fold_stablehlo`` on the module of
+:mod:`benchmarks.foldtime` (``N`` conv → BN blocks, 5 ops each; default 1,000) under
+``valgrind --tool=callgrind``, once with one fold and once with none; the difference is
+the instructions of one fold (parse, fold, print), in each mode: weights as constants,
+as arguments (default), as arguments with ``in_graph=True``. Instruction counts leave out
+what time also sees (cache misses, page faults), so they complement ``benchmarks.foldtime``,
+they do not replace it; on the project's shared VM, where timings move by ±30 % from run to
+run, they tell whether a change made the fold do less work. Needs valgrind (not a test
+dependency; takes a few minutes per checkout).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2] + "/tests")
+import hlofold
+assert hlofold.__file__.startswith(sys.argv[1]), hlofold.__file__
+from test_stablehlo import _huge_module
+mode, folds, n = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+text = _huge_module(n)
+if mode == "constants":
+    text = text.replace(
+        "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
+    ).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
+              "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
+              "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n    %mb =")
+kw = {"in_graph": True} if mode == "in_graph=True" else {}
+hlofold.fold_stablehlo(_huge_module(10), **kw)       # first-use setup: not counted
+for _ in range(folds):
+    hlofold.fold_stablehlo(text, **kw)
+"""
+
+MODES = ("constants", "default", "in_graph=True")
+
+
+def _count(checkout: str, here: str, mode: str, folds: int, sites: int) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "cg.out")
+        got = subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+             "-c", _CHILD, checkout, here, mode, str(folds), str(sites)],
+            capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        m = re.search(r"Collected : (\d+)", got.stderr)
+        if got.returncode or not m:
+            raise SystemExit(f"counting {checkout} ({mode}) failed:\n{got.stderr[-3000:]}")
+        return int(m.group(1))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", help="another hlofold checkout to count the same way")
+    ap.add_argument("--sites", type=int, default=1000)
+    args = ap.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        raise SystemExit("benchmarks.foldcount needs valgrind")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkouts = [here] + ([os.path.abspath(args.against)] if args.against else [])
+    print(f"instructions per fold_stablehlo of {5 * args.sites} ops (callgrind)")
+    print("| mode | " + " | ".join(os.path.basename(c) or c for c in checkouts) + " |")
+    print("|---|" + "---|" * len(checkouts))
+    for mode in MODES:
+        cells = []
+        for c in checkouts:
+            try:
+                one = _count(c, here, mode, 1, args.sites) - _count(c, here, mode, 0, args.sites)
+                cells.append(f"{one / 1e6:.0f} M")
+            except SystemExit:         # a mode the other checkout does not have
+                cells.append("—")
+        print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
