@@ -16,7 +16,8 @@ import numpy as np
 
 from . import _compat as C
 from ._report import FoldReport
-from ._hlo_ir import StableHLOError, main_function
+from ._hlo_ir import StableHLOError
+from ._hlo_module import main_function
 from ._stablehlo import fold_module_text
 from ._split import split_module
 from ._weights import bind_and_fold

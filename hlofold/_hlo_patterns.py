@@ -15,8 +15,9 @@ import numpy as np
 from . import _compat as C
 from ._chain_rules import Refusal, resolve_channel_operand
 from ._reasons import Reason
-from ._hlo_ir import (DOTS, call_sites, dense_to_numpy, elem_type, int_dims, is_float,
-                      np_dtype, op_name, owner_op, shape_of)
+from ._hlo_ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
+                      owner_op, shape_of)
+from ._hlo_module import call_sites
 from ._patterns import conv_axis_role, conv_layout, dot_axis_role, dot_layout
 
 ir, stablehlo, func_dialect = C.mlir()

@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 from . import _compat as C
 from ._report import FoldReport
-from ._hlo_ir import (PREPARED_ATTR, StableHLOError, all_finite, drop_uncalled_private,
-                      main_function, op_name, parse_module, reads)
+from ._hlo_ir import PREPARED_ATTR, StableHLOError, all_finite, op_name, reads
+from ._hlo_module import drop_uncalled_private, main_function, parse_module
 from ._stablehlo import fold_module
 from ._weights import argument_index, set_arguments
 

@@ -30,10 +30,10 @@ from ._algebra import along, collapse, exact_f64, forward_kernel, per_channel
 from ._chain import UNUSED, chain_kind, walk
 from ._decide import chain_status, decide, forward_refusal
 from ._hlo_forward import HloForwardPlanner, conv_specs
-from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, drop_uncalled_private,
-                      elem_type, erase_unused, float_dtype, is_float, location,
-                      numpy_to_dense, op_name, owner_op, parse_module, remap_operands,
+from ._hlo_ir import (GUARD_ATTR, PASS_KINDS, IrArith, all_finite, elem_type, float_dtype,
+                      is_float, location, numpy_to_dense, op_name, owner_op, remap_operands,
                       roots_in, shape_of)
+from ._hlo_module import drop_uncalled_private, erase_unused, parse_module
 from ._hlo_match import UNREACHED_OPS, ChainWalker, HloChain
 from ._hlo_patterns import Evaluator, lhs_root_info, root_info
 from ._hlo_values import HloValues
@@ -103,13 +103,9 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues):
         for op in self.dead:
             op.erase()
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
-        self.dead.clear()
-        self.claimed.clear()         # may name erased ops: not read after the sites
-        self.replaced.clear()
-        self.written.clear()
-        self.token_inputs.clear()
-        self.activation.clear()
-        self.eval.memo.clear()
+        for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
+                     self.activation, self.eval.memo):
+            memo.clear()         # they may name erased ops: not read after the sites
         return FoldReport(self.sites)
 
     def _record(self, op, fname, status, info=None, pattern=None, **kw) -> FoldSite:

@@ -97,7 +97,7 @@ def accumulation_length(prog, args) -> tuple[int, int]:
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
         return T.accumulation_of(jax.make_jaxpr(prog)(*args).jaxpr)
     from ._artifacts import read_artifact
-    from ._hlo_ir import parse_module
+    from ._hlo_module import parse_module
     with C.mlir_context():
         module = parse_module(read_artifact(prog).module)
         funcs = {str(f.attributes["sym_name"]).strip('"'): f

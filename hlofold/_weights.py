@@ -19,8 +19,8 @@ import numpy as np
 
 from . import _compat as C
 from ._report import FoldReport
-from ._hlo_ir import (StableHLOError, dense_to_numpy, main_function, np_dtype,
-                      numpy_to_dense, parse_module)
+from ._hlo_ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense
+from ._hlo_module import main_function, parse_module
 from ._stablehlo import fold_module
 
 ir, stablehlo, _ = C.mlir()

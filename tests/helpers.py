@@ -113,7 +113,7 @@ def fold_checked(f, *args, folds, freeze=(), root=None, refused=None):
 def unread_ops(text) -> int:
     """How many side-effect-free ops of a StableHLO module nobody reads (nested regions
     included)."""
-    from hlofold._hlo_ir import PURE, parse_module
+    from hlofold._hlo_module import PURE, parse_module
     module = parse_module(text)
     n = 0
 
@@ -147,7 +147,7 @@ def fold_both(f, *args, jaxpr_mode="guarded", in_graph=True, run=True):
 
     import hlofold
     from hlofold._artifacts import module_callable
-    from hlofold._hlo_ir import parse_module
+    from hlofold._hlo_module import parse_module
     closed = jax.make_jaxpr(f)(*args)
     new, rep = hlofold.fold_jaxpr(closed, in_graph=jaxpr_mode)
     C.check_jaxpr(new.jaxpr)

@@ -12,7 +12,8 @@ from jax import lax
 
 from hlofold._chain_rules import (AffineStep, ChannelOperand, Refusal, affine_step, pass_axis,
                                   pass_step, resolve_operand, unit_reshape_map)
-from hlofold._hlo_ir import op_name, parse_module
+from hlofold._hlo_ir import op_name
+from hlofold._hlo_module import parse_module
 from hlofold._hlo_patterns import Operand, dot_dims, lhs_root_info, resolve, root_info
 from hlofold._patterns import CONV_AFFINE, DOT_AFFINE, conv_layout, dot_layout
 

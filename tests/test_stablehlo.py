@@ -248,3 +248,26 @@ def test_bf16_constants_are_read_exactly_in_every_printed_form():
             assert got is not None and got.shape == x.shape
             np.testing.assert_array_equal(got.view(np.uint16),
                                           x.astype(C.bfloat16).view(np.uint16))
+
+
+def test_a_fold_erases_what_it_replaced_and_nothing_else():
+    """After a fold, the ops it replaced are gone, and with them what computed only their
+    operands (the BN's broadcasts and constants, the old kernel); an unused op the module
+    came with, which hlofold did not write, stays (nothing the user gave is changed
+    beyond the folds)."""
+    from tests.helpers import unread_ops
+    text = _huge_module(2).replace(
+        "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
+    ).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
+              "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
+              "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
+              "    %unused = stablehlo.constant dense<7.0> : tensor<3xf32>\n    %mb =")
+    assert unread_ops(text) == 1
+    folded, report = hlofold.fold_stablehlo(text)
+    assert report.num_folded == 2
+    assert unread_ops(folded) == 1 and "dense<7.000000e+00> : tensor<3xf32>" in folded
+    for gone in ("stablehlo.subtract", "stablehlo.multiply",
+                 "dense<2.500000e-01>", "dense<5.000000e-01>"):   # μ's and K's constants
+        assert gone not in folded, gone
+    ref, out = (module_callable(t)(*random_inputs(t)) for t in (text, folded))
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
