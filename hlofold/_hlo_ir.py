@@ -64,10 +64,8 @@ _FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "flo
 _BY_CLASS = {ir.F32Type: _NP_DTYPES["f32"], ir.F64Type: _NP_DTYPES["f64"],
              ir.F16Type: _NP_DTYPES["f16"], ir.BF16Type: _NP_DTYPES["bf16"],
              ir.IntegerType: None, ir.ComplexType: None}
-_FP8_BY_CLASS = {getattr(ir, cls): np.dtype(getattr(jnp, name)) for cls, name in (
-    ("Float8E4M3FNType", "float8_e4m3fn"), ("Float8E5M2Type", "float8_e5m2"),
-    ("Float8E4M3FNUZType", "float8_e4m3fnuz"), ("Float8E5M2FNUZType", "float8_e5m2fnuz"),
-    ("Float8E4M3B11FNUZType", "float8_e4m3b11fnuz")) if hasattr(ir, cls)}
+_FP8_BY_CLASS = {getattr(ir, f"Float8{s[2:]}Type"): np.dtype(getattr(jnp, name))
+                 for s, name in _FP8.items() if hasattr(ir, f"Float8{s[2:]}Type")}
 _UNSET = object()
 
 
