@@ -30,13 +30,7 @@ import hlofold
 assert hlofold.__file__.startswith(sys.argv[1]), hlofold.__file__
 from test_stablehlo import _huge_module
 mode, folds, n = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-text = _huge_module(n)
-if mode == "constants":
-    text = text.replace(
-        "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
-    ).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
-              "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
-              "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n    %mb =")
+text = _huge_module(n, constants=mode == "constants")
 kw = {"in_graph": True} if mode == "in_graph=True" else {}
 hlofold.fold_stablehlo(_huge_module(10), **kw)       # first-use setup: not counted
 for _ in range(folds):

@@ -69,11 +69,7 @@ sys.path.insert(0, sys.argv[2] + "/tests")
 from test_stablehlo import _huge_module
 n = 200 if quick else 2000
 text = _huge_module(n)
-ktext = text.replace(
-    "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
-).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
-          "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
-          "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n    %mb =")
+ktext = _huge_module(n, constants=True)
 from jaxlib.mlir import ir
 from hlofold import _compat
 

@@ -41,18 +41,18 @@ class StableHLOError(ValueError):
 # --------------------------------------------------------------------------- helpers
 
 
-def shape_of(value) -> tuple[int, ...]:
+def _ranked(value):
     t = value.type
-    if type(t) is not ir.RankedTensorType:       # the bindings hand back the concrete type
-        t = ir.RankedTensorType(t)
-    return tuple(t.shape)
+    # the bindings hand back the concrete type: cast only when they did not
+    return t if type(t) is ir.RankedTensorType else ir.RankedTensorType(t)
+
+
+def shape_of(value) -> tuple[int, ...]:
+    return tuple(_ranked(value).shape)
 
 
 def elem_type(value):
-    t = value.type
-    if type(t) is not ir.RankedTensorType:
-        t = ir.RankedTensorType(t)
-    return t.element_type
+    return _ranked(value).element_type
 
 
 _NP_DTYPES = {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),

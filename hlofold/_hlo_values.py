@@ -12,8 +12,7 @@ import numpy as np
 
 from . import _compat as C
 from ._algebra import collapse, per_channel
-from ._hlo_ir import (PREPARED_ATTR, IrArith, elem_type, is_host, np_dtype, numpy_to_dense,
-                      shape_of)
+from ._hlo_ir import PREPARED_ATTR, IrArith, elem_type, np_dtype, numpy_to_dense, shape_of
 from ._hlo_patterns import Operand
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -51,9 +50,8 @@ class HloValues:
         return stablehlo.ConvertOp(ir.RankedTensorType.get(shape_of(value), etype), value).result
 
     def const_or(self, val, c):
-        if is_host(val):
-            return stablehlo.ConstantOp(numpy_to_dense(per_channel(val, c), self.ct)).result
-        return val
+        """``val`` in the graph: a tensor<c x f32|f64> constant for a host value."""
+        return IrArith(c, self.ct).value(val)
 
     def vector_ir(self, op: Operand, c):
         """The operand as a tensor<c x f32> in the graph."""

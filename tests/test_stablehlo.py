@@ -196,8 +196,9 @@ def test_truncated_bytecode():
         hlofold.fold_stablehlo(buf.getvalue()[:60], in_graph=True)
 
 
-def _huge_module(n: int) -> str:
-    """n residual blocks (conv, subtract, multiply, residual add, max): 5·n ops + a few."""
+def _huge_module(n: int, constants: bool = False) -> str:
+    """n residual blocks (conv, subtract, multiply, residual add, max): 5·n ops + a few; the
+    kernel, μ and s are arguments, or (``constants``) constants."""
     conv = ("stablehlo.convolution({x}, %k) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->"
             "[b, 0, 1, f], window = {{stride = [1, 1], pad = [[0, 0], [0, 0]], lhs_dilate = "
             "[1, 1], rhs_dilate = [1, 1]}} {{batch_group_count = 1 : i64, feature_group_count ="
@@ -216,7 +217,14 @@ def _huge_module(n: int) -> str:
                   f"    %r{i} = stablehlo.add %e{i}, {cur} : {t}",
                   f"    %a{i} = stablehlo.maximum %r{i}, %z : {t}"]
         cur = f"%a{i}"
-    return "\n".join(lines + [f"    return {cur} : {t}", "  }", "}"])
+    text = "\n".join(lines + [f"    return {cur} : {t}", "  }", "}"])
+    if constants:
+        text = text.replace(
+            "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
+        ).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
+                  "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
+                  "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n    %mb =")
+    return text
 
 
 def test_huge_module_folds_in_bounded_time():
@@ -256,12 +264,8 @@ def test_a_fold_erases_what_it_replaced_and_nothing_else():
     came with, which hlofold did not write, stays (nothing the user gave is changed
     beyond the folds)."""
     from tests.helpers import unread_ops
-    text = _huge_module(2).replace(
-        "%k: tensor<1x1x4x4xf32>, %m: tensor<4xf32>, %s: tensor<4xf32>", "%u: tensor<4xf32>"
-    ).replace("    %mb =", "    %k = stablehlo.constant dense<0.5> : tensor<1x1x4x4xf32>\n"
-              "    %m = stablehlo.constant dense<0.25> : tensor<4xf32>\n"
-              "    %s = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
-              "    %unused = stablehlo.constant dense<7.0> : tensor<3xf32>\n    %mb =")
+    text = _huge_module(2, constants=True).replace(
+        "    %mb =", "    %unused = stablehlo.constant dense<7.0> : tensor<3xf32>\n    %mb =", 1)
     assert unread_ops(text) == 1
     folded, report = hlofold.fold_stablehlo(text)
     assert report.num_folded == 2
