@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -37,16 +36,7 @@ import jax
 import hlofold
 
 from . import workloads as W
-from .run import code_info, machine_info, machine_line
-
-
-def summary(xs) -> dict:
-    xs = [float(x) for x in xs]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def ratio(num: dict, den: dict) -> float:
-    return num["median"] / den["median"]
+from .common import code_info, machine_info, machine_line, ratio, summary
 
 
 # --------------------------------------------------------------------------- 1. first call

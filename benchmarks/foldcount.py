@@ -25,14 +25,14 @@ import tempfile
 _CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2] + "/tests")
+sys.path.insert(1, sys.argv[2])
 import hlofold
 assert hlofold.__file__.startswith(sys.argv[1]), hlofold.__file__
-from test_stablehlo import _huge_module
+from tests.helpers.modules import huge_module
 mode, folds, n = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-text = _huge_module(n, constants=mode == "constants")
+text = huge_module(n, constants=mode == "constants")
 kw = {"in_graph": True} if mode == "in_graph=True" else {}
-hlofold.fold_stablehlo(_huge_module(10), **kw)       # first-use setup: not counted
+hlofold.fold_stablehlo(huge_module(10), **kw)       # first-use setup: not counted
 for _ in range(folds):
     hlofold.fold_stablehlo(text, **kw)
 """

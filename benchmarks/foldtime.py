@@ -65,11 +65,11 @@ out[f"jaxpr {name} params as constants"] = timed(lambda: hlofold.fold_jaxpr(cons
 if not hasattr(hlofold, "fold_stablehlo"):
     print(json.dumps(out))
     sys.exit(0)
-sys.path.insert(0, sys.argv[2] + "/tests")
-from test_stablehlo import _huge_module
+sys.path.insert(0, sys.argv[2])
+from tests.helpers.modules import huge_module
 n = 200 if quick else 2000
-text = _huge_module(n)
-ktext = _huge_module(n, constants=True)
+text = huge_module(n)
+ktext = huge_module(n, constants=True)
 from jaxlib.mlir import ir
 from hlofold import _compat
 
@@ -86,7 +86,7 @@ if has_flag:
     runs.append(("weights as arguments, in_graph=True", text, {"in_graph": True}))
 runs.append(("weights as constants", ktext, {}))
 for label, t, kw in runs:
-    hlofold.fold_stablehlo(_huge_module(10), **kw)
+    hlofold.fold_stablehlo(huge_module(10), **kw)
     out[f"stablehlo {5 * n} ops, {label}"] = timed(lambda: hlofold.fold_stablehlo(t, **kw), 2)
 print(json.dumps(out))
 """
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
         for c in checkouts:
             for k, v in _one(c, here, args.quick).items():
                 samples[c].setdefault(k, []).append(v)
-    from .run import machine_info, machine_line
+    from .common import machine_info, machine_line
     print(f"fold time, {rounds} round(s), {machine_line(machine_info())}")
     keys = list(dict.fromkeys(k for c in checkouts for k in samples[c]))
     print("| what | " + " | ".join(os.path.basename(c) or c for c in checkouts) + " |")

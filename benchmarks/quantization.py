@@ -7,7 +7,7 @@ back. Error of each against the float model, ``‖y_q − y‖ / ‖y‖`` on ra
 and range over seeds.
 
 * BN CNN: Flax ResNet-18 (``benchmarks/models.py``, realistic BN statistics), 32 px.
-* Transformer block: Flax linen pre-norm block (``tests/test_norm_fold.py``), LayerNorm and
+* Transformer block: Flax linen pre-norm block (``tests/helpers/blocks.py``), LayerNorm and
   RMSNorm, with γ drawn log-normal with spread σ_γ (real LLM norms have outlier channels).
 
 Run: ``python -m benchmarks.quantization [--seeds 5] [--out docs/quantization.md]``.
@@ -61,7 +61,7 @@ def cnn_case(seed):
 def block_case(kind, spread, seed):
     import flax.linen as nn
 
-    from tests.test_norm_fold import X, flax_linen_block
+    from tests.helpers.blocks import X, flax_linen_block
     f, v = flax_linen_block(getattr(nn, kind))
     rng = np.random.default_rng(seed)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 import hlofold
 from hlofold import examples
-from hlofold._artifacts import input_specs
+from hlofold._stablehlo.artifacts import input_specs
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "testdata", "stablehlo")
 

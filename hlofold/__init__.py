@@ -13,11 +13,11 @@ Public API:
 """
 from ._api import Folded, fold
 from ._views import Split
-from ._artifacts import fold_stablehlo
+from ._stablehlo.artifacts import fold_stablehlo
 from ._export import export, lower
-from ._fold import fold_jaxpr
-from ._report import FoldReport, FoldSite
-from ._hlo_ir import StableHLOError
+from ._jaxpr.fold import fold_jaxpr
+from ._core.report import FoldReport, FoldSite
+from ._stablehlo.ir import StableHLOError
 from ._verify import VerificationError, VerifyReport, verify
 from ._writeback import FoldedParams, ParamChange, fold_params
 

@@ -31,11 +31,12 @@ import numpy as np
 from . import _compat as C
 from ._dispatch import (CHURN_LIMIT, MISS, Program, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
                         leaf_key, make_fast, same_contents, static_key, trace_struct)
-from ._fold import fold_jaxpr
-from ._reasons import reason_kind
-from ._tolerance import accumulation_of, mismatch
+from ._jaxpr.fold import fold_jaxpr
+from ._core.reasons import reason_kind
+from ._core.tolerance import mismatch
+from ._jaxpr.accumulation import accumulation_of
 from ._prepare import Executables, fold_with_values, folding_of, place
-from ._report import FoldReport
+from ._core.report import FoldReport
 from ._views import FoldedViews
 
 
@@ -59,7 +60,7 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         the convolution in float32 (accuracy over speed). See :meth:`Folded.measure_precision`.
       verify: fail closed. On the first call for each input signature, run the folded and
         the original program on those inputs and compare every output under hlofold's
-        tolerance model (:mod:`hlofold._tolerance`): NaN and inf at the same places, and
+        tolerance model (:mod:`hlofold._core.tolerance`): NaN and inf at the same places, and
         ``max|Δ| ≤ min(eps·(8 + 2·√L)·(D + 1), 1/8)·max|ref|`` over the finite values,
         with ``L`` the program's longest accumulation and ``D`` its depth in convs/dots;
         non-float outputs exact. This catches a wrong fold (errors of the order of the

@@ -90,7 +90,7 @@ def _inputs(args_path, specs):
 
 
 def _verify_artifacts(original, folded, inputs_path, backends):
-    from ._artifacts import input_specs
+    from ._stablehlo.artifacts import input_specs
     from ._verify import verify
     import jax
     import numpy as np
@@ -105,7 +105,7 @@ def _verify_artifacts(original, folded, inputs_path, backends):
 
 def _read_params(path: str) -> dict:
     import numpy as np
-    from ._weights import argument_index
+    from ._stablehlo.weights import argument_index
     try:
         with np.load(path) as z:
             params = {k: z[k] for k in z.files}
@@ -132,9 +132,9 @@ def _verify_with_params(data, apply, params, prepared, kept, inputs_path, backen
     """Original (all arguments) vs apply (kept arguments, then the prepared weights), on
     the kept arguments: random, or from ``--inputs``."""
     import jax
-    from ._artifacts import input_specs, module_callable
+    from ._stablehlo.artifacts import input_specs, module_callable
     from ._verify import accumulation_length, verify
-    from ._weights import argument_index
+    from ._stablehlo.weights import argument_index
     bound = {argument_index(k): v for k, v in params.items()}
     specs = input_specs(data)
     args = _inputs(inputs_path, [specs[i] for i in kept])
@@ -160,9 +160,9 @@ def _verify_split(data, apply, prepare, per_call, inputs_path, backends):
     """Original (all arguments) vs prepare-then-apply, on all arguments (random, or from
     ``--inputs``); a prepare whose ``ok`` is false fails the check."""
     import numpy as np
-    from ._artifacts import input_specs, module_callable
+    from ._stablehlo.artifacts import input_specs, module_callable
     from ._verify import accumulation_length, verify
-    from ._weights import argument_index
+    from ._stablehlo.weights import argument_index
     calls = sorted({argument_index(a) for a in per_call})
     specs = input_specs(data)
     args = _inputs(inputs_path, specs)
@@ -181,7 +181,7 @@ def _verify_split(data, apply, prepare, per_call, inputs_path, backends):
 def cmd_fold(args) -> int:
     import json
     import os
-    from ._artifacts import fold_stablehlo, input_specs
+    from ._stablehlo.artifacts import fold_stablehlo, input_specs
     if os.path.abspath(args.output) == os.path.abspath(args.input):
         raise _UsageError("the output must not overwrite the input")
     if args.params and not args.prepared_out:
@@ -214,7 +214,7 @@ def cmd_fold(args) -> int:
             vrep = _verify_split(data, folded, prepare, args.per_call, args.inputs,
                                  args.backends)
         elif prepared is not None:
-            from ._weights import argument_index
+            from ._stablehlo.weights import argument_index
             n = len(input_specs(data))
             kept = [i for i in range(n) if i not in {argument_index(k) for k in params}]
             vrep = _verify_with_params(data, folded, params, prepared, kept, args.inputs,
@@ -255,7 +255,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from ._artifacts import report_stablehlo
+    from ._stablehlo.artifacts import report_stablehlo
     rep = report_stablehlo(_load(args.input), in_graph=args.in_graph)
     print(rep.to_json(indent=2) if args.json else rep)
     return 0
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
                 parser.error(f"--{name} must be at least 1")
         from ._demo import demo
         return demo(args)
-    from ._hlo_ir import StableHLOError
+    from ._stablehlo.ir import StableHLOError
     try:
         return {"fold": cmd_fold, "verify": cmd_verify, "report": cmd_report}[args.command](args)
     except (_UsageError, StableHLOError) as e:

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat as C
-from ._jaxpr_nested import subjaxprs
+from ._jaxpr.nested import subjaxprs
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _REMAT = {"checkpoint", "remat", "remat2"}

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._fold import fold_jaxpr
-from ._report import FOLDED, FoldReport
+from ._jaxpr.fold import fold_jaxpr
+from ._core.report import FOLDED, FoldReport
 
 PREPARED = "prepared"     # FoldSite.rescale of a site folded from prepared (input) values
 

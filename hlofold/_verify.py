@@ -1,5 +1,5 @@
 """``hlofold.verify``: run the original and the folded program on every backend present and
-compare them under hlofold's tolerance model (:mod:`hlofold._tolerance`: by dtype, longest
+compare them under hlofold's tolerance model (:mod:`hlofold._core.tolerance`: by dtype, longest
 accumulation and depth; TF32 eps for float32 on GPUs across backends).
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from . import _tolerance as T
+from ._core import tolerance as T
+from ._jaxpr.accumulation import accumulation_of
 
 _PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -85,7 +86,7 @@ def _available(backends):
 
 
 def _as_callable(prog, platform: str):
-    from ._artifacts import module_callable
+    from ._stablehlo.artifacts import module_callable
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
         return prog
     return module_callable(prog, platform)
@@ -93,52 +94,14 @@ def _as_callable(prog, platform: str):
 
 def accumulation_length(prog, args) -> tuple[int, int]:
     """``(L, D)`` of ``prog`` (a callable or an artifact): its longest accumulation of a
-    conv/dot and the most of them on one path (see :mod:`hlofold._tolerance`)."""
+    conv/dot and the most of them on one path (see :mod:`hlofold._core.tolerance`)."""
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
-        return T.accumulation_of(jax.make_jaxpr(prog)(*args).jaxpr)
-    from ._artifacts import read_artifact
-    from ._hlo_module import parse_module
+        return accumulation_of(jax.make_jaxpr(prog)(*args).jaxpr)
+    from ._stablehlo.accumulation import module_accumulation
+    from ._stablehlo.artifacts import read_artifact
+    from ._stablehlo.module import parse_module
     with C.mlir_context():
-        module = parse_module(read_artifact(prog).module)
-        funcs = {str(f.attributes["sym_name"]).strip('"'): f
-                 for f in module.body.operations if "sym_name" in f.attributes}
-        memo: dict = {}
-        main = funcs.get("main") or next(iter(funcs.values()))
-        return _region_accumulation(main.regions[0], funcs, memo)
-
-
-def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
-    from ._hlo_ir import DOTS, ROOTS
-    from ._hlo_patterns import dot_dims
-    ir, stablehlo = C.mlir()[0], C.mlir()[1]
-    longest, deepest, depth = 1, 0, {}
-    for block in region.blocks:
-        for op in block.operations:
-            name = op.operation.name
-            d = max((depth.get(v, 0) for v in op.operands), default=0)
-            acc, inner = 1, []
-            if name == "stablehlo.convolution":
-                k = ir.RankedTensorType(op.operands[1].type).shape
-                dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-                acc = int(np.prod(k)) // max(1, k[dn.kernel_output_feature_dimension])
-            elif name in DOTS:
-                lhs = ir.RankedTensorType(op.operands[0].type).shape
-                acc = int(np.prod([lhs[i] for i in dot_dims(op)[1]]))
-            elif name == "func.call":
-                callee = str(op.attributes["callee"]).lstrip("@")
-                if callee in funcs:
-                    if callee not in memo:
-                        memo[callee] = (1, 0)        # recursion guard
-                        memo[callee] = _region_accumulation(funcs[callee].regions[0],
-                                                            funcs, memo)
-                    inner.append(memo[callee])
-            inner += [_region_accumulation(r, funcs, memo) for r in op.operation.regions]
-            longest = max([longest, acc] + [a for a, _ in inner])
-            d += (name in ROOTS) + max((k for _, k in inner), default=0)
-            for r in op.results:
-                depth[r] = d
-            deepest = max(deepest, d)
-    return longest, deepest
+        return module_accumulation(parse_module(read_artifact(prog).module))
 
 
 def verify(original, folded, *args, backends: Sequence[str] | None = None,

@@ -13,7 +13,7 @@ import jax
 
 from . import _compat as C
 from ._prepare import with_inputs
-from ._report import FoldReport
+from ._core.report import FoldReport
 
 
 @dataclasses.dataclass

@@ -22,11 +22,12 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._chain_rules import AffineStep
-from ._fold import plan_sites
-from ._reasons import Reason
-from ._report import REFUSED, FoldReport, FoldSite
-from ._tolerance import accumulation_of, compare
+from ._jaxpr.steps import AffineStep
+from ._jaxpr.fold import plan_sites
+from ._core.reasons import Reason
+from ._core.report import REFUSED, FoldReport, FoldSite
+from ._core.tolerance import compare
+from ._jaxpr.accumulation import accumulation_of
 
 _LAYOUT = ("convert_element_type", "copy", "reduce_precision", "reshape", "squeeze",
            "transpose", "broadcast_in_dim")

@@ -1,0 +1,94 @@
+"""The one tolerance model of hlofold: when a folded output counts as the original's.
+
+Used by ``hlofold.fold(..., verify=True)``, by ``hlofold.verify`` (and the CLI's ``verify``)
+and by the test suite. A folded program computes the same sums in another order and rounds
+the kernel once more (``K·s`` instead of ``conv(x, K)·s``), so its error against the original
+grows like rounding noise over the longest accumulation ``L`` (the largest
+``C_in/G · kernel window`` of a convolution, or contraction size of a dot) and with the depth
+``D`` (accumulating ops one after another on the longest path):
+
+    max|folded − original| ≤ min(eps·(8 + 2·√L)·(D + 1), 1/8) · max|original| + eps·1e-3
+
+over the finite values, with NaN/inf at the same places; non-float outputs compare exactly.
+``eps`` is the dtype's machine epsilon; across backends (a GPU against the CPU original)
+float32 may run as TF32 on tensor cores, so cross-backend checks use eps = 2⁻¹⁰ for float32
+on GPUs. The relative part is capped at 1/8: a wrong fold (a wrong scale or bias) errs by
+O(max|original|), which must always fail, also in bfloat16 over long accumulations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+CAP = 1 / 8
+
+
+def eps(dtype, backend: str = "cpu", cross: bool = False) -> float:
+    """The rounding unit of the model for outputs of ``dtype`` (0 for non-float dtypes)."""
+    dt = np.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        return 0.0
+    if cross and backend == "gpu" and dt == np.float32:
+        return 2.0 ** -10
+    return float(jnp.finfo(dt).eps)
+
+
+def bound(dtype, scale: float, accumulation: int = 1, depth: int = 0, backend: str = "cpu",
+          cross: bool = False) -> float:
+    """The largest ``max|Δ|`` the model allows for outputs of magnitude ``scale``."""
+    e = eps(dtype, backend, cross)
+    rel = min(e * (8 + 2 * math.sqrt(max(accumulation, 1))) * (max(depth, 0) + 1), CAP)
+    return rel * scale + e * 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One output against its reference under the model."""
+    max_abs: float
+    max_rel: float             # max_abs / max|ref|
+    eps_units: float           # max_abs / (eps · max|ref|)
+    bound: float
+    finite: float              # fraction of the values finite in both
+    why: str | None            # None: within the model
+
+    @property
+    def passed(self) -> bool:
+        return self.why is None
+
+
+def compare(ref, out, accumulation: int = 1, depth: int = 0, backend: str = "cpu",
+            cross: bool = False) -> Comparison:
+    """``out`` against ``ref`` under the model (see the module docstring)."""
+    r, o = np.asarray(ref), np.asarray(out)
+    if r.shape != o.shape or r.dtype != o.dtype:
+        return Comparison(math.inf, math.inf, math.inf, 0.0, 0.0,
+                          f"{o.dtype}{list(o.shape)} instead of {r.dtype}{list(r.shape)}")
+    e = eps(r.dtype, backend, cross)
+    if e == 0.0:
+        same = np.array_equal(r, o)
+        return Comparison(0.0 if same else math.inf, 0.0 if same else math.inf, 0.0, 0.0,
+                          1.0, None if same else "values differ")
+    r, o = r.astype(np.float64), o.astype(np.float64)
+    finite = np.isfinite(r) & np.isfinite(o)
+    diff = np.abs(r[finite] - o[finite])
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(r[finite]).max()) if diff.size else 0.0
+    tol = bound(np.asarray(ref).dtype, scale, accumulation, depth, backend, cross)
+    why = None
+    if not (np.array_equal(np.isnan(r), np.isnan(o)) and
+            np.array_equal(np.where(np.isinf(r), r, 0), np.where(np.isinf(o), o, 0))):
+        why = "NaN/inf at other places"
+    elif max_abs > tol:
+        why = f"max|Δ| = {max_abs:.3g} > {tol:.3g}"
+    return Comparison(max_abs, max_abs / scale if scale else 0.0,
+                      max_abs / (e * scale) if scale else 0.0, tol,
+                      float(finite.mean()) if finite.size else 1.0, why)
+
+
+def mismatch(ref, out, accumulation: int = 1, depth: int = 0) -> str | None:
+    """Why ``out`` is not ``ref`` under the model (None: it is)."""
+    return compare(ref, out, accumulation, depth).why

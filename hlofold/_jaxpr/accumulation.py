@@ -1,0 +1,39 @@
+"""``(L, D)`` of a jaxpr for the tolerance model (:mod:`hlofold._core.tolerance`): the longest
+accumulation of its conv/dot equations and the most of them on one path."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _compat as C
+from .nested import subjaxprs
+
+_ACCUMULATING = frozenset({"conv_general_dilated", "dot_general"})
+
+
+def accumulation_of(jaxpr) -> tuple[int, int]:
+    """``(L, D)`` of a jaxpr: the longest accumulation of its conv/dot equations and the
+    most of them on one path (nested jaxprs counted where they are called)."""
+    depth: dict = {}
+    longest, deepest = 1, 0
+    for e in jaxpr.eqns:
+        d = max((depth.get(v, 0) for v in e.invars if isinstance(v, C.Var)), default=0)
+        acc = _eqn_accumulation(e)
+        inner = [accumulation_of(j) for j in subjaxprs(e)]
+        longest = max([longest, acc] + [a for a, _ in inner])
+        d += (e.primitive.name in _ACCUMULATING) + max((k for _, k in inner), default=0)
+        for o in e.outvars:
+            depth[o] = d
+        deepest = max(deepest, d)
+    return longest, deepest
+
+
+
+def _eqn_accumulation(e) -> int:
+    if e.primitive.name == "conv_general_dilated":
+        k = e.invars[1].aval.shape
+        out_feat = k[e.params["dimension_numbers"].rhs_spec[0]]
+        return int(np.prod(k)) // max(1, out_feat)
+    if e.primitive.name == "dot_general":
+        (lc, _), _ = e.params["dimension_numbers"]
+        return int(np.prod([e.invars[0].aval.shape[d] for d in lc], dtype=np.int64))
+    return 1

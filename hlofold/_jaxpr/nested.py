@@ -1,0 +1,196 @@
+"""Folding inside nested jaxprs: one rule per higher-order primitive.
+
+``NESTED_RULES[primitive name](child, eqn, label)`` folds the jaxprs ``eqn`` carries and says
+how to rebuild it: ``None`` when nothing changed, else ``(params, at, consts)`` — the new
+parameters, and constants (hoisted out of the folded bodies) to insert as new inputs at
+position ``at``. ``child(closed, outer, known_mask, label)`` folds one nested jaxpr whose
+inputs are the ``outer`` atoms (``known_mask``: which are followed in as known values). A
+primitive without an entry gets :func:`other_rule`: every closed jaxpr in its parameters is
+folded with nothing known. Every read of an equation's parameters goes through ``_compat``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from .. import _compat as C
+from .patterns import PATTERNS
+
+Rule = Callable[[Callable, Any, str], "tuple[dict, int, list] | None"]
+
+
+def call_rule(child, eqn, label):
+    """jit/pjit, closed_call, custom_jvp/vjp calls: the body sees the call's operands."""
+    key, sub = C.call_body(eqn)
+    if sub is None:
+        return None
+    new = child(sub, eqn.invars, [True] * len(eqn.invars), label)
+    return None if new is sub else ({**eqn.params, key: new}, 0, [])
+
+
+def remat_rule(child, eqn, label):
+    sub = C.ClosedJaxpr(C.remat_body(eqn), ())
+    new = child(sub, eqn.invars, [True] * len(eqn.invars), label)
+    if new is sub:
+        return None
+    open_j, consts = C.hoist_consts(new)
+    return C.with_remat_body(eqn.params, open_j), 0, consts
+
+
+def cond_rule(child, eqn, label):
+    """Each branch folded; their hoisted constants become leading operands of all."""
+    ops = eqn.invars[1:]
+    branches = C.cond_branches(eqn)
+    news = [child(b, ops, [True] * len(ops), f"cond[{k}]") for k, b in enumerate(branches)]
+    if all(n is b for n, b in zip(news, branches)):
+        return None
+    all_consts = [c for n in news for c in n.consts]
+    offs = np.cumsum([0] + [len(n.consts) for n in news]).tolist()
+    in_avals = [C.shape_struct(v.aval) for v in ops]
+    const_avals = [_struct(c) for c in all_consts]
+    new_branches = tuple(with_leading_consts(n, offs[k], offs[k + 1], const_avals, in_avals)
+                         for k, n in enumerate(news))
+    return C.with_cond_branches(eqn.params, new_branches), 1, all_consts
+
+
+def scan_rule(child, eqn, label):
+    """The body, with the scan's constants followed in as known (the carry is not)."""
+    sub, nc = C.scan_body(eqn)
+    new = child(sub, eqn.invars, [k < nc for k in range(len(eqn.invars))], label)
+    if new is sub:
+        return None
+    consts = list(new.consts)
+    body = with_leading_consts(new, 0, len(consts), [_struct(c) for c in consts],
+                               [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+    return C.with_scan_body(eqn.params, body, len(consts)), 0, consts
+
+
+def while_rule(child, eqn, label):
+    """The body (not the condition), with its constants followed in as known."""
+    sub, cn, bn = C.while_body(eqn)
+    body_outer = eqn.invars[cn:]
+    new = child(sub, body_outer, [k < bn for k in range(len(body_outer))], label)
+    if new is sub:
+        return None
+    consts = list(new.consts)
+    body = with_leading_consts(new, 0, len(consts), [_struct(c) for c in consts],
+                               [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+    return C.with_while_body(eqn.params, body, len(consts)), cn, consts
+
+
+def other_rule(child, eqn, label):
+    """Any other primitive carrying closed jaxprs: fold inside with nothing known."""
+    new_params, changed = dict(eqn.params), False
+    for key, val in eqn.params.items():
+        if isinstance(val, C.ClosedJaxpr):
+            new = child(val, [None] * len(val.jaxpr.invars), [False] * len(val.jaxpr.invars),
+                        f"{label}.{key}")
+            if new is not val:
+                new_params[key], changed = new, True
+    return (new_params, 0, []) if changed else None
+
+
+NESTED_RULES: dict[str, Rule] = {
+    **{name: call_rule for name in C.JIT_NAMES},
+    "custom_jvp_call": call_rule,
+    "custom_vjp_call": call_rule,
+    "custom_vjp_call_jaxpr": call_rule,
+    "checkpoint": remat_rule,
+    "remat": remat_rule,
+    "remat2": remat_rule,
+    "cond": cond_rule,
+    "scan": scan_rule,
+    "while": while_rule,
+}
+
+
+def dtype_of(c):
+    return getattr(c, "dtype", np.asarray(c).dtype)
+
+
+def _struct(c) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(c), dtype_of(c))
+
+
+def subjaxprs(eqn):
+    """The jaxprs ``eqn`` carries in its parameters (open ones as they are)."""
+    for v in eqn.params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, C.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, C.Jaxpr):
+                yield x
+
+
+def contains_root(eqn) -> bool:
+    """Whether a nested jaxpr of ``eqn`` holds a pattern root (searched once per jaxpr)."""
+    for j in subjaxprs(eqn):
+        key = id(j)
+        if key not in _ROOT_CACHE:
+            if len(_ROOT_CACHE) > 4096:
+                _ROOT_CACHE.clear()
+            _ROOT_CACHE[key] = (j, any(e.primitive.name in PATTERNS or contains_root(e)
+                                       for e in j.eqns))
+        if _ROOT_CACHE[key][1]:
+            return True
+    return False
+
+
+_ROOT_CACHE: dict[int, tuple[Any, bool]] = {}
+
+
+def with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in_avals):
+    """Rebuild ``closed`` (whose consts are ``all_consts[lo:hi]``) as a const-free closed
+    jaxpr taking ``(*all_consts, *inputs)``."""
+    n = len(const_avals)
+
+    def fn(*a):
+        return C.eval_jaxpr(closed.jaxpr, a[lo:hi], *a[n:])
+
+    return jax.make_jaxpr(fn)(*const_avals, *in_avals)
+
+
+def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
+    """``closed`` with the call equations at indices ``at`` (jit/pjit, closed_call) replaced
+    by their bodies, every body variable fresh (one body may be called twice), the bodies'
+    constants appended as constvars. Inputs and outputs stay the same variables. This is what
+    the StableHLO path does to a private ``func.call`` a chain continues into."""
+    jaxpr = closed.jaxpr
+    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    sub: dict = {}          # an inlined call's output -> the body's atom for it
+
+    def read(a):
+        return sub.get(a, a) if isinstance(a, C.Var) else a
+
+    eqns = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i not in at:
+            ins = [read(a) for a in eqn.invars]
+            eqns.append(eqn if all(x is y for x, y in zip(ins, eqn.invars)) else
+                        eqn.replace(invars=ins))
+            continue
+        body = C.call_body(eqn)[1]
+        env: dict = {}
+        for v, c in zip(body.jaxpr.constvars, body.consts):
+            env[v] = C.new_var(v.aval)
+            constvars.append(env[v])
+            consts.append(c)
+        env.update(zip(body.jaxpr.invars, map(read, eqn.invars)))
+
+        def rd(a, env=env):
+            return env.get(a, a) if isinstance(a, C.Var) else a
+        for e in body.jaxpr.eqns:
+            outs = []
+            for o in e.outvars:
+                if not isinstance(o, C.DropVar):
+                    env[o] = C.new_var(o.aval)
+                outs.append(env.get(o, o))
+            eqns.append(e.replace(invars=[rd(a) for a in e.invars], outvars=outs))
+        for o, r in zip(eqn.outvars, body.jaxpr.outvars):
+            if not isinstance(o, C.DropVar):
+                sub[o] = rd(r)
+    new = jaxpr.replace(constvars=constvars, eqns=eqns,
+                        outvars=[read(a) for a in jaxpr.outvars])
+    return C.ClosedJaxpr(new, consts)

@@ -1,0 +1,50 @@
+"""``(L, D)`` of a StableHLO module for the tolerance model (:mod:`hlofold._core.tolerance`):
+the longest accumulation of its convolutions and dots, and the most of them on one path
+(private functions counted where they are called, regions where they are)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _compat as C
+from .ir import DOTS, ROOTS
+from .patterns import dot_dims
+
+
+def module_accumulation(module) -> tuple[int, int]:
+    """``(L, D)`` of a parsed module, from its ``main`` function."""
+    funcs = {str(f.attributes["sym_name"]).strip('"'): f
+             for f in module.body.operations if "sym_name" in f.attributes}
+    main = funcs.get("main") or next(iter(funcs.values()))
+    return _region_accumulation(main.regions[0], funcs, {})
+
+
+def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
+    ir, stablehlo = C.mlir()[0], C.mlir()[1]
+    longest, deepest, depth = 1, 0, {}
+    for block in region.blocks:
+        for op in block.operations:
+            name = op.operation.name
+            d = max((depth.get(v, 0) for v in op.operands), default=0)
+            acc, inner = 1, []
+            if name == "stablehlo.convolution":
+                k = ir.RankedTensorType(op.operands[1].type).shape
+                dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+                acc = int(np.prod(k)) // max(1, k[dn.kernel_output_feature_dimension])
+            elif name in DOTS:
+                lhs = ir.RankedTensorType(op.operands[0].type).shape
+                acc = int(np.prod([lhs[i] for i in dot_dims(op)[1]]))
+            elif name == "func.call":
+                callee = str(op.attributes["callee"]).lstrip("@")
+                if callee in funcs:
+                    if callee not in memo:
+                        memo[callee] = (1, 0)        # recursion guard
+                        memo[callee] = _region_accumulation(funcs[callee].regions[0],
+                                                            funcs, memo)
+                    inner.append(memo[callee])
+            inner += [_region_accumulation(r, funcs, memo) for r in op.operation.regions]
+            longest = max([longest, acc] + [a for a, _ in inner])
+            d += (name in ROOTS) + max((k for _, k in inner), default=0)
+            for r in op.results:
+                depth[r] = d
+            deepest = max(deepest, d)
+    return longest, deepest

@@ -1,0 +1,284 @@
+"""StableHLO artifacts: MLIR text, MLIR bytecode, StableHLO portable artifacts (VHLO
+bytecode), serialized ``jax.export`` files.
+
+``fold_stablehlo`` takes any of them (or an in-memory ``jax.export.Exported``), runs the
+StableHLO pass, and gives back the same kind of artifact. ``module_callable`` turns a
+StableHLO module into a function JAX can run on any backend, for verification.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _compat as C
+from .._core.report import FoldReport
+from .ir import StableHLOError
+from .module import main_function
+from .fold import fold_module_text
+from .split import split_module
+from .weights import bind_and_fold
+
+ir, stablehlo, _ = C.mlir()
+
+TEXT, BYTECODE, EXPORT = "mlir-text", "mlir-bytecode", "jax-export"
+PORTABLE = "stablehlo-portable"   # VHLO bytecode: stablehlo.serialize_portable_artifact
+# fold_stablehlo's default for sites whose weights are module arguments
+IN_GRAPH_DEFAULT = False
+_MLIR_MAGIC = b"ML\xefR"
+
+
+@dataclasses.dataclass
+class Artifact:
+    kind: str
+    module: Any                   # str (text) or bytes (bytecode) of the StableHLO module
+    exported: Any = None          # the jax.export.Exported, for EXPORT
+    target: str | None = None     # the StableHLO version a PORTABLE artifact targets
+
+
+def read_artifact(data) -> Artifact:
+    """Recognize ``data`` (bytes, str, Exported, or a path) and return its module."""
+    if isinstance(data, os.PathLike):
+        data = _read_file(os.fspath(data))
+    if isinstance(data, jax.export.Exported):
+        return Artifact(EXPORT, data.mlir_module(), data)
+    if isinstance(data, str):
+        if "\n" not in data and os.path.isfile(data):   # a path (its name may say "module")
+            return read_artifact(_read_file(data))
+        if "func.func" in data or "module" in data:
+            return Artifact(TEXT, data)
+        raise StableHLOError("text that is not an MLIR module (no module or func.func)")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected StableHLO text, bytes, a path or a jax.export.Exported, "
+                        f"got {type(data).__name__}")
+    data = bytes(data)
+    if not data.strip():
+        raise StableHLOError("empty input")
+    if data.startswith(_MLIR_MAGIC):
+        target = _portable_target(data)
+        if target is None:
+            return Artifact(BYTECODE, data)
+        return Artifact(PORTABLE, _from_portable(data), target=target)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and ("func.func" in text or "module" in text):
+        return Artifact(TEXT, text)
+    try:
+        exp = jax.export.deserialize(bytearray(data))
+        return Artifact(EXPORT, exp.mlir_module(), exp)
+    except Exception:
+        pass
+    raise StableHLOError("unknown artifact: not MLIR text, MLIR bytecode or a serialized "
+                         "jax.export file")
+
+
+def _portable_target(data: bytes) -> str | None:
+    """The target version of a StableHLO portable artifact (``"1.9.3"``), None for other
+    MLIR bytecode. The bytecode's producer string, after the magic and a one-byte version,
+    is ``StableHLO_v<target>``."""
+    head = data[5:64]
+    if not head.startswith(b"StableHLO_v"):
+        return None
+    return head[len(b"StableHLO_v"):].split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def _from_portable(data: bytes) -> bytes:
+    """The StableHLO (MLIR bytecode) of a portable artifact."""
+    ctx = C.mlir_context()
+    with ctx:
+        try:
+            module = stablehlo.deserialize_portable_artifact(ctx, data)
+        except Exception as e:
+            detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
+            raise StableHLOError(f"unreadable StableHLO portable artifact: {detail}") from None
+        return _module_bytes(module, True)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise StableHLOError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
+    """Text, MLIR bytecode, or (``portable``: a target version) a portable artifact."""
+    if portable is not None:
+        return bytes(stablehlo.serialize_portable_artifact(module, portable))
+    if not as_bytecode:       # (verified already: fold_module checks what it wrote)
+        return module.operation.get_asm(assume_verified=True)
+    import io
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
+
+
+def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT):
+    """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
+
+    Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
+    portable artifact for the same target version out; a serialized ``jax.export`` file in,
+    a serialized file out (an ``Exported`` in, an ``Exported`` out) that
+    ``jax.export.deserialize(...).call(...)`` runs. The input is never modified.
+
+    ``params``: values of ``@main`` arguments that are weights (``{"arg3": array, ...}``;
+    keys ``3``, ``"3"``, ``"arg3"``), for modules that take their weights as arguments
+    (TensorFlow's, PyTorch/XLA's, ``jax.export`` of a function of its parameters). They are
+    folded once, on the host, and the result is ``(apply artifact, FoldReport, prepared)``:
+    the apply artifact takes the remaining arguments in their order, then the arrays of
+    ``prepared`` (folded kernels and biases) — per call it does no more than the original.
+    For a ``jax.export`` artifact ``prepared`` are ``jax.Array`` s on the default device,
+    ready to pass per call; for text and bytecode they are NumPy arrays (to save, or to hand
+    to another runtime): put them on the device once (``jax.device_put``), since a NumPy
+    argument is copied to the device on every call.
+
+    ``split``: the ``@main`` arguments that change on every call (``["arg0"]``); the others
+    are weights, whose values are not needed. The result is ``(apply artifact, FoldReport,
+    prepare artifact)``, both of the input's kind (text, bytecode or portable artifact): run
+    ``prepare`` once per set of weights — it takes the weights in their order and returns
+    the arrays ``apply`` takes after the per-call arguments, then ``ok`` (a boolean scalar,
+    false when a folded kernel or bias is not finite: then run the original module). See
+    :mod:`hlofold._stablehlo.split`.
+
+    Without ``params`` or ``split``, a site whose weights are arguments is folded in the
+    graph, guarded at run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on
+    every call.
+    """
+    art = read_artifact(data)
+    if params is not None and split is not None:
+        raise ValueError("params= (fold for these weight values) and split= (a prepare "
+                         "module for any weight values) exclude each other")
+    if params is not None:
+        return _fold_with_params(art, data, params)
+    if split is not None:
+        if art.kind == EXPORT:
+            raise StableHLOError("split= makes two modules; a jax.export artifact is one "
+                                 "function: fold it with params=, or use hlofold.fold(...)"
+                                 ".split() on the JAX function")
+        prepare, apply, report = split_module(art.module, split)
+        return _write(apply, art), report, _write(prepare, art)
+    module, report = fold_module_text(art.module, in_graph)
+    if not report.num_folded:     # nothing folded: the artifact exactly as it was given
+        return _as_given(data), report
+    with module.context:
+        if art.kind != EXPORT:
+            return _write(module, art), report
+        new = dataclasses.replace(art.exported,
+                                  mlir_module_serialized=C.module_to_portable_artifact(module))
+    if isinstance(data, jax.export.Exported):
+        return new, report
+    return bytes(new.serialize()), report
+
+
+def _as_given(data):
+    """``data`` as the kind fold_stablehlo returns for it (a path: the file's contents)."""
+    if isinstance(data, os.PathLike) or (isinstance(data, str) and "\n" not in data
+                                         and os.path.isfile(data)):
+        raw = _read_file(os.fspath(data))
+        art = read_artifact(raw)
+        return art.module if art.kind == TEXT else raw
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    return data
+
+
+def _fold_with_params(art: Artifact, data, params):
+    module, report, prepared, kept = bind_and_fold(art.module, params)
+    with module.context:
+        if art.kind != EXPORT:
+            return _write(module, art), report, prepared
+        exp = art.exported
+        n_module = len(main_function(module).regions[0].blocks[0].arguments)
+        if len(exp.in_avals) != len(kept) + len(params) or \
+                tuple(exp.module_kept_var_idx) != tuple(range(len(exp.in_avals))) or \
+                exp.ordered_effects or len(exp.platforms) != 1:
+            raise StableHLOError("this jax.export artifact's module arguments are not its "
+                                 "inputs one to one (unused inputs dropped, effects or several "
+                                 "platforms): fold before exporting, with hlofold.export")
+        assert len(kept) + len(prepared) == n_module
+        new = C.exported_with_inputs(exp, kept, prepared,
+                                     C.module_to_portable_artifact(module))
+    prepared = [jax.device_put(v) for v in prepared]
+    if isinstance(data, jax.export.Exported):
+        return new, report, prepared
+    return bytes(new.serialize()), report, prepared
+
+
+def _write(module, art: Artifact):
+    """``module`` as an artifact of ``art``'s kind (not EXPORT)."""
+    return _module_bytes(module, art.kind != TEXT, art.target)
+
+
+def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT) -> FoldReport:
+    """What ``fold_stablehlo`` would fold, and why not the rest (nothing is written)."""
+    return fold_stablehlo(data, in_graph=in_graph)[1]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _main_signature(text_or_bytes):
+    """(input avals, output avals) of the module's public @main."""
+    ctx = C.mlir_context()
+    with ctx:
+        module = ir.Module.parse(text_or_bytes)
+        main = None
+        for op in module.body.operations:
+            if op.operation.name == "func.func" and \
+                    ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                main = op
+        if main is None:
+            raise StableHLOError("the module has no @main function")
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+
+        def aval(t):
+            rt = ir.RankedTensorType(t)
+            dt = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": C.bfloat16,
+                  "i32": np.int32, "i64": np.int64, "i8": np.int8, "i1": np.bool_,
+                  "ui8": np.uint8, "i16": np.int16}.get(str(rt.element_type))
+            if dt is None:
+                raise StableHLOError(f"unsupported element type {rt.element_type}")
+            return jax.ShapeDtypeStruct(tuple(rt.shape), dt)
+        return [aval(t) for t in ftype.inputs], [aval(t) for t in ftype.results]
+
+
+def module_callable(data, platform: str = "cpu"):
+    """A function running the StableHLO module ``data`` (any artifact kind) through JAX.
+
+    For a ``jax.export`` artifact this is its own ``call``; for a bare module, an export of
+    the module's signature whose body is replaced by the module.
+    """
+    art = read_artifact(data)
+    if art.kind == EXPORT:
+        exp = art.exported
+
+        def call_flat(*leaves):   # the flat inputs of ``input_specs``
+            a, kw = jax.tree_util.tree_unflatten(exp.in_tree, leaves)
+            return exp.call(*a, **kw)
+        return call_flat
+    ins, outs = _main_signature(art.module)
+
+    def zeros(*_):
+        return tuple(jax.numpy.zeros(o.shape, o.dtype) for o in outs)
+    shell = jax.export.export(jax.jit(zeros), platforms=[platform])(*ins)
+    ctx = C.mlir_context()
+    with ctx:
+        module = ir.Module.parse(art.module)
+        payload = C.module_to_portable_artifact(module)
+    exp = dataclasses.replace(shell, fun_name="stablehlo_module", mlir_module_serialized=payload,
+                              module_kept_var_idx=tuple(range(len(ins))))
+    return exp.call
+
+
+def input_specs(data) -> list[jax.ShapeDtypeStruct]:
+    """The input shapes and dtypes of an artifact."""
+    art = read_artifact(data)
+    if art.kind == EXPORT:
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in art.exported.in_avals]
+    return _main_signature(art.module)[0]

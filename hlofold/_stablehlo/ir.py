@@ -1,0 +1,351 @@
+"""StableHLO through jaxlib's MLIR bindings: the IR adapter's vocabulary.
+
+Op names the pass knows (roots, per-channel arithmetic, ops a chain passes through), value
+and attribute accessors, dense constants to and from NumPy, the StableHLO arithmetic the s/t
+algebra runs on in the graph (:class:`IrArith`), the guards' finiteness test, and walks over
+an op's readers, roots and regions. Modules as a whole (parse, ``@main``, private
+functions, unused ops) are :mod:`hlofold._stablehlo.module`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jax.numpy as jnp
+
+from .. import _compat as C
+from .._core.algebra import per_channel
+
+ir, stablehlo, func_dialect = C.mlir()
+
+BINARY = {"stablehlo.add": "add", "stablehlo.subtract": "sub", "stablehlo.multiply": "mul",
+           "stablehlo.divide": "div"}
+DOTS = ("stablehlo.dot_general", "stablehlo.dot")
+ROOTS = ("stablehlo.convolution", *DOTS)
+# ops a chain passes through (replayed on the folded root's result), by their kind in the
+# shared rule ``pass_axis``
+SHAPE_KIND = {"stablehlo.convert": "convert", "stablehlo.reshape": "reshape",
+              "stablehlo.transpose": "transpose", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
+
+
+PASS_KINDS = ("convert", "shape")
+
+
+def attr_dims(op, name) -> list[int] | None:
+    return int_dims(op.attributes[name]) if name in op.attributes else None
+
+
+class StableHLOError(ValueError):
+    """The input is not a StableHLO module hlofold can read."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _ranked(value):
+    t = value.type
+    # the bindings hand back the concrete type: cast only when they did not
+    return t if type(t) is ir.RankedTensorType else ir.RankedTensorType(t)
+
+
+def shape_of(value) -> tuple[int, ...]:
+    return tuple(_ranked(value).shape)
+
+
+def elem_type(value):
+    return _ranked(value).element_type
+
+
+_NP_DTYPES = {"f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
+              "f16": np.dtype(np.float16), "bf16": np.dtype(C.bfloat16)}
+_FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "float8_e4m3fnuz",
+        "f8E5M2FNUZ": "float8_e5m2fnuz", "f8E4M3B11FNUZ": "float8_e4m3b11fnuz"}
+# the same, by the Python class the bindings give an element type (a type is printed, which
+# is slow, only when its class is not one of these)
+_BY_CLASS = {ir.F32Type: _NP_DTYPES["f32"], ir.F64Type: _NP_DTYPES["f64"],
+             ir.F16Type: _NP_DTYPES["f16"], ir.BF16Type: _NP_DTYPES["bf16"],
+             ir.IntegerType: None, ir.ComplexType: None}
+_FP8_BY_CLASS = {getattr(ir, f"Float8{s[2:]}Type"): np.dtype(getattr(jnp, name))
+                 for s, name in _FP8.items() if hasattr(ir, f"Float8{s[2:]}Type")}
+_UNSET = object()
+
+
+def np_dtype(etype) -> np.dtype | None:
+    """The NumPy dtype of an element type hlofold folds (f32, f64, f16, bf16), else None."""
+    dt = _BY_CLASS.get(type(etype), _UNSET)
+    return _NP_DTYPES.get(str(etype)) if dt is _UNSET else dt
+
+
+def float_dtype(etype) -> np.dtype | None:
+    """The NumPy dtype of any float element type, fp8 included (None: not a float). Kernels
+    and chain steps of these types are weighed by the precision rule; only the types of
+    :func:`np_dtype` are folded."""
+    cls = type(etype)
+    dt = _BY_CLASS.get(cls, _UNSET)
+    if dt is not _UNSET:
+        return dt
+    if cls in _FP8_BY_CLASS:
+        return _FP8_BY_CLASS[cls]
+    s = str(etype)
+    dt = _NP_DTYPES.get(s)
+    name = None if dt is not None else _FP8.get(s)
+    return np.dtype(getattr(jnp, name)) if name else dt
+
+
+def is_float(value) -> bool:
+    return np_dtype(elem_type(value)) is not None
+
+
+def owner_op(value):
+    """The defining op of ``value``, or None for block arguments."""
+    if isinstance(value, ir.BlockArgument):
+        return None
+    return value.owner.operation
+
+
+def op_name(op) -> str:
+    return op.operation.name
+
+
+def int_dims(attr) -> list[int]:
+    d = ir.DenseI64ArrayAttr(attr)
+    return [d[i] for i in range(len(d))]      # (indexing: 5x faster than iterating)
+
+
+def location(op) -> tuple[str | None, int | None, str]:
+    """``(file, line, name)`` of an op's location: the first file:line in it and the first
+    name (TF's ``fused["conv1_conv/Conv2D", "ops.py":1221:0]``, JAX's
+    ``"jit(f)/conv_general_dilated"("model.py":42:7)``, torch_xla's names), read through
+    :func:`hlofold._compat.location_view`; missing parts are None / ""."""
+    file = line = None
+    names: list[str] = []
+    todo = [op.location]
+    while todo:
+        kind, loc = C.location_view(todo.pop(0))
+        if kind == "file" and file is None:
+            name = str(loc.filename)
+            file, line = ("<input>" if name in ("-", "") else name), int(loc.start_line)
+        elif kind == "name":
+            names.append(str(loc.name_str))
+            todo.insert(0, loc.child_loc)
+        elif kind == "fused":
+            todo[:0] = list(loc.locations)
+        elif kind == "callsite":
+            todo[:0] = [loc.callee, loc.caller]
+    return file, line, (names[0] if names else "")
+
+
+def dense_to_numpy(attr) -> np.ndarray | None:
+    """Values of a dense elements attribute (None where the bindings cannot read them)."""
+    a = ir.DenseElementsAttr(attr)
+    t = ir.RankedTensorType(a.type)
+    dt = np_dtype(t.element_type)
+    if dt is None:
+        return None
+    shape = tuple(t.shape)
+    if a.is_splat:
+        v = a.get_splat_value()
+        try:
+            return np.full(shape, ir.FloatAttr(v).value, dtype=np.float64).astype(dt)
+        except Exception:
+            return None
+    if dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
+        arr = np.array(a)
+        return arr.reshape(shape) if arr.dtype == dt else None
+    if dt == np.dtype(C.bfloat16):
+        return _bf16_values(a, shape)
+    return None
+
+
+def _bf16_values(attr, shape) -> np.ndarray | None:
+    """A bf16 elements attribute's values: the bindings give no buffer for bf16, so they are
+    read from the attribute's own printed form (MLIR prints every bf16 value exactly: as a
+    hex blob of the raw little-endian bits, or as decimals with hex bits for non-finite
+    values). None if the form is not one of these."""
+    text = str(attr)
+    body = text[text.index("<") + 1:text.rindex("> :")].strip()
+    try:
+        if body.startswith('"0x'):
+            bits = np.frombuffer(bytes.fromhex(body[3:body.index('"', 3)]), "<u2")
+        else:
+            toks = body.replace("[", " ").replace("]", " ").replace(",", " ").split()
+            bits = np.array([int(t, 16) if t.startswith("0x") else
+                             np.array(float(t), np.float32).astype(C.bfloat16).view(np.uint16)
+                             for t in toks], np.uint16)
+        return bits.view(C.bfloat16).reshape(shape).copy()
+    except (ValueError, TypeError):
+        return None
+
+
+def numpy_to_dense(arr: np.ndarray, etype):
+    name = str(etype)
+    arr = np.ascontiguousarray(arr, dtype=_NP_DTYPES.get(name, np.float64))
+    if name in ("bf16", "f16"):         # the bindings take their bits
+        arr = arr.view(np.uint16)
+    return ir.DenseElementsAttr.get(arr, type=ir.RankedTensorType.get(arr.shape, etype))
+
+
+class IrArith:
+    """The arithmetic ``collapse`` needs, as StableHLO ops on tensor<c x f32>; used inside an
+    insertion point. Host values (NumPy, Python numbers) stay on the host, also through
+    arithmetic among themselves, until an op reads them: then they become a constant (so
+    an identity ``collapse`` adds, such as a zero shift nothing reads, writes nothing)."""
+
+    def __init__(self, c: int, ct):
+        self.c, self.ct = c, ct
+
+    def asarray(self, x):
+        return x
+
+    def value(self, x):
+        """``x`` in the graph (a constant for a host value)."""
+        if is_host(x):
+            return stablehlo.ConstantOp(numpy_to_dense(per_channel(x, self.c), self.ct)).result
+        return x
+
+    def _binary(self, host_op, op, a, b):
+        if is_host(a) and is_host(b):
+            return host_op(np.asarray(a, np.float64), np.asarray(b, np.float64))
+        return op(self.value(a), self.value(b)).result
+
+    def add(self, a, b):
+        return self._binary(np.add, stablehlo.AddOp, a, b)
+
+    def sub(self, a, b):
+        return self._binary(np.subtract, stablehlo.SubtractOp, a, b)
+
+    def mul(self, a, b):
+        return self._binary(np.multiply, stablehlo.MulOp, a, b)
+
+    def div(self, a, b):
+        return self._binary(np.divide, stablehlo.DivOp, a, b)
+
+    def neg(self, a):
+        return np.negative(np.asarray(a, np.float64)) if is_host(a) else \
+            stablehlo.NegOp(a).result
+
+
+def is_host(x) -> bool:
+    """Whether ``x`` is a value on the host (not one in the graph)."""
+    return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
+PREPARED_ATTR = "hlofold.prepared"   # marks an unguarded folded kernel or bias (guard=False)
+
+
+def all_finite(value, templates: dict | None = None):
+    """A ``tensor<i1>``: every element of ``value`` is finite (insert where you are).
+    ``templates``: the reductions made so far, by rank; a later one of the same rank is a
+    clone of the first with its operands set (one call, not a reduction built and its body
+    filled op by op)."""
+    rank = len(shape_of(value))
+    fin = stablehlo.IsFiniteOp(value).result
+    made = None if templates is None else templates.get(rank)
+    if made is not None:
+        init, red = made[0].clone(), made[1].clone()
+        red.operands[0] = fin
+        red.operands[1] = init.results[0]
+        return red.results[0]
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+    init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1)))
+    red = stablehlo.ReduceOp([scalar], [fin], [init.result],
+                             ir.DenseI64ArrayAttr.get(list(range(rank))))
+    body = red.body.blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
+    if templates is not None:
+        templates[rank] = (init.operation, red.operation)
+    return red.results[0]
+
+
+def parent_of(op):
+    """The op whose region holds ``op`` (None at the top)."""
+    p = op.parent
+    return None if p is None else p.operation
+
+
+def same_block(a, b) -> bool:
+    """Whether ops ``a`` and ``b`` sit in the same region (their parent is one op)."""
+    pa = parent_of(a)
+    return pa is not None and pa == parent_of(b)
+
+
+def reader_beside(owner, home):
+    """The op in the region held by ``home`` (an op, see :func:`parent_of`) that reads a
+    value ``owner`` reads: ``owner`` itself, or the op holding the region ``owner`` sits in
+    (a ``case`` branch reading a value from above is a read by the ``case``, as a jaxpr's
+    ``cond`` equation reads its operands); None when ``owner`` is not nested there."""
+    while owner is not None:
+        parent = parent_of(owner)
+        if parent is None or parent == home:
+            return owner if parent is not None else None
+        if op_name(parent) == "func.func":
+            return None
+        owner = parent
+    return None
+
+
+def readers(value, skip=lambda op: False) -> list:
+    """The ops reading ``value`` with the operand position, but those ``skip`` names; a read
+    inside a region (a ``case`` branch reading a value from above) is a read by the op
+    holding the region (:func:`reader_beside`), once, at position -1 — as a jaxpr's ``cond``
+    equation reads its operand."""
+    anchor = owner_op(value)
+    home = None if anchor is None else parent_of(anchor)
+    out, holders = [], set()
+    for u in value.uses:
+        owner, pos = u.owner, u.operand_number
+        if skip(owner):
+            continue
+        if home is not None and parent_of(owner) != home:
+            owner, pos = reader_beside(owner, home), -1
+            if owner is None or owner.operation in holders or skip(owner):
+                continue
+            holders.add(owner.operation)
+        out.append((owner, pos))
+    return out
+
+
+def reads(op) -> list:
+    """The values ``op`` reads: its operands and, inside its regions, values from above."""
+    out = list(op.operands)
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                out.extend(reads(inner))
+    return out
+
+
+def roots_in(op, keep=(), kept: list | None = None) -> list:
+    """The roots in ``op``'s regions, nested regions included (a multi-platform export puts
+    its program in the branches of a ``stablehlo.case``), hlofold's own guards excepted.
+    The ops directly in ``op``'s regions named in ``keep`` are appended to ``kept`` (one walk
+    over the program for both)."""
+    out = []
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation
+                name = inner.name
+                if name in ROOTS:
+                    out.append(inner)
+                elif GUARD_ATTR not in inner.attributes:
+                    if name in keep:
+                        kept.append(inner)
+                    out.extend(roots_in(inner))
+    return out
+
+
+def remap_operands(op, mapping):
+    """Replace, in ``op`` and in every op nested in its regions (a cond/while body may read
+    values from above), the operands that ``mapping`` renames."""
+    for i, v in enumerate(op.operands):
+        for src, dst in mapping.items():
+            if v == src:
+                op.operands[i] = dst
+                break
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                remap_operands(inner, mapping)

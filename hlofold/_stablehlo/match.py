@@ -1,0 +1,279 @@
+"""Matching on StableHLO: the chain after a root.
+
+Roots and operands are read by ``_stablehlo.patterns``. :class:`ChainWalker` (the matching half of
+the pass in ``_stablehlo.fold``) holds what the walk needs across sites; the pass follows a
+root's result with the one chain walk of both paths (``_core.chain.walk``) over
+:class:`HloChain`, whose rule table :data:`HLO_STEPS` says what each op does: per-channel
+arithmetic, ``batch_norm_inference``, the shape ops of the shared rule
+``_core.chain_rules.pass_axis``, private callees (inlined on trial). It also accounts for
+normalizations no root reaches.
+"""
+from __future__ import annotations
+
+from .. import _compat as C
+from .._core.chain import AGAIN, Absorb, Pass, postorder
+from .._core.chain_rules import DIVISOR, Refusal, pass_axis
+from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
+                 op_name, owner_op, readers, reads, remap_operands, shape_of)
+from .patterns import Step, axis_role, resolve
+from .._core.report import NOT_REACHED, FoldSite
+from .._core.unreached import unreached_reason
+
+ir, stablehlo, func_dialect = C.mlir()
+
+
+# the ops the unreached accounting looks at
+UNREACHED_OPS = frozenset({"stablehlo.batch_norm_inference", "stablehlo.multiply"})
+
+
+class ChainWalker:
+    """What the StableHLO pass (``_stablehlo.fold._Pass``) keeps for its chain walks: private calls
+    inlined on trial, the activation memo, and the records of unreached normalizations."""
+
+    def _account_unreached(self, fop, fname, ops=None, dead=frozenset()) -> None:
+        """A NOT_REACHED record for each ``batch_norm_inference`` and each ``multiply`` of
+        an activation by a per-channel vector of parameters that no root's chain took (the
+        rule of :mod:`hlofold._core.unreached`, as on the jaxpr path). ``ops``: the function's
+        ops named in :data:`UNREACHED_OPS` in program order (None: read them from it);
+        ``dead``: ops a fold replaced."""
+        if ops is None:
+            ops = [op.operation for op in fop.regions[0].blocks[0].operations
+                   if op.operation.name in UNREACHED_OPS]
+        for op in ops:
+            name = op.name
+            if op in dead or op in self.forward_taken:   # a chain's, a forward chain's
+                continue
+            if name == "stablehlo.batch_norm_inference":
+                x = op.operands[0]
+                size = shape_of(x)[ir.IntegerAttr(op.attributes["feature_index"]).value]
+            elif len(shape_of(op.results[0])) >= 2:           # a multiply
+                acts = [v for v in op.operands if self._from_root(v)]
+                if len(acts) != 1:
+                    continue
+                x = acts[0]
+                other = op.operands[1] if x == op.operands[0] else op.operands[0]
+                shape = shape_of(op.results[0])
+                found = next((r for r in (resolve(other, shape, a) for a in range(len(shape))
+                                          if shape[a] != 1)
+                              if not isinstance(r, Refusal) and r.size > 1), None)
+                if found is None or self._from_root(found.value):
+                    continue
+                size = found.size
+            else:
+                continue
+            after = self._before_chain(x)
+            if after is None or not self._from_root(x):
+                continue                 # a root's record accounts for it
+            uses = list(op.results[0].uses)
+            then = ("output" if not uses or op_name(uses[0].owner) == "func.return" else
+                    op_name(uses[0].owner).split(".")[-1])
+            file, line, lname = location(op)
+            self.sites.append(FoldSite(
+                pattern="unreached_affine", primitive=name, status=NOT_REACHED,
+                scope=f"@{fname}", file=file, line=line, name_stack=lname,
+                dtype=str(elem_type(op.results[0])), out_channels=int(size),
+                reason=unreached_reason(after, then)))
+
+    def _before_chain(self, value) -> str | None:
+        """The op before the per-channel arithmetic and shape ops leading to ``value``
+        ("input" at a function argument); None when that is a root."""
+        for _ in range(10_000):
+            op = owner_op(value)
+            if op is None:
+                return "input"
+            name = op_name(op)
+            if name in ROOTS:
+                return None
+            acts = [v for v in op.operands if self._from_root(v)]
+            if len(acts) == 1 and (name in BINARY or name in SHAPE_KIND):   # arithmetic, shape ops, casts
+                value = acts[0]
+                continue
+            return name.split(".")[-1]
+        return "input"     # pragma: no cover
+
+    # -- chain walk
+
+    def _inline_call(self, call, arg_index) -> str | None:
+        """Inline a private callee into the caller when the chain continues in it; else say
+        why the chain ends at the call."""
+        callee_name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        callee = self.symbols.get(callee_name)
+        if callee is None or not callee.regions[0].blocks or \
+                "sym_visibility" not in callee.attributes or \
+                ir.StringAttr(callee.attributes["sym_visibility"]).value != "private":
+            return f"chain continues into @{callee_name}, which is not a private function"
+        body = callee.regions[0].blocks[0]
+        arg = body.arguments[arg_index]
+        uses = list(arg.uses)
+        if len(uses) != 1 or op_name(uses[0].owner) not in (*BINARY, "stablehlo.negate",
+                                                          "stablehlo.convert",
+                                                          "stablehlo.batch_norm_inference"):
+            first = op_name(uses[0].owner) if uses else "nothing"
+            return f"chain ends at call @{callee_name} (its argument feeds {first})"
+        mapping = {}
+        for a, v in zip(body.arguments, call.operands):
+            mapping[a] = v
+        ret, cloned = None, []
+        with ir.InsertionPoint(call):
+            for op in body.operations:
+                if op_name(op) == "func.return":
+                    ret = op
+                    break
+                new = op.clone()
+                cloned.append(new)
+                remap_operands(new, mapping)
+                for old_r, new_r in zip(op.results, new.results):
+                    mapping[old_r] = new_r
+        # a trial: the call stays (its uses moved to the inlined ops) until the site is
+        # decided; refused, the call gets its uses back and the inlined ops go (the module
+        # is changed only for a chain that folds)
+        results = [next((dst for src, dst in mapping.items() if src == v), v)
+                   for v in ret.operands]
+        for r, v in zip(call.results, results):
+            r.replace_all_uses_with(v)
+        self.trial.append((call, callee_name, cloned, results))
+        return None
+
+    def _end_trial(self, folded: bool) -> bool:
+        """Keep (``folded``) or undo the private calls a site's walk inlined; whether the
+        program now holds inlined ops."""
+        if not self.trial:
+            return False
+        for call, callee_name, cloned, results in reversed(self.trial):
+            if folded:
+                sites = self.eval.calls.get(callee_name, [])
+                sites[:] = [c for c in sites if c.operation != call.operation]
+                call.erase()
+                self.inlined.add(callee_name)
+                continue
+            for r, v in zip(call.results, results):
+                v.replace_all_uses_with(r)
+            for op in reversed(cloned):
+                op.erase()
+        self.trial.clear()
+        self.activation.clear()    # keyed by op addresses: drop them after erasing
+        self.eval.memo.clear()
+        return folded
+
+    def _from_root(self, value) -> bool:
+        """Whether ``value`` is computed from a conv/dot result (an activation), also through
+        ops whose regions read one (a site's run-time guard). Memoized per op (no op is
+        erased while the memo is in use: see ``dead``): one walk over the program in all,
+        not one per operand."""
+        top = owner_op(value)
+        if top is None:
+            return False
+        memo = self.activation
+
+        def inputs_of(op):
+            if op_name(op) in ROOTS:
+                return ()
+            return [p for p in (owner_op(v) for v in reads(op)) if p is not None]
+
+        def settle(op):
+            memo[op] = op_name(op) in ROOTS or any(memo[p] for p in inputs_of(op))
+        return postorder(top, memo, inputs_of, settle)
+
+
+class HloChain:
+    """The StableHLO adapter of the chain walk (``_core.chain.ChainIR``), for one root; what each
+    op does to the chain is the rule table :data:`HLO_STEPS`."""
+
+    def __init__(self, walker: ChainWalker, root, fname: str):
+        self.walker, self.root = walker, root
+        self.program = f"function @{fname}"
+
+    def uses(self, v):
+        pending = {c for c, *_ in self.walker.trial}      # inlined: their uses moved
+        users, n_out = [], 0
+        for owner, pos in readers(v, lambda op: op in pending):
+            if op_name(owner) == "func.return":
+                n_out += 1
+            else:
+                users.append((owner, pos))
+        return users, n_out
+
+    def name(self, op) -> str:
+        return op_name(op)
+
+    def result(self, op):
+        return op.results[0]
+
+    def describe(self, v) -> str:
+        return str(v.type)
+
+    def step(self, op, pos, v, axis):
+        rule = HLO_STEPS.get(op_name(op))
+        return rule(self, op, pos, v, axis) if rule else f"chain ends at {op_name(op)}"
+
+    def from_root(self, v) -> bool:
+        return owner_op(v) is not None and self.walker._from_root(v)
+
+    def explain_axis(self, axis: int) -> str:
+        return axis_role(self.root, axis)
+
+
+def _binary(chain: HloChain, op, pos, v, axis):
+    name, kind = op_name(op), BINARY[op_name(op)]
+    if kind == "sub":
+        kind = "sub" if pos == 0 else "rsub"
+    elif kind == "div" and pos != 0:
+        return Refusal(DIVISOR.after(f"{name} "))
+    got = resolve(op.operands[1 - pos], shape_of(v), axis)
+    if isinstance(got, Refusal):
+        return Refusal(got.reason.after(f"{name}: "), got.axis)
+    return Absorb(Step(op, kind, got, axis=axis), got.value)
+
+
+def _negate(chain: HloChain, op, pos, v, axis):
+    return Absorb(Step(op, "neg", axis=axis))
+
+
+def _shape(chain: HloChain, op, pos, v, axis):
+    name = op_name(op)
+    nxt = pass_axis(SHAPE_KIND[name], shape_of(v), shape_of(op.results[0]), axis,
+                    floats=is_float(v) and is_float(op.results[0]),
+                    perm=attr_dims(op, "permutation"),
+                    bdims=attr_dims(op, "broadcast_dimensions"))
+    if isinstance(nxt, Refusal):
+        return nxt.reason.after(f"{name}: ")
+    return Pass(Step(op, "convert" if SHAPE_KIND[name] == "convert" else "shape", axis=nxt),
+                nxt)
+
+
+def _batch_norm(chain: HloChain, op, pos, v, axis):
+    if pos != 0:
+        return "chain ends at stablehlo.batch_norm_inference"
+    fi = ir.IntegerAttr(op.attributes["feature_index"]).value
+    if fi != axis:
+        same = " (same size: matched by dimension, not size)" if \
+            shape_of(v)[fi] == shape_of(v)[axis] else ""
+        return Refusal(f"batch_norm_inference feature_index {fi} is not the output-feature "
+                       f"dimension {axis}{same}")
+    bn = {k: op.operands[i] for i, k in enumerate(["x", "scale", "offset", "mean", "variance"])}
+    bn["epsilon"] = ir.FloatAttr(op.attributes["epsilon"]).value
+    return Absorb(Step(op, "bn", bn=bn, axis=axis))
+
+
+def _call(chain: HloChain, op, pos, v, axis):
+    why = chain.walker._inline_call(op, pos)
+    return AGAIN if why is None else why
+
+
+def _branch_return(chain: HloChain, op, pos, v, axis):
+    if op_name(op.parent) not in ("stablehlo.case", "stablehlo.if"):
+        return "chain ends at stablehlo.return"
+    return (f"the root is inside a {op_name(op.parent)} branch (a multi-platform export "
+            "lowers each convolution per platform); not followed out of the branch — export "
+            "for one platform, or fold before exporting (hlofold.export)")
+
+
+# what each op does to a chain that reaches it (others end the chain)
+HLO_STEPS = {
+    **{name: _binary for name in BINARY},
+    **{name: _shape for name in SHAPE_KIND},
+    "stablehlo.negate": _negate,
+    "stablehlo.batch_norm_inference": _batch_norm,
+    "func.call": _call,
+    "stablehlo.return": _branch_return,
+}

@@ -1,0 +1,121 @@
+"""StableHLO modules as a whole: parse and check one, find its ``@main``, its private
+functions and their calls, and erase what a rewrite left unused.
+
+The per-value and per-op vocabulary (names, shapes, types, constants, in-graph arithmetic)
+is :mod:`hlofold._stablehlo.ir`.
+"""
+from __future__ import annotations
+
+from .. import _compat as C
+from .ir import StableHLOError, op_name, owner_op
+
+ir, stablehlo, func_dialect = C.mlir()
+
+
+PURE = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                  "stablehlo.convert", "stablehlo.add", "stablehlo.subtract",
+                  "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
+                  "stablehlo.rsqrt", "stablehlo.sqrt"})
+
+
+def erase_unused(ops) -> None:
+    """Erase those of ``ops`` (and, in turn, of the ops computing their operands) that are
+    side-effect free and whose results nobody uses: what a rewrite left behind, found from
+    the ops it replaced, without a walk over the whole program. ``ops`` must all be live."""
+    todo, queued = [], set()     # each op once in ``todo`` (several Python objects may
+    #                              stand for one op: a second one would outlive the erase)
+
+    def push(op):
+        if op is not None and op not in queued:
+            queued.add(op)
+            todo.append(op)
+    for op in ops:
+        push(op.operation)
+    while todo:
+        op = todo.pop()
+        queued.discard(op)       # re-queued if a reader erased later was its last
+        if op.name in PURE and all(next(iter(r.uses), None) is None for r in op.results):
+            producers = [owner_op(v) for v in op.operands]
+            op.erase()
+            for p in producers:
+                push(p)
+
+
+def call_sites(module) -> dict:
+    """Every ``func.call`` of the module (nested regions included), by callee name."""
+    out: dict = {}
+
+    def calls_in(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if op_name(inner) == "func.call":
+                        out.setdefault(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value,
+                                       []).append(inner)
+                    calls_in(inner)
+    for fop in module.body.operations:
+        calls_in(fop)
+    return out
+
+
+def drop_uncalled_private(module, only=None) -> None:
+    """Erase the private functions no ``func.call`` anywhere (nested regions included)
+    calls; with ``only``, just those of these names."""
+    called = set()
+
+    def calls_in(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if op_name(inner) == "func.call":
+                        called.add(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value)
+                    calls_in(inner)
+    for fop in module.body.operations:
+        calls_in(fop)
+    for fop in list(module.body.operations):
+        if op_name(fop) != "func.func" or "sym_visibility" not in fop.attributes or \
+                ir.StringAttr(fop.attributes["sym_visibility"]).value != "private":
+            continue
+        name = ir.StringAttr(fop.attributes["sym_name"]).value
+        if name not in called and (only is None or name in only):
+            fop.erase()
+
+
+def parse_module(text_or_bytes):
+    """Parse a StableHLO module (text or bytecode) into hlofold's MLIR context, checked."""
+    ctx = C.mlir_context()
+    with ctx, ir.Location.unknown():
+        try:
+            module = ir.Module.parse(text_or_bytes)
+        except Exception as e:   # MLIRError: keep the diagnostic, drop the traceback
+            what = "truncated or corrupt MLIR bytecode" if isinstance(
+                text_or_bytes, (bytes, bytearray)) else "not a readable MLIR module"
+            detail = " ".join(l.strip() for l in str(e).splitlines()[:3])
+            raise StableHLOError(f"{what}: {detail}") from None
+        check_stablehlo(module)
+    return module
+
+
+def main_function(module):
+    """The module's ``@main`` ``func.func``."""
+    for op in module.body.operations:
+        if op_name(op) == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main" \
+                and op.regions[0].blocks:
+            return op
+    raise StableHLOError("the module has no @main function")
+
+
+def check_stablehlo(module):
+    names = set()
+    for fop in module.body.operations:
+        names.add(op_name(fop))
+        if op_name(fop) == "func.func" and fop.regions[0].blocks:
+            for op in fop.regions[0].blocks[0].operations:
+                names.add(op_name(op).split(".")[0])
+    unknown = {n for n in names if n not in ("func", "stablehlo", "chlo", "func.func",
+                                             "sdy", "mhlo", "shardy", "builtin")}
+    if not any(op_name(f) == "func.func" for f in module.body.operations):
+        raise StableHLOError("the module has no func.func: not a StableHLO program")
+    if unknown:
+        raise StableHLOError(f"the module uses dialects hlofold does not handle: "
+                             f"{sorted(unknown)}")

@@ -1,0 +1,218 @@
+"""StableHLO roots and per-channel operands: the StableHLO side of the matcher.
+
+:func:`root_info` reads a convolution or dot: which output dimension carries the features,
+which operand is the kernel and along which axis (layouts named by ``_core.patterns``);
+:func:`resolve` traces a binary op's other operand back to a source that varies only along
+the feature dimension; :class:`Evaluator` computes constant sub-expressions on the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .. import _compat as C
+from .._core.chain_rules import Refusal, resolve_channel_operand
+from .._core.reasons import Reason
+from .ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
+                 owner_op, shape_of)
+from .module import call_sites
+from .._core.patterns import conv_axis_role, conv_layout, dot_axis_role, dot_layout
+
+ir, stablehlo, func_dialect = C.mlir()
+
+
+@dataclasses.dataclass
+class Operand:
+    value: Any                 # smallest per-channel source
+    axis: int | None           # its channel axis (None: scalar-like)
+    casts: tuple               # element types converted to, in order
+    size: int
+
+
+@dataclasses.dataclass
+class Step:
+    op: Any
+    kind: str                  # add/sub/rsub/mul/div/neg/bn/convert
+    operand: Operand | None = None
+    bn: dict | None = None     # batch_norm_inference operands
+    axis: int = 0              # the channel axis of its result
+
+
+class Evaluator:
+    """Values of constant sub-expressions (float64 on the host), memoized."""
+
+    _UNARY = {"stablehlo.negate": np.negative, "stablehlo.sqrt": np.sqrt,
+              "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a), "stablehlo.exponential": np.exp}
+    _BIN = {"stablehlo.add": np.add, "stablehlo.subtract": np.subtract,
+            "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
+            "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
+
+    def __init__(self, module=None):
+        self.memo: dict[Any, np.ndarray | None] = {}
+        self.module = module
+        self._calls: dict | None = None
+
+    @property
+    def calls(self) -> dict:
+        """Private function name -> its call ops (found on first use)."""
+        if self._calls is None:
+            self._calls = {} if self.module is None else call_sites(self.module)
+        return self._calls
+
+
+    def __call__(self, value) -> np.ndarray | None:
+        key = value
+        if key in self.memo:
+            return self.memo[key]
+        out = self._eval(value)
+        self.memo[key] = out
+        return out
+
+    def _eval(self, value):
+        op = owner_op(value)
+        if op is None:
+            outer = entering_value(value, self.calls)
+            return None if outer is None else self(outer)
+        if not is_float(value):
+            return None
+        name = op_name(op)
+        dt = np_dtype(elem_type(value))
+        with np.errstate(all="ignore"):
+            if name == "stablehlo.constant":
+                return dense_to_numpy(op.attributes["value"])
+            ins = [self(v) for v in op.operands]
+            if any(x is None for x in ins):
+                return None
+            if name in self._UNARY:
+                return self._UNARY[name](ins[0].astype(np.float64)).astype(dt)
+            if name in self._BIN:
+                return self._BIN[name](ins[0].astype(np.float64),
+                                       ins[1].astype(np.float64)).astype(dt)
+            if name == "stablehlo.convert":
+                return ins[0].astype(dt)
+            if name == "stablehlo.reshape":
+                return ins[0].reshape(shape_of(value))
+            if name == "stablehlo.transpose":
+                return np.transpose(ins[0], int_dims(op.attributes["permutation"]))
+            if name == "stablehlo.broadcast_in_dim":
+                dims = int_dims(op.attributes["broadcast_dimensions"])
+                shape = shape_of(value)
+                src = ins[0]
+                exp = [1] * len(shape)
+                for i, d in enumerate(dims):
+                    exp[d] = src.shape[i]
+                return np.broadcast_to(src.reshape(exp), shape).astype(dt)
+        return None
+
+
+def entering_value(arg, calls: dict):
+    """The value a block argument always holds, where one can be named: for a loop-invariant
+    argument of a ``stablehlo.while`` (the body returns it unchanged), the loop's operand;
+    for an argument of a private function called once (``calls``: name -> call ops), the
+    call's operand. None otherwise. As a nested jaxpr's inputs are known where the outer
+    values are, so are these."""
+    arg = ir.BlockArgument(arg)
+    block, k = arg.owner, arg.arg_number
+    holder = block.owner
+    name = op_name(holder)
+    if name == "stablehlo.while":
+        body = holder.regions[1].blocks[0]
+        ret = list(body.operations)[-1]
+        if k < len(ret.operands) and ret.operands[k] == body.arguments[k]:
+            return holder.operands[k]
+        return None
+    if name == "func.func":
+        fname = ir.StringAttr(holder.attributes["sym_name"]).value
+        sites = calls.get(fname, [])
+        private = "sym_visibility" in holder.attributes and \
+            ir.StringAttr(holder.attributes["sym_visibility"]).value == "private"
+        if private and len(sites) == 1:
+            return sites[0].operands[k]
+    return None
+
+
+def resolve(value, out_shape, axis) -> Operand | Refusal:
+    """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``: the
+    shared rule :func:`~hlofold._core.chain_rules.resolve_channel_operand` on StableHLO."""
+    def step_of(v):
+        op = owner_op(v)
+        if op is None:
+            return None
+        name = op_name(op)
+        if name == "stablehlo.broadcast_in_dim":
+            return "broadcast_in_dim", op.operands[0], int_dims(
+                op.attributes["broadcast_dimensions"])
+        if name == "stablehlo.reshape":
+            return "reshape", op.operands[0], None
+        if name == "stablehlo.convert" and is_float(op.operands[0]) and is_float(v):
+            return "convert", op.operands[0], elem_type(v)
+        if name == "stablehlo.dynamic_broadcast_in_dim":
+            return "dynamic", op.operands[0], None
+        return None
+    got = resolve_channel_operand(value, out_shape, axis, step_of, shape_of)
+    if isinstance(got, Refusal):
+        return got
+    return Operand(got.source, got.source_axis, got.casts, got.size)
+
+
+def axis_role(op, axis: int) -> str:
+    """What output axis ``axis`` of root ``op`` is (the shared words of ``_core.patterns``)."""
+    if op_name(op) == "stablehlo.convolution":
+        dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+        return conv_axis_role(axis, dn.output_batch_dimension)
+    lb, lc, rb, rc = dot_dims(op)
+    n_lhs = len(shape_of(op.operands[0]))
+    return dot_axis_role(axis, len(lb), n_lhs - len(lb) - len(lc))
+
+
+def root_info(op):
+    """(output feature dim, kernel operand index, kernel feature dim, layout text, input
+    channels, feature groups) or a reason."""
+    name = op_name(op)
+    lhs, rhs, out = shape_of(op.operands[0]), shape_of(op.operands[1]), shape_of(op.results[0])
+    if name == "stablehlo.convolution":
+        dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+        layout = conv_layout(
+            (dn.input_batch_dimension, dn.input_feature_dimension, *dn.input_spatial_dimensions),
+            (dn.kernel_output_feature_dimension, dn.kernel_input_feature_dimension,
+             *dn.kernel_spatial_dimensions),
+            (dn.output_batch_dimension, dn.output_feature_dimension,
+             *dn.output_spatial_dimensions))
+        groups = (ir.IntegerAttr(op.attributes["feature_group_count"]).value
+                  if "feature_group_count" in op.attributes else 1)
+        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension, layout,
+                int(lhs[dn.input_feature_dimension]), int(groups))
+    lb, lc, rb, rc = dot_dims(op)
+    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs)) if d not in rb + rc]
+    if len(rfree) != 1:
+        return Reason("root", f"the rhs has {len(rfree)} free dimensions")
+    return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
+            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
+
+
+def dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(lhs batch, lhs contracting, rhs batch, rhs contracting) dimensions of a
+    ``stablehlo.dot_general``, or of a ``stablehlo.dot`` (a matrix/vector product: the lhs's
+    last dimension contracts with the rhs's first)."""
+    if op_name(op) == "stablehlo.dot":
+        return [], [len(shape_of(op.operands[0])) - 1], [], [0]
+    dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    return (list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions),
+            list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions))
+
+
+def lhs_root_info(op):
+    """The weight as the lhs of a dot (its one free dimension is the output feature), tried
+    when the rhs reading folds nothing; None for convolutions."""
+    if op_name(op) not in DOTS:
+        return None
+    lb, lc, rb, rc = dot_dims(op)
+    lhs, rhs = shape_of(op.operands[0]), shape_of(op.operands[1])
+    lfree = [d for d in range(len(lhs)) if d not in lb + lc]
+    if len(lfree) != 1 or not is_float(op.operands[0]):
+        return None
+    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, shape_of(op.results[0]), True),
+            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)

@@ -1,0 +1,161 @@
+"""Values of a StableHLO site: chain operands on the host (float64) or as graph values.
+
+:class:`HloValues` is the value half of the StableHLO pass (``_stablehlo.fold._Pass``): the chain
+after a root (and the one in front of it) as ``(kinds, operands)`` for ``_core.algebra.collapse``,
+with the operands known now (float64 NumPy, ``batch_norm_inference`` spelled out) or as
+``tensor<c x f32|f64>`` values in the graph; the in-graph kernel arithmetic of a forward
+fold (``K ⊙_in s`` and ``Σ K·t``); and small IR builders. Used inside an insertion point.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _compat as C
+from .._core.algebra import collapse, per_channel
+from .ir import PREPARED_ATTR, IrArith, elem_type, np_dtype, numpy_to_dense, shape_of
+from .patterns import Operand
+
+ir, stablehlo, func_dialect = C.mlir()
+
+
+class HloValues:
+    """Site values for the StableHLO pass (reads ``self.eval`` and ``self.ct``)."""
+
+    def mark_prepared(self, value):
+        """``value`` through an op marked :data:`PREPARED_ATTR` (a folded kernel or bias
+        computed in the graph, unguarded: whoever runs it checks that it is finite)."""
+        op = stablehlo.ConvertOp(value.type, value)
+        op.operation.attributes[PREPARED_ATTR] = ir.UnitAttr.get()
+        return op.result
+
+    def vec_np(self, value, c):
+        x = self.eval(value)
+        return None if x is None else per_channel(np.reshape(x, -1) if np.size(x) > 1 else
+                                                  np.reshape(x, ()), c)
+
+    def operand_np(self, op: Operand):
+        x = self.eval(op.value)
+        if x is None:
+            return None
+        for et in op.casts:
+            x = x.astype(np_dtype(et))
+        return np.asarray(x, np.float64).reshape(-1) if op.axis is not None else \
+            np.asarray(x, np.float64).reshape(())
+
+    # -- IR builders (inside an insertion point)
+
+    def convert(self, value, etype):
+        if elem_type(value) == etype:
+            return value
+        return stablehlo.ConvertOp(ir.RankedTensorType.get(shape_of(value), etype), value).result
+
+    def const_or(self, val, c):
+        """``val`` in the graph: a tensor<c x f32|f64> constant for a host value."""
+        return IrArith(c, self.ct).value(val)
+
+    def vector_ir(self, op: Operand, c):
+        """The operand as a tensor<c x f32> in the graph."""
+        v = op.value
+        for et in op.casts:
+            v = self.convert(v, et)
+        v = self.convert(v, self.ct)
+        flat = stablehlo.ReshapeOp(ir.RankedTensorType.get([op.size], self.ct),
+                                   v).result if shape_of(v) != (op.size,) else v
+        if op.size == c:
+            return flat
+        return stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([c], self.ct),
+                                          stablehlo.ReshapeOp(ir.RankedTensorType.get(
+                                              [], self.ct), flat).result,
+                                          ir.DenseI64ArrayAttr.get([])).result
+
+    def np_chain(self, steps, c):
+        """The chain as (kinds, float64 operands), ``batch_norm_inference`` spelled out as
+        sub μ, mul γ/√(σ²+ε), add β; None when an operand is not known at transform time."""
+        kinds, vals = [], []
+        for st in steps:
+            if st.kind == "bn":
+                v = {k: self.vec_np(st.bn[k], c) for k in ("scale", "offset", "mean", "variance")}
+                if any(x is None for x in v.values()):
+                    return None
+                with np.errstate(all="ignore"):
+                    sc = v["scale"] / np.sqrt(v["variance"] + st.bn["epsilon"])
+                kinds += ["sub", "mul", "add"]
+                vals += [v["mean"], sc, v["offset"]]
+                continue
+            x = None if st.operand is None else self.operand_np(st.operand)
+            if st.operand is not None and x is None:
+                return None
+            kinds.append(st.kind)
+            vals.append(x)
+        return kinds, vals
+
+    def ir_chain(self, steps, c):
+        """The same chain with operands as tensor<c x f32> values in the graph."""
+        f32 = self.ct
+        kinds, vals = [], []
+        for st in steps:
+            if st.kind == "bn":
+                v = {k: self.convert(st.bn[k], f32) for k in
+                     ("scale", "offset", "mean", "variance")}
+                eps = stablehlo.ConstantOp(numpy_to_dense(
+                    np.full(c, st.bn["epsilon"], np.float64), f32)).result
+                sc = stablehlo.MulOp(v["scale"], stablehlo.RsqrtOp(
+                    stablehlo.AddOp(v["variance"], eps).result).result).result
+                kinds += ["sub", "mul", "add"]
+                vals += [v["mean"], sc, v["offset"]]
+                continue
+            kinds.append(st.kind)
+            vals.append(None if st.operand is None else self.vector_ir(st.operand, c))
+        return kinds, vals
+
+    def forward_kernel_ir(self, kc, fwd, info, c_out: int):
+        """In the graph: ``(kc ⊙_in s, Σ kc·t)`` for the forward fold ``fwd`` (``kc``: the
+        kernel in the arithmetic type; the bias is None without a shift)."""
+        c_in, ko, ki = info[4], info[2], fwd.k_in_axis
+        if fwd.s_known is not None:
+            s_in, t_in = fwd.s_known, fwd.t_known
+        else:
+            s_in, t_in = collapse(*self.ir_chain(fwd.steps, c_in), c_in,
+                                  xp=IrArith(c_in, self.ct))
+        kshape = shape_of(kc)
+        ktype = ir.RankedTensorType.get(kshape, self.ct)
+        b = None
+        if fwd.has_shift:
+            w = stablehlo.MulOp(kc, self._on_kernel(t_in, c_in, fwd.groups, c_out, ktype, ko,
+                                                    ki)).result
+            b = _reduce_sum_but(w, ko, self.ct)
+        kc = stablehlo.MulOp(kc, self._on_kernel(s_in, c_in, fwd.groups, c_out, ktype, ko,
+                                                 ki)).result
+        return kc, b
+
+    def _on_kernel(self, vec, c_in: int, g: int, c_out: int, ktype, ko: int, ki: int):
+        """A per-input-channel vector (length C_in) broadcast over the kernel: output channel
+        o reads the inputs of its group (``_core.algebra.group_matrix_np``)."""
+        ipg = c_in // g
+        vec = self.const_or(vec, c_in)
+        if g == 1:
+            return stablehlo.BroadcastInDimOp(ktype, vec, ir.DenseI64ArrayAttr.get([ki])).result
+        m = stablehlo.ReshapeOp(ir.RankedTensorType.get([g, ipg], self.ct), vec).result
+        m = stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([g, c_out // g, ipg], self.ct),
+                                       m, ir.DenseI64ArrayAttr.get([0, 2])).result
+        m = stablehlo.ReshapeOp(ir.RankedTensorType.get([c_out, ipg], self.ct), m).result
+        dims = [ko, ki]
+        if ko > ki:                     # broadcast dimensions in increasing order
+            m = stablehlo.TransposeOp(m, ir.DenseI64ArrayAttr.get([1, 0])).result
+            dims = [ki, ko]
+        return stablehlo.BroadcastInDimOp(ktype, m, ir.DenseI64ArrayAttr.get(dims)).result
+
+
+def _reduce_sum_but(x, axis: int, ct):
+    """``x`` summed over every axis but ``axis`` (a ``stablehlo.reduce`` with an add body)."""
+    shape = shape_of(x)
+    scalar = ir.RankedTensorType.get([], ct)
+    init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        scalar, ir.FloatAttr.get(ct, 0.0))).result
+    red = stablehlo.ReduceOp([ir.RankedTensorType.get([shape[axis]], ct)], [x], [init],
+                             ir.DenseI64ArrayAttr.get([a for a in range(len(shape))
+                                                       if a != axis]))
+    body = red.body.blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        stablehlo.ReturnOp([stablehlo.AddOp(body.arguments[0], body.arguments[1]).result])
+    return red.results[0]

@@ -1,0 +1,130 @@
+"""StableHLO modules whose weights are arguments: fold them for given weight values.
+
+TensorFlow (``tf.function(jit_compile=True).experimental_get_compiler_ir(...)(stage=
+"stablehlo")``), PyTorch/XLA and ``jax.export`` of a function taking its parameters emit
+modules whose weights are ``@main`` arguments. Folded as they are, ``K ⊙ s`` would be
+computed in the graph on every call. Given the weight values, :func:`bind_and_fold` binds
+those arguments to constants, folds at transform time (float64 on the host, with the rules
+of any constant: a non-finite scale or an underflowing channel refuses its site), and passes
+the folded constants back as arguments ("hoists" them, as :mod:`hlofold._prepare` does for
+jaxprs). The apply module takes ``(*remaining original arguments, *prepared)`` and runs one
+convolution and one add per folded site: no more work per call than the original module,
+and no weights in its text.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import _compat as C
+from .._core.report import FoldReport
+from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense
+from .module import main_function, parse_module
+from .fold import fold_module
+
+ir, stablehlo, _ = C.mlir()
+
+# constants with fewer elements stay in the module (XLA folds them into the arithmetic)
+MIN_HOISTED = 2
+
+
+def argument_index(key) -> int:
+    """``3``, ``"3"``, ``"arg3"`` or ``"%arg3"``: the module argument ``%arg3``."""
+    s = str(key).lstrip("%")
+    s = s[3:] if s.startswith("arg") else s
+    if not s.isdigit():
+        raise StableHLOError(f"{key!r} does not name a module argument (use arg0, arg1, ...)")
+    return int(s)
+
+
+def bind_and_fold(text_or_bytes, params: Mapping[Any, Any]) -> tuple[Any, FoldReport, list,
+                                                                     list[int]]:
+    """``(apply module, report, prepared values, kept)``: ``params`` (module argument →
+    value) bound and folded, the folded constants hoisted into trailing arguments.
+    ``kept``: the original argument numbers the apply module still takes first, in order."""
+    values = {argument_index(k): np.asarray(v) for k, v in params.items()}
+    module = parse_module(text_or_bytes)
+    with module.context, ir.Location.unknown():
+        main = main_function(module)
+        block = main.regions[0].blocks[0]
+        n = len(block.arguments)
+        for i, v in values.items():
+            _check_value(i, v, block.arguments[i].type if i < n else None, n)
+        with ir.InsertionPoint.at_block_begin(block):
+            for i, v in sorted(values.items()):
+                arg = block.arguments[i]
+                const = stablehlo.ConstantOp(numpy_to_dense(v, ir.RankedTensorType(
+                    arg.type).element_type)).result
+                arg.replace_all_uses_with(const)
+        kept = [i for i in range(n) if i not in values]
+        set_arguments(main, kept)
+        report = fold_module(module)
+        prepared = _hoist(main)
+        if not module.operation.verify():
+            raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
+    return module, report, prepared, kept
+
+
+def _check_value(i: int, v: np.ndarray, arg_type, n: int) -> None:
+    if arg_type is None:
+        raise StableHLOError(f"arg{i}: the module's @main takes {n} arguments")
+    t = ir.RankedTensorType(arg_type)
+    if tuple(v.shape) != tuple(t.shape):
+        raise StableHLOError(f"arg{i}: shape {tuple(v.shape)}, the module expects "
+                             f"{tuple(t.shape)}")
+    want = np_dtype(t.element_type)
+    if want is None:
+        raise StableHLOError(f"arg{i}: a {t.element_type} argument; only floating-point "
+                             "weights are bound")
+    if np.dtype(v.dtype) != want:
+        raise StableHLOError(f"arg{i}: dtype {v.dtype}, the module expects {t.element_type}")
+
+
+def _hoist(main) -> list:
+    """Non-splat constants of ``main``'s body (not nested regions) with at least
+    ``MIN_HOISTED`` elements become trailing arguments; returns their values."""
+    block = main.regions[0].blocks[0]
+    values, moved = [], []
+    for op in list(block.operations):
+        if op.operation.name != "stablehlo.constant":
+            continue
+        attr = op.attributes["value"]
+        if ir.DenseElementsAttr(attr).is_splat:
+            continue
+        val = dense_to_numpy(attr)
+        if val is None or val.size < MIN_HOISTED:
+            continue                  # unreadable (bf16) or tiny: stays in the module
+        moved.append(op)
+        values.append(val)
+    n = len(block.arguments)
+    for op in moved:
+        arg = block.add_argument(op.results[0].type, ir.Location.unknown())
+        op.results[0].replace_all_uses_with(arg)
+        op.erase()
+    set_arguments(main, list(range(n)), appended=True)
+    return values
+
+
+def set_arguments(main, kept: list[int], appended: bool = False) -> None:
+    """Make ``main``'s signature match its block: the arguments ``kept`` (old numbering)
+    stay, unused others are erased; with ``appended``, arguments added to the block after
+    them are taken into the function type with empty attributes."""
+    block = main.regions[0].blocks[0]
+    ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+    old_attrs = (list(ir.ArrayAttr(main.attributes["arg_attrs"]))
+                 if "arg_attrs" in main.attributes else None)
+    if not appended:
+        for i in reversed(range(len(block.arguments))):
+            if i not in set(kept):
+                if len(list(block.arguments[i].uses)):
+                    raise AssertionError("a bound argument is still used")  # pragma: no cover
+                block.erase_argument(i)
+        attrs = [old_attrs[i] for i in kept] if old_attrs is not None else None
+    else:
+        extra = len(block.arguments) - len(kept)
+        attrs = (old_attrs + [ir.DictAttr.get({})] * extra) if old_attrs is not None else None
+    main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        [a.type for a in block.arguments], list(ftype.results)))
+    if attrs is not None:
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)

@@ -1,0 +1,134 @@
+"""``python -m benchmarks.run --quick`` runs end to end and writes its JSON, Markdown and PNG.
+
+A smoke test of the benchmark machinery (tiny networks, few rounds, cheap XLA code
+generation): every model builds, every variant runs and agrees with the unfolded program, and
+the HLO fusion counts are there. It says nothing about performance.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytest.importorskip("flax")
+pytest.importorskip("matplotlib")
+
+MODELS = ["resnet18", "resnet50", "mobilenetv2"]
+VARIANTS = ["a", "b", "b'", "c", "d"]
+
+
+def test_quick_benchmark(tmp_path):
+    # One test (not several sharing a fixture) so that pytest-xdist runs the benchmark once.
+    proc, out, seconds = _quick_run(tmp_path)
+    _check_outputs(proc, out)
+    _check_every_variant_ran(proc, out)
+    print(f"quick benchmark: {seconds:.0f} s")
+
+
+def _quick_run(out):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)   # --quick then uses its cheap code generation flags
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out),
+                           "--name", "smoke"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    return proc, out, time.perf_counter() - t0
+
+
+def _check_outputs(proc, out):
+    assert (out / "smoke.json").is_file(), proc.stderr[-3000:]
+    assert (out / "smoke.md").is_file()
+    assert (out / "smoke.png").stat().st_size > 1000
+    result = json.loads((out / "smoke.json").read_text())
+    assert result["config"]["quick"] is True
+    m = result["machine"]
+    for key in ("cpu_model", "sched_affinity_cpus", "device_kind", "jax", "jaxlib", "flax",
+                "hlofold"):
+        assert m.get(key) not in (None, ""), key
+    assert [mk["key"] for mk in result["models"]] == MODELS
+    md = (out / "smoke.md").read_text()
+    assert "Quick (smoke) run" in md and "## Summary" in md and m["cpu_model"] in md
+    for mk in result["models"]:
+        assert mk["title"] in md
+        assert mk["info"]["num_bn"] > 0 and mk["info"]["num_blocks"] > 0
+        for b in mk["batches"]:
+            assert "a" in b["latency_s"] and "d" in b["latency_s"]
+            assert b["hlo"]["a"]["fusions_in_blocks"] > 0
+            assert b["hlo"]["d"]["fusions_per_block"]
+            assert b["fold"]["report_counts"].get("folded", 0) >= mk["info"]["num_bn"]
+
+
+def _check_every_variant_ran(proc, out):
+    result = json.loads((out / "smoke.json").read_text())
+    failures = {(mk["key"], b["batch"]): b["errors"] for mk in result["models"]
+                for b in mk["batches"] if b["errors"]}
+    assert not failures and proc.returncode == 0, failures or proc.stderr[-3000:]
+    for mk in result["models"]:
+        for b in mk["batches"]:
+            assert sorted(b["latency_s"]) == sorted(VARIANTS)
+            for v in VARIANTS:
+                # float32 rounding of a folded program, relative to the largest logit
+                assert b["max_abs_diff_vs_a"][v] <= 1e-5 * b["max_abs_logit_a"] + 1e-6, (mk, v)
+            for prog in ("a", "b_apply", "c", "d"):
+                assert prog in b["hlo"] and prog in b["memory"]
+            # folding removes the BN arithmetic: never more fusions than unfolded
+            assert b["hlo"]["b_apply"]["fusions_in_blocks"] <= b["hlo"]["a"]["fusions_in_blocks"]
+
+
+def test_calls_quick(tmp_path):
+    """``python -m benchmarks.calls --quick``: every way of calling measured side by side
+    with doing nothing, in one run, written as JSON and Markdown with the machine stamped.
+    It says nothing about performance (tiny networks, few rounds)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.calls", "--quick", "--out",
+                           str(tmp_path), "--name", "calls"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "calls.json").read_text())
+    assert res["machine"]["backend"] == "cpu" and res["machine"]["cpu_model"]
+    for row in res["first_call"]:
+        assert row["seconds"]["jit"]["n"] == row["seconds"]["fold"]["n"] >= 2
+        assert row["fold_vs_jit"] > 0 and row["freeze_vs_jit"] > 0
+    assert {r["batch"] for r in res["under_jit"]} == {1, 2}
+    assert all(r["traced_sites_folded"] == 0 for r in res["under_jit"]), \
+        "under the user's jit with traced parameters nothing is rescaled per call"
+    assert all(r["same_program"] and r["same_cost"] for r in res["under_jit"]), \
+        "jit(fold(f)) is jit(f): same StableHLO ops, same XLA cost (flops, bytes)"
+    assert res["dispatch"]["fold_vs_jit"] > 0
+    assert res["changing_params"]["second_half"]["fold"]["n"] >= 2
+    assert len(res["artifacts"]) == 4          # params= and split=, TF module and export
+    for r in res["artifacts"]:                   # the folded program does no more work
+        c = r["cost"]
+        assert c["folded"]["flops"] <= c["original"]["flops"], r
+        assert c["folded"]["bytes"] <= c["original"]["bytes"] * 1.001, r
+    assert {(r["net"], r["batch"]) for r in res["forward"]} == {
+        (n, b) for n in ("fwd-stem", "fwd-bn-conv") for b in (1, 8)}
+    for r in res["forward"]:         # a bias map is folded only where it removes more work
+        c = r["cost"]
+        assert c["folded"]["flops"] <= c["original"]["flops"], r
+        assert c["folded"]["bytes"] <= c["original"]["bytes"] * 1.001, r
+    md = (tmp_path / "calls.md").read_text()
+    for section in ("First call", "Under the user's jit", "Dispatch", "new parameter pytree",
+                    "Artifacts", "Forward folds behind SAME padding"):
+        assert section in md
+
+
+def test_foldtime_quick():
+    """``python -m benchmarks.foldtime --quick``: every row timed for this checkout (tiny
+    models, one round; it says nothing about performance)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.foldtime", "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| jaxpr") or
+            line.startswith("| stablehlo")]
+    assert len(rows) == 8, proc.stdout    # 5 jaxpr rows (constants: first and later folds), 3 StableHLO
+    assert sum(line.startswith("| doing nothing") for line in proc.stdout.splitlines()) == 2
+    assert all(" ms [" in r for r in rows), proc.stdout

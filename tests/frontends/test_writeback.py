@@ -1,0 +1,192 @@
+"""``hlofold.fold_params``: folded weights written back into the model's own parameter tree
+(issue 12, item 2). The unchanged model code run with the new tree gives the original
+outputs; the absorbed normalizations are identities; the report names the pytree paths."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+from tests.helpers import assert_close
+from tests.helpers.blocks import X, decoder, flax_linen_block
+
+RNG = np.random.default_rng(3)
+IMG = jnp.asarray(RNG.standard_normal((2, 8, 8, 3)), jnp.float32)
+
+
+def trained(tree):
+    """BN statistics and affine parameters away from their init values (σ² > 0)."""
+    return jax.tree.map(lambda a: a + jnp.asarray(np.abs(RNG.standard_normal(a.shape)) * 0.5,
+                                                  a.dtype) if hasattr(a, "dtype") and
+                        jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def check(fn, params, *args, sites):
+    out = hlofold.fold_params(fn, params, *args)
+    assert len(out.changes) == sites, str(out)
+    assert jax.tree.structure(out.params) == jax.tree.structure(params)
+    assert_close(fn(params, *args), fn(out.params, *args))
+    for c in out.changes:                 # every change names leaves of the tree
+        assert c.kernel.startswith("[") and all(p.startswith("[") for p in c.identity)
+    return out
+
+
+def leaf(tree, path):
+    return next(v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+                if jax.tree_util.keystr(p) == path)
+
+
+# ---------------------------------------------------------------- BatchNorm, each library
+
+def flax_cnn():
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.BatchNorm(use_running_average=True)(
+                nn.Conv(8, (3, 3), use_bias=False)(x)))
+            x = nn.BatchNorm(use_running_average=True)(nn.Conv(8, (3, 3))(x))
+            return nn.Dense(4)(x.mean((1, 2)))
+
+    m = CNN()
+    return m.apply, trained(m.init(jax.random.key(0), IMG))
+
+
+def test_flax_linen_batchnorm():
+    f, v = flax_cnn()
+    out = check(f, v, IMG, sites=2)
+    first, second = out.changes
+    assert first.bias == "['params']['BatchNorm_0']['bias']"      # no conv bias: β carries t
+    assert second.bias == "['params']['Conv_1']['bias']"          # the conv's own bias does
+    bs = out.params["batch_stats"]["BatchNorm_0"]
+    assert np.all(np.asarray(bs["mean"]) == 0)
+    assert np.all(np.asarray(out.params["params"]["BatchNorm_0"]["scale"]) == 1)
+    # σ² + ε is 1 in float32: the BN computes x·1 + β exactly
+    np.testing.assert_array_equal(np.float32(bs["var"]) + np.float32(1e-5), np.float32(1))
+
+
+def test_flax_nnx_batchnorm():
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, r):
+            self.c = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=r)
+            self.bn = nnx.BatchNorm(8, use_running_average=True, rngs=r)
+
+        def __call__(self, x):
+            return self.bn(self.c(x))
+
+    graph, state = nnx.split(CNN(nnx.Rngs(0)))
+    check(lambda s, x: nnx.merge(graph, s)(x), trained(state), IMG, sites=1)
+
+
+def test_haiku_batchnorm():
+    import haiku as hk
+
+    def net(x, is_training):
+        x = hk.Conv2D(8, 3, with_bias=False)(x)
+        return hk.BatchNorm(True, True, 0.9)(x, is_training=is_training)
+
+    t = hk.without_apply_rng(hk.transform_with_state(net))
+    params, state = trained(t.init(jax.random.key(0), IMG, True))
+    f = lambda ps, x: t.apply(ps[0], ps[1], x, False)[0]
+    out = check(f, (params, state), IMG, sites=1)
+    assert any("mean_ema" in p for p in out.changes[0].identity)
+
+
+def test_equinox_batchnorm():
+    import equinox as eqx
+    conv = eqx.nn.Conv2d(3, 8, 3, use_bias=True, key=jax.random.key(0))
+    bn = eqx.nn.BatchNorm(8, axis_name="batch", inference=True)
+    model, state = trained((conv, bn)), eqx.nn.State(bn)
+    model = (model[0], model[1])
+    params, static = eqx.partition((model, trained(state)), eqx.is_array)
+
+    def f(p, x):
+        (c, b), st = eqx.combine(p, static)
+        return jax.vmap(lambda img: b(c(img), st)[0], axis_name="batch")(x)
+
+    x = jnp.transpose(IMG, (0, 3, 1, 2))
+    check(f, params, x, sites=1)
+
+
+def test_keras_batchnorm():
+    import keras
+    inp = keras.Input((8, 8, 3))
+    y = keras.layers.BatchNormalization()(keras.layers.Conv2D(8, 3, use_bias=False)(inp))
+    model = keras.Model(inp, y)
+    for w in model.weights:
+        w.assign(np.asarray(trained(np.asarray(w.value))))
+    tv = [w.value for w in model.trainable_variables]
+    ntv = [w.value for w in model.non_trainable_variables]
+    f = lambda ws, x: model.stateless_call(ws[0], ws[1], x)[0]
+    out = check(f, (tv, ntv), IMG, sites=1)
+    for w, v in zip(model.trainable_variables + model.non_trainable_variables,
+                    jax.tree.leaves(out.params)):   # hand them to the model's variables
+        w.assign(v)
+    assert_close(f((tv, ntv), IMG), model(IMG))
+
+
+# ---------------------------------------------------------------- norm folds, forward
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_flax_norms_into_projections(kind):
+    import flax.linen as nn
+    f, v = flax_linen_block(getattr(nn, kind))
+    out = hlofold.fold_params(f, v, X)
+    assert_close(f(v, X), f(out.params, X))
+    written = {c.kernel for c in out.changes}
+    # the block's K projection has no bias: LayerNorm's β·W_k has no slot, so the first
+    # norm (Q/K/V as one group) stays; RMSNorm has no β, so all five fold
+    if kind == "RMSNorm":
+        assert len(written) == 5, str(out)
+    else:
+        assert len(written) == 2 and all("Dense_4" in k or "Dense_5" in k for k in written)
+        assert "no bias parameter" in str(out)
+    norm = [p for c in out.changes for p in c.identity if "scale" in p]
+    assert norm and all(np.all(np.asarray(leaf(out.params, p)) == 1) for p in norm)
+
+
+def test_decoder_tied_head_is_kept():
+    f, p = decoder("llama")
+    tokens = jnp.asarray(RNG.integers(0, 32, (2, 5)), jnp.int32)
+    out = check(f, p, tokens, sites=10)                    # 5 per layer; the head is tied
+    assert "tied to an embedding" in str(out)
+    assert np.all(np.asarray(out.params["final"]) == np.asarray(p["final"]))
+    assert np.all(np.asarray(out.params["layers"][0]["n1"]) == 1)
+
+
+def test_gemma_identity_is_zero():
+    """Gemma's ``x·(1 + scale)``: the identity is scale = 0."""
+    f, p = decoder("gemma", layers=1)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    out = check(f, p, tokens, sites=5)
+    assert np.all(np.asarray(out.params["layers"][0]["n2"]) == 0)
+
+
+def test_nothing_given_is_modified():
+    f, v = flax_cnn()
+    before = jax.tree.map(np.array, v)
+    hlofold.fold_params(f, v, IMG)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, v))
+
+
+def test_orbax_round_trip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    f, v = flax_cnn()
+    out = hlofold.fold_params(f, v, IMG)
+    path = tmp_path / "folded"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, out.params)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(path, jax.tree.map(np.zeros_like, out.params))
+    assert_close(f(v, IMG), f(restored, IMG))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, out.params),
+                 jax.tree.map(np.asarray, restored))

@@ -1,0 +1,70 @@
+"""Transformer blocks shared by the tests: a Flax linen pre-norm block and Llama/Gemma-style
+decoders in plain JAX, with trained-looking norm parameters (γ ≠ 1, β ≠ 0)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+D, H, F = 16, 2, 24          # model width, heads, MLP width
+RNG = np.random.default_rng(12)
+
+
+def perturb(tree, scale=0.3):
+    """Trained-looking norm parameters: γ ≠ 1, β ≠ 0 (init values would fold trivially)."""
+    return jax.tree.map(lambda a: a + jnp.asarray(RNG.standard_normal(a.shape) * scale,
+                                                  a.dtype) if hasattr(a, "shape") else a,
+                        tree)
+
+
+def attention(q, k, v):
+    b, t, _ = q.shape
+    split = lambda a: a.reshape(b, t, H, D // H)
+    s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(D // H)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), split(v)).reshape(b, t, D)
+
+
+X = jnp.asarray(RNG.standard_normal((2, 5, D)), jnp.float32)
+
+
+def flax_linen_block(norm):
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = norm()(x)
+            q, k, v = (nn.Dense(D, use_bias=b)(h) for b in (True, False, True))
+            x = x + nn.Dense(D)(attention(q, k, v))
+            h = norm()(x)
+            g, u = nn.Dense(F)(h), nn.Dense(F)(h)
+            return x + nn.Dense(D)(jax.nn.silu(g) * u)
+
+    m = Block()
+    return m.apply, perturb(m.init(jax.random.key(0), X))
+
+
+def decoder(spelling, layers=2, vocab=32):
+    """A Llama- or Gemma-style decoder: embedding, ``layers`` pre-norm blocks, final norm,
+    head tied to the embedding. Norm folds: 5 per layer + the head."""
+    keys = iter(jax.random.split(jax.random.key(1), 16 * layers + 4))
+    w = lambda *s: jax.random.normal(next(keys), s) / np.sqrt(s[0])
+
+    def rms(x, g):
+        h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+        return h * (1 + g) if spelling == "gemma" else h * g
+
+    def f(p, tokens):
+        x = p["embed"][tokens]
+        for lp in p["layers"]:
+            h = rms(x, lp["n1"])
+            x = x + attention(h @ lp["q"], h @ lp["k"], h @ lp["v"]) @ lp["o"]
+            h = rms(x, lp["n2"])
+            x = x + (jax.nn.gelu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+        return rms(x, p["final"]) @ p["embed"].T
+
+    p = {"embed": w(vocab, D), "final": 1 + 0.3 * w(D),
+         "layers": [{"n1": 1 + 0.3 * w(D), "n2": 1 + 0.3 * w(D), "q": w(D, D), "k": w(D, D),
+                     "v": w(D, D), "o": w(D, D), "gate": w(D, F), "up": w(D, F),
+                     "down": w(F, D)} for _ in range(layers)]}
+    return f, p
