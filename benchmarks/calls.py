@@ -180,7 +180,11 @@ def changing_params(net, size, calls, log) -> dict:
 
 def cost(fn, args) -> dict:
     """XLA's own cost analysis of the compiled program: deterministic, unlike timings."""
-    ca = fn.lower(*args).compile().cost_analysis()
+    return cost_of(fn.lower(*args).compile())
+
+
+def cost_of(compiled) -> dict:
+    ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
 
@@ -202,7 +206,6 @@ def artifacts(rounds, calls, log, quick=False) -> list[dict]:
 
 
 def forward(size, rounds, calls, first_rounds, log) -> list[dict]:
-    from jax.extend.core import jaxpr_as_fun
     rows = []
     for net in ("fwd-stem", "fwd-bn-conv"):
         first = first_calls([net], [size], first_rounds, log)[0]
@@ -214,7 +217,7 @@ def forward(size, rounds, calls, first_rounds, log) -> list[dict]:
             fns["jit_of_freeze"] = jax.jit(hlofold.fold(f, freeze=0))
             s = interleaved(fns, {k: (params, x) for k in fns}, rounds, calls,
                             min_round_s=0.3)
-            folded = jax.jit(jaxpr_as_fun(fns["fold"].jaxpr(params, x)))
+            folded = fns["fold"].lower(params, x)        # what calls run: x its argument
             row = {"net": net, "size": size, "batch": b, "seconds": s,
                    "fold_vs_jit": ratio(s["fold"], s["jit"]),
                    "freeze_vs_jit": ratio(s["freeze"], s["jit"]),
@@ -222,7 +225,7 @@ def forward(size, rounds, calls, first_rounds, log) -> list[dict]:
                    "jit_of_freeze_vs_jit": ratio(s["jit_of_freeze"], s["jit"]),
                    "sites_folded": fns["fold"].report(params, x).num_folded,
                    "cost": {"original": cost(fns["jit"], (params, x)),
-                            "folded": cost(folded, jax.tree.leaves((params, x)))},
+                            "folded": cost_of(folded.compile())},
                    "first_call": first if b == 1 else None}
             log(f"forward {net} b{b}: fold {row['fold_vs_jit']:.3f}x, freeze "
                 f"{row['freeze_vs_jit']:.3f}x")

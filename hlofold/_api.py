@@ -21,7 +21,7 @@ default (or rescaled in the graph, guarded: ``in_graph=True``); with concrete pa
 from __future__ import annotations
 
 import functools
-import inspect
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -37,6 +37,7 @@ from ._core.tolerance import mismatch
 from ._jaxpr.accumulation import accumulation_of
 from ._prepare import Executables, fold_with_values, folding_of, place
 from ._core.report import FoldReport
+from ._signature import Signature
 from ._views import FoldedViews
 
 
@@ -101,76 +102,48 @@ class Folded(FoldedViews):
         ji = C.jit_info(fun)
         self._fun = fun
         self._py = ji[0] if ji else fun
+        self.signature = Signature(fun, self._py)
         sa = set(as_tuple(static_argnums)) | set(ji[1] if ji else ())
         sn = set(as_tuple(static_argnames)) | set(ji[2] if ji else ())
-        try:
-            self._sig = inspect.signature(self._py)
-        except (TypeError, ValueError):
-            self._sig = None
-        self._static = self._to_names(sa | sn, "static")
-        self._freeze = self._to_names(set(as_tuple(freeze)), "freeze")
+        self._static = self.signature.names(sa | sn, "static")
+        self.frozen = self.signature.names(set(as_tuple(freeze)), "freeze")
         # donation of a jitted input is kept for the per-call inputs it names
-        self._donate = self._to_names(set(ji[3]) | set(ji[4]), "donate") if ji else frozenset()
+        self._donate = self.signature.names(set(ji[3]) | set(ji[4]), "donate") if ji \
+            else frozenset()
         self._cache = cache_prepared
-        self._programs: dict[Any, Program] = {}
-        self._failed: set = set()      # verify=True: signatures whose fold was found wrong
-        self._fast: Fast | None = None
+        self._reset_caches()
         functools.update_wrapper(self, self._py)
         self.__wrapped__ = fun        # the function as given (jitted or not)
 
-    # ---- argument handling
+    def _reset_caches(self):
+        """Per-signature programs, prepared values and the fast path: shared by the threads
+        that call this function; built and changed under ``_lock``, read without it (the
+        fast path is one object, replaced whole)."""
+        self._lock = threading.RLock()
+        self._programs: dict[Any, Program] = {}
+        self._failed: set = set()      # verify=True: signatures whose fold was found wrong
+        self._fast: Fast | None = None
 
-    def _positional(self) -> list[str]:
-        if self._sig is None:
-            return []
-        return [p.name for p in self._sig.parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # ---- copies: caches are per object (traced programs hold tracebacks, which do not
+    # pickle; a copy folds again on its first call)
 
-    def _to_names(self, items, what) -> frozenset:
-        pos = self._positional()
-        out = set()
-        for it in items:
-            if isinstance(it, int):
-                if self._sig is None:
-                    out.add(f"#{it}")
-                elif it < len(pos):
-                    out.add(pos[it])
-                else:
-                    raise ValueError(f"hlofold.fold: {what} argnum {it} is out of range for "
-                                     f"{getattr(self._py, '__name__', self._py)}{self._sig}")
-            else:
-                if self._sig is not None and it not in self._sig.parameters:
-                    raise ValueError(f"hlofold.fold: {what} argname {it!r} is not a parameter "
-                                     f"of {getattr(self._py, '__name__', self._py)}{self._sig}")
-                out.add(it)
-        return frozenset(out)
+    _CACHES = ("_lock", "_programs", "_failed", "_fast")
 
-    def _arguments(self, args, kwargs) -> dict[str, Any]:
-        if self._sig is None:
-            if kwargs:
-                out = {f"#{i}": a for i, a in enumerate(args)}
-                out.update(kwargs)
-                return out
-            return {f"#{i}": a for i, a in enumerate(args)}
-        bound = self._sig.bind(*args, **kwargs)
-        return dict(bound.arguments)
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in self._CACHES}
 
-    def _call_original(self, arguments: dict[str, Any]):
-        if self._sig is None:
-            pos = [v for k, v in arguments.items() if k.startswith("#")]
-            kw = {k: v for k, v in arguments.items() if not k.startswith("#")}
-            return self._fun(*pos, **kw)
-        ba = inspect.BoundArguments(self._sig, arguments)
-        return self._fun(*ba.args, **ba.kwargs)
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset_caches()
 
     # ---- programs
 
     def _program_for(self, args, kwargs) -> tuple[Program, list]:
-        arguments = self._arguments(args, kwargs)
+        arguments = self.signature.bind(args, kwargs)
         static = {k: v for k, v in arguments.items() if k in self._static}
-        frozen = {k: v for k, v in arguments.items() if k in self._freeze}
+        frozen = {k: v for k, v in arguments.items() if k in self.frozen}
         dynamic = {k: v for k, v in arguments.items() if k not in self._static
-                   and k not in self._freeze}
+                   and k not in self.frozen}
         leaves, tree = jax.tree_util.tree_flatten(dynamic)
         frz_leaves = jax.tree_util.tree_leaves(frozen)
         tracing = any(C.is_tracer(x) for x in leaves + frz_leaves)
@@ -191,32 +164,33 @@ class Folded(FoldedViews):
         except TypeError as e:
             raise TypeError(f"hlofold.fold: static arguments (and the static fields of frozen "
                             f"arguments) must be hashable: {e}") from None
-        prog = self._programs.get(key)
-        if prog is not None and not same_contents(prog.frozen_copies, frz_leaves):
-            prog = None           # a frozen NumPy array was changed in place: fold again
-        if prog is None:
-            leaves_p = jax.tree_util.tree_flatten_with_path(dynamic)[0]
-            prog = self._build(key, arguments, static, frozen, leaves_p, tree, frz_leaves)
-            if len(self._programs) > 64:
-                self._programs.pop(next(iter(self._programs)))
-            self._programs[key] = prog
+        with self._lock:
+            prog = self._programs.get(key)
+            if prog is not None and not same_contents(prog.frozen_copies, frz_leaves):
+                prog = None           # a frozen NumPy array was changed in place: fold again
+            if prog is None:
+                leaves_p = jax.tree_util.tree_flatten_with_path(dynamic)[0]
+                prog = self._build(key, arguments, static, frozen, leaves_p, tree, frz_leaves)
+                if len(self._programs) > 64:
+                    self._programs.pop(next(iter(self._programs)))
+                self._programs[key] = prog
         return prog, leaves
 
     def _build(self, key, arguments, static, frozen, leaves_p, tree, frz_leaves) -> Program:
-        names = [self._leaf_name(p) for p, _ in leaves_p]
+        names = [self.signature.leaf_name(p) for p, _ in leaves_p]
         leaves = [l for _, l in leaves_p]
 
         def flat_fun(*dyn_leaves):
             dyn = jax.tree_util.tree_unflatten(tree, dyn_leaves)
             merged = {k: (static[k] if k in static else frozen[k] if k in frozen else dyn[k])
                       for k in arguments}
-            return self._call_original(merged)
+            return self.signature.call(merged)
 
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(
             *[trace_struct(l) for l in leaves])
         out_tree = jax.tree_util.tree_structure(out_shape)
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
-        by_id = {id(l): self._leaf_name(p) for p, l in frz_p}
+        by_id = {id(l): self.signature.leaf_name(p) for p, l in frz_p}
         const_names = [by_id.get(id(c)) for c in closed.consts]
         # Which inputs do folded sites read? Those the fold leaves to the graph (unknown
         # parameters); they are folded per value on the host (_prepare).
@@ -239,7 +213,9 @@ class Folded(FoldedViews):
                                             if isinstance(x, np.ndarray)),
                         donated=donated)
         prog.variants["never"] = (folded, found)    # what traced calls run by default
-        if not known_idx:     # nothing to prepare per value: that fold is the final one
+        if not known_idx and not C.in_manual_context():
+            # nothing to prepare per value: that fold is the final one (inside shard_map its
+            # constants cannot be placed: each call folds, see _folding_for)
             folding = folding_of(folded, found)
             prog.cached = ((), folding, prog.executables.get(folding),
                            place(folding.hoisted, frz_leaves))
@@ -247,36 +223,30 @@ class Folded(FoldedViews):
 
     def _folding_for(self, prog: Program, known: list, count: bool = True):
         """``(Folding, apply executable, device values)`` for these parameter values: the
-        cached ones while the parameters are the same arrays, else folded anew."""
-        c = prog.cached
-        cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
-        if cacheable and c is not None and len(c[0]) == len(known) \
-                and all(a is b for a, b in zip(c[0], known)):
-            check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
-            prog.hits += count
-            return c[1:]
-        if count and c is not None:
-            prog.churn = prog.churn + 1 if prog.hits < 2 else 0
-            prog.churned = prog.churn >= CHURN_LIMIT
-        check_not_deleted(known)
-        folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
-                                   prog.known_idx, known,
-                                   float32_kernels=self._float32_kernels)
-        entry = (folding, prog.executables.get(folding), place(folding.hoisted, known))
-        if count or c is None:
-            prog.cached, prog.hits = (tuple(known),) + entry, 0
-        return entry
-
-    def _leaf_name(self, path) -> str:
-        if not path:
-            return "<arg>"
-        head, rest = path[0], path[1:]
-        name = getattr(head, "key", None)
-        if name is None:
-            return jax.tree_util.keystr(path)
-        if isinstance(name, str) and name.startswith("#"):
-            name = f"args[{name[1:]}]"
-        return f"{name}{jax.tree_util.keystr(tuple(rest))}"
+        cached ones while the parameters are the same arrays, else folded anew. Safe under
+        concurrent calls: the entry returned is the one these values were folded to, also
+        when another thread caches another meanwhile."""
+        with self._lock:
+            c = prog.cached
+            cacheable = self._cache and all(isinstance(k, jax.Array) for k in known)
+            if cacheable and c is not None and len(c[0]) == len(known) \
+                    and all(a is b for a, b in zip(c[0], known)):
+                check_not_deleted(known)    # as jax.jit: a donated/deleted input raises
+                prog.hits += count
+                return c[1:]
+            if count and c is not None:
+                prog.churn = prog.churn + 1 if prog.hits < 2 else 0
+                prog.churned = prog.churn >= CHURN_LIMIT
+            check_not_deleted(known)
+            folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
+                                       prog.known_idx, known,
+                                       float32_kernels=self._float32_kernels)
+            manual = C.in_manual_context()    # inside shard_map: constants of its trace
+            entry = (folding, prog.executables.get(folding),
+                     list(folding.hoisted) if manual else place(folding.hoisted, known))
+            if (count or c is None) and not manual:
+                prog.cached, prog.hits = (tuple(known),) + entry, 0
+            return entry
 
     # ---- calling
 
@@ -290,34 +260,31 @@ class Folded(FoldedViews):
         if self._failed and prog.verified is None and any(C.is_tracer(x) for x in leaves) \
                 and self._shape_sig(args, kwargs) in self._failed:
             prog.verified = False     # traced calls of a signature that failed verification
-        outs = self._call_leaves(prog, leaves)
+        outs, entry = self._call_leaves(prog, leaves)
         if prog.verified is False and self._verify:
-            self._failed.add(self._shape_sig(args, kwargs))
-        self._fast = None if kwargs else self._fast_path(prog, args, leaves)
+            with self._lock:
+                self._failed.add(self._shape_sig(args, kwargs))
+        if kwargs:
+            self._fast = None
+        elif entry is not None:
+            self._fast = self._fast_path(prog, args, leaves, entry)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
-    def _fast_path(self, prog: Program, args: tuple, leaves: list) -> Fast | None:
-        """The steady-state checks of this signature, or None where a call needs more than
-        identity and type checks (static or changed-in-place arguments, pending
-        verification, traced inputs)."""
-        c = prog.cached
-        if (self._static or prog.frozen_copies or prog.churned or c is None
+    def _fast_path(self, prog: Program, args: tuple, leaves: list, entry) -> Fast | None:
+        """The steady-state checks of this signature for the prepared values ``entry`` this
+        call ran with, or None where a call needs more than identity and type checks
+        (static or changed-in-place arguments, pending verification, traced inputs)."""
+        if (self._static or prog.frozen_copies or prog.churned
                 or (self._verify and prog.verified is not True)
                 or any(C.is_tracer(x) for x in leaves)):
             return None
+        _, fn, prepared = entry
         return make_fast(args, [leaves[i] for i in prog.known_idx], prog.frozen_refs,
-                         [leaves[i] for i in prog.unknown_idx], c[2], c[3], prog.out_tree)
+                         [leaves[i] for i in prog.unknown_idx], fn, prepared, prog.out_tree)
 
     def _shape_sig(self, args, kwargs):
-        """Structure, shapes and dtypes of every non-static argument (frozen ones included)
-        and the static values: the signature a verify failure applies to, concrete or
-        traced."""
-        arguments = self._arguments(args, kwargs)
-        leaves, tree = jax.tree_util.tree_flatten(
-            {k: v for k, v in arguments.items() if k not in self._static})
-        return (tree, tuple((tuple(np.shape(l)), str(getattr(l, "dtype", type(l))))
-                            for l in leaves),
-                static_key({k: v for k, v in arguments.items() if k in self._static}))
+        return self.signature.shape_key(self.signature.bind(args, kwargs), self._static,
+                                        static_key)
 
     def _unfolded(self, prog: Program) -> Callable:
         if prog.unfolded is None:
@@ -333,15 +300,27 @@ class Folded(FoldedViews):
             prog.reference = jax.jit(C.jaxpr_as_fun(prog.original))
         return prog.reference
 
-    def _call_leaves(self, prog: Program, leaves: list) -> list:
+    def _call_leaves(self, prog: Program, leaves: list) -> tuple[list, Any]:
+        """The outputs of one call, and the prepared entry it ran with (None: it ran
+        another program: the original, an in-graph variant, or a verification)."""
         tracing = any(C.is_tracer(x) for x in leaves)
         if prog.verified is False:        # verify=True found the fold wrong for this signature
             if tracing:
-                return list(C.jaxpr_as_fun(prog.original)(*leaves))
-            return list(self._unfolded(prog)(*leaves))
+                return list(C.jaxpr_as_fun(prog.original)(*leaves)), None
+            return list(self._unfolded(prog)(*leaves)), None
         if self._verify and prog.verified is None and not tracing:
+            if prog.original.effects:
+                # comparing would run the program's side effects (callbacks, I/O) twice
+                prog.verified = True
+                warnings.warn(
+                    "hlofold: verify=True: this program has side effects ("
+                    + ", ".join(sorted(str(e) for e in prog.original.effects)) +
+                    "); running it twice to compare would repeat them, so its fold is not "
+                    "verified", RuntimeWarning, stacklevel=4)
+                return self._call_folded(prog, leaves, tracing)
             ref = list(self._reference(prog)(*leaves))   # first: the folded call may donate
-            return self._verify_call(prog, ref, self._call_folded(prog, leaves, tracing))
+            outs, _ = self._call_folded(prog, leaves, tracing)
+            return self._verify_call(prog, ref, outs), None
         return self._call_folded(prog, leaves, tracing)
 
     def _verify_call(self, prog: Program, ref: list, outs: list) -> list:
@@ -365,26 +344,30 @@ class Folded(FoldedViews):
 
     def _variant(self, prog: Program, mode: str) -> tuple[C.ClosedJaxpr, FoldReport]:
         """The original program folded with ``in_graph=mode`` (see :func:`fold_jaxpr`)."""
-        if mode not in prog.variants:
-            prog.variants[mode] = fold_jaxpr(
-                prog.original, invar_names=prog.leaf_names, const_names=prog.const_names,
-                in_graph=mode, float32_kernels=self._float32_kernels)
-        return prog.variants[mode]
+        with self._lock:
+            if mode not in prog.variants:
+                prog.variants[mode] = fold_jaxpr(
+                    prog.original, invar_names=prog.leaf_names,
+                    const_names=prog.const_names, in_graph=mode,
+                    float32_kernels=self._float32_kernels)
+            return prog.variants[mode]
 
     def _traced_mode(self) -> str:
         return "guarded" if self.in_graph else "never"
 
-    def _call_folded(self, prog: Program, leaves: list, tracing: bool) -> list:
+    def _call_folded(self, prog: Program, leaves: list, tracing: bool) -> tuple[list, Any]:
         known = [leaves[i] for i in prog.known_idx]
         if any(C.is_tracer(k) for k in known):
             # parameters traced by an enclosing transformation: K·s cannot be prepared
-            return list(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])(*leaves))
+            return list(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])(
+                *leaves)), None
         if prog.churned:
             if tracing:
-                return list(C.jaxpr_as_fun(prog.original)(*leaves))
-            return list(self._unfolded(prog)(*leaves))
-        _, fn, prepared = self._folding_for(prog, known)
-        return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx]))
+                return list(C.jaxpr_as_fun(prog.original)(*leaves)), None
+            return list(self._unfolded(prog)(*leaves)), None
+        entry = self._folding_for(prog, known)
+        _, fn, prepared = entry
+        return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx])), entry
 
     def __repr__(self) -> str:
         name = getattr(self._py, '__qualname__', self._py)

@@ -23,21 +23,58 @@ Literal = jex_core.Literal
 Var = jex_core.Var
 DropVar = jex_core.DropVar
 check_jaxpr = jex_core.check_jaxpr
-jaxpr_as_fun = jex_core.jaxpr_as_fun
+
+
+def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable:
+    """``closed`` as a function of its inputs (:func:`eval_jaxpr`)."""
+    def fun(*args):
+        return eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    return fun
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (``shard_map``'s vma type; empty elsewhere)."""
+    mat = getattr(jax.typeof(x), "mat", None) if is_tracer(x) else None
+    return getattr(mat, "varying", None) or frozenset()
 
 
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
-    """Evaluate (or, under a trace, re-stage) an open jaxpr, keeping source info."""
-    return _core.eval_jaxpr(jaxpr, consts, *args)
+    """Evaluate (or, under a trace, re-stage) an open jaxpr, keeping source info; inside
+    ``shard_map``, with ``pvary`` inserted where :func:`bind_eqn` says."""
+    if not any(varying_axes(a) for a in args):
+        return _core.eval_jaxpr(jaxpr, consts, *args)
+    env: dict = {**dict(zip(jaxpr.constvars, consts)), **dict(zip(jaxpr.invars, args))}
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]      # noqa: E731
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def in_manual_context() -> bool:
+    """Whether the current trace is inside ``shard_map`` (no device placement there)."""
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def _has_subjaxpr(eqn) -> bool:
+    return any(isinstance(p, (ClosedJaxpr, Jaxpr)) or (
+        isinstance(p, (tuple, list)) and any(isinstance(q, (ClosedJaxpr, Jaxpr)) for q in p))
+        for p in eqn.params.values())
 
 
 def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
     """Bind ``eqn``'s primitive on ``invals`` the way ``core.eval_jaxpr`` does.
 
     The equation's source location and name stack are re-entered so that a retraced
-    equation keeps the user's file and line. Always returns a list of outputs.
+    equation keeps the user's file and line. Inside ``shard_map`` (inputs whose types vary
+    over different manual mesh axes), ``pvary`` is inserted first. Always returns a list of
+    outputs.
     """
     bind_params = eqn.primitive.get_bind_params(params if params is not None else eqn.params)
+    if len(invals) > 1 and not _has_subjaxpr(eqn) and \
+            len({varying_axes(x) for x in invals}) > 1:
+        # inside shard_map, a folded kernel or bias (the same on every shard) meets a
+        # varying activation: insert ``pvary`` as ``lax`` does when it traces
+        invals = list(_core.auto_insert_reshard(*invals))
     with source_of(eqn), eqn.ctx.manager:
         ans = eqn.primitive.bind(*invals, **bind_params)
     return list(ans) if eqn.primitive.multiple_results else [ans]
@@ -151,10 +188,17 @@ def trace(fun: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
     dbg = _core.DebugInfo("hlofold", getattr(fun, "__name__", "fold"), None, None)
-    in_avals = [_core.ShapedArray(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-                for a in avals]
+    in_avals = [_traced_aval(a) for a in avals]
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=dbg), in_avals)
     return ClosedJaxpr(jaxpr, consts)
+
+
+def _traced_aval(a):
+    """The ShapedArray a value is traced as: shape, dtype, weak type, and inside
+    ``shard_map`` the manual axes it varies over."""
+    if getattr(getattr(a, "mat", None), "varying", None):
+        return a            # its type names the manual mesh too
+    return _core.ShapedArray(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
 
 
 def stage_cond(pred: Any, branches: Sequence[Callable], operands: Sequence[Any]) -> Any:
@@ -211,13 +255,11 @@ def jaxpr_of(invars: Sequence[Var], eqns: Sequence[JaxprEqn], outvars: Sequence[
 
 
 def new_var(aval) -> Var:
-    """A fresh jaxpr variable of type ``aval``."""
     return _core.Var(aval)
 
 
 def aval_of(x):
-    """The abstract value of a concrete or traced input."""
-    return jax.typeof(x)
+    return jax.typeof(x)          # of a concrete or traced input
 
 
 def shape_struct(aval) -> jax.ShapeDtypeStruct:
@@ -265,8 +307,7 @@ def inlinable_call(eqn) -> bool:
 
 
 def remat_body(eqn) -> Jaxpr:
-    """The open jaxpr of a checkpoint/remat equation."""
-    return eqn.params["jaxpr"]
+    return eqn.params["jaxpr"]        # an open jaxpr
 
 
 def with_remat_body(params: dict, jaxpr: Jaxpr) -> dict:
@@ -309,10 +350,8 @@ def with_while_body(params: dict, body: ClosedJaxpr, added_consts: int) -> dict:
 
 def location_view(loc) -> tuple[str, Any]:
     """``(kind, view)`` of an MLIR location: kind "file", "name", "fused", "callsite" or
-    "unknown"; ``view`` has that kind's accessors (``filename``/``start_line``,
-    ``name_str``/``child_loc``, ``locations``, ``callee``/``caller``). jaxlib 0.10.2's
-    bindings have one class per kind; 0.10.0's put ``is_a_*()`` and every accessor on
-    ``Location``."""
+    "unknown", ``view`` with that kind's accessors (jaxlib 0.10.2 has a class per kind;
+    0.10.0 puts ``is_a_*()`` and every accessor on ``Location``)."""
     ir = mlir()[0]
     if hasattr(ir, "FileLineColLoc"):
         for kind, cls in (("file", ir.FileLineColLoc), ("name", ir.NameLoc),

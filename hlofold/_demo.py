@@ -60,20 +60,18 @@ def demo(args) -> int:
           f"after {after.count(' = stablehlo.')}")
 
     _progress(4, total, "checking numerics")
-    ref = np.asarray(unfolded(params, x), np.float64)
-    errs = {}
-    for name, fn in (("folded (params as inputs)", folded), ("folded (frozen)", frozen)):
-        out = np.asarray(fn(params, x), np.float64)
-        errs[name] = float(np.max(np.abs(out - ref)))
-    bound = 1e-5 * float(np.max(np.abs(ref))) + 1e-6
+    from ._core.tolerance import compare
+    from ._jaxpr.accumulation import accumulation_of
+    acc, depth = accumulation_of(folded.original_jaxpr(params, x).jaxpr)
+    ref = np.asarray(unfolded(params, x))
     print("\n== Numeric check against the unfolded program (same backend: "
-          f"{jax.default_backend()}) ==")
+          f"{jax.default_backend()}; hlofold's tolerance model, L = {acc}, D = {depth}) ==")
     ok = True
-    for name, e in errs.items():
-        passed = e <= bound
-        ok &= passed
-        print(f"  {name:28s} max|Δ| = {e:.3e}  (bound 1e-5·max|ref| + 1e-6 = {bound:.3e})  "
-              f"{'PASS' if passed else 'FAIL'}")
+    for name, fn in (("folded (params as inputs)", folded), ("folded (frozen)", frozen)):
+        c = compare(ref, np.asarray(fn(params, x)), acc, depth)
+        ok &= c.why is None
+        print(f"  {name:28s} max|Δ| = {c.max_abs:.3e}  (bound {c.bound:.3e})  "
+              f"{'PASS' if c.why is None else 'FAIL: ' + c.why}")
 
     if args.rounds > 0:
         _progress(5, total, f"timing, {args.rounds} interleaved rounds")

@@ -34,15 +34,20 @@ def leaf_key(x):
     dtype = getattr(x, "dtype", None)
     if dtype is None or C.is_tracer(x):   # the same key as a concrete array of that type
         a = C.aval_of(x)
-        return (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+        key = (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+        vma = C.varying_axes(x)           # inside shard_map: the manual axes it varies over
+        return key + (vma,) if vma else key
     key = (x.shape, dtype, bool(getattr(x, "weak_type", False)))
     sh = explicit_sharding(x)
     return key if sh is None else key + (sh,)
 
 
-def trace_struct(x) -> jax.ShapeDtypeStruct:
+def trace_struct(x):
     """The abstract value ``x`` is traced as: with explicit mesh axes its sharding is part of
-    its type, and the traced program (and the jit around it) must keep it."""
+    its type, and the traced program (and the jit around it) must keep it; inside
+    ``shard_map`` so are the manual axes it varies over (as ``jax.jit`` traces it)."""
+    if C.varying_axes(x):        # inside shard_map: traced with its varying manual axes
+        return C.aval_of(x)
     st = C.shape_struct(C.aval_of(x))
     sh = None if C.is_tracer(x) else explicit_sharding(x)
     if sh is None:

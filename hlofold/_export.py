@@ -29,7 +29,7 @@ def lower(f: Callable, *args, freeze: Any = (), **fold_options) -> str:
     ``jax.jit(f).lower(*args).as_text()`` gives, with every BatchNorm whose parameters are
     frozen (``freeze=``) folded; with ``in_graph=True`` also those whose parameters are
     arguments (rescaled in the graph, guarded)."""
-    return _folded(f, freeze, fold_options).lower(*args).as_text()
+    return _folded(f, freeze, fold_options).lower_with_arguments(*args).as_text()
 
 
 def export(f: Callable, *args_or_specs, platforms: Sequence[str] | None = None,
@@ -46,8 +46,8 @@ def export(f: Callable, *args_or_specs, platforms: Sequence[str] | None = None,
         return jax.export.export(jax.jit(folded), platforms=platforms)(*args_or_specs)
     # Frozen arguments are closed over (concrete, so they are baked in as constants); the
     # exported function takes the remaining positional arguments.
-    names = folded._positional()
-    frozen = {i for i, n in enumerate(names) if n in folded._freeze and i < len(args_or_specs)}
+    names = folded.signature.positional()
+    frozen = {i for i, n in enumerate(names) if n in folded.frozen and i < len(args_or_specs)}
     if not frozen:
         raise ValueError("hlofold.export: freeze= must name positional arguments that are "
                          "passed")

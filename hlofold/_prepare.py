@@ -89,23 +89,6 @@ def hoist(closed: C.ClosedJaxpr) -> tuple[C.ClosedJaxpr, list]:
             [c for c, m in zip(closed.consts, lift) if m])
 
 
-def with_inputs(folding: Folding, original: C.ClosedJaxpr,
-                known_idx: Sequence[int]) -> C.ClosedJaxpr:
-    """The folded program with the original inputs (every dynamic leaf, parameters
-    included), for :meth:`Folded.jaxpr`: a parameter that a folded site absorbed is an
-    unused input there."""
-    f = folding.folded.jaxpr
-    orig_in = original.jaxpr.invars
-    known = set(known_idx)
-    pos = {v: k for k, v in enumerate(f.constvars)}
-    per_call = iter(f.invars)
-    invars = [(orig_in[i] if orig_in[i] in pos else C.new_var(orig_in[i].aval))
-              if i in known else next(per_call) for i in range(len(orig_in))]
-    keep = [k for k, v in enumerate(f.constvars) if v not in set(invars)]
-    return C.ClosedJaxpr(f.replace(constvars=[f.constvars[k] for k in keep], invars=invars),
-                         [folding.folded.consts[k] for k in keep])
-
-
 class Executables:
     """Compiled apply programs of one input signature, one per fold structure."""
 

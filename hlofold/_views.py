@@ -12,7 +12,6 @@ from typing import Any, Callable, Sequence
 import jax
 
 from . import _compat as C
-from ._prepare import with_inputs
 from ._core.report import FoldReport
 
 
@@ -107,27 +106,43 @@ class FoldedViews:
         are also stored in ``report(*args).precision``."""
         from ._precision import measure
         prog, leaves = self._program_for(args, kwargs)
-        result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l)), leaves)
+        result = measure(prog.original, lambda *l: self._call_leaves(prog, list(l))[0], leaves)
         self._report_of(args, kwargs)[1].precision = result
         return result
 
     def jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
-        """The folded jaxpr for these arguments (inputs: the flattened non-static,
-        non-frozen arguments; a parameter a folded site absorbed is an unused input)."""
+        """The program calls with these arguments run, as a jaxpr: the folded kernels and
+        biases prepared from these parameter values are its constants, and its inputs are
+        the per-call inputs only (the flattened non-static, non-frozen arguments a folded
+        site does not read: ``split(...).per_call``). The parameters it was prepared from
+        are not inputs, so it cannot be run with other values by mistake; for other
+        parameter values ask again (or use :meth:`split`). With traced or abstract
+        parameters, the program a call under an enclosing transformation runs (its inputs:
+        every non-static, non-frozen leaf)."""
         prog, folding = self._folding_of(args, kwargs)
         if folding is None:
-            return self._variant(prog, "prepared")[0]
-        return with_inputs(folding, prog.original, prog.known_idx)
+            return self._variant(prog, self._traced_mode())[0]
+        return folding.folded
 
     def original_jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
         """The jaxpr before folding."""
         return self._program_for(args, kwargs)[0].original
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """The folded program, lowered for these args (every non-static, non-frozen leaf an
-        argument): sites whose parameters are arguments are rescaled in the graph, guarded,
-        with ``in_graph=True``, and left as they are otherwise (see :meth:`traced_report`);
-        frozen parameters fold as constants."""
+        """The program calls with these arguments run, lowered (:meth:`jaxpr`: the prepared
+        folded kernels and biases are constants; its arguments are the per-call inputs)."""
+        prog, leaves = self._program_for(args, kwargs)
+        closed = self.jaxpr(*args, **kwargs)
+        ins = leaves if len(closed.jaxpr.invars) == len(leaves) else \
+            [leaves[i] for i in prog.unknown_idx]
+        return jax.jit(C.jaxpr_as_fun(closed)).lower(*ins)
+
+    def lower_with_arguments(self, *args, **kwargs) -> jax.stages.Lowered:
+        """The folded program lowered with every non-static, non-frozen leaf an argument (an
+        artifact's form, ``hlofold.lower``/``export``): sites whose parameters are
+        arguments are rescaled in the graph, guarded, with ``in_graph=True``, and left as
+        they are otherwise (see :meth:`traced_report`); frozen parameters fold as
+        constants."""
         prog, leaves = self._program_for(args, kwargs)
         return jax.jit(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])).lower(
             *leaves)

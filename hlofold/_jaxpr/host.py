@@ -73,6 +73,10 @@ RULES: dict[str, Callable] = {
     "transpose": _shape(lambda x, permutation: np.transpose(x, permutation)),
     "copy": _shape(lambda x: x.copy()),
     "copy_p": _shape(lambda x: x.copy()),
+    # the same values with another type (shard_map's varying axes, a sharding)
+    "pvary": _shape(lambda x, **_: x),
+    "reshard": _shape(lambda x, **_: x),
+    "mesh_cast": _shape(lambda x, **_: x),
     "convert_element_type": _convert,
 }
 

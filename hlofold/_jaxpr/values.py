@@ -75,7 +75,10 @@ class ScopeValues:
                 if out is not None:
                     return out
                 with jax.ensure_compile_time_eval():
-                    return C.bind_eqn(eqn, vals)
+                    out = C.bind_eqn(eqn, vals)
+                if not any(C.is_tracer(o) for o in out):
+                    return out
+                # (a primitive that stages even here, e.g. a shard_map collective)
             return [None] * len(eqn.outvars)
         return self._backward(atom, self.known, lambda a: a.val, leaf, combine)
 

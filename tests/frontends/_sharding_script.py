@@ -129,14 +129,13 @@ def check(name, fun, params, x, mesh, model: bool, n_bn: int, n_constraints: int
         ff.original_jaxpr(params, x)), "with_sharding_constraint lost"
 
     unfolded = jf.lower(params, x).compile()
-    # the folded program as prepared calls run it (no run-time guards: ``ff.lower`` adds a
-    # guard per in-graph site, whose cond makes GSPMD gather model-sharded kernels)
-    leaves = jax.tree.leaves((params, x))
-    folded = jax.jit(hlofold._compat.jaxpr_as_fun(ff.jaxpr(params, x)),
-                     in_shardings=tuple(l.sharding for l in leaves),
-                     out_shardings=out_sh, keep_unused=True).lower(*leaves).compile()
-    same_shardings(folded.input_shardings, unfolded.input_shardings, f"{name}: in_shardings")
-    same_shardings(folded.output_shardings, (unfolded.output_shardings,),
+    # the folded program as calls run it (prepared kernels and biases as constants, the
+    # per-call input as its argument); ``ff.lower_with_arguments`` would add a guard per
+    # in-graph site, whose cond makes GSPMD gather model-sharded kernels
+    folded = ff.lower(params, x).compile()
+    same_shardings(folded.input_shardings[0][-1], unfolded.input_shardings[0][-1],
+                   f"{name}: in_sharding of x")
+    same_shardings(folded.output_shardings, unfolded.output_shardings,
                    f"{name}: out_shardings")
     g_unf, g_fold = count_all_gathers(unfolded), count_all_gathers(folded)
     assert g_fold <= g_unf, f"{name}: {g_fold} all-gathers folded, {g_unf} unfolded"
@@ -165,11 +164,48 @@ def check(name, fun, params, x, mesh, model: bool, n_bn: int, n_constraints: int
           f"{g_fold} / apply {g_apply}", flush=True)
 
 
+def check_shard_map(kind):
+    """``hlofold.fold`` called inside ``jax.shard_map`` (issue 31: it raised "requires varying
+    manual axes to match" in 5 of 6 variants): parameters passed or closed over, ``fold``,
+    ``freeze=``, ``in_graph=True``, also under an outer ``jax.jit``; each gives ``jax.jit``'s
+    results, and the staged shard_map body has no per-channel multiply left after a conv."""
+    from jax import shard_map
+    from tests.helpers import assert_no_scaling_after_convs
+    mesh = jax.make_mesh((8,), ("b",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+    rp = jax.device_put(jax.tree.map(jnp.asarray, examples.init_resnet(10, width=8)),
+                        NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.asarray(np.random.default_rng(1).standard_normal((8, 16, 16, 3)),
+                                   jnp.float32), NamedSharding(mesh, P("b")))
+    ref = jax.jit(examples.resnet_apply)(rp, x)
+    passed = lambda g: shard_map(lambda p, x: g(p, x), mesh=mesh, in_specs=(P(), P("b")),
+                                 out_specs=P("b"))
+    closed = lambda g: (lambda p, x: shard_map(lambda x: g(rp, x), mesh=mesh,
+                                               in_specs=P("b"), out_specs=P("b"))(x))
+    ways = {"passed": passed, "jit-passed": lambda g: jax.jit(passed(g))}
+    if kind == "Auto":   # JAX closes over Explicit-sharded arrays in shard_map only as args
+        ways["closed"] = closed
+    for way, wrap in ways.items():
+        for name, opts in (("fold", {}), ("freeze", {"freeze": 0}),
+                           ("in_graph", {"in_graph": True})):
+            g = hlofold.fold(examples.resnet_apply, **opts)
+            close(ref, wrap(g)(rp, x))
+            body = jax.make_jaxpr(wrap(g))(rp, x)
+            inner = [e.params["jaxpr"] for e in body.jaxpr.eqns
+                     if e.primitive.name == "shard_map"]
+            if way == "closed" or name == "in_graph":
+                # parameters known there (closed over), or rescaled in the graph, guarded;
+                # passed in, they are traced: left unfolded by default, as under jax.jit
+                assert_no_scaling_after_convs(inner[0] if inner else body)
+    print(f"ok shard-map-{kind.lower()}: fold, freeze=, in_graph=True inside shard_map "
+          f"({', '.join(ways)})", flush=True)
+
+
 # Explicit mesh axes: with_sharding_constraint is not allowed there (reshard is), and a conv
 # with output-channel-sharded kernels needs an explicit out_sharding in the user's code, so
 # the explicit mesh runs the data-parallel ResNet only.
 CHECKS = ("resnet-data-auto", "resnet-model-auto", "constrained-data-auto",
-          "constrained-model-auto", "resnet-data-explicit")
+          "constrained-model-auto", "resnet-data-explicit", "shard-map-auto",
+          "shard-map-explicit")
 
 
 def make_mesh(shape, names, kind):
@@ -189,6 +225,9 @@ def main(which=CHECKS):
     cp = constrained_params()
     for name in which:
         assert name in CHECKS, f"unknown check {name!r}; one of {CHECKS}"
+        if name.startswith("shard-map"):
+            check_shard_map(name.split("-")[-1].capitalize())
+            continue
         net, par, kind = name.split("-")
         mesh = make_mesh((8,), ("data",), kind) if par == "data" else \
             make_mesh((2, 4), ("data", "model"), kind)
