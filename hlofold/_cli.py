@@ -167,12 +167,14 @@ def _verify_split(data, apply, prepare, per_call, inputs_path, backends):
     specs = input_specs(data)
     args = _inputs(inputs_path, specs)
 
+    # prepare runs once, as it is meant to (for the weights among the inputs)
+    *prepared, ok = module_callable(prepare)(*[a for i, a in enumerate(args)
+                                               if i not in calls])
+    if not bool(np.asarray(ok)):
+        raise _UsageError("the prepare module says ok = false for these weights (a "
+                          "folded kernel or bias is not finite)")
+
     def folded(*full):
-        *prepared, ok = module_callable(prepare)(*[a for i, a in enumerate(full)
-                                                   if i not in calls])
-        if not bool(np.asarray(ok)):
-            raise _UsageError("the prepare module says ok = false for these weights (a "
-                              "folded kernel or bias is not finite)")
         return module_callable(apply)(*[full[i] for i in calls], *prepared)
     return verify(module_callable(data), folded, *args, backends=backends,
                   raise_on_failure=False, accumulation=accumulation_length(data, None))

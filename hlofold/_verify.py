@@ -11,10 +11,11 @@ import jax
 import numpy as np
 
 from . import _compat as C
+from . import _iree as iree
 from ._core import tolerance as T
 from ._jaxpr.accumulation import accumulation_of
 
-_PLATFORMS = ("cpu", "gpu", "tpu")
+_PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
 
 
 class VerificationError(AssertionError):
@@ -63,10 +64,10 @@ class VerifyReport:
         head = (f"hlofold verify: {'PASS' if self.passed else 'FAIL'} on "
                 f"{', '.join(f'{b} ({self.devices.get(b, b)})' for b in self.backends)}; "
                 f"accumulation length {self.accumulation}, depth {self.depth}")
-        lines = [head, f"  {'backend':8s} {'against':14s} out  dtype     max|Δ|     max rel  "
+        lines = [head, f"  {'backend':13s} {'against':14s} out  dtype     max|Δ|     max rel  "
                        f"eps units  tolerance  result"]
         for r in self.rows:
-            lines.append(f"  {r.backend:8s} {r.against:14s} {r.output:<4d} {r.dtype:9s} "
+            lines.append(f"  {r.backend:13s} {r.against:14s} {r.output:<4d} {r.dtype:9s} "
                          f"{r.max_abs:9.3e}  {r.max_rel:9.3e}  {r.eps_units:9.1f}  "
                          f"{r.tolerance:9.3e}  {'ok' if r.passed else 'FAIL'}"
                          + ("" if r.finite == 1.0 else
@@ -75,14 +76,29 @@ class VerifyReport:
 
 
 def _available(backends):
+    """The backends asked for (default: XLA's platforms and IREE's runtimes) present here."""
     out = []
-    for b in backends or _PLATFORMS:
+    for b in backends or _PLATFORMS + iree.runtimes():
+        if b.startswith("iree:"):
+            if b in iree.runtimes():
+                out.append(b)
+            continue
         try:
             if jax.devices(b):
                 out.append(b)
         except RuntimeError:
             continue
     return out
+
+
+def _run(prog, backend: str, args) -> list[np.ndarray]:
+    """``prog``'s outputs on ``backend`` (an XLA platform, or an IREE runtime)."""
+    if backend.startswith("iree:"):
+        return iree.run(backend, _as_callable(prog, "cpu"), args)
+    dev = jax.devices(backend)[0]
+    dargs = jax.device_put(args, dev)
+    with jax.default_device(dev):
+        return [np.asarray(x) for x in jax.tree.leaves(_as_callable(prog, backend)(*dargs))]
 
 
 def _as_callable(prog, platform: str):
@@ -111,9 +127,12 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
 
     ``original``/``folded`` are Python callables or StableHLO artifacts (text, bytecode,
     serialized ``jax.export`` bytes, an ``Exported``, or a path). ``args`` are the inputs
-    (a flat list of arrays for artifacts). Each output is compared with the original on the
-    same backend, and with the original on the CPU (cross-backend). Raises
-    ``VerificationError`` on failure unless ``raise_on_failure=False``.
+    (a flat list of arrays for artifacts). ``backends``: XLA platforms (``"cpu"``,
+    ``"gpu"``, ``"tpu"``) and IREE runtimes (``"iree:llvm-cpu"``, ``"iree:cuda"``; present
+    where IREE is installed, see :mod:`hlofold._iree`); default every one present. Each
+    output is compared with the original on the same backend, and with the original on
+    XLA's CPU (cross-backend). Raises ``VerificationError`` on failure unless
+    ``raise_on_failure=False``.
     """
     names = _available(backends)
     if not names:
@@ -124,13 +143,9 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     results: dict[str, tuple[list, list]] = {}
     devices = {}
     for b in names:
-        dev = jax.devices(b)[0]
-        devices[b] = getattr(dev, "device_kind", str(dev))
-        dargs = jax.device_put(args, dev)
-        with jax.default_device(dev):
-            o = jax.tree.leaves(_as_callable(original, b)(*dargs))
-            f = jax.tree.leaves(_as_callable(folded, b)(*dargs))
-        results[b] = ([np.asarray(x) for x in o], [np.asarray(x) for x in f])
+        devices[b] = iree.device_name(b) if b.startswith("iree:") else getattr(
+            jax.devices(b)[0], "device_kind", b)
+        results[b] = (_run(original, b, args), _run(folded, b, args))
     rows = []
     cpu_ref = results.get("cpu", (None,))[0]
     for b in names:

@@ -1,6 +1,6 @@
 """Built-in example networks in plain JAX (no NN library needed).
 
-``resnet(depth)`` builds a ResNet (basic blocks for depth 10/18/34, bottlenecks for 50/101)
+``init_resnet(depth)``/``resnet_apply`` build a ResNet (basic blocks for depth 10/18/34, bottlenecks for 50/101)
 in NHWC with inference BatchNorm written the way Flax writes it, and parameters with
 realistic BN statistics (means ≠ 0, variances spread around 1, γ ≠ 1, β ≠ 0). The same
 network *without* BN (conv + bias, the limit of folding) is available through
@@ -128,3 +128,54 @@ def resnet_apply(params: dict, x: jax.Array, *, bn: bool = True) -> jax.Array:
 def count_bn(params: dict) -> int:
     """Number of BatchNorm layers in ``params``."""
     return sum(1 for blk in params.values() for k in blk if k.startswith("bn"))
+
+
+# ------------------------------------------------------------------ a Llama-style decoder
+
+
+def init_decoder(layers: int = 2, *, d: int = 64, ffn: int | None = None, vocab: int = 256,
+                 seed: int = 0, dtype=jnp.float32) -> dict:
+    """Parameters of a Llama-style decoder (:func:`decoder_apply`): an embedding,
+    ``layers`` pre-norm blocks (RMSNorm → q, k, v, o; RMSNorm → gate, up, down), a final
+    RMSNorm and an untied head. Norm scales are trained-looking (γ ≠ 1). With ``d=2048,
+    ffn=5632, layers=8, vocab=32000`` it has 0.54 B parameters. Made from a NumPy seed, one
+    leaf at a time (no float64 model-sized temporaries)."""
+    ffn = ffn or 4 * d
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return jnp.asarray((rng.standard_normal(shape, np.float32) /
+                            np.float32(np.sqrt(shape[0]))).astype(dtype))
+
+    def gamma():
+        return jnp.asarray((1 + 0.2 * rng.standard_normal(d, np.float32)).astype(dtype))
+
+    return {"embed": w(vocab, d),
+            "layers": [{"attn_norm": gamma(), "q": w(d, d), "k": w(d, d), "v": w(d, d),
+                        "o": w(d, d), "mlp_norm": gamma(), "gate": w(d, ffn),
+                        "up": w(d, ffn), "down": w(ffn, d)} for _ in range(layers)],
+            "final_norm": gamma(), "head": w(d, vocab)}
+
+
+def _rms_norm(x, g):
+    x32 = x.astype(jnp.float32)
+    r = lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + 1e-6)
+    return (x32 * r).astype(x.dtype) * g
+
+
+def decoder_apply(params: dict, tokens: jax.Array, *, head_dim: int = 64) -> jax.Array:
+    """Next-token logits of the decoder for ``tokens`` (batch, length): causal attention
+    with heads of ``head_dim`` features (one head when the model is narrower)."""
+    x = params["embed"][tokens]
+    b, t, d = x.shape
+    heads = max(1, d // head_dim)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for lp in params["layers"]:
+        h = _rms_norm(x, lp["attn_norm"])
+        q, k, v = (jnp.reshape(h @ lp[n], (b, t, heads, d // heads)) for n in "qkv")
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads).astype(np.float32)
+        a = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+        x = x + jnp.reshape(jnp.einsum("bhqk,bkhd->bqhd", a, v), (b, t, d)) @ lp["o"]
+        h = _rms_norm(x, lp["mlp_norm"])
+        x = x + (jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+    return _rms_norm(x, params["final_norm"]) @ params["head"]

@@ -11,6 +11,9 @@ decide are here, once:
   other readers); a program output ends the chain;
 * an absorbed operand is not computed from an activation (a residual, a gate);
 * a refusal about an axis of the root's output says what that axis is;
+* a cast to a narrower float type ends the chain (``_core.rules.narrowing_cast``): it
+  rounds, so what follows is not an affine image of the root's output — unless nothing was
+  absorbed yet and it returns to a type that holds every value the chain has had;
 * the chain is cut after its last absorbed affine op (trailing shape ops stay).
 
 :func:`chain_kind` reads a walked chain: nothing to fold, already a canonical bias, or a
@@ -24,6 +27,7 @@ from typing import Any, Callable, Hashable, Iterable, Protocol
 
 from .chain_rules import Refusal
 from .reasons import Reason
+from .rules import narrowing_cast
 
 # Refusals and notes both paths write, in the same words.
 FROM_ACTIVATION = Reason("operand-from-activation", "operand is computed from a convolution "
@@ -48,10 +52,12 @@ class Absorb:
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """An op the chain passes through, the channel now on ``axis``."""
+    """An op the chain passes through, the channel now on ``axis``; ``cast``: ``(from, to)``
+    float dtypes when the op is a cast."""
 
     step: Any
     axis: int
+    cast: tuple | None = None
 
 
 AGAIN = object()     # the adapter changed who reads the value (a call inlined): look again
@@ -103,6 +109,7 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
     steps: list = []
     committed, committed_axis = 0, axis
     stop, refusal = None, False
+    narrowest = None              # the narrowest float type of the value since the root
     for _ in range(_MAX_STEPS):
         users, n_out = ir.uses(v)
         n = len(users) + n_out
@@ -139,6 +146,14 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
             steps.append(got.step)
             committed, committed_axis = len(steps), axis
         else:
+            if got.cast is not None:
+                src, dst = got.cast
+                narrowest = src if narrowest is None else narrowest
+                why = narrowing_cast(src, dst, None if committed else narrowest)
+                if why:
+                    stop = why
+                    break
+                narrowest = dst if narrowing_cast(narrowest, dst) else narrowest
             steps.append(got.step)
             axis = got.axis
         v = ir.result(op)

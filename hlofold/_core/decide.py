@@ -10,7 +10,9 @@ on a module) gathers what it knows about a site and asks two questions here:
 
   1. the kernel is not computed from an activation;
   2. the chain does not compute in a wider float type than the (folded) kernel
-     (``precision_refusal``);
+     (``precision_refusal``), and nothing known now depends on subnormal numbers that a
+     backend flushes (``SUBNORMAL``, detected by each adapter's evaluator with
+     ``flushes_differently``);
   3. a scale known now is finite (``scale_refusal``);
   4. a kernel known now, rescaled in float64 and rounded once, neither overflows nor
      underflows a channel (``round_kernel``): the fold is made now, a constant;
@@ -35,7 +37,8 @@ from .algebra import along
 from .chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION, chain_kind
 from .report import CANONICAL, FOLDED, NO_PATTERN, REFUSED
 from .reasons import Reason
-from .rules import precision_refusal, round_kernel, runtime_refusal, scale_refusal
+from .rules import (SUBNORMAL, precision_refusal, round_kernel, runtime_refusal,
+                    scale_refusal)
 
 IN_GRAPH_POLICIES = ("guarded", "unguarded", "prepared", "never")
 
@@ -71,7 +74,7 @@ class Decision:
 def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
            kernel: np.ndarray | None, kernel_axis: int, in_graph: str, not_now: str,
            kernel_from_activation: bool = False, hint: str = "",
-           scale_known: bool | None = None) -> Decision:
+           scale_known: bool | None = None, subnormal: bool = False) -> Decision:
     """The decision for one site (the order is the module docstring's).
 
     Args:
@@ -87,6 +90,7 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
       hint: appended to a precision refusal (how to keep a wider kernel).
       scale_known: every scale of the site is known now (default: ``s is not None``); a
         guarded site is guarded when it is not.
+      subnormal: a value of the site computed now depends on subnormal numbers.
     """
     if in_graph not in IN_GRAPH_POLICIES:
         raise ValueError(f"in_graph must be one of {IN_GRAPH_POLICIES}, got {in_graph!r}")
@@ -95,6 +99,8 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
     why = precision_refusal(kernel_dtype, math_dtypes, hint)
     if why:
         return Decision(why)
+    if subnormal:
+        return Decision(SUBNORMAL)
     if s is not None:
         why = scale_refusal(s)
         if why:

@@ -27,7 +27,6 @@ from .reasons import Reason
 
 _SCALE_KINDS = ("mul", "div", "neg")
 _ELEMENTWISE = ("add", "sub", "mul", "div", "neg", "elementwise")
-_MAX_DEPTH = 16              # operand levels looked through to call a value per token
 
 AMBIGUOUS = Reason("feature-axis", "both operands of the op before the root look per-channel")
 LONE_SHIFT = Reason("chain-end", "a per-token shift (LayerNorm's −μ·r·γ) without the product "
@@ -82,6 +81,8 @@ class ForwardIR(Protocol):
         """None when the chain may take the op producing ``value``."""
 
     def n_consumers(self, value) -> int: ...
+
+    invariant_memo: dict    # (value, axis, shape) -> bool, for :func:`invariant`
 
 
 @dataclasses.dataclass
@@ -144,14 +145,47 @@ def walk_forward(ir: ForwardIR, top, axis: int) -> ForwardChain | Reason:
     return ForwardChain(v, steps[::-1], tokens[::-1], taken, stop)
 
 
-def invariant(ir: ForwardIR, value, axis: int, shape, depth: int = 0) -> bool:
-    """Whether ``value``, broadcast to ``shape``, is constant along ``axis`` (per token)."""
+def invariant(ir: ForwardIR, value, axis: int, shape) -> bool:
+    """Whether ``value``, broadcast to ``shape``, is constant along ``axis`` (per token):
+    a broadcast that does not fill ``axis``, or elementwise ops of such values. Walked with
+    a worklist (no recursion, no depth bound), memoized in ``ir.invariant_memo``."""
+    memo, shape = ir.invariant_memo, tuple(shape)
+    if ir.shape(value) is None:
+        return True                       # a literal
+
+    def key(u):                           # literals (unhashable on a jaxpr) are invariant
+        return None if ir.shape(u) is None else (u, axis, shape)
+
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if key(v) in memo:
+            stack.pop()
+            continue
+        here = _invariant_here(ir, v, axis, shape)
+        if here is not None:
+            memo[key(v)] = here
+            stack.pop()
+            continue
+        ops = ir.operands(ir.producer(v))
+        missing = [u for u in ops if key(u) is not None and key(u) not in memo]
+        if missing:
+            stack.extend(missing)
+            continue
+        memo[key(v)] = all(key(u) is None or memo[key(u)] for u in ops)
+        stack.pop()
+    return memo[key(value)]
+
+
+def _invariant_here(ir: ForwardIR, value, axis: int, shape: tuple) -> bool | None:
+    """:func:`invariant` of ``value`` where its own op decides; None: an elementwise op,
+    invariant when its operands are."""
     s = ir.shape(value)
     if s is None:
         return True
     if len(s) == 0 or (len(s) == len(shape) and s[axis] == 1 and shape[axis] != 1):
         return True
-    if tuple(s) != tuple(shape) or depth > _MAX_DEPTH:
+    if tuple(s) != shape:
         return False
     op = ir.producer(value)
     if op is None:
@@ -160,9 +194,7 @@ def invariant(ir: ForwardIR, value, axis: int, shape, depth: int = 0) -> bool:
     if kind == "broadcast_in_dim":
         dims = tuple(ir.broadcast_dims(op))
         return axis not in dims or ir.shape(ir.operands(op)[0])[dims.index(axis)] == 1
-    if kind in _ELEMENTWISE:
-        return all(invariant(ir, u, axis, shape, depth + 1) for u in ir.operands(op))
-    return False
+    return None if kind in _ELEMENTWISE else False
 
 
 def token_split(ir: ForwardIR, op, axis: int) -> list:

@@ -17,6 +17,13 @@ rule applies; the rule itself lives here once.
   than float32's that is refused.
 * ``bias_map_refusal``: a shift in front of a padded convolution folds into a per-position
   bias map, read on every call; it must not cost more than the affine pass it removes.
+* ``flushes_differently``: a value computed on the host (float64, IEEE subnormals) must not
+  depend on numbers a backend flushes to zero (XLA:CPU and TPUs do: ``rsqrt`` of a
+  subnormal σ² is inf there, finite on the host); where it does, the site is refused
+  (``SUBNORMAL``).
+* ``narrowing_cast``: a cast to a float type that cannot hold the chain's values exactly
+  rounds them (or overflows): an affine op after it is not an affine image of the root's
+  output, so the chain ends there.
 * ``weight_like``: a root read the other way round (a dot's lhs as the weight, Equinox's
   ``W @ x``) is tried only for an operand that is a weight.
 """
@@ -166,6 +173,54 @@ def bias_map_refusal(map_elems: int, front_elems: int, fused_with: str | None) -
         return Reason("bias-map", f"{what}the map ({map_elems} elements, read per call) costs "
                       f"more than the affine pass it removes ({front_elems} elements)")
     return None
+
+
+SUBNORMAL = Reason("subnormal", "a value computed at transform time from these parameters "
+                   "depends on numbers that are subnormal in their float type; backends that "
+                   "flush subnormals to zero (XLA:CPU, TPUs) compute it otherwise (rsqrt of a "
+                   "subnormal variance is inf there), so folding would change the result")
+
+
+def has_subnormal(a) -> bool:
+    """Whether the float array ``a`` holds numbers subnormal in its type."""
+    a = np.asarray(a)
+    if _float(a.dtype) is None or not a.size:
+        return False
+    return bool(np.any((a != 0) & (np.abs(a) < _tiny(a.dtype))))
+
+
+def _flushed(a):
+    a = np.asarray(a)
+    if _float(a.dtype) is None:
+        return a
+    return np.where(np.abs(a) < _tiny(a.dtype), np.zeros_like(a) * np.sign(a), a)
+
+
+def flushes_differently(fn, ins, out) -> bool:
+    """Whether the float op ``fn`` (inputs ``ins``, result ``out`` as the host computed it,
+    IEEE subnormals honoured) comes out otherwise on a backend that flushes subnormal inputs
+    and results to zero. Costs one scan for subnormals unless there are some."""
+    if not (has_subnormal(out) or any(has_subnormal(a) for a in ins)):
+        return False
+    with np.errstate(all="ignore"):
+        alt = _flushed(np.asarray(fn(*[_flushed(a) for a in ins])).astype(np.asarray(out).dtype))
+    return not np.array_equal(alt, _flushed(out), equal_nan=True)
+
+
+def narrowing_cast(src, dst, exact_from=None) -> Reason | None:
+    """A cast ``src`` → ``dst`` between float types that rounds (fewer mantissa bits) or
+    overflows (a smaller range): the chain ends there, the value after it is not an affine
+    image of the root's output. ``exact_from``: the narrowest type the value has been since
+    the root with nothing absorbed (a cast back to a type holding it is exact)."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    holds = lambda a, b: (jnp.finfo(a).nmant >= jnp.finfo(b).nmant     # noqa: E731
+                          and jnp.finfo(a).maxexp >= jnp.finfo(b).maxexp
+                          and jnp.finfo(a).minexp <= jnp.finfo(b).minexp)
+    if holds(dst, src) or (exact_from is not None and holds(dst, np.dtype(exact_from))):
+        return None
+    return Reason("narrowing", f"a cast {src} → {dst} can round or overflow the chain "
+                  "value: what follows it is not a per-channel affine image of the root's "
+                  "output")
 
 
 WEIGHT_CONE = 3                                   # ops looked at on each side

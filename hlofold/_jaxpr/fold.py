@@ -128,13 +128,19 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
     """Planning and emission for one (closed) jaxpr."""
 
     def __init__(self, closed: C.ClosedJaxpr, known_in: list[Callable], names_in: list[Callable],
-                 const_names: list, path: str, sites: list[FoldSite], opts: "_Options"):
+                 const_names: list, path: str, sites: list[FoldSite], opts: "_Options",
+                 sources_in: list[Callable] | None = None):
         self.opts = opts
         self.original = closed           # returned when nothing folds
         self.path = path
         self.sites = sites
         self.known_thunks: dict[Any, Callable] = dict(zip(closed.jaxpr.invars, known_in))
         self.name_thunks: dict[Any, Callable] = dict(zip(closed.jaxpr.invars, names_in))
+        # a nested scope's inputs are made of the outer scope's sources; the top scope's
+        # inputs are sources of their own (bit i for input i)
+        self.source_thunks: dict[Any, Callable] = dict(zip(
+            closed.jaxpr.invars, sources_in or [(lambda i=i: 1 << i)
+                                                for i in range(len(closed.jaxpr.invars))]))
         self.const_names = list(const_names)
         self._index(closed, const_names)
 
@@ -144,7 +150,9 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         self.closed = closed
         self.jaxpr = closed.jaxpr
         self.known: dict[Any, Any] = {}
+        self.flushed: set = set()     # values whose host value a flushing backend would not get
         self.origins: dict[Any, frozenset] = {}
+        self.source_bits: dict[Any, int] = {}
         self.activation: dict[Any, bool] = {}
         self.maybe_known: dict[Any, bool] = {}
         self.swept: dict[int, int] = {}      # per memo: the equations swept so far
@@ -290,12 +298,13 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
 
     def _child(self, sub: C.ClosedJaxpr, outer: Sequence[Any], known_mask: Sequence[bool],
                label: str) -> C.ClosedJaxpr:
-        known_in, names_in = [], []
+        known_in, names_in, sources_in = [], [], []
         for atom, k in zip(outer, known_mask):
             known_in.append((lambda a=atom: self.value(a)) if k else NONE)
             names_in.append(lambda a=atom: self.names(a))
+            sources_in.append(lambda a=atom: self.sources(a))
         child = _Scope(sub, known_in, names_in, [None] * len(sub.consts),
-                       f"{self.path}/{label}", self.sites, self.opts)
+                       f"{self.path}/{label}", self.sites, self.opts, sources_in)
         return child.fold()
 
     def _plan_nested(self, i, eqn) -> bool:

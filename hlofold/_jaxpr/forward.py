@@ -30,7 +30,6 @@ from .._core.report import FOLDED, REFUSED, FoldSite
 from .._core.reasons import Reason
 from .._core.rules import bias_map_refusal
 
-_CONE_LIMIT = 256          # equations looked at per ancestry question (beyond: "activation")
 # producers an elementwise consumer is not fused into: the affine in front is a pass of its own
 _OWN_PASS = frozenset({"conv_general_dilated", "dot_general", "scan", "while", "cond",
                        "custom_call", "sort"})
@@ -163,46 +162,37 @@ class ForwardPlanner:
 
     # ---- activations and per-token factors
 
-    def _ancestors(self, atom, limit: int):
-        """The variables ``atom`` is computed from (itself first), depth-first; stops with a
-        final ``None`` after ``limit`` equations."""
+    def cone(self, atom, limit: int) -> set | None:
+        """The variables ``atom`` is computed from (itself included), or None beyond
+        ``limit`` equations: a local pattern question (what a weight's few producers are),
+        never one of reachability."""
         if not isinstance(atom, C.Var):
-            return
+            return set()
         seen, stack, n = {atom}, [atom], 0
         while stack:
-            u = stack.pop()
-            yield u
-            prod = self.producer.get(u)
+            prod = self.producer.get(stack.pop())
             if prod is None:
                 continue
             n += 1
             if n > limit:
-                yield None
-                return
+                return None
             for w in prod[1].invars:
                 if isinstance(w, C.Var) and w not in seen:
                     seen.add(w)
                     stack.append(w)
-
-    def cone(self, atom, limit: int = _CONE_LIMIT) -> set | None:
-        """The variables ``atom`` is computed from (itself included), or None beyond
-        ``limit`` equations."""
-        out = set(self._ancestors(atom, limit))
-        return None if None in out else out
+        return seen
 
     def _is_activation(self, operand, chain_value) -> bool:
         """Whether ``operand`` is computed from the activations: from a root's output, or
-        from an ancestor of the chain value (a statistic of the token, e.g. its variance).
-        Beyond the walk's bound an operand counts as a parameter: folding it stays exact
-        (it is constant along every axis but the features), only computed per call."""
+        from a program input the chain value is computed from too (a statistic of the
+        token, e.g. its variance). Constants link nothing. No bound: two sweeps over the
+        program (``from_root``, ``sources``), each equation once."""
         if not isinstance(operand, C.Var) or operand not in self.producer and \
                 operand not in self.jaxpr.invars:
             return False           # a literal or a constant
         if self.from_root(operand):
             return True
-        cone = self.cone(operand)
-        return cone is None or any(u in cone for u in
-                                   self._ancestors(chain_value, 4 * _CONE_LIMIT))
+        return bool(self.sources(operand) & self.sources(chain_value))
 
 
 class JaxprForwardIR:
@@ -212,6 +202,7 @@ class JaxprForwardIR:
     def __init__(self, planner: ForwardPlanner):
         self.p = planner
         self.get = lambda u: planner.producer.get(u, (0, None))[1]
+        self.invariant_memo: dict = {}
 
     def producer(self, value):
         return self.get(value) if isinstance(value, C.Var) else None

@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._core.rules import flushes_differently, has_subnormal
+
 
 def _f64(fn: Callable, *names: str) -> Callable:
     """An elementwise rule computed in float64 (for floating-point results); ``names``: the
@@ -25,6 +27,7 @@ def _f64(fn: Callable, *names: str) -> Callable:
         if not np.issubdtype(out_dtype, np.floating) or params.get("accuracy") is not None:
             return None
         return fn(*[np.asarray(v, np.float64) for v in vals], **{n: params[n] for n in names})
+    rule.arithmetic = True
     return rule
 
 
@@ -79,6 +82,20 @@ RULES: dict[str, Callable] = {
     "mesh_cast": _shape(lambda x, **_: x),
     "convert_element_type": _convert,
 }
+
+
+def flushes(eqn, vals: Sequence[Any], out: Sequence[Any]) -> bool:
+    """Whether ``out`` (``eqn`` on ``vals``, as :func:`evaluate` or JAX computed it) depends on
+    subnormal numbers a backend would flush (``_core.rules.flushes_differently``); an
+    equation without a NumPy rule here is flagged when any of its values is subnormal."""
+    rule = RULES.get(eqn.primitive.name)
+    if rule is not None and not getattr(rule, "arithmetic", False):
+        return False                   # moves elements only
+    if rule is None or len(out) != 1:
+        return any(has_subnormal(v) for v in list(vals) + list(out))
+    dt = np.asarray(out[0]).dtype
+    return flushes_differently(
+        lambda *a: np.asarray(rule(a, dict(eqn.params), dt)).astype(dt), vals, out[0])
 
 
 def evaluate(eqn, vals: Sequence[Any]) -> list[Any] | None:

@@ -158,11 +158,14 @@ class SitePlanner(ForwardPlanner):
         site = Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
                      has_shift=has_shift(affine) or (fwd is not None and fwd.has_shift),
                      fwd=fwd)
+        sources = [kernel] + [st.operand.source for st in affine + (fwd.steps if fwd else [])
+                              if isinstance(st, AffineStep) and st.operand is not None]
         dec = decide(kernel_dtype=kd, math_dtypes=[eqn.outvars[0].aval.dtype] + [
-            st.eqn.outvars[0].aval.dtype for st in steps] if backward else [],
+            st.eqn.outvars[0].aval.dtype for st in affine] if backward else [],
             s=s_vec, kernel=k64, kernel_axis=info.kernel_axis, in_graph=self.opts.in_graph,
             not_now=_not_prepared(kernel, end_var), kernel_from_activation=kfa, hint=hint,
-            scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None))
+            scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None),
+            subnormal=any(self.flushes(v) for v in sources))
         if not dec.folds:
             if fwd is not None:
                 self._refuse(fwd.record, dec.reason)
@@ -293,7 +296,11 @@ def _pass_rule(chain: JaxprChain, eqn, pos, axis):
     if pos != 0:
         return f"chain ends at {eqn.primitive.name}"
     r = pass_step(eqn, axis)
-    return r.reason if isinstance(r, Refusal) else Pass(PassStep(eqn), r)
+    if isinstance(r, Refusal):
+        return r.reason
+    cast = (eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype) \
+        if eqn.primitive.name == "convert_element_type" else None
+    return Pass(PassStep(eqn), r, cast)
 
 
 def _call_rule(chain: JaxprChain, eqn, pos, axis):

@@ -5,6 +5,7 @@
   of ``_jaxpr.host``, one per primitive, else with ``jax.ensure_compile_time_eval``), else None; a
   value computed from an input not known now is None at once (a cheap sweep says so);
 * :meth:`ScopeValues.names`: the program inputs (or named constants) a value derives from;
+* :meth:`ScopeValues.sources`: the program inputs a value is computed from (a bit set);
 * :meth:`ScopeValues.from_root`: whether a value is computed from a root's output (an
   activation, never a parameter).
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain import postorder
-from .host import evaluate as host_evaluate
+from .host import evaluate as host_evaluate, flushes as host_flushes
 from .nested import contains_root
 from .patterns import PATTERNS
 
@@ -69,16 +70,22 @@ class ScopeValues:
         def leaf(v):
             return self.known_thunks[v]() if v in self.known_thunks else None
 
+        flushed = self.flushed
+
         def combine(eqn, vals):
             if all(x is not None for x in vals) and _evaluable(eqn):
                 out = host_evaluate(eqn, vals)      # NumPy: no XLA compile per op
+                if out is None:
+                    with jax.ensure_compile_time_eval():
+                        out = C.bind_eqn(eqn, vals)
+                    if any(C.is_tracer(o) for o in out):
+                        out = None     # (a primitive that stages even here: a collective)
+                if out is not None and not host_flushes(eqn, vals, out):
+                    return out
                 if out is not None:
-                    return out
-                with jax.ensure_compile_time_eval():
-                    out = C.bind_eqn(eqn, vals)
-                if not any(C.is_tracer(o) for o in out):
-                    return out
-                # (a primitive that stages even here, e.g. a shard_map collective)
+                    flushed.update(eqn.outvars)
+            elif any(isinstance(u, C.Var) and u in flushed for u in eqn.invars):
+                flushed.update(eqn.outvars)
             return [None] * len(eqn.outvars)
         return self._backward(atom, self.known, lambda a: a.val, leaf, combine)
 
@@ -114,11 +121,23 @@ class ScopeValues:
         self.swept[id(memo)] = max(start, prod[0] + 1)
         return memo[atom]
 
+    def flushes(self, atom) -> bool:
+        """Whether :meth:`value` left ``atom`` unknown because its host value depends on
+        subnormal numbers a backend flushes (``_core.rules.flushes_differently``)."""
+        return isinstance(atom, C.Var) and atom in self.flushed
+
     def names(self, atom) -> frozenset:
         """Names of the program inputs (or named constants) that ``atom`` derives from."""
         def leaf(v):
             return self.name_thunks[v]() if v in self.name_thunks else frozenset()
         return self._swept(atom, self.origins, leaf, _union, _EMPTY)
+
+    def sources(self, atom) -> int:
+        """The program inputs ``atom`` is computed from, as a bit set (constants are no
+        source: a value known now links nothing); one sweep, no bound."""
+        def leaf(v):
+            return self.source_thunks[v]() if v in self.source_thunks else 0
+        return self._swept(atom, self.source_bits, leaf, _or, 0)
 
     def from_root(self, atom) -> bool:
         """Whether ``atom`` is computed from the output of a pattern root (a convolution),
@@ -148,6 +167,13 @@ def _union(eqn, sets) -> frozenset:
     for x in sets:
         if x is not out and not x <= out:
             out = out | x
+    return out
+
+
+def _or(eqn, bits) -> int:
+    out = 0
+    for b in bits:
+        out |= b
     return out
 
 

@@ -24,12 +24,12 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import has_shift
-from .._core.chain import Absorb
+from .._core.chain import Absorb, postorder
 from .._core.chain_rules import Refusal
 from .._core.decide import forward_consumers_refusal, forward_note
 from .._core.forward_walk import walk_forward
-from .ir import (BINARY, GUARD_ATTR, ROOTS, SHAPE_KIND, attr_dims, is_float, location, op_name,
-                 owner_op, parent_of, readers, same_block, shape_of)
+from .ir import (BINARY, GUARD, ROOTS, SHAPE_KIND, attr_dims, is_float, location, marked,
+                 op_name, owner_op, parent_of, readers, reads, same_block, shape_of)
 from .match import HLO_STEPS
 from .patterns import Step, dot_dims, resolve
 from .._core.patterns import border_masks
@@ -45,7 +45,6 @@ _KINDS = {**BINARY, "stablehlo.negate": "neg", "stablehlo.broadcast_in_dim": "br
 _ELEMENTWISE = frozenset(f"stablehlo.{n}" for n in (
     "rsqrt", "sqrt", "exponential", "log", "abs", "power", "convert", "maximum", "minimum",
     "reduce_precision", "cbrt", "tanh", "logistic")) | {"chlo.square"}
-_CONE_LIMIT = 256          # ops looked at per ancestry question (beyond: "activation")
 # producers an elementwise consumer is not fused into: the affine in front is a pass of its own
 _OWN_PASS = frozenset({*ROOTS, "stablehlo.while", "stablehlo.if", "stablehlo.case",
                        "stablehlo.custom_call", "stablehlo.sort"})
@@ -194,8 +193,8 @@ class HloForwardPlanner:
         per-token ops, guards and the original ops a guard holds)."""
         def skip(op):
             parent = parent_of(op)
-            return op.operation in self.written or GUARD_ATTR in op.operation.attributes or \
-                (parent is not None and GUARD_ATTR in parent.attributes)
+            return op.operation in self.written or marked(op, GUARD) or \
+                (parent is not None and marked(parent, GUARD))
         return readers(v, skip)
 
     def n_readers(self, v) -> int:
@@ -249,17 +248,34 @@ class HloForwardPlanner:
 
     def _is_activation(self, operand, chain_value) -> bool:
         """Whether ``operand`` is computed from the activations: from a root's output, or
-        from a value the chain value is computed from (a statistic of the token)."""
+        from an argument the chain value is computed from too (a statistic of the token).
+        Constants link nothing. No bound: each op's sources are found once."""
         if owner_op(operand) is not None and self._from_root(operand):
             return True
-        cone = self._cone(operand, _CONE_LIMIT)
-        if cone is None:
-            return True
-        chain = self._cone(chain_value, 4 * _CONE_LIMIT)
-        # constants are shared freely (a jaxpr writes small ones as literals): not a link
-        return chain is None or any(owner_op(w) is None or
-                                    op_name(owner_op(w)) != "stablehlo.constant"
-                                    for w in cone & chain)
+        return bool(self._sources(operand) & self._sources(chain_value))
+
+    def _sources(self, value) -> int:
+        """The block arguments (the module's inputs, a region's arguments) ``value`` is
+        computed from, as a bit set; memoized per op, walked iteratively."""
+        memo, bits = self.sources_memo, self.source_bit
+
+        def arg_bit(v):
+            return bits.setdefault(v, 1 << len(bits))
+
+        top = owner_op(value)
+        if top is None:
+            return arg_bit(value)
+
+        def inputs_of(op):
+            return [p for p in (owner_op(v) for v in reads(op)) if p is not None]
+
+        def settle(op):
+            out = 0
+            for v in reads(op):
+                p = owner_op(v)
+                out |= arg_bit(v) if p is None else memo[p]
+            memo[op] = out
+        return postorder(top, memo, inputs_of, settle)
 
     def _fused_with(self, v) -> str | None:
         """The op producing ``v`` when XLA computes an elementwise consumer of ``v`` in the
@@ -286,6 +302,7 @@ class HloForwardIR:
 
     def __init__(self, planner: HloForwardPlanner, root):
         self.p, self.root = planner, root
+        self.invariant_memo = planner.invariant_memo       # shared by the pass's roots
 
     def producer(self, value):
         return owner_op(value)

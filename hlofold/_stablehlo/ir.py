@@ -178,7 +178,9 @@ def _bf16_values(attr, shape) -> np.ndarray | None:
 
 def numpy_to_dense(arr: np.ndarray, etype):
     name = str(etype)
-    arr = np.ascontiguousarray(arr, dtype=_NP_DTYPES.get(name, np.float64))
+    arr = np.asarray(arr, dtype=_NP_DTYPES.get(name, np.float64))
+    if not arr.flags.c_contiguous:     # (np.ascontiguousarray makes a 0-d array 1-d)
+        arr = np.ascontiguousarray(arr)
     if name in ("bf16", "f16"):         # the bindings take their bits
         arr = arr.view(np.uint16)
     return ir.DenseElementsAttr.get(arr, type=ir.RankedTensorType.get(arr.shape, etype))
@@ -229,8 +231,34 @@ def is_host(x) -> bool:
     return isinstance(x, (np.ndarray, np.generic, float, int))
 
 
-GUARD_ATTR = "hlofold.guard"     # marks a site's run-time guard: already folded
-PREPARED_ATTR = "hlofold.prepared"   # marks an unguarded folded kernel or bias (guard=False)
+# Marks hlofold leaves on ops it writes, as frontend attributes (``mhlo.frontend_attributes``,
+# which every serialization keeps, portable artifacts included, and XLA ignores):
+GUARD = "hlofold_guard"          # a site's run-time guard: already folded
+PREPARED = "hlofold_prepared"    # an unguarded folded kernel or bias (checked by split)
+_FRONTEND = "mhlo.frontend_attributes"
+
+
+def mark(op, name: str) -> None:
+    """Add the marker ``name`` to ``op``'s frontend attributes."""
+    op = op.operation
+    old = {a.name: a.attr for a in ir.DictAttr(op.attributes[_FRONTEND])} \
+        if _FRONTEND in op.attributes else {}
+    op.attributes[_FRONTEND] = ir.DictAttr.get({**old, name: ir.StringAttr.get("")})
+
+
+def marked(op, name: str) -> bool:
+    """Whether ``op`` carries the marker ``name``."""
+    attrs = op.operation.attributes
+    return _FRONTEND in attrs and name in ir.DictAttr(attrs[_FRONTEND])
+
+
+def unmark(op, name: str) -> None:
+    op = op.operation
+    left = {a.name: a.attr for a in ir.DictAttr(op.attributes[_FRONTEND]) if a.name != name}
+    if left:
+        op.attributes[_FRONTEND] = ir.DictAttr.get(left)
+    else:
+        del op.attributes[_FRONTEND]
 
 
 def all_finite(value, templates: dict | None = None):
@@ -330,7 +358,7 @@ def roots_in(op, keep=(), kept: list | None = None) -> list:
                 name = inner.name
                 if name in ROOTS:
                     out.append(inner)
-                elif GUARD_ATTR not in inner.attributes:
+                elif not marked(inner, GUARD):
                     if name in keep:
                         kept.append(inner)
                     out.extend(roots_in(inner))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from .. import _compat as C
 from .._core.chain import AGAIN, Absorb, Pass, postorder
 from .._core.chain_rules import DIVISOR, Refusal, pass_axis
-from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, is_float, location,
-                 op_name, owner_op, readers, reads, remap_operands, shape_of)
+from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
+                 location, op_name, owner_op, readers, reads, remap_operands, shape_of)
 from .patterns import Step, axis_role, resolve
 from .._core.report import NOT_REACHED, FoldSite
 from .._core.unreached import unreached_reason
@@ -152,6 +152,8 @@ class ChainWalker:
                 op.erase()
         self.trial.clear()
         self.activation.clear()    # keyed by op addresses: drop them after erasing
+        self.sources_memo.clear()
+        self.invariant_memo.clear()
         self.eval.memo.clear()
         return folded
 
@@ -237,8 +239,10 @@ def _shape(chain: HloChain, op, pos, v, axis):
                     bdims=attr_dims(op, "broadcast_dimensions"))
     if isinstance(nxt, Refusal):
         return nxt.reason.after(f"{name}: ")
-    return Pass(Step(op, "convert" if SHAPE_KIND[name] == "convert" else "shape", axis=nxt),
-                nxt)
+    convert = SHAPE_KIND[name] == "convert"
+    return Pass(Step(op, "convert" if convert else "shape", axis=nxt), nxt,
+                (float_dtype(elem_type(v)), float_dtype(elem_type(op.results[0])))
+                if convert else None)
 
 
 def _batch_norm(chain: HloChain, op, pos, v, axis):

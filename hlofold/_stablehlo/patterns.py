@@ -15,6 +15,7 @@ import numpy as np
 from .. import _compat as C
 from .._core.chain_rules import Refusal, resolve_channel_operand
 from .._core.reasons import Reason
+from .._core.rules import flushes_differently
 from .ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
                  owner_op, shape_of)
 from .module import call_sites
@@ -41,16 +42,23 @@ class Step:
 
 
 class Evaluator:
-    """Values of constant sub-expressions (float64 on the host), memoized."""
+    """Values of constant sub-expressions (on the host, in float64, rounded to each op's
+    type), memoized. Iterative: a chain of constant ops is as deep as the module.
+
+    A value whose host result depends on subnormal numbers a backend flushes
+    (``_core.rules.flushes_differently``) is left unknown and recorded in ``flushed``."""
 
     _UNARY = {"stablehlo.negate": np.negative, "stablehlo.sqrt": np.sqrt,
               "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a), "stablehlo.exponential": np.exp}
     _BIN = {"stablehlo.add": np.add, "stablehlo.subtract": np.subtract,
             "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
             "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
+    _MOVES = frozenset({"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
+                        "stablehlo.broadcast_in_dim"})
 
     def __init__(self, module=None):
         self.memo: dict[Any, np.ndarray | None] = {}
+        self.flushed: set = set()
         self.module = module
         self._calls: dict | None = None
 
@@ -61,50 +69,81 @@ class Evaluator:
             self._calls = {} if self.module is None else call_sites(self.module)
         return self._calls
 
-
-    def __call__(self, value) -> np.ndarray | None:
-        key = value
-        if key in self.memo:
-            return self.memo[key]
-        out = self._eval(value)
-        self.memo[key] = out
-        return out
-
-    def _eval(self, value):
+    def _inputs(self, value) -> list:
+        """The values ``value``'s host value is computed from (none: a leaf)."""
         op = owner_op(value)
         if op is None:
             outer = entering_value(value, self.calls)
-            return None if outer is None else self(outer)
+            return [] if outer is None else [outer]
+        name = op_name(op)
+        if not is_float(value) or name == "stablehlo.constant" or \
+                (name not in self._UNARY and name not in self._BIN and name not in self._MOVES):
+            return []
+        return list(op.operands)
+
+    def __call__(self, value) -> np.ndarray | None:
+        """``value``'s host value, or None (not a constant sub-expression)."""
+        memo = self.memo
+        if value in memo:
+            return memo[value]
+        stack = [value]
+        while stack:                # depth first, each value once (no Python recursion)
+            v = stack[-1]
+            if v in memo:
+                stack.pop()
+                continue
+            missing = [u for u in self._inputs(v) if u not in memo]
+            if missing:
+                stack.extend(missing)
+                continue
+            memo[v] = self._settle(v)
+            stack.pop()
+        return memo[value]
+
+    def _settle(self, value):
+        """``value``'s host value from its inputs' (already in ``memo``)."""
+        op = owner_op(value)
+        ins = [self.memo[u] for u in self._inputs(value)]
+        if any(u in self.flushed for u in self._inputs(value)):
+            self.flushed.add(value)
+            return None
+        if op is None:
+            return ins[0] if ins else None
         if not is_float(value):
             return None
         name = op_name(op)
+        if name == "stablehlo.constant":
+            return dense_to_numpy(op.attributes["value"])
+        if not ins or any(x is None for x in ins):
+            return None
         dt = np_dtype(elem_type(value))
-        with np.errstate(all="ignore"):
-            if name == "stablehlo.constant":
-                return dense_to_numpy(op.attributes["value"])
-            ins = [self(v) for v in op.operands]
-            if any(x is None for x in ins):
+        fn = None
+        if name in self._UNARY:
+            f = self._UNARY[name]
+            fn = lambda a: f(a.astype(np.float64)).astype(dt)                 # noqa: E731
+        elif name in self._BIN:
+            f = self._BIN[name]
+            fn = lambda a, b: f(a.astype(np.float64), b.astype(np.float64)).astype(dt)  # noqa
+        if fn is not None:
+            with np.errstate(all="ignore"):
+                out = fn(*ins)
+            if flushes_differently(fn, ins, out):
+                self.flushed.add(value)
                 return None
-            if name in self._UNARY:
-                return self._UNARY[name](ins[0].astype(np.float64)).astype(dt)
-            if name in self._BIN:
-                return self._BIN[name](ins[0].astype(np.float64),
-                                       ins[1].astype(np.float64)).astype(dt)
-            if name == "stablehlo.convert":
-                return ins[0].astype(dt)
-            if name == "stablehlo.reshape":
-                return ins[0].reshape(shape_of(value))
-            if name == "stablehlo.transpose":
-                return np.transpose(ins[0], int_dims(op.attributes["permutation"]))
-            if name == "stablehlo.broadcast_in_dim":
-                dims = int_dims(op.attributes["broadcast_dimensions"])
-                shape = shape_of(value)
-                src = ins[0]
-                exp = [1] * len(shape)
-                for i, d in enumerate(dims):
-                    exp[d] = src.shape[i]
-                return np.broadcast_to(src.reshape(exp), shape).astype(dt)
-        return None
+            return out
+        x = ins[0]
+        if name == "stablehlo.convert":
+            return x.astype(dt)
+        if name == "stablehlo.reshape":
+            return x.reshape(shape_of(value))
+        if name == "stablehlo.transpose":
+            return np.transpose(x, int_dims(op.attributes["permutation"]))
+        dims = int_dims(op.attributes["broadcast_dimensions"])      # broadcast_in_dim
+        shape = shape_of(value)
+        exp = [1] * len(shape)
+        for i, d in enumerate(dims):
+            exp[d] = x.shape[i]
+        return np.broadcast_to(x.reshape(exp), shape).astype(dt)
 
 
 def entering_value(arg, calls: dict):

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from .. import _compat as C
 from .._core.report import FoldReport
-from .ir import PREPARED_ATTR, StableHLOError, all_finite, op_name, reads
+from .ir import PREPARED, StableHLOError, all_finite, marked, op_name, reads, unmark
 from .module import drop_uncalled_private, main_function, parse_module
 from .fold import fold_module
 from .weights import argument_index, set_arguments
@@ -113,8 +113,8 @@ def _make_prepare(main, kinds, crossing, moved, calls) -> None:
     with ir.InsertionPoint(ret):
         ok = None
         for op in ops:
-            if PREPARED_ATTR in op.attributes:
-                del op.attributes[PREPARED_ATTR]
+            if marked(op, PREPARED):
+                unmark(op, PREPARED)
                 fin = all_finite(op.results[0])
                 ok = fin if ok is None else stablehlo.AndOp(ok, fin).result
         if ok is None:

@@ -12,7 +12,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import collapse, per_channel
-from .ir import PREPARED_ATTR, IrArith, elem_type, np_dtype, numpy_to_dense, shape_of
+from .._core.rules import flushes_differently
+from .ir import PREPARED, IrArith, elem_type, mark, np_dtype, numpy_to_dense, shape_of
 from .patterns import Operand
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -22,10 +23,10 @@ class HloValues:
     """Site values for the StableHLO pass (reads ``self.eval`` and ``self.ct``)."""
 
     def mark_prepared(self, value):
-        """``value`` through an op marked :data:`PREPARED_ATTR` (a folded kernel or bias
+        """``value`` through an op marked ``PREPARED`` (a folded kernel or bias
         computed in the graph, unguarded: whoever runs it checks that it is finite)."""
         op = stablehlo.ConvertOp(value.type, value)
-        op.operation.attributes[PREPARED_ATTR] = ir.UnitAttr.get()
+        mark(op, PREPARED)
         return op.result
 
     def vec_np(self, value, c):
@@ -41,6 +42,13 @@ class HloValues:
             x = x.astype(np_dtype(et))
         return np.asarray(x, np.float64).reshape(-1) if op.axis is not None else \
             np.asarray(x, np.float64).reshape(())
+
+    def flushes(self, values, steps) -> bool:
+        """Whether the host value of one of ``values`` or of the steps' operands (a
+        ``batch_norm_inference``'s too) depends on subnormals a backend flushes."""
+        vals = list(values) + [st.operand.value for st in steps if st.operand is not None]
+        vals += [v for st in steps if st.bn for v in st.bn.values() if not isinstance(v, float)]
+        return any(v in self.eval.flushed for v in vals)
 
     # -- IR builders (inside an insertion point)
 
@@ -77,7 +85,12 @@ class HloValues:
                 v = {k: self.vec_np(st.bn[k], c) for k in ("scale", "offset", "mean", "variance")}
                 if any(x is None for x in v.values()):
                     return None
+                var, eps = self.eval(st.bn["variance"]), st.bn["epsilon"]
+                root = lambda a: np.sqrt(a.astype(np.float64) + eps).astype(a.dtype)  # noqa
                 with np.errstate(all="ignore"):
+                    if flushes_differently(root, [var], root(var)):
+                        self.eval.flushed.add(st.bn["variance"])  # as XLA expands it
+                        return None
                     sc = v["scale"] / np.sqrt(v["variance"] + st.bn["epsilon"])
                 kinds += ["sub", "mul", "add"]
                 vals += [v["mean"], sc, v["offset"]]

@@ -407,6 +407,7 @@ class _ToyForward:
     def __init__(self, ops, readers=None, activations=(), known=()):
         self.ops, self.n = ops, readers or {}
         self.acts, self.known_ = set(activations), set(known)
+        self.invariant_memo: dict = {}
 
     def producer(self, v):
         return v if v in self.ops else None

@@ -3,7 +3,7 @@
 // weight values, each BN folds in the graph under a run-time guard; with the values
 // (fold_stablehlo(..., params=), tests/stablehlo/test_weight_args.py) they fold once, on the host.
 // CHECK-LABEL: func.func @main
-// CHECK-COUNT-3: hlofold.guard
+// CHECK-COUNT-3: hlofold_guard
 // CHECK-NOT: stablehlo.rsqrt {{.*}} : tensor<2x16x16
 #loc1 = loc("x.72")
 #loc2 = loc("y.73")

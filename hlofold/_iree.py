@@ -1,0 +1,66 @@
+"""IREE as a second consumer of StableHLO, for :func:`hlofold.verify` (optional).
+
+StableHLO is compiled by XLA (through JAX) and by IREE. Where IREE's Python packages are
+installed (``pip install hlofold[iree]``: ``iree-base-compiler``, ``iree-base-runtime``),
+``verify`` also runs the original and the folded program with IREE on each of its devices
+present — ``iree:llvm-cpu`` (the ``local-task`` driver) always, ``iree:cuda`` where a CUDA
+device answers — and compares them with the same tolerance model, in rows beside XLA's
+backends. A program is handed to IREE as the StableHLO JAX lowers it to for the CPU.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Callable, Sequence
+
+import numpy as np
+
+# IREE runtime name -> (compiler target backend, runtime driver, compiler flags)
+_TARGETS = {"iree:llvm-cpu": ("llvm-cpu", "local-task", ("--iree-llvmcpu-target-cpu=host",)),
+            "iree:cuda": ("cuda", "cuda", ())}
+_FLAGS = ("--iree-input-demote-f64-to-f32=false",)     # a float64 module stays float64
+
+
+@functools.lru_cache(maxsize=None)
+def runtimes() -> tuple[str, ...]:
+    """The IREE runtimes present (empty without IREE's packages)."""
+    try:
+        if importlib.util.find_spec("iree.compiler") is None:
+            return ()
+        import iree.runtime as rt
+    except ImportError:
+        return ()
+    out = []
+    drivers = set(rt.query_available_drivers())
+    for name, (_, driver, _) in _TARGETS.items():
+        if driver not in drivers:
+            continue
+        try:
+            if rt.get_driver(driver).query_available_devices():
+                out.append(name)
+        except Exception:  # noqa: BLE001 -- a driver without a device: not present
+            continue
+    return tuple(out)
+
+
+def device_name(name: str) -> str:
+    return f"IREE {_TARGETS[name][0]} ({_TARGETS[name][1]})"
+
+
+def run(name: str, program: Callable, args: Sequence) -> list[np.ndarray]:
+    """``program`` (a JAX-traceable callable of ``args``) lowered to StableHLO, compiled by
+    IREE for ``name`` and run there on ``args``; its outputs, flattened."""
+    import jax
+    import iree.compiler as ic
+    import iree.runtime as rt
+    target, driver, flags = _TARGETS[name]
+    with jax.default_device(jax.devices("cpu")[0]):
+        text = jax.jit(program, keep_unused=True).lower(*args).as_text()
+    vmfb = ic.compile_str(text, target_backends=[target], input_type="stablehlo",
+                          extra_args=list(flags + _FLAGS))
+    ctx = rt.SystemContext(config=rt.Config(driver))
+    module = rt.VmModule.copy_buffer(ctx.instance, vmfb)
+    ctx.add_vm_module(module)
+    outs = getattr(ctx.modules, module.name)["main"](*[np.asarray(a) for a in args])
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    return [np.asarray(o.to_host() if hasattr(o, "to_host") else o) for o in outs]

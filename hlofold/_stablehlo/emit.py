@@ -1,0 +1,138 @@
+"""Writing a folded StableHLO site: the emission half of the pass (``_stablehlo.fold``).
+
+A decided site's ops are replaced by ``root(x, K')`` (with a bias map where a padded
+convolution needs one), the chain's casts and shape ops replayed, and ``+ t``. Where the
+rescale runs in the graph it is guarded: a ``stablehlo.if`` (marked ``GUARD``) runs the
+original ops when the folded kernel or bias is not finite. A forward fold's per-token
+factors (``x·r``) are written once per normalized value, before its first root.
+"""
+from __future__ import annotations
+
+from .. import _compat as C
+from .._core.algebra import collapse
+from .ir import (GUARD, IrArith, all_finite, elem_type, mark, numpy_to_dense, op_name,
+                 owner_op, remap_operands, shape_of)
+
+ir, stablehlo, func_dialect = C.mlir()
+
+
+class SiteWriter:
+    """Reads the pass's state (``ct``, ``guard``, ``finite_made``, ``written``, ``claimed``,
+    ``replaced``, ``dead``, ``token_inputs``) and its value helpers (``_stablehlo.values``)."""
+
+    def _rewrite(self, root, steps, real, info, fwd, dec, known, s_vec, t_vec, bmap, add_t):
+        """Replace the site's ops: ``root(x, K')`` (+ bias map), the chain's casts and shape
+        ops, ``+ t``; in the graph, guarded: an ``if`` that runs the original ops when the
+        folded kernel or bias is not finite."""
+        out_axis, kidx, kaxis = info[:3]
+        kernel = root.operands[kidx]
+        C_out = shape_of(root.results[0])[out_axis]
+        end_op = steps[-1].op if steps else root
+        end_value = end_op.results[0]
+        kdt = elem_type(kernel)
+        out_t = end_value.type
+        # first, before anything this site writes: x·r, before the root
+        x = None if fwd is None else self._token_input(fwd, root)
+        with ir.Location.unknown(), ir.InsertionPoint(end_op):
+            s_val, t_val = (s_vec, t_vec) if known else collapse(
+                *self.ir_chain(real, C_out), C_out, xp=IrArith(C_out, self.ct))
+            if dec.kernel is not None:
+                new_k = stablehlo.ConstantOp(numpy_to_dense(dec.kernel, kdt)).result
+            else:
+                kc = self.convert(kernel, self.ct)
+                if fwd is not None:
+                    kc, b = self.forward_kernel_ir(kc, fwd, info, C_out)
+                    if b is not None:     # the bias the input shift adds, through the chain
+                        xp = IrArith(C_out, self.ct)
+                        t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))
+                s_ir = self.const_or(s_val, C_out)
+                s_b = stablehlo.BroadcastInDimOp(
+                    ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
+                    ir.DenseI64ArrayAttr.get([kaxis])).result
+                new_k = self.convert(stablehlo.MulOp(kc, s_b).result, kdt)
+            t_of = lambda: self.convert(self.const_or(t_val, C_out), elem_type(end_value))
+            guard = dec.guard        # s is known only at run time: check it there
+            if not known or (fwd is not None and fwd.s_known is None):
+                if not self.guard:     # the caller checks these (hlofold._stablehlo.split)
+                    new_k = self.mark_prepared(new_k)
+                    t_ir = self.mark_prepared(t_of())
+                    t_of = lambda: t_ir
+            fold = dict(root=root, steps=steps, info=info, fwd=fwd, x=x, new_k=new_k,
+                        out_t=out_t, bmap=bmap, add_t=add_t)
+            if not guard:
+                new_out = self._folded_ops(t_of=t_of, **fold)
+            else:
+                t_ir = t_of()
+                t_of = lambda: t_ir
+                # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
+                # inf γ) runs the site's original ops instead
+                pred = stablehlo.AndOp(all_finite(new_k, self.finite_made),
+                                       all_finite(t_ir, self.finite_made)).result
+                if_op = stablehlo.IfOp([out_t], pred)
+                mark(if_op, GUARD)
+                with ir.InsertionPoint(if_op.true_branch.blocks.append()):
+                    stablehlo.ReturnOp([self._folded_ops(t_of=t_of, **fold)])
+                with ir.InsertionPoint(if_op.false_branch.blocks.append()):
+                    mapping, last = {}, None
+                    for op in [root] + [st.op for st in steps]:
+                        new = op.clone()
+                        remap_operands(new, mapping)
+                        mapping[op.results[0]] = last = new.results[0]
+                    stablehlo.ReturnOp([last])
+                new_out = if_op.results[0]
+        end_value.replace_all_uses_with(new_out)
+        # the rules of later sites read the program as written (the jaxpr path plans on the
+        # original equations): the op now producing the site's value stands for its old one
+        self.replaced[owner_op(new_out).operation] = op_name(end_op)
+        self.dead.extend([s.op for s in reversed(steps)] + [root])
+
+    def _folded_ops(self, root, steps, info, fwd, x, new_k, t_of, out_t, bmap, add_t):
+        """``root(x, new_k)`` (``x``: before the forward chain, times its per-token factors;
+        None: the root's own input), plus the bias map, the chain's casts and shape ops
+        replayed, plus ``broadcast(t_of())``; the final op is claimed (a later root's forward
+        chain does not take it)."""
+        new_root = root.clone()           # (its attributes and location, as one call)
+        new_root.operands[info[1]] = new_k
+        if x is not None:
+            new_root.operands[fwd.act] = x
+        y = new_root.results[0]
+        self.written.add(new_root.operation)
+        if bmap is not None:          # broadcast over the batch
+            etype = elem_type(y)
+            m = stablehlo.ConstantOp(numpy_to_dense(bmap, etype)).result
+            y = stablehlo.AddOp(y, stablehlo.BroadcastInDimOp(
+                y.type, m, ir.DenseI64ArrayAttr.get(list(range(len(shape_of(y)))))).result
+            ).result
+        for s in steps:        # replay the casts and shape ops of the chain on the new result
+            if s.kind == "convert":
+                y = self.convert(y, elem_type(s.op.results[0]))
+            elif s.kind == "shape":
+                new = s.op.clone()
+                new.operands[0] = y
+                y = new.results[0]
+        if add_t:
+            axis = steps[-1].axis if steps else info[0]
+            t_b = stablehlo.BroadcastInDimOp(out_t, t_of(),
+                                             ir.DenseI64ArrayAttr.get([axis])).result
+            y = stablehlo.AddOp(y, t_b).result
+        if owner_op(y) is not None:
+            self.claimed.add(owner_op(y).operation)
+        return y
+
+    def _token_input(self, fwd, root):
+        """The root's new input: the chain's source through its per-token ops (``x·r``),
+        written once per source and kept factors, just before the first root reading it
+        (later roots reading the same normalized value, Q/K/V, sit after it in the same
+        block and read the same op)."""
+        if not fwd.tokens:
+            return fwd.source
+        key = (fwd.source, *(w for _, w in fwd.tokens), *(k for k, _ in fwd.tokens))
+        x = self.token_inputs.get(key)
+        if x is None:
+            x = fwd.source
+            with ir.Location.unknown(), ir.InsertionPoint(root):
+                for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
+                    x = (stablehlo.MulOp if kind == "mul" else stablehlo.AddOp)(x, w).result
+                    self.written.add(owner_op(x).operation)
+            self.token_inputs[key] = x
+        return x
