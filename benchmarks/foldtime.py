@@ -12,7 +12,10 @@ falls on both):
   fold, which pays for fresh memory pages and any first-use setup, and later ones);
 * ``fold_stablehlo`` on a 10,000-op module (2,000 conv → BN blocks) with its weights as
   arguments (default: left unfolded; ``in_graph=True``: folded in the graph, guarded) and as
-  constants.
+  constants;
+* ``fold_stablehlo`` on Llama-style decoders of 8, 32 and 96 layers (``hlofold.examples``,
+  d = 64, weights as arguments; made by this checkout, so both checkouts fold the same
+  modules), next to parsing and printing each: how fold time grows with depth.
 
 ``--against DIR``: a checkout (e.g. ``git worktree add /tmp/old <commit>``) whose
 ``hlofold`` is timed the same way; modes it does not have are skipped. Each figure is the
@@ -27,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 _CHILD = r"""
 import inspect, json, sys, time, statistics
@@ -74,9 +78,13 @@ from jaxlib.mlir import ir
 from hlofold import _compat
 
 
-def round_trip():
+def _pp(t):
     with _compat.mlir_context():
-        return str(ir.Module.parse(text))
+        return str(ir.Module.parse(t))
+
+
+def round_trip():
+    return _pp(text)
 
 
 out[f"doing nothing: parse and print the {5 * n}-op module"] = timed(round_trip, 2)
@@ -88,17 +96,46 @@ runs.append(("weights as constants", ktext, {}))
 for label, t, kw in runs:
     hlofold.fold_stablehlo(huge_module(10), **kw)
     out[f"stablehlo {5 * n} ops, {label}"] = timed(lambda: hlofold.fold_stablehlo(t, **kw), 2)
+# deep decoders (weights as arguments), written by the parent process with its examples
+import glob, os
+for path in sorted(glob.glob(os.path.join(sys.argv[4], "decoder_*.mlir")),
+                   key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0])):
+    layers = int(path.rsplit("_", 1)[1].split(".")[0])
+    t = open(path).read()
+    ops = t.count(" = ")
+    out[f"doing nothing: parse and print the {layers}-layer decoder ({ops} ops)"] = timed(
+        lambda: _pp(t), 3)
+    for label, kw in (("weights as arguments, default", {}),
+                      ("weights as arguments, in_graph=True", {"in_graph": True})):
+        if kw and not has_flag:
+            continue
+        out[f"stablehlo {layers}-layer decoder, {label}"] = timed(
+            lambda: hlofold.fold_stablehlo(t, **kw), 3)
 print(json.dumps(out))
 """
 
 
-def _one(checkout: str, here: str, quick: bool) -> dict:
+def _one(checkout: str, here: str, quick: bool, modules: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    got = subprocess.run([sys.executable, "-c", _CHILD, checkout, here, "1" if quick else "0"],
-                         capture_output=True, text=True, env=env)
+    got = subprocess.run([sys.executable, "-c", _CHILD, checkout, here, "1" if quick else "0",
+                          modules], capture_output=True, text=True, env=env)
     if got.returncode:
         raise SystemExit(f"timing {checkout} failed:\n{got.stderr[-3000:]}")
     return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def write_decoders(folder: str, depths) -> None:
+    """The Llama-style decoder of ``hlofold.examples`` (d = 64), lowered with its weights as
+    module arguments, one module per depth (issue 30's modules)."""
+    import jax
+    import jax.numpy as jnp
+    from hlofold import examples
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    for layers in depths:
+        text = jax.jit(examples.decoder_apply).lower(
+            examples.init_decoder(layers, d=64), tokens).as_text()
+        with open(os.path.join(folder, f"decoder_{layers}.mlir"), "w") as f:
+            f.write(text)
 
 
 def main(argv=None) -> None:
@@ -111,9 +148,11 @@ def main(argv=None) -> None:
     checkouts = [here] + ([os.path.abspath(args.against)] if args.against else [])
     rounds = 1 if args.quick else args.rounds
     samples: dict = {c: {} for c in checkouts}
+    modules = tempfile.mkdtemp()
+    write_decoders(modules, (2, 8) if args.quick else (8, 32, 96))
     for _ in range(rounds):
         for c in checkouts:
-            for k, v in _one(c, here, args.quick).items():
+            for k, v in _one(c, here, args.quick, modules).items():
                 samples[c].setdefault(k, []).append(v)
     from .common import machine_info, machine_line
     print(f"fold time, {rounds} round(s), {machine_line(machine_info())}")

@@ -66,6 +66,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.sources_memo: dict[Any, int] = {}      # op -> the block arguments it reads, bits
         self.source_bit: dict[Any, int] = {}
         self.invariant_memo: dict = {}             # _core.forward_walk.invariant
+        self.deps_memo: dict = {}                  # op -> (ops it reads, arguments it reads)
         # ops a folded site replaced: erased after all sites, so that no op is freed while
         # the memos (keyed by the ops' addresses) are in use
         self.dead: list = []
@@ -90,6 +91,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         for fname, fop in list(self.symbols.items()):
             if not fop.regions[0].blocks:      # a declaration: no body to fold
                 continue
+            self._sweep(fop)
             affines[fname] = []
             for op in roots_in(fop, UNREACHED_OPS, affines[fname]):
                 n = len(self.sites)
@@ -108,7 +110,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
                      self.activation, self.sources_memo, self.source_bit,
-                     self.invariant_memo, self.eval.memo, self.eval.flushed):
+                     self.invariant_memo, self.deps_memo, self.eval.memo,
+                     self.eval.flushed):
             memo.clear()         # they may name erased ops: not read after the sites
         return FoldReport(self.sites)
 

@@ -29,7 +29,7 @@ from .._core.chain_rules import Refusal
 from .._core.decide import forward_consumers_refusal, forward_note
 from .._core.forward_walk import walk_forward
 from .ir import (BINARY, GUARD, ROOTS, SHAPE_KIND, attr_dims, is_float, location, marked,
-                 op_name, owner_op, parent_of, readers, reads, same_block, shape_of)
+                 op_name, owner_op, parent_of, readers, same_block, shape_of)
 from .match import HLO_STEPS
 from .patterns import Step, dot_dims, resolve
 from .._core.patterns import border_masks
@@ -267,13 +267,15 @@ class HloForwardPlanner:
             return arg_bit(value)
 
         def inputs_of(op):
-            return [p for p in (owner_op(v) for v in reads(op)) if p is not None]
+            return self._deps(op)[0]
 
         def settle(op):
+            prods, args = self._deps(op)
             out = 0
-            for v in reads(op):
-                p = owner_op(v)
-                out |= arg_bit(v) if p is None else memo[p]
+            for p in prods:
+                out |= memo[p]
+            for v in args:
+                out |= arg_bit(v)
             memo[op] = out
         return postorder(top, memo, inputs_of, settle)
 

@@ -154,8 +154,47 @@ class ChainWalker:
         self.activation.clear()    # keyed by op addresses: drop them after erasing
         self.sources_memo.clear()
         self.invariant_memo.clear()
+        self.deps_memo.clear()
         self.eval.memo.clear()
         return folded
+
+    def _deps(self, op) -> tuple[list, list]:
+        """``(ops whose results op reads, block arguments it reads)``, inside its regions
+        too; cached per op (the sweeps over the program ask each op twice)."""
+        got = self.deps_memo.get(op)
+        if got is None:
+            prods, args = [], []
+            for v in reads(op):
+                p = owner_op(v)
+                if p is None:
+                    args.append(v)
+                else:
+                    prods.append(p)
+            got = self.deps_memo[op] = (prods, args)
+        return got
+
+    def _sweep(self, holder) -> None:
+        """Fill the activation and source memos (``_from_root``, ``_sources``) for every op
+        in ``holder``'s regions, in program order: each op once, after its producers (SSA)
+        and after the ops in its own regions. What the sweep cannot settle (an op added
+        later) the lazy walks compute when asked."""
+        act, src, bits = self.activation, self.sources_memo, self.source_bit
+        for region in holder.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    op = op.operation
+                    if len(op.regions):
+                        self._sweep(op)              # (nesting, not operands)
+                    prods, args = self._deps(op)
+                    if not all(p in act and p in src for p in prods):
+                        continue
+                    out = 0
+                    for p in prods:
+                        out |= src[p]
+                    for v in args:
+                        out |= bits.setdefault(v, 1 << len(bits))
+                    src[op] = out
+                    act[op] = op.name in ROOTS or any(act[p] for p in prods)
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through
@@ -168,12 +207,10 @@ class ChainWalker:
         memo = self.activation
 
         def inputs_of(op):
-            if op_name(op) in ROOTS:
-                return ()
-            return [p for p in (owner_op(v) for v in reads(op)) if p is not None]
+            return () if op_name(op) in ROOTS else self._deps(op)[0]
 
         def settle(op):
-            memo[op] = op_name(op) in ROOTS or any(memo[p] for p in inputs_of(op))
+            memo[op] = op_name(op) in ROOTS or any(memo[p] for p in self._deps(op)[0])
         return postorder(top, memo, inputs_of, settle)
 
 

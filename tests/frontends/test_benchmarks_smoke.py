@@ -129,6 +129,7 @@ def test_foldtime_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| jaxpr") or
             line.startswith("| stablehlo")]
-    assert len(rows) == 8, proc.stdout    # 5 jaxpr rows (constants: first and later folds), 3 StableHLO
-    assert sum(line.startswith("| doing nothing") for line in proc.stdout.splitlines()) == 2
+    # 5 jaxpr rows (constants: first and later folds), 3 StableHLO, 2 × 2 deep decoders
+    assert len(rows) == 12, proc.stdout
+    assert sum(line.startswith("| doing nothing") for line in proc.stdout.splitlines()) == 4
     assert all(" ms [" in r for r in rows), proc.stdout

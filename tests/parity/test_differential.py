@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -31,7 +32,7 @@ import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
 from hlofold._stablehlo.artifacts import module_callable  # noqa: E402
 from hlofold._core.reasons import reason_kind  # noqa: E402
-from tests.helpers import assert_nothing_left_behind  # noqa: E402
+from tests.helpers import assert_close, assert_nothing_left_behind  # noqa: E402
 from tests.helpers.programs import LOW, bf16_bound, bound, build, err, specs  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -106,3 +107,29 @@ def test_both_paths_keep_per_token_factors_the_same_way(spec):
     the factor in the graph and fold what is per channel, or refuse for the same reason."""
     with jax.enable_x64(spec.dtype == "float64"):
         check_both_paths(spec)
+
+
+@pytest.mark.parametrize("net", ["decoder-32", "resnet-101"])
+def test_both_paths_decide_deep_programs_the_same_way(net):
+    """Deep programs (issue 30): a 32-layer Llama-style decoder and ResNet-101 get the same
+    decision per pattern on both paths (the StableHLO path used to stop folding after about
+    ten layers of a decoder), and the same outputs."""
+    from hlofold import examples
+    if net == "decoder-32":
+        f, args = examples.decoder_apply, (examples.init_decoder(32, d=16, ffn=32, vocab=32),
+                                           jnp.asarray([[1, 2, 3, 4]], jnp.int32))
+    else:
+        f, args = examples.resnet_apply, (examples.init_resnet(101, width=4),
+                                          jnp.ones((1, 16, 16, 3)))
+    closed = jax.make_jaxpr(f)(*args)
+    new, rep = hlofold.fold_jaxpr(closed)
+    text = jax.jit(f).lower(*args).as_text()
+    folded, srep = hlofold.fold_stablehlo(text, in_graph=True)
+    for pattern in ("affine_dot", "dot_affine", "conv_affine"):
+        dj, ds = _decisions(rep, pattern), _decisions(srep, "stablehlo_" + pattern)
+        assert dj == ds, f"{pattern}: jaxpr {dict(dj)} vs StableHLO {dict(ds)}"
+    assert rep.num_folded == srep.num_folded == (161 if net == "decoder-32" else 105)
+    leaves = jax.tree.leaves(args)
+    ref = jax.jit(f)(*args)
+    assert_close(ref, jax.jit(C.jaxpr_as_fun(new))(*leaves)[0])
+    assert_close(ref, module_callable(folded)(*leaves)[0])
