@@ -44,7 +44,7 @@ from ._views import FoldedViews
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
          cache_prepared: bool = True, float32_kernels: bool = False, verify: bool = False,
-         in_graph: bool = False):
+         in_graph: bool = False, fold_costly: bool = False):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
     Args:
@@ -78,6 +78,14 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         sp.prepare(params, x)``, then ``jax.jit(lambda p, x: sp.apply(p, params, x))``.
         ``True``: rescale in the graph, each site guarded at run time (a non-finite folded
         kernel or bias runs the original equations); fp16/fp8 kernels stay unfolded there.
+      fold_costly: fold sites the cost rule leaves. By default a site whose parameters are
+        inputs folds only where its fold removes a pass over a tensor (a BatchNorm after a
+        conv or dense layer, an affine pass of its own in front of one): a LayerNorm/RMSNorm
+        γ folded into the projections reading it removes only multiplies inside the pass
+        computing ``x·r``, which stays, and would hold a folded copy of each kernel beside
+        the parameters (or rescale it on every call, in the graph). Such sites are reported
+        ``left``, with their figures (``hlofold._core.cost``). Frozen parameters and
+        :func:`hlofold.fold_params` fold them regardless.
 
     Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
     """
@@ -85,18 +93,20 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
                                  static_argnames=static_argnames, cache_prepared=cache_prepared,
                                  float32_kernels=float32_kernels, verify=verify,
-                                 in_graph=in_graph)
+                                 in_graph=in_graph, fold_costly=fold_costly)
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
                   static_argnames=static_argnames, cache_prepared=cache_prepared,
-                  float32_kernels=float32_kernels, verify=verify, in_graph=in_graph)
+                  float32_kernels=float32_kernels, verify=verify, in_graph=in_graph,
+                  fold_costly=fold_costly)
 
 
 class Folded(FoldedViews):
     """A folded inference function (see :func:`fold`)."""
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
-                 float32_kernels=False, verify=False, in_graph=False):
+                 float32_kernels=False, verify=False, in_graph=False, fold_costly=False):
         self._float32_kernels = float32_kernels
+        self._cost = None if fold_costly else frozenset()     # the cost rule (_core.cost)
         self._verify = verify
         self.in_graph = bool(in_graph)
         ji = C.jit_info(fun)
@@ -180,22 +190,30 @@ class Folded(FoldedViews):
         names = [self.signature.leaf_name(p) for p, _ in leaves_p]
         leaves = [l for _, l in leaves_p]
 
-        def flat_fun(*dyn_leaves):
+        out_trees = []
+
+        def flat_fun(*dyn_leaves):       # flat leaves in, flat leaves out
             dyn = jax.tree_util.tree_unflatten(tree, dyn_leaves)
             merged = {k: (static[k] if k in static else frozen[k] if k in frozen else dyn[k])
                       for k in arguments}
-            return self.signature.call(merged)
+            outs, out_tree = jax.tree_util.tree_flatten(self.signature.call(merged))
+            out_trees.append(out_tree)
+            return outs
 
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(
-            *[trace_struct(l) for l in leaves])
-        out_tree = jax.tree_util.tree_structure(out_shape)
+        donated = tuple(i for i, (p, _) in enumerate(leaves_p)
+                        if p and getattr(p[0], "key", None) in self._donate)
+        # one trace, as jax.jit's: the program runs as this jit where nothing folds
+        plain = jax.jit(flat_fun, donate_argnums=donated)
+        traced = plain.trace(*[trace_struct(l) for l in leaves])
+        closed, out_tree = traced.jaxpr, out_trees[-1]
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
         by_id = {id(l): self.signature.leaf_name(p) for p, l in frz_p}
         const_names = [by_id.get(id(c)) for c in closed.consts]
         # Which inputs do folded sites read? Those the fold leaves to the graph (unknown
         # parameters); they are folded per value on the host (_prepare).
         folded, found = fold_jaxpr(closed, invar_names=names, const_names=const_names,
-                                   float32_kernels=self._float32_kernels, in_graph="never")
+                                   float32_kernels=self._float32_kernels, in_graph="never",
+                                   cost=self._cost)
         needed = set()
         for s in found.sites:
             if reason_kind(s.reason) == "weights-not-known":
@@ -203,8 +221,6 @@ class Folded(FoldedViews):
                 needed.update((s.kernel or "").split(", "))
         known_idx = [i for i, n in enumerate(names) if n in needed]
         unknown_idx = [i for i in range(len(names)) if i not in set(known_idx)]
-        donated = tuple(i for i, (p, _) in enumerate(leaves_p)
-                        if p and getattr(p[0], "key", None) in self._donate)
         prog = Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
                         Executables([j for j, i in enumerate(unknown_idx) if i in donated]),
                         frozen_refs=tuple(frz_leaves),
@@ -217,8 +233,12 @@ class Folded(FoldedViews):
             # nothing to prepare per value: that fold is the final one (inside shard_map its
             # constants cannot be placed: each call folds, see _folding_for)
             folding = folding_of(folded, found)
-            prog.cached = ((), folding, prog.executables.get(folding),
-                           place(folding.hoisted, frz_leaves))
+            # nothing folded and nothing frozen: the user's program as jax.jit compiles it
+            # (its trace reused); frozen arrays stay arguments (no weights in the HLO)
+            same = folded is closed and not folding.hoisted
+            prog.cached = ((), folding, plain, []) if same else (
+                (), folding, prog.executables.get(folding), place(folding.hoisted, frz_leaves))
+        prog.unfolded = plain          # the original program (fallbacks), traced already
         return prog
 
     def _folding_for(self, prog: Program, known: list, count: bool = True):
@@ -240,7 +260,8 @@ class Folded(FoldedViews):
             check_not_deleted(known)
             folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
                                        prog.known_idx, known,
-                                       float32_kernels=self._float32_kernels)
+                                       float32_kernels=self._float32_kernels,
+                                       cost=self._cost is not None)
             manual = C.in_manual_context()    # inside shard_map: constants of its trace
             entry = (folding, prog.executables.get(folding),
                      list(folding.hoisted) if manual else place(folding.hoisted, known))
@@ -349,7 +370,7 @@ class Folded(FoldedViews):
                 prog.variants[mode] = fold_jaxpr(
                     prog.original, invar_names=prog.leaf_names,
                     const_names=prog.const_names, in_graph=mode,
-                    float32_kernels=self._float32_kernels)
+                    float32_kernels=self._float32_kernels, cost=self._cost)
             return prog.variants[mode]
 
     def _traced_mode(self) -> str:

@@ -28,6 +28,13 @@ def explicit_sharding(x):
     return None
 
 
+def _typed_sharding(sh, ndim: int) -> tuple:
+    """A sharding that is part of a type, as a key equal for a concrete array and a tracer
+    of that type (their meshes differ, concrete and abstract; specs are padded to rank)."""
+    spec = tuple(sh.spec) + (None,) * (ndim - len(sh.spec))
+    return (spec, tuple(sh.mesh.axis_names), tuple(sh.mesh.axis_sizes))
+
+
 def leaf_key(x):
     """Cheap per-call signature of one input: shape, dtype, weak type (or Python type), and
     the sharding where it is part of the type (explicit mesh axes)."""
@@ -36,10 +43,12 @@ def leaf_key(x):
         a = C.aval_of(x)
         key = (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
         vma = C.varying_axes(x)           # inside shard_map: the manual axes it varies over
+        sh = explicit_sharding(a)
+        key = key if sh is None else key + (_typed_sharding(sh, len(a.shape)),)
         return key + (vma,) if vma else key
     key = (x.shape, dtype, bool(getattr(x, "weak_type", False)))
     sh = explicit_sharding(x)
-    return key if sh is None else key + (sh,)
+    return key if sh is None else key + (_typed_sharding(sh, len(x.shape)),)
 
 
 def trace_struct(x):

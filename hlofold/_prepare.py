@@ -51,8 +51,9 @@ class Folding:
 
 def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Sequence,
                      known_idx: Sequence[int], values: Sequence[Any], *,
-                     float32_kernels: bool) -> Folding:
-    """Fold ``closed`` with its inputs ``known_idx`` bound to ``values``."""
+                     float32_kernels: bool, cost: bool = False) -> Folding:
+    """Fold ``closed`` with its inputs ``known_idx`` bound to ``values`` (with ``cost``,
+    under the cost rule: they are prepared copies)."""
     j = closed.jaxpr
     known = set(known_idx)
     bound = C.ClosedJaxpr(
@@ -63,7 +64,8 @@ def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: S
     folded, report = fold_jaxpr(
         bound, invar_names=[n for i, n in enumerate(names) if i not in known],
         const_names=list(const_names) + [names[i] for i in known_idx],
-        float32_kernels=float32_kernels, in_graph="never")
+        float32_kernels=float32_kernels, in_graph="never",
+        cost=[names[i] for i in known_idx] if cost else None)
     for s in report.sites:
         if s.status == FOLDED and s.rescale == "constant" and known_names & (
                 set(s.params) | set((s.kernel or "").split(", "))):

@@ -24,6 +24,7 @@ KINDS: dict[str, str] = {
     "not-affine": "the chain value is a divisor",
     "not-float": "a value or a cast is not a float",
     "bias-map": "a shift in front of a padded convolution",
+    "cost": "hlofold.fold's cost rule: the fold removes no pass, and costs memory or work",
     "root": "the root itself cannot be folded (integer, grouping, dot layout)",
     "symbolic": "symbolic shapes",
     "chain-end": "the chain ends (an op it does not take, an output, an unused value)",

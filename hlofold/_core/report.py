@@ -11,6 +11,7 @@ REFUSED = "refused"          # a chain was there but could not be folded safely
 CANONICAL = "canonical"      # already conv + bias: nothing to gain
 NO_PATTERN = "no-pattern"    # the conv is not followed by per-channel affine arithmetic
 NOT_REACHED = "not-reached"  # a per-channel scale (a normalization) that no root reaches
+LEFT = "left"                # safe to fold, left by hlofold.fold's cost rule (_core.cost)
 
 
 @dataclasses.dataclass
@@ -19,7 +20,7 @@ class FoldSite:
 
     pattern: str                      # name of the pattern that examined the site
     primitive: str                    # root primitive, e.g. "conv_general_dilated"
-    status: str                       # FOLDED / REFUSED / CANONICAL / NO_PATTERN / NOT_REACHED
+    status: str                       # FOLDED / REFUSED / CANONICAL / NO_PATTERN / NOT_REACHED / LEFT
     scope: str                        # where in the program: "top", "top/jit(apply)/scan", ...
     file: str | None = None
     line: int | None = None
@@ -37,6 +38,7 @@ class FoldSite:
     kernel: str | None = None         # pytree path of the kernel, when it is an input
     reason: str | None = None         # why not folded
     note: str | None = None           # for folded sites: where and why the chain stopped
+    cost: dict | None = None          # the cost rule's figures (_core.cost.SiteCost), where asked
 
     @property
     def location(self) -> str:
@@ -100,7 +102,9 @@ class FoldReport:
         head = (f"hlofold: {c.get(FOLDED, 0)} folded, {c.get(REFUSED, 0)} refused, "
                 f"{c.get(CANONICAL, 0)} already conv+bias, {c.get(NO_PATTERN, 0)} without a pattern"
                 + (f", {c[NOT_REACHED]} normalizations no conv/dense reaches"
-                   if c.get(NOT_REACHED) else "") + f" ({len(self.sites)} sites)")
+                   if c.get(NOT_REACHED) else "")
+                + (f", {c[LEFT]} left for cost" if c.get(LEFT) else "")
+                + f" ({len(self.sites)} sites)")
         if self.running:
             head += f"\nNOTE: calls run {self.running}"
         p = self.precision

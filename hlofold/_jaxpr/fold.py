@@ -45,8 +45,8 @@ _MAX_INLINE_ROUNDS = 8      # calls within calls a chain is followed into
 
 def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = None,
                const_names: Sequence[str] | None = None,
-               float32_kernels: bool = False,
-               in_graph: str = "guarded") -> tuple[C.ClosedJaxpr, FoldReport]:
+               float32_kernels: bool = False, in_graph: str = "guarded",
+               cost: Sequence[str] | None = None) -> tuple[C.ClosedJaxpr, FoldReport]:
     """Fold every conv → per-channel-affine chain of ``closed``.
 
     Args:
@@ -70,6 +70,12 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
           would run on every call, which costs more than it saves where the backend already
           fuses the BatchNorm epilogue into the convolution (XLA:CPU).
 
+      cost: apply :func:`hlofold.fold`'s cost rule (``hlofold._core.cost``) to sites whose
+        parameters are inputs or the constants named here (values prepared from inputs,
+        whose folded copies would be held beside them): a site whose fold removes no pass
+        over a tensor is left (status ``left``, with its figures). None (default): fold
+        every safe site.
+
     Returns ``(folded, report)``. ``folded`` has the same inputs and outputs as ``closed``;
     when nothing folds it *is* ``closed``.
     """
@@ -90,7 +96,8 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
                    known_in=[NONE] * n_in,
                    names_in=[_const(frozenset({n})) for n in names],
                    const_names=cnames, path="top", sites=sites,
-                   opts=_Options(float32_kernels=float32_kernels, in_graph=in_graph))
+                   opts=_Options(float32_kernels=float32_kernels, in_graph=in_graph,
+                                 cost=None if cost is None else frozenset(cost)))
     return scope.fold(), FoldReport(sites)
 
 
@@ -114,10 +121,7 @@ IN_GRAPH_MODES = tuple(p for p in IN_GRAPH_POLICIES if p != "unguarded")
 class _Options:
     float32_kernels: bool = False
     in_graph: str = "guarded"
-
-
-
-
+    cost: frozenset | None = None     # hlofold.fold's cost rule (names of prepared constants)
 
 
 def _const(v):

@@ -39,7 +39,7 @@ _ELEMENTWISE = frozenset({"rsqrt", "sqrt", "exp", "log", "neg", "abs", "integer_
                           "max", "min", "pow", "reduce_precision", "copy"})
 
 
-def _elems(shape, skip: int | None = None) -> int:
+def elems(shape, skip: int | None = None) -> int:
     """Elements of ``shape`` (a symbolic dimension counts 1), without axis ``skip``."""
     return int(np.prod([d if isinstance(d, (int, np.integer)) else 1
                         for a, d in enumerate(shape) if a != skip], dtype=np.int64))
@@ -96,8 +96,8 @@ class ForwardPlanner:
         masks = pattern.border_masks(eqn) if has_shift(steps) else None
         why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None)
         if why is None and masks is not None:
-            why = bias_map_refusal(_elems(eqn.outvars[0].aval.shape, pattern.batch_axis(eqn)),
-                                   _elems(v.aval.shape), self._fused_with(v))
+            why = bias_map_refusal(elems(eqn.outvars[0].aval.shape, pattern.batch_axis(eqn)),
+                                   elems(v.aval.shape), self._fused_with(v))
         if why:
             self._record(eqn, fpat, info, REFUSED, absorbed=absorbed, params=names,
                          reason=why)

@@ -23,9 +23,10 @@ from .._core.chain import UNUSED, Absorb, Pass, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .._core.chain_rules import ChannelOperand, Refusal
 from .steps import AFFINE_STEPS, PASS_STEPS, AffineStep, PassStep, affine_step, pass_step
-from .forward import Forward, ForwardPlanner
+from .forward import Forward, ForwardPlanner, elems
 from .._core.patterns import RootInfo
-from .._core.report import CANONICAL, FOLDED, REFUSED, FoldSite
+from .._core.cost import SiteCost, cost_refusal
+from .._core.report import CANONICAL, FOLDED, LEFT, REFUSED, FoldSite
 from .._core.reasons import Reason
 from .._core.rules import WEIGHT_CONE, weight_like
 
@@ -144,6 +145,9 @@ class SitePlanner(ForwardPlanner):
         s_vec = t_vec = None
         if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
             s_vec, t_vec = collapse(kinds(affine), op_vals, info.out_channels)
+        if self.opts.cost is not None and not kfa and self._left_for_cost(
+                eqn, info, kernel, k_val, affine, op_vals, fwd, backward, rec):
+            return False
         b64 = None
         if fwd is not None and not kfa:       # the forward fold's own rules (jaxpr only)
             if not self._check_forward(fwd, info, kd, hint,
@@ -191,6 +195,49 @@ class SitePlanner(ForwardPlanner):
             self.skip.add(self.producer[s.eqn.outvars[0]][0])
         self.site_at_end[site.end_idx] = site
         return True
+
+    def _left_for_cost(self, eqn, info, kernel, k_val, affine, op_vals, fwd, backward,
+                       rec) -> bool:
+        """``hlofold.fold``'s cost rule (``_core.cost``), before any kernel-sized work: a
+        site whose parameters are inputs (prepared per value, or rescaled in the graph) or
+        prepared constants (``opts.cost``: their names) folds only where it removes a pass;
+        else its records say ``left``, with the figures. True: left."""
+        names = set(self.names(kernel))
+        for st in affine + (fwd.steps if fwd is not None else []):
+            if st.operand is not None:
+                names |= self.names(st.operand.source)
+        unknown = k_val is None or any(v is None for s, v in zip(affine, op_vals)
+                                       if s.operand is not None)
+        if fwd is not None:
+            unknown |= any(self.value(st.operand.source) is None for st in fwd.steps
+                           if st.operand is not None)
+        if not (unknown or names & self.opts.cost):
+            return False                  # frozen constants: no copy held, no work added
+        out = eqn.outvars[0].aval
+        scales = [k for k in kinds(affine) if k in ("mul", "div", "neg", "rsub")]
+        passes, removed, why = 0, 0, "the chain after the root only shifts"
+        if backward:
+            passes += bool(scales)
+            removed += (len(affine) - has_shift(affine)) * elems(out.shape)
+        if fwd is not None:
+            fused = self._fused_with(fwd.source)
+            passes += not fwd.tokens and fused is None
+            removed += len(fwd.steps) * elems(fwd.source.aval.shape)
+            why = ("the per-token factor x·r stays in the graph, its pass with it"
+                   if fwd.tokens else f"the affine in front is computed in one loop with the "
+                   f"{fused} producing its input")
+        k = kernel.aval
+        in_graph = k_val is None and self.opts.in_graph in ("guarded", "unguarded")
+        cost = SiteCost(int(passes), int(removed),
+                        0 if in_graph else elems(k.shape) * np.dtype(k.dtype).itemsize,
+                        elems(k.shape) if in_graph else 0)
+        reason = cost_refusal(cost, why)
+        for r in (rec, fwd.record if fwd is not None else None):
+            if r is not None:
+                r.cost = cost.to_dict()
+                if reason is not None:
+                    r.status, r.reason, r.rescale, r.guarded = LEFT, reason, None, False
+        return reason is not None
 
     def _check_forward(self, fwd: Forward, info, kd, hint, all_known: bool) -> bool:
         """The forward fold's own rules (``_core.decide.forward_refusal``), before the shared

@@ -149,7 +149,7 @@ def check(name, fun, params, x, mesh, model: bool, n_bn: int, n_constraints: int
     sp = ff.split(params, x)
     prepared = sp.prepare(params, x)
     close(ref, sp.apply(prepared, params, x))
-    apply_c = sp._fn.lower(*prepared, x).compile()
+    apply_c = jax.jit(lambda pr, x: sp.apply(pr, params, x)).lower(prepared, x).compile()
     g_apply = count_all_gathers(apply_c)
     assert g_apply <= g_unf, f"{name}: {g_apply} all-gathers in apply, {g_unf} unfolded"
     same_shardings(apply_c.output_shardings, unfolded.output_shardings,

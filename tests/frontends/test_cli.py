@@ -17,7 +17,8 @@ def test_demo_smoke():
     r = run("demo", "--depth", "10", "--width", "8", "--size", "32", "--batch", "2",
             "--rounds", "3")
     assert r.returncode == 0, r.stderr
-    assert "hlofold: 13 folded, 0 refused" in r.stdout   # 12 BN + the pooling scale into the head
+    # 12 BN; the pooling's 1/(H·W) in front of the head is left by the cost rule
+    assert "hlofold: 12 folded, 0 refused" in r.stdout and "1 left for cost" in r.stdout
     assert r.stdout.count("PASS") == 2 and "FAIL" not in r.stdout
     assert "stablehlo.convolution" in r.stdout
     assert "[5/5] timing" in r.stderr            # progress goes to stderr

@@ -22,9 +22,15 @@ def test_plain_and_jitted_inputs():
         ff = hlofold.fold(f)
         assert_close(REF, ff(P, X))
         rep = ff.report(P, X)
-        # every BN, plus the mean-pool's 1/(H·W) folded forward into the head's Dense
-        assert rep.num_folded == NBN + 1
+        # every BN; the mean-pool's 1/(H·W) in front of the head's Dense is left by the cost
+        # rule (it is computed in the reduction's loop: folding removes no pass, and would
+        # hold a copy of the head's weights); frozen, it folds (test_freeze_by_number_and_name)
+        assert rep.num_folded == NBN and rep.counts()["left"] == 1, str(rep)
         assert [s.pattern for s in rep.folded].count("conv_affine") == NBN
+        left = next(s for s in rep.sites if s.status == "left")
+        assert left.pattern == "affine_dot" and "reduce_sum" in left.reason
+        assert left.cost == {"passes_removed": 0, "ops_removed": 2 * 64, "held_bytes": 64 * 10 * 4,
+                             "rescaled": 0}
         assert {s.rescale for s in rep.folded} == {"prepared"}
         assert any("['stem']['bn']['mean']" in n for n in rep.folded[0].params)
         assert_no_scaling_after_convs(ff.jaxpr(P, X))
@@ -41,7 +47,8 @@ def test_apply_part_has_no_kernel_rescale_and_cache_is_used(monkeypatch):
     assert sp.per_call[-1] == "x"
     prepared = sp.prepare(P, X)
     # folded kernels and biases are inputs of the apply program, not constants in its HLO
-    assert len(prepared) == len(sp.apply_jaxpr.jaxpr.invars) - 1
+    # (the head's weight and bias are per-call inputs: left by the cost rule)
+    assert len(prepared) == len(sp.apply_jaxpr.jaxpr.invars) - 3
     assert all(np.ndim(c) == 0 for c in sp.apply_jaxpr.consts)
     assert_close(REF, sp.apply(prepared, P, X))
 
@@ -168,9 +175,9 @@ def test_inside_enclosing_jit_and_vmap():
     outer = jax.jit(lambda p, x: ff(p, x) + 1)
     assert_close(REF + 1, outer(P, X))
     rep = ff.traced_report(P, X)
-    assert rep.num_folded == 0 and rep.num_refused == NBN + 1, str(rep)
+    assert rep.num_folded == 0 and rep.num_refused == NBN and rep.counts()["left"] == 1, str(rep)
     assert all("prepare outside your jit" in s.reason for s in rep.refused)
-    assert ff.report(P, X).num_folded == NBN + 1    # direct calls fold (prepare step)
+    assert ff.report(P, X).num_folded == NBN        # direct calls fold (prepare step)
     jaxpr = jax.make_jaxpr(lambda p, x: ff(p, x))(P, X)
     assert primitives(jaxpr) == primitives(jax.make_jaxpr(examples.resnet_apply)(P, X))
     v = jax.vmap(lambda x: ff(P, x[None])[0])(X)
@@ -179,10 +186,11 @@ def test_inside_enclosing_jit_and_vmap():
     fg = hlofold.fold(examples.resnet_apply, in_graph=True)
     assert_close(REF + 1, jax.jit(lambda p, x: fg(p, x) + 1)(P, X))
     rep = fg.traced_report(P, X)
-    assert rep.num_folded == NBN + 1 and all(s.guarded for s in rep.folded), str(rep)
+    assert rep.num_folded == NBN and all(s.guarded for s in rep.folded), str(rep)
+    assert [s.cost["rescaled"] for s in rep.sites if s.status == "left"] == [64 * 10]
     jaxpr = jax.make_jaxpr(lambda p, x: fg(p, x))(P, X)
     assert_no_scaling_after_convs(jaxpr)            # in-graph rescale on the kernel only
-    assert primitives(jaxpr).count("cond") == NBN + 1   # one run-time guard per site
+    assert primitives(jaxpr).count("cond") == NBN   # one run-time guard per site
 
 
 def test_split_folds_everything_under_the_users_jit():
@@ -224,7 +232,7 @@ def test_non_finite_input_params_refuse_their_site():
     assert_close(np.nan_to_num(ref), np.nan_to_num(out))
     rep = ff.report(bad, X)
     assert rep.sites[0].status == "refused" and "not finite" in rep.sites[0].reason
-    assert rep.num_folded == NBN, "the other sites still fold"
+    assert rep.num_folded == NBN - 1, "the other sites still fold"
     # a split made with good parameters does not take ones that fold differently
     with pytest.raises(ValueError, match="fold differently.*not finite"):
         ff.split(P, X).prepare(bad, X)

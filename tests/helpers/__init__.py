@@ -94,15 +94,16 @@ def fold_jaxpr_checked(f, *args, folds, **options):
     return new, rep
 
 
-def fold_checked(f, *args, folds, freeze=(), root=None, refused=None):
-    """``hlofold.fold(f, freeze=freeze)``: ``folds`` sites folded (and ``refused`` refused,
-    when given), the same outputs as ``f`` on the first call, on a cached call and under an
-    enclosing ``jit``, and no scaling left after any ``root`` equation (when given).
-    Returns ``(folded function, report, f's outputs, folded outputs)``."""
+def fold_checked(f, *args, folds, freeze=(), root=None, refused=None, **options):
+    """``hlofold.fold(f, freeze=freeze, **options)``: ``folds`` sites folded (and
+    ``refused`` refused, when given), the same outputs as ``f`` on the first call, on a
+    cached call and under an enclosing ``jit``, and no scaling left after any ``root``
+    equation (when given). Returns ``(folded function, report, f's outputs, folded
+    outputs)``."""
     import jax
 
     import hlofold
-    ff = hlofold.fold(f, freeze=freeze)
+    ff = hlofold.fold(f, freeze=freeze, **options)
     rep = ff.report(*args)
     assert rep.num_folded == folds, str(rep)
     if refused is not None:

@@ -123,7 +123,10 @@ def test_float64_programs_fold_or_refuse_never_raise(mode):
             closed = jax.make_jaxpr(head_net)(p, x)
             new, rep = hlofold.fold_jaxpr(closed, in_graph=mode)
             out = jax.core.eval_jaxpr(new.jaxpr, new.consts, *jax.tree.leaves((p, x)))[0]
-        assert rep.num_folded == (0 if mode == "never" else 2), str(rep)
+        # the pooling's division is left by hlofold.fold's cost rule with inputs (fused into
+        # the reduction: no pass to remove); it folds as a constant or with fold_jaxpr
+        assert rep.num_folded == (0 if mode == "never" else 1 if mode == "inputs" else 2), \
+            str(rep)
         assert_close(ref, out)
 
 

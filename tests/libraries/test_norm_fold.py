@@ -24,9 +24,15 @@ from tests.helpers import (assert_close, assert_nothing_left_behind, fold_both, 
 from tests.helpers.blocks import D, F, RNG, X, attention, decoder, flax_linen_block, perturb
 
 def check_block(f, params, *, folds, freeze=True, written=None):
-    """Both ways hlofold is called: params as inputs (prepared) and frozen; and the folded
-    weights written back into the library's own tree (``written`` sites, default all)."""
-    ff, rep, _, _ = fold_checked(f, params, X, folds=folds)
+    """Both ways hlofold is called: params as inputs (the cost rule leaves every norm site:
+    the per-token factor's pass stays; with ``fold_costly=True`` prepared) and frozen; and
+    the folded weights written back into the library's own tree (``written`` sites, default
+    all)."""
+    left = hlofold.fold(f).report(params, X)
+    assert left.num_folded == 0 and left.counts().get("left") == folds, str(left)
+    assert all(s.cost["passes_removed"] == 0 and s.cost["held_bytes"] > 0
+               for s in left.sites if s.status == "left")
+    ff, rep, _, _ = fold_checked(f, params, X, folds=folds, fold_costly=True)
     wb = hlofold.fold_params(f, params, X)
     assert len(wb.changes) == (folds if written is None else written), str(wb)
     assert_close(f(params, X), f(wb.params, X))
@@ -168,7 +174,8 @@ def test_keras(kind):
 def test_decoder_stack(spelling):
     f, p = decoder(spelling)
     tokens = jnp.asarray(RNG.integers(0, 32, (2, 5)), jnp.int32)
-    ff, rep, _, _ = fold_checked(f, p, tokens, folds=11)
+    assert hlofold.fold(f).report(p, tokens).counts().get("left") == 11   # the cost rule
+    ff, rep, _, _ = fold_checked(f, p, tokens, folds=11, fold_costly=True)
     ff, rep, _, _ = fold_checked(f, p, tokens, folds=11, freeze=0)
     check_stablehlo(f, p, tokens, rep)
     folded = ff.jaxpr(p, tokens)
@@ -253,7 +260,7 @@ def same_on_stablehlo(f, *args):
 def test_fold_report_names_each_norm_site():
     f, p = decoder("llama", layers=1)
     tokens = jnp.zeros((1, 3), jnp.int32)
-    rep = hlofold.fold(f).report(p, tokens)
+    rep = hlofold.fold(f, fold_costly=True).report(p, tokens)
     norms = sorted(n for s in rep.folded for n in s.params)
     assert norms == sorted(["p['layers'][0]['n1']"] * 3 + ["p['layers'][0]['n2']"] * 2 +
                            ["p['final']"]), str(rep)
