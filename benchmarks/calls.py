@@ -15,7 +15,10 @@
 6. **forward folds behind padding** — ``fold(f)`` and ``freeze=`` (called directly and under
    the user's ``jax.jit``) vs ``jax.jit(f)`` where an affine in front of a SAME conv folds
    into a per-position bias map: first call and steady calls, batch 1 and 8, with XLA's cost
-   analysis of both compiled programs.
+   analysis of both compiled programs;
+7. **transformer** — a 0.54 B Llama-style decoder under ``fold(f)`` vs ``jax.jit(f)``: first
+   call (fresh processes), steady calls, new parameter values, peak memory, and the prepare
+   step both ways (``benchmarks/transformer.py``).
 
 Every figure is a median over rounds with its [min–max]; a ratio is hlofold's median over
 doing nothing's median from the same run. The machine is stamped in the output
@@ -35,6 +38,7 @@ import jax
 
 import hlofold
 
+from . import transformer
 from . import workloads as W
 from .common import code_info, machine_info, machine_line, ratio, summary
 
@@ -312,6 +316,8 @@ def to_markdown(res: dict) -> str:
                  f"{rel('flops')} | {rel('bytes')} | " +
                  (f"{fc['fold_vs_jit']:.2f}×, {fc['freeze_vs_jit']:.2f}× "
                   f"(jit {fc['seconds']['jit']['median']:.2f} s) |" if fc else "– |"))
+    if res.get("transformer"):
+        L += transformer.markdown(res["transformer"])
     L += ["", "Timings on this VM vary by ±10–20% between rounds; XLA's cost analysis of the "
           "two compiled programs (same compiler, same machine) is the deterministic part of "
           "the comparison."]
@@ -324,7 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--name", default=None)
     ap.add_argument("--first-call-worker", nargs=3, metavar=("NET", "SIZE", "VARIANT"))
-    ap.add_argument("--parts", default="first,jit,dispatch,changing,artifacts,forward")
+    ap.add_argument("--parts",
+                    default="first,jit,dispatch,changing,artifacts,forward,transformer")
     ap.add_argument("--keep-from", help="a JSON of an earlier run on this machine: the parts "
                     "not run now are taken from it")
     a = ap.parse_args(argv)
@@ -355,11 +362,13 @@ def main(argv=None) -> int:
     res["forward"] = forward(32 if q else 224, 3 if q else 15, 3 if q else 10,
                              1 if q else 7, log) \
         if "forward" in parts else []
+    res["transformer"] = transformer.measure(q, 2 if q else 5, log) \
+        if "transformer" in parts else {}
     if a.keep_from:
         with open(a.keep_from) as fh:
             old = json.load(fh)
         kept = [k for k in ("first_call", "under_jit", "dispatch", "changing_params",
-                            "artifacts", "forward") if not res[k] and old.get(k)]
+                            "artifacts", "forward", "transformer") if not res[k] and old.get(k)]
         for k in kept:
             res[k] = old[k]
         res["kept_from"] = {"parts": kept, "date_utc": old["machine"]["date_utc"],

@@ -29,13 +29,13 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._dispatch import (CHURN_LIMIT, MISS, Program, Fast, as_tuple, check_not_deleted, fast_call, frozen_leaf_key,
-                        leaf_key, make_fast, same_contents, static_key, trace_struct)
+from ._dispatch import (CHURN_LIMIT, MISS, Fast, Program, as_tuple, check_not_deleted, fast_call,
+                        frozen_leaf_key, leaf_key, make_fast, same_contents, static_key,
+                        trace_struct, verify_outputs)
 from ._jaxpr.fold import fold_jaxpr
 from ._core.reasons import reason_kind
-from ._core.tolerance import mismatch
-from ._jaxpr.accumulation import accumulation_of
-from ._prepare import Executables, fold_with_values, folding_of, place
+from ._prepare import (Executables, device_entry, fold_with_values, folding_of, on_device,
+                       place)
 from ._core.report import FoldReport
 from ._signature import Signature
 from ._views import FoldedViews
@@ -44,7 +44,7 @@ from ._views import FoldedViews
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
          cache_prepared: bool = True, float32_kernels: bool = False, verify: bool = False,
-         in_graph: bool = False, fold_costly: bool = False):
+         in_graph: bool = False, fold_costly: bool = False, prepare: str = "auto"):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
     Args:
@@ -86,6 +86,11 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         the parameters (or rescale it on every call, in the graph). Such sites are reported
         ``left``, with their figures (``hlofold._core.cost``). Frozen parameters and
         :func:`hlofold.fold_params` fold them regardless.
+      prepare: where the parameters a folded site reads are prepared (``K ⊙ s``, the
+        bias): ``"auto"`` (default) on the host for parameters on one CPU device (no
+        compile), on their own devices otherwise — sharded, spanning processes, or on an
+        accelerator: one compiled program per signature, nothing gathered, the results in
+        the parameters' sharding; ``"host"`` or ``"device"`` to choose.
 
     Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
     """
@@ -93,18 +98,23 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
                                  static_argnames=static_argnames, cache_prepared=cache_prepared,
                                  float32_kernels=float32_kernels, verify=verify,
-                                 in_graph=in_graph, fold_costly=fold_costly)
+                                 in_graph=in_graph, fold_costly=fold_costly, prepare=prepare)
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
                   static_argnames=static_argnames, cache_prepared=cache_prepared,
                   float32_kernels=float32_kernels, verify=verify, in_graph=in_graph,
-                  fold_costly=fold_costly)
+                  fold_costly=fold_costly, prepare=prepare)
 
 
 class Folded(FoldedViews):
     """A folded inference function (see :func:`fold`)."""
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
-                 float32_kernels=False, verify=False, in_graph=False, fold_costly=False):
+                 float32_kernels=False, verify=False, in_graph=False, fold_costly=False,
+                 prepare="auto"):
+        if prepare not in ("auto", "host", "device"):
+            raise ValueError(f"hlofold.fold: prepare must be 'auto', 'host' or 'device', "
+                             f"got {prepare!r}")
+        self._prepare = prepare
         self._float32_kernels = float32_kernels
         self._cost = None if fold_costly else frozenset()     # the cost rule (_core.cost)
         self._verify = verify
@@ -156,9 +166,10 @@ class Folded(FoldedViews):
                    and k not in self.frozen}
         leaves, tree = jax.tree_util.tree_flatten(dynamic)
         frz_leaves = jax.tree_util.tree_leaves(frozen)
-        tracing = any(C.is_tracer(x) for x in leaves + frz_leaves)
-        if tracing and any(C.is_tracer(x) for x in frz_leaves):
-            # Frozen values that are tracers cannot be baked in: treat them as inputs.
+        if any(C.is_tracer(x) or (isinstance(x, jax.Array) and not x.is_fully_addressable)
+               for x in frz_leaves):
+            # Frozen values that are tracers, or arrays no process holds whole, cannot be
+            # baked in: treat them as inputs (prepared where they live).
             dynamic = {k: v for k, v in arguments.items() if k not in self._static}
             frozen = {}
             leaves, tree = jax.tree_util.tree_flatten(dynamic)
@@ -258,13 +269,18 @@ class Folded(FoldedViews):
                 prog.churn = prog.churn + 1 if prog.hits < 2 else 0
                 prog.churned = prog.churn >= CHURN_LIMIT
             check_not_deleted(known)
-            folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
-                                       prog.known_idx, known,
-                                       float32_kernels=self._float32_kernels,
-                                       cost=self._cost is not None)
             manual = C.in_manual_context()    # inside shard_map: constants of its trace
-            entry = (folding, prog.executables.get(folding),
-                     list(folding.hoisted) if manual else place(folding.hoisted, known))
+            if not manual and (self._prepare == "device" or
+                               (self._prepare == "auto" and on_device(known))):
+                entry = device_entry(prog, known, float32_kernels=self._float32_kernels,
+                                     cost=self._cost is not None)
+            else:
+                folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
+                                           prog.known_idx, known,
+                                           float32_kernels=self._float32_kernels,
+                                           cost=self._cost is not None)
+                entry = (folding, prog.executables.get(folding),
+                         list(folding.hoisted) if manual else place(folding.hoisted, known))
             if (count or c is None) and not manual:
                 prog.cached, prog.hits = (tuple(known),) + entry, 0
             return entry
@@ -341,27 +357,8 @@ class Folded(FoldedViews):
                 return self._call_folded(prog, leaves, tracing)
             ref = list(self._reference(prog)(*leaves))   # first: the folded call may donate
             outs, _ = self._call_folded(prog, leaves, tracing)
-            return self._verify_call(prog, ref, outs), None
+            return verify_outputs(prog, ref, outs), None
         return self._call_folded(prog, leaves, tracing)
-
-    def _verify_call(self, prog: Program, ref: list, outs: list) -> list:
-        """Compare the folded outputs with the original program's on these inputs; on a
-        mismatch warn and switch this signature to the original program."""
-        acc, depth = accumulation_of(prog.original.jaxpr)
-        bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
-               if (why := mismatch(r, o, acc, depth)) is not None]
-        prog.verified = not bad
-        if not bad:
-            return outs
-        rep = prog.cached[1].report if prog.cached is not None else FoldReport([])
-        sites = ", ".join(f"{s.pattern} at {s.location}" for s in rep.folded)
-        k, why = bad[0]
-        warnings.warn(
-            f"hlofold: verify: the folded program differs from the original on output {k} "
-            f"({why}; {len(bad)} of {len(outs)} outputs differ); folded sites: "
-            f"{sites or 'none'}; running the original program for this input signature",
-            RuntimeWarning, stacklevel=4)
-        return ref
 
     def _variant(self, prog: Program, mode: str) -> tuple[C.ClosedJaxpr, FoldReport]:
         """The original program folded with ``in_graph=mode`` (see :func:`fold_jaxpr`)."""

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from . import _compat as C
+from ._core.report import FoldReport
+from ._core.tolerance import mismatch
+from ._jaxpr.accumulation import accumulation_of
 
 
 def explicit_sharding(x):
@@ -209,6 +213,7 @@ class Program:
     cached: tuple | None = None    # (known leaves, Folding, apply executable, device values)
     verified: bool | None = None   # verify=True: None until the first call compared
     variants: dict = dataclasses.field(default_factory=dict)   # in_graph mode -> (jaxpr, report)
+    device: Any = None             # _prepare.DevicePrepare, made on first use
     hits: int = 0                  # calls served by the cached prepared values
     churn: int = 0                 # consecutive re-prepares after fewer than 2 hits
     churned: bool = False          # parameters change every call: run the original program
@@ -229,3 +234,23 @@ class Program:
 # fewer than two calls, runs the original program from then on: preparing (O(|K|) on the
 # host) every call would cost more than the BatchNorm epilogue it saves.
 CHURN_LIMIT = 3
+
+
+def verify_outputs(prog: Program, ref: list, outs: list) -> list:
+    """Compare the folded outputs with the original program's on these inputs; on a
+    mismatch warn and switch this signature to the original program."""
+    acc, depth = accumulation_of(prog.original.jaxpr)
+    bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
+           if (why := mismatch(r, o, acc, depth)) is not None]
+    prog.verified = not bad
+    if not bad:
+        return outs
+    rep = prog.cached[1].report if prog.cached is not None else FoldReport([])
+    sites = ", ".join(f"{s.pattern} at {s.location}" for s in rep.folded)
+    k, why = bad[0]
+    warnings.warn(
+        f"hlofold: verify: the folded program differs from the original on output {k} "
+        f"({why}; {len(bad)} of {len(outs)} outputs differ); folded sites: "
+        f"{sites or 'none'}; running the original program for this input signature",
+        RuntimeWarning, stacklevel=4)
+    return ref

@@ -43,6 +43,11 @@ def runtimes() -> tuple[str, ...]:
     return tuple(out)
 
 
+class CompileError(RuntimeError):
+    """IREE could not compile a module (a limitation of IREE's, reported, not raised, by
+    ``hlofold.verify`` for the original module)."""
+
+
 def device_name(name: str) -> str:
     return f"IREE {_TARGETS[name][0]} ({_TARGETS[name][1]})"
 
@@ -56,8 +61,12 @@ def run(name: str, program: Callable, args: Sequence) -> list[np.ndarray]:
     target, driver, flags = _TARGETS[name]
     with jax.default_device(jax.devices("cpu")[0]):
         text = jax.jit(program, keep_unused=True).lower(*args).as_text()
-    vmfb = ic.compile_str(text, target_backends=[target], input_type="stablehlo",
-                          extra_args=list(flags + _FLAGS))
+    try:
+        vmfb = ic.compile_str(text, target_backends=[target], input_type="stablehlo",
+                              extra_args=list(flags + _FLAGS))
+    except ic.CompilerToolError as e:
+        first = next((line.strip() for line in str(e).splitlines() if "error:" in line), "")
+        raise CompileError(first[:300] or "iree-compile failed") from None
     ctx = rt.SystemContext(config=rt.Config(driver))
     module = rt.VmModule.copy_buffer(ctx.instance, vmfb)
     ctx.add_vm_module(module)

@@ -16,6 +16,7 @@ arguments instead of being embedded in its HLO. So
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -143,3 +144,91 @@ def place(hoisted: Sequence[Any], like: Sequence[Any]) -> list:
 
 def _dtype(c):
     return getattr(c, "dtype", np.asarray(c).dtype)
+
+
+# ----------------------------------------------------------------- on the parameters' devices
+
+
+def on_device(arrays: Sequence[Any]) -> bool:
+    """Whether parameters should be prepared where they live rather than on the host: any of
+    them spans processes, is sharded over several devices, or is on an accelerator (copying
+    it to the host and back would cost more than the fold)."""
+    for a in arrays:
+        if not isinstance(a, jax.Array) or C.is_tracer(a):
+            continue
+        devices = a.sharding.device_set
+        if not a.is_fully_addressable or len(devices) > 1 or \
+                next(iter(devices)).platform != "cpu":
+            return True
+    return False
+
+
+@dataclasses.dataclass
+class DevicePrepare:
+    """The prepare step of one input signature as a compiled program on the parameters'
+    devices (their sharding, nothing gathered to the host): the program folded with the
+    rescale in the graph (``in_graph="unguarded"``), split by partial evaluation into the
+    part that reads only the parameters (``prepare``: their folded kernels and biases, and
+    ``ok``, whether those are finite) and the per-call part (``apply``)."""
+
+    folding: Folding             # report; apply (inputs: residuals, then per-call leaves)
+    prepare: Callable            # parameters -> (residuals, ok)
+    apply: Callable              # (*residuals, *per-call leaves) -> outputs
+
+
+def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Sequence,
+                   known_idx: Sequence[int], *, float32_kernels: bool,
+                   cost: bool) -> DevicePrepare:
+    """The :class:`DevicePrepare` of ``closed`` whose inputs ``known_idx`` are parameters."""
+    import jax.numpy as jnp
+    folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names,
+                                float32_kernels=float32_kernels, in_graph="unguarded",
+                                cost=[] if cost else None)
+    for s in report.sites:
+        if s.status == FOLDED and s.rescale == "in-graph":
+            s.rescale = PREPARED
+            s.note = "; ".join(filter(None, [s.note, "prepared on the parameters' devices"]))
+    known = set(known_idx)
+    n_in = len(folded.jaxpr.invars)
+    known_j, unknown_j, _, _ = C.partial_eval(
+        folded, [i not in known for i in range(n_in)], [True] * len(folded.jaxpr.outvars))
+    params_in = set(known_j.jaxpr.invars)
+    computed = [isinstance(v, C.Var) and v not in params_in and
+                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in known_j.jaxpr.outvars]
+
+    def prepare(*params):
+        res = C.jaxpr_as_fun(known_j)(*params)
+        ok = jnp.bool_(True)
+        for r, c in zip(res, computed):
+            if c:
+                ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(r)))
+        return list(res), ok
+    return DevicePrepare(Folding(report, folded, unknown_j, []), jax.jit(prepare),
+                         jax.jit(C.jaxpr_as_fun(unknown_j)))
+
+
+def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool):
+    """``(Folding, apply, values)`` for parameters ``known`` of ``prog`` (an input
+    signature's ``_dispatch.Program``), prepared on their devices (:func:`device_prepare`,
+    made once per signature). Folded values that are not finite (σ² = 0 with ε = 0, an inf
+    γ) run the original program for these parameters, with a warning."""
+    if prog.device is None:
+        prog.device = device_prepare(prog.original, prog.leaf_names, prog.const_names,
+                                     prog.known_idx, float32_kernels=float32_kernels,
+                                     cost=cost)
+    dp = prog.device
+    residuals, ok = dp.prepare(*known)
+    if bool(ok):
+        return dp.folding, dp.apply, residuals
+    warnings.warn("hlofold: these parameters fold to values that are not finite (σ² = 0 "
+                  "with ε = 0, an inf γ); calls with them run the original program",
+                  RuntimeWarning, stacklevel=5)
+    n, order = len(prog.leaf_names), list(prog.known_idx) + list(prog.unknown_idx)
+
+    def original(*args):            # (*parameters, *per-call leaves) -> outputs
+        leaves = [None] * n
+        for i, a in zip(order, args):
+            leaves[i] = a
+        return C.jaxpr_as_fun(prog.original)(*leaves)
+    return Folding(FoldReport([]), prog.original, prog.original, []), jax.jit(original), \
+        list(known)

@@ -50,14 +50,16 @@ class VerifyReport:
     backends: list[str]
     devices: dict[str, str] = dataclasses.field(default_factory=dict)
     depth: int = 0
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)   # backend -> why
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)    # backend -> failure
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.rows)
+        return all(r.passed for r in self.rows) and not self.errors
 
     def to_dict(self):
         return {"passed": self.passed, "accumulation": self.accumulation, "depth": self.depth,
-                "backends": self.backends, "devices": self.devices,
+                "backends": self.backends, "devices": self.devices, "skipped": self.skipped, "errors": self.errors,
                 "rows": [r.to_dict() for r in self.rows]}
 
     def __str__(self):
@@ -72,6 +74,8 @@ class VerifyReport:
                          f"{r.tolerance:9.3e}  {'ok' if r.passed else 'FAIL'}"
                          + ("" if r.finite == 1.0 else
                             f"  (only {r.finite:.0%} of the values are finite)"))
+        lines += [f"  {b}: not compared ({why})" for b, why in self.skipped.items()]
+        lines += [f"  {b}: FAIL ({why})" for b, why in self.errors.items()]
         return "\n".join(lines)
 
 
@@ -141,11 +145,20 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
         accumulation = accumulation_length(original, args)
     acc, depth = accumulation if isinstance(accumulation, tuple) else (accumulation, 0)
     results: dict[str, tuple[list, list]] = {}
-    devices = {}
+    devices, skipped, errors = {}, {}, {}
     for b in names:
         devices[b] = iree.device_name(b) if b.startswith("iree:") else getattr(
             jax.devices(b)[0], "device_kind", b)
-        results[b] = (_run(original, b, args), _run(folded, b, args))
+        try:
+            orig = _run(original, b, args)
+        except iree.CompileError as e:    # IREE cannot run the original: nothing to compare
+            skipped[b] = f"IREE cannot compile the original module: {e}"
+            continue
+        try:
+            results[b] = (orig, _run(folded, b, args))
+        except iree.CompileError as e:    # the original compiles there, the fold does not
+            errors[b] = f"IREE cannot compile the folded module: {e}"
+    names = [b for b in names if b not in skipped and b not in errors]
     rows = []
     cpu_ref = results.get("cpu", (None,))[0]
     for b in names:
@@ -158,7 +171,7 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
         for against, refs in pairs:
             for i, (r, x) in enumerate(zip(refs, fold)):
                 rows.append(_row(b, against, i, r, x, acc, depth))
-    rep = VerifyReport(rows, acc, names, devices, depth)
+    rep = VerifyReport(rows, acc, names, devices, depth, skipped, errors)
     if raise_on_failure and not rep.passed:
         raise VerificationError(rep)
     return rep

@@ -100,18 +100,59 @@ def place_np(m, o_axis: int, i_axis: int, ndim: int):
     return m.reshape(shape)
 
 
-def forward_kernel(k64, s_in, t_in, ko: int, ki: int, groups: int, out_channels: int,
+def input_scale(s_in, ko: int, ki: int, groups: int, out_channels: int, ndim: int):
+    """A per-input-channel scale ``s_in`` placed on a kernel with output axis ``ko`` and
+    input axis ``ki`` (``ndim`` axes): what ``K ⊙_in s_in`` multiplies ``K`` by, as an array
+    broadcasting against it. One group (a dense layer, a plain conv): a vector along ``ki``;
+    one input channel per group (depthwise): a vector along ``ko``; else the (O, I/G) matrix
+    of each output channel's group (a grouped conv: the kernel's size over its window)."""
+    s_in = np.asarray(s_in, np.float64)
+    if s_in.ndim == 0:
+        return s_in
+    ipg = s_in.shape[0] // groups
+    if groups == 1:
+        return along(s_in, ki, ndim)
+    if ipg == 1:
+        return along(np.repeat(s_in, out_channels // groups), ko, ndim)
+    return place_np(group_matrix_np(s_in, out_channels, groups), ko, ki, ndim)
+
+
+def forward_kernel(k, s_in, t_in, ko: int, ki: int, groups: int, out_channels: int,
                    bias_map=None):
-    """An affine ``x·s_in + t_in`` in front of a root, folded on the host (float64):
-    ``(K ⊙_in s_in, b)`` with ``b`` the bias the shift adds, ``Σ K·t_in`` per output channel,
-    or ``bias_map(taps)`` (a padded convolution: ``taps`` is the kernel with the input
-    features contracted against ``t_in``, that axis kept with size 1)."""
-    s2 = group_matrix_np(s_in, out_channels, groups)
-    t2 = group_matrix_np(t_in, out_channels, groups)
-    w = k64 * place_np(t2, ko, ki, k64.ndim)
-    b64 = (np.sum(w, axis=tuple(a for a in range(k64.ndim) if a != ko)) if bias_map is None
-           else bias_map(np.sum(w, axis=ki, keepdims=True)))
-    return k64 * place_np(s2, ko, ki, k64.ndim), b64
+    """An affine ``x·s_in + t_in`` in front of a root, folded on the host: ``(factor, b)``
+    with ``factor`` what the kernel is multiplied by (:func:`input_scale`; the caller rounds
+    ``K·factor·s`` once, ``_core.rules.round_kernel``) and ``b`` the bias the shift adds,
+    ``Σ K·t_in`` per output channel in float64, or ``bias_map(taps)`` (a padded convolution:
+    ``taps`` is the kernel with the input features contracted against ``t_in``, that axis
+    kept with size 1). ``k`` in any float dtype: read in blocks, no kernel-sized float64
+    temporary."""
+    factor = input_scale(s_in, ko, ki, groups, out_channels, np.ndim(k))
+    if not np.any(t_in):
+        b = None
+    else:
+        t = input_scale(t_in, ko, ki, groups, out_channels, np.ndim(k))
+        taps = blockwise_sum(k, t, ki)                       # (kernel layout, ki of size 1)
+        b = (np.sum(taps, axis=tuple(a for a in range(np.ndim(k)) if a != ko))
+             if bias_map is None else bias_map(taps))
+    return factor, b
+
+
+def blockwise_sum(k, factor, axis: int, chunk: int = 1 << 16) -> np.ndarray:
+    """``Σ_axis K·factor`` in float64 (``axis`` kept with size 1), reading ``K`` in blocks
+    along its leading axis: no kernel-sized float64 temporary."""
+    k = np.asarray(k)
+    out_shape = list(k.shape)
+    out_shape[axis] = 1
+    if k.ndim == 0 or k.size == 0:
+        return np.zeros(out_shape)
+    rows = max(1, chunk // max(1, k[0].size))
+    f = np.asarray(factor, np.float64)
+    parts = []
+    for i in range(0, k.shape[0], rows):
+        fb = f if f.ndim == 0 or f.shape[0] == 1 else f[i:i + rows]
+        parts.append(np.sum(np.multiply(k[i:i + rows], fb, dtype=np.float64), axis=axis,
+                            keepdims=True))
+    return np.concatenate(parts, axis=0) if axis != 0 else np.sum(parts, axis=0)
 
 
 def along(vec, axis: int, ndim: int) -> np.ndarray:
@@ -121,9 +162,3 @@ def along(vec, axis: int, ndim: int) -> np.ndarray:
     shape = [1] * ndim
     shape[axis] = vec.shape[0]
     return vec.reshape(shape)
-
-
-def exact_f64(k: np.ndarray) -> np.ndarray:
-    """``k`` for float64 arithmetic: float32/float64 as they are (NumPy promotes them exactly
-    in a product with float64 — no separate conversion pass), other dtypes converted."""
-    return k if k.dtype in (np.float32, np.float64) else k.astype(np.float64)

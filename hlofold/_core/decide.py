@@ -74,7 +74,8 @@ class Decision:
 def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
            kernel: np.ndarray | None, kernel_axis: int, in_graph: str, not_now: str,
            kernel_from_activation: bool = False, hint: str = "",
-           scale_known: bool | None = None, subnormal: bool = False) -> Decision:
+           scale_known: bool | None = None, subnormal: bool = False,
+           kernel_factors: Sequence = ()) -> Decision:
     """The decision for one site (the order is the module docstring's).
 
     Args:
@@ -91,6 +92,8 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
       scale_known: every scale of the site is known now (default: ``s is not None``); a
         guarded site is guarded when it is not.
       subnormal: a value of the site computed now depends on subnormal numbers.
+      kernel_factors: what else the kernel is multiplied by before it is rounded (a forward
+        fold's input scale, ``_core.algebra.input_scale``): rounded once with ``s``.
     """
     if in_graph not in IN_GRAPH_POLICIES:
         raise ValueError(f"in_graph must be one of {IN_GRAPH_POLICIES}, got {in_graph!r}")
@@ -106,8 +109,9 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
         if why:
             return Decision(why)
         if kernel is not None:
-            k_new, why = round_kernel(kernel, along(s, kernel_axis, kernel.ndim),
-                                      kernel_dtype, kernel_axis)
+            k_new, why = round_kernel(
+                kernel, [along(s, kernel_axis, kernel.ndim), *kernel_factors], kernel_dtype,
+                kernel_axis)
             return Decision(why) if why else Decision(None, k_new, "constant")
     if in_graph == "never":
         return Decision(not_now)

@@ -76,23 +76,23 @@ def precision_refusal(kernel_dtype, math_dtypes, hint: str = "") -> str | None:
                   f"rounded to {kd} would lose accuracy the unfolded program keeps{hint}")
 
 
-def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
-                 ) -> tuple[np.ndarray, str | None]:
-    """``K·s`` computed in float64 and rounded once to ``kd`` (``s`` broadcasts against
-    ``k``), and the reason to refuse it: it overflows, or underflows a whole output channel
-    along ``axis`` (None: it is safe). The product is rounded into ``kd`` as it is formed;
-    the float64 product is materialized only to check a result with an inf, or with a value
-    below the normal range of ``kd`` where ``K`` is not zero (:func:`_may_be_out_of_range`)."""
+def round_kernel(k: np.ndarray, s, kd, axis: int) -> tuple[np.ndarray, str | None]:
+    """``K·s`` computed in float64 and rounded once to ``kd`` (``s``: an array broadcasting
+    against ``k``, or a list of them, multiplied together), and the reason to refuse it: it
+    overflows, or underflows a whole output channel along ``axis`` (None: it is safe). The
+    product is rounded into ``kd`` as it is formed, in blocks (:func:`scaled`): no
+    kernel-sized float64 temporary; the float64 product is materialized only to explain a
+    result with an inf, or with a value below the normal range of ``kd`` where ``K`` is not
+    zero (:func:`_may_be_out_of_range`)."""
     kd = np.dtype(kd)
+    factors = list(s) if isinstance(s, (list, tuple)) else [s]
+    kp_cast = scaled(k, factors, kd)
+    if not _may_be_out_of_range(kp_cast, k, _tiny(kd)):
+        return kp_cast, None
     with np.errstate(over="ignore", invalid="ignore"):
-        try:
-            kp_cast = np.multiply(k, s, dtype=np.float64, casting="unsafe",
-                                  out=np.empty(np.broadcast(k, s).shape, kd))
-        except TypeError:        # a dtype NumPy cannot round into directly
-            kp_cast = (np.asarray(k, np.float64) * s).astype(kd)
-        if not _may_be_out_of_range(kp_cast, k, _tiny(kd)):
-            return kp_cast, None
-        kp = np.asarray(k, np.float64) * s
+        kp = np.asarray(k, np.float64)
+        for f in factors:
+            kp = kp * f
     overflow = np.isfinite(kp) & ~np.isfinite(kp_cast)
     if overflow.any():
         return kp_cast, Reason("overflow", f"the rescaled kernel overflows {kd} at "
@@ -107,6 +107,31 @@ def round_kernel(k: np.ndarray, s: np.ndarray, kd, axis: int
 
 
 _CHUNK = 1 << 16
+
+
+def scaled(k: np.ndarray, factors: list, kd) -> np.ndarray:
+    """``K·f₁·f₂…`` in float64, rounded once into ``kd``. One factor: NumPy's buffered
+    loop computes in float64 and casts as it writes; several: blocks of ``K`` along its
+    leading axis (each factor broadcasts against ``K``, size 1 or full there), so no
+    temporary is as large as the kernel."""
+    out = np.empty(np.broadcast_shapes(np.shape(k), *[np.shape(f) for f in factors]), kd)
+    with np.errstate(over="ignore", invalid="ignore"):
+        try:
+            if len(factors) == 1:
+                return np.multiply(k, factors[0], dtype=np.float64, casting="unsafe", out=out)
+        except TypeError:        # a dtype NumPy cannot round into directly: blocks below
+            pass
+        if out.ndim == 0:
+            out[()] = np.prod([np.float64(np.asarray(k))] + [np.float64(f) for f in factors])
+            return out
+        rows = max(1, _CHUNK // max(1, out[0].size))
+        for i in range(0, out.shape[0], rows):
+            blk = np.array(k[i:i + rows] if np.shape(k)[0] != 1 else k, np.float64)
+            for f in factors:
+                f = np.asarray(f)
+                blk = blk * (f if f.ndim == 0 or f.shape[0] == 1 else f[i:i + rows])
+            out[i:i + rows] = blk.astype(kd)
+    return out
 
 
 def _may_be_out_of_range(kp_cast: np.ndarray, k: np.ndarray, tiny: float) -> bool:

@@ -101,22 +101,25 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     return scope.fold(), FoldReport(sites)
 
 
-def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str]):
+def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str],
+               in_graph: str = "never"):
     """Plan the top scope of ``closed`` without rewriting it, its inputs bound to ``known``
-    (None: not known). Returns the scope: ``sites`` (report records), ``site_at_end``
-    (the folded sites' plans), ``producer``, ``uses``, ``value``."""
+    (None: not known; with ``in_graph="prepared"`` a site whose kernel is not known still
+    folds, its scale known). Returns the scope: ``sites`` (report records),
+    ``site_at_end`` (the folded sites' plans), ``producer``, ``uses``, ``value``."""
     sites: list[FoldSite] = []
     scope = _Scope(closed, known_in=[_const(k) for k in known],
                    names_in=[_const(frozenset({n})) for n in names],
                    const_names=[None] * len(closed.consts), path="top", sites=sites,
-                   opts=_Options(in_graph="never"))
+                   opts=_Options(in_graph=in_graph))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scope.plan()
     return scope
 
 
-# the in-graph policies of ``_core.decide`` a caller of fold_jaxpr picks ("unguarded" is _split's)
-IN_GRAPH_MODES = tuple(p for p in IN_GRAPH_POLICIES if p != "unguarded")
+# the in-graph policies of ``_core.decide`` a caller of fold_jaxpr picks ("unguarded": the
+# caller checks the folded values for finiteness itself, as hlofold.fold's device prepare)
+IN_GRAPH_MODES = IN_GRAPH_POLICIES
 @dataclasses.dataclass(frozen=True)
 class _Options:
     float32_kernels: bool = False

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import _compat as C
-from .._core.algebra import along, collapse, exact_f64, forward_kernel, has_shift, kinds
+from .._core.algebra import along, collapse, forward_kernel, has_shift, kinds
 from .._core.chain import UNUSED, Absorb, Pass, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .._core.chain_rules import ChannelOperand, Refusal
@@ -140,7 +140,7 @@ class SitePlanner(ForwardPlanner):
         end_var = steps[-1].eqn.outvars[0] if steps else eqn.outvars[0]
         # Everything that is known at transform time is computed now, in float64.
         k_val = None if kfa else self.value(kernel)
-        k64 = None if k_val is None else exact_f64(np.asarray(k_val))
+        k64 = None if k_val is None else np.asarray(k_val)      # (rounded in float64 later)
         op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
         s_vec = t_vec = None
         if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
@@ -148,7 +148,7 @@ class SitePlanner(ForwardPlanner):
         if self.opts.cost is not None and not kfa and self._left_for_cost(
                 eqn, info, kernel, k_val, affine, op_vals, fwd, backward, rec):
             return False
-        b64 = None
+        b64, k_in = None, None
         if fwd is not None and not kfa:       # the forward fold's own rules (jaxpr only)
             if not self._check_forward(fwd, info, kd, hint,
                                        all_known=s_vec is not None and k64 is not None):
@@ -158,7 +158,7 @@ class SitePlanner(ForwardPlanner):
             elif fwd.s_known is None:
                 k64 = None     # the input scale is computed in the graph
             elif k64 is not None:
-                k64, b64 = self._forward_kernel(eqn, pattern, info, fwd, k64)
+                k_in, b64 = self._forward_kernel(eqn, pattern, info, fwd, k64)
         site = Site(i, eqn, info, steps, self.producer[end_var][0], end_var, end_axis, rec,
                      has_shift=has_shift(affine) or (fwd is not None and fwd.has_shift),
                      fwd=fwd)
@@ -169,7 +169,8 @@ class SitePlanner(ForwardPlanner):
             s=s_vec, kernel=k64, kernel_axis=info.kernel_axis, in_graph=self.opts.in_graph,
             not_now=_not_prepared(kernel, end_var), kernel_from_activation=kfa, hint=hint,
             scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None),
-            subnormal=any(self.flushes(v) for v in sources))
+            subnormal=any(self.flushes(v) for v in sources),
+            kernel_factors=[] if k_in is None else [k_in])
         if not dec.folds:
             if fwd is not None:
                 self._refuse(fwd.record, dec.reason)
@@ -259,8 +260,8 @@ class SitePlanner(ForwardPlanner):
         return not why
 
     def _forward_kernel(self, eqn, pattern, info, fwd: Forward, k64):
-        """``K`` rescaled by the known input scale (float64), and the bias the input shift
-        adds: per output channel, or a bias map (a padded convolution)."""
+        """What ``K`` is multiplied by for the known input scale, and the bias the input
+        shift adds: per output channel, or a bias map (a padded convolution)."""
         return forward_kernel(k64, fwd.s_known, fwd.t_known, info.kernel_axis, fwd.k_in_axis,
                               fwd.groups, info.out_channels,
                               None if fwd.masks is None else

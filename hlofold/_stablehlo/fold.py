@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import _compat as C
-from .._core.algebra import along, collapse, exact_f64, forward_kernel, per_channel
+from .._core.algebra import along, collapse, forward_kernel, per_channel
 from .._core.chain import UNUSED, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
@@ -199,12 +199,12 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 s_vec, t_vec = (per_channel(v, C_out) for v in collapse(*known, C_out))
         kfa = owner_op(kernel) is not None and self._from_root(kernel)
         k_np = None if kfa else self.eval(kernel)
-        k_np = None if k_np is None else exact_f64(np.asarray(k_np))
+        k_np = None if k_np is None else np.asarray(k_np)      # (rounded in float64 later)
         policy = "never" if not self.in_graph else "guarded" if self.guard else "unguarded"
-        b64 = None
+        b64 = k_in = None
         if fwd is not None and not kfa:
-            fwd, k_np, b64 = self._check_forward(root, fwd, info, kd, policy, k_np,
-                                                 s_vec is not None)
+            fwd, k_np, k_in, b64 = self._check_forward(root, fwd, info, kd, policy, k_np,
+                                                       s_vec is not None)
             if fwd is None and not backward:
                 return
         # the types the chain computes in (a value passed through a type is not computed in it)
@@ -214,7 +214,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                      kernel_axis=kaxis, not_now=WEIGHTS_ARE_ARGUMENTS, in_graph=policy,
                      kernel_from_activation=kfa,
                      scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None),
-                     subnormal=self.flushes([kernel], real + (fwd.steps if fwd else [])))
+                     subnormal=self.flushes([kernel], real + (fwd.steps if fwd else [])),
+                     kernel_factors=[] if k_in is None else [k_in])
         if not dec.folds:
             return self._refuse(rec, fwd, dec.reason)
         for r in (rec, fwd.record if fwd is not None else None):
@@ -232,7 +233,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
 
     def _check_forward(self, root, fwd, info, kd, policy, k_np, s_known: bool):
         """The forward fold's own rules (``_core.decide.forward_refusal``); returns ``(fwd or None
-        when refused, the kernel known now (rescaled by s_in) or None, the bias it adds)``."""
+        when refused, the kernel known now or None, what it is multiplied by for s_in, the
+        bias the shift adds)``."""
         c_in, c_out = info[4], shape_of(root.results[0])[info[0]]
         fv = self.np_chain(fwd.steps, c_in)
         s_in = t_in = None
@@ -246,16 +248,14 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             all_known=fv is not None and s_known and k_np is not None, s_in=s_in)
         if why:
             fwd.record.status, fwd.record.reason = REFUSED, why
-            return None, k_np, None
+            return None, k_np, None, None
         fwd.s_known, fwd.t_known = s_in, t_in
-        if s_in is None:
-            return fwd, None, None          # the input scale is computed in the graph
-        if k_np is None:
-            return fwd, None, None
-        k_np, b64 = forward_kernel(k_np, s_in, t_in, info[2], fwd.k_in_axis, fwd.groups, c_out,
+        if s_in is None or k_np is None:
+            return fwd, None, None, None      # the input scale is computed in the graph
+        k_in, b64 = forward_kernel(k_np, s_in, t_in, info[2], fwd.k_in_axis, fwd.groups, c_out,
                                    None if fwd.masks is None else
                                    (lambda taps: bias_map(taps, fwd.masks, *conv_specs(root))))
-        return fwd, k_np, b64
+        return fwd, k_np, k_in, b64
 
     @staticmethod
     def _refuse(rec, fwd, reason) -> None:

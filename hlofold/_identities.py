@@ -1,0 +1,273 @@
+"""Solving a folded site's parameters back to identities, for :func:`hlofold.fold_params`.
+
+For each folded site, the :class:`Writer` assigns the kernel leaf ``K ⊙ s`` and solves every
+parameter the chain read (through the parameter-only computation the model does with it:
+``rsqrt(σ² + ε)·γ``, casts, reshapes) for the value that makes the *unchanged* model compute
+an identity there, one bias slot carrying the folded shift. A leaf is changed only when
+every use of it belongs to the sites written back.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from . import _compat as C
+from ._core.algebra import along, input_scale
+from ._jaxpr.steps import AffineStep
+
+_LAYOUT = ("convert_element_type", "copy", "reduce_precision", "reshape", "squeeze",
+           "transpose", "broadcast_in_dim")
+
+
+def _device_scaled(k: jax.Array, factors: list) -> jax.Array | None:
+    """``K`` times the float64 ``factors`` (each broadcasting against it), computed on
+    ``K``'s devices in float32 (float64 where enabled: JAX computes in float32 otherwise) and
+    kept in its sharding; None where the result is not finite."""
+    import jax.numpy as jnp
+    ct = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+
+    def scale(k):
+        y = k.astype(ct)
+        for f in factors:
+            y = y * jnp.asarray(f, ct)
+        return y.astype(k.dtype), jnp.all(jnp.isfinite(y.astype(k.dtype)))
+    out, ok = jax.jit(scale, out_shardings=(k.sharding, None))(k)
+    return out if bool(ok) else None
+
+
+class Writer:
+    """Solves each site's parameters back to identities; ``assign``: leaf index → value."""
+
+    def __init__(self, scope, param_vars, deferred: dict):
+        self.scope = scope
+        self.deferred = deferred          # leaf index -> a kernel rescaled on its devices
+        self.leaf = {v: i for i, v in enumerate(param_vars)}
+        self.assign: dict[int, np.ndarray] = {}
+        self.param_only = self._param_only()
+
+    def group(self, group):
+        """Write back ``group`` (sites sharing a norm) together: ``[(kernel, bias, solved)]``
+        per site, or the reason none is written."""
+        if group[0].fwd is not None:
+            top = group[0].eqn.invars[group[0].fwd.act]
+            readers = {id(self.scope.jaxpr.eqns[j]) for j, _ in self.scope.uses.get(top, [])}
+            if readers != {id(s.eqn) for s in group} or self.scope.out_uses.get(top):
+                return ("the normalized value has a consumer whose fold is refused; its "
+                        "norm must stay as it is")
+        saved, out = dict(self.assign), []
+        for site in group:
+            got = self.site(site)
+            if isinstance(got, str):
+                self.assign = saved
+                return got
+            out.append(got)
+        return out
+
+    def site(self, site):
+        """``(kernel leaf, bias leaf or None, leaves solved)`` or the reason it is kept."""
+        info, fwd = site.info, site.fwd
+        kernel = site.eqn.invars[info.kernel_index]
+        if kernel not in self.leaf:
+            return ("the kernel is computed from the parameters (e.g. transposed or tied to "
+                    "an embedding), not a leaf of its own")
+        kernel_value = site.kernel_const
+        if kernel_value is None and self.leaf[kernel] in self.deferred and \
+                site.s_known is not None and (fwd is None or (fwd.s_known is not None and
+                                                              not fwd.has_shift)):
+            nd, ko = len(kernel.aval.shape), info.kernel_axis
+            factors = [along(site.s_known, ko, nd)] + ([] if fwd is None else [input_scale(
+                fwd.s_known, ko, fwd.k_in_axis, fwd.groups, info.out_channels, nd)])
+            kernel_value = _device_scaled(self.deferred[self.leaf[kernel]], factors)
+            if kernel_value is None:
+                return "the rescaled kernel is not finite"
+        if kernel_value is None:
+            return "the folded kernel is not known at transform time"
+        if site.bias_map is not None:
+            return ("the shift in front of a padded convolution becomes a bias per output "
+                    "position (its border sees less of it); no parameter of the layer holds one")
+        back = [s for s in site.steps if isinstance(s, AffineStep)]
+        front = fwd.steps if fwd is not None else []
+        if any(s.kind not in ("add", "sub", "mul", "div") for s in back + front):
+            return "the chain negates or subtracts from a parameter (no identity to write)"
+        t = np.zeros(info.out_channels) if site.t_known is None else \
+            np.asarray(site.t_known, np.float64)
+        shifts = [s for s in back if s.kind in ("add", "sub")]
+        slot = next((s for s in shifts if s.kind == "add" and
+                     self._is_leaf(s.operand.source)), None) or \
+            next((s for s in shifts if self._is_leaf(s.operand.source)), None) or \
+            (shifts[-1] if shifts else None)
+        if slot is None and np.any(t != 0):
+            return ("the layer has no bias parameter to carry the folded shift "
+                    "(t = β − μ·s, or β·W for a norm folded forward)")
+        targets = [(s, 1.0) for s in back + front if s.kind in ("mul", "div")]
+        targets += [(s, 0.0) for s in front if s.kind in ("add", "sub")]
+        targets += [(s, (t if s.kind == "add" else -t) if s is slot else 0.0) for s in shifts]
+        trial = dict(self.assign)
+        trial[self.leaf[kernel]] = kernel_value          # (its dtype: no float64 copy)
+        for step, target in targets:
+            op = step.operand
+            tv = _place(target, op, step)
+            if tv is None or not self._solve(op.source, tv, trial):
+                return f"{step.eqn.primitive.name}'s operand has no identity this can write"
+        changed = set(trial) - set(self.assign) | {i for i in trial if i in self.assign and
+                                                    trial[i] is not self.assign[i] and
+                                                    not np.array_equal(trial[i],
+                                                                       self.assign[i])}
+        why = self._uses_outside(changed, site)
+        if why:
+            return why
+        self.assign = trial
+        bias = None if slot is None else self._leaf_of(slot.operand.source)
+        return self.leaf[kernel], bias, changed
+
+    # ---- solving a parameter computation for a target value
+
+    def _is_leaf(self, v) -> bool:
+        return self._leaf_of(v) is not None
+
+    def _leaf_of(self, v):
+        while isinstance(v, C.Var) and v not in self.leaf and v in self.scope.producer:
+            e = self.scope.producer[v][1]
+            if e.primitive.name not in _LAYOUT:
+                return None
+            v = e.invars[0]
+        return self.leaf.get(v)
+
+    def _current(self, v, trial):
+        """The value of a parameter computation with the assignments so far."""
+        if isinstance(v, C.Literal):
+            return np.asarray(v.val, np.float64)
+        if v in self.leaf:
+            i = self.leaf[v]
+            return trial[i] if i in trial else np.asarray(self.scope.value(v), np.float64)
+        e = self.scope.producer.get(v, (0, None))[1]
+        if e is None or not self._leaves(v).intersection(trial):
+            val = self.scope.value(v)
+            return None if val is None else np.asarray(val, np.float64)
+        ins = [self._current(u, trial) for u in e.invars]
+        if any(x is None for x in ins):
+            return None
+        out = C.bind_eqn(e, [np.asarray(x).astype(u.aval.dtype)
+                             for x, u in zip(ins, e.invars)])[0]
+        return np.asarray(out, np.float64)
+
+    def _leaves(self, v) -> set:
+        cone = self.scope.cone(v, limit=64) or set()
+        return {self.leaf[u] for u in cone if u in self.leaf}
+
+    def _solve(self, v, T, trial) -> bool:      # noqa: C901 — one case per primitive
+        T = np.broadcast_to(np.asarray(T, np.float64), tuple(v.aval.shape))
+        if isinstance(v, C.Literal) or v not in self.scope.producer and v not in self.leaf:
+            cur = self._current(v, trial)
+            return cur is not None and np.allclose(cur, T, rtol=1e-6, atol=1e-12)
+        if v in self.leaf:
+            i = self.leaf[v]
+            if i in trial:
+                return np.allclose(trial[i], T, rtol=1e-6, atol=1e-12)
+            trial[i] = np.array(T)
+            return True
+        e = self.scope.producer[v][1]
+        name, ins = e.primitive.name, e.invars
+        if not self.param_only.get(v, False):
+            return False
+        if name in ("convert_element_type", "copy", "reduce_precision"):
+            return self._solve(ins[0], T, trial)
+        if name in ("reshape", "squeeze"):
+            return self._solve(ins[0], T.reshape(ins[0].aval.shape), trial)
+        if name == "transpose":
+            return self._solve(ins[0], np.transpose(T, np.argsort(e.params["permutation"])),
+                               trial)
+        if name == "broadcast_in_dim":
+            dims, src = tuple(e.params["broadcast_dimensions"]), ins[0].aval.shape
+            keep = [d in dims and src[dims.index(d)] != 1 for d in range(T.ndim)]
+            sl = T[tuple(slice(None) if k else slice(0, 1) for k in keep)]
+            if not np.array_equal(np.broadcast_to(sl, T.shape), T):
+                return False
+            return self._solve(ins[0], sl.reshape(src), trial)
+        if name == "neg":
+            return self._solve(ins[0], -T, trial)
+        if name == "rsqrt":
+            return bool(np.all(T > 0)) and self._solve(ins[0], 1.0 / T ** 2, trial)
+        if name == "sqrt":
+            return bool(np.all(T >= 0)) and self._solve(ins[0], T ** 2, trial)
+        if name in ("square", "integer_pow") and e.params.get("y", 2) == 2:
+            return bool(np.all(T >= 0)) and self._solve(ins[0], np.sqrt(T), trial)
+        if name not in ("add", "sub", "mul", "div") or len(ins) != 2:
+            return False
+        a, b = ins
+        fixed = [not self._leaves(u) if isinstance(u, C.Var) else True for u in (a, b)]
+        if fixed[0] != fixed[1]:                 # one side is a constant (ε): solve the other
+            k = 1 if fixed[0] else 0
+            c = self._current(ins[1 - k], trial)
+            if c is None:
+                return False
+            with np.errstate(divide="ignore", invalid="ignore"):
+                x = {("add", 0): T - c, ("add", 1): T - c, ("sub", 0): T + c,
+                     ("sub", 1): c - T, ("mul", 0): T / c, ("mul", 1): T / c,
+                     ("div", 0): T * c, ("div", 1): c / T}[(name, k)]
+            return bool(np.all(np.isfinite(x))) and self._solve(ins[k], x, trial)
+        if fixed[0]:
+            cur = self._current(v, trial)
+            return cur is not None and np.allclose(cur, T, rtol=1e-6, atol=1e-12)
+        if name in ("add", "sub"):
+            return self._solve(a, T, trial) and self._solve(b, np.zeros_like(T), trial)
+        if name == "mul" and not np.any(T):      # a product to zero: its unassigned side
+            free = [u for u in (a, b) if not self._leaves(u).intersection(trial)]
+            return bool(free) and self._solve(free[0], T, trial)
+        return self._solve(a, T, trial) and self._solve(b, np.ones_like(T), trial)
+
+    # ---- every use of a changed leaf belongs to the site
+
+    def _param_only(self) -> dict:
+        """Variables computed from parameters and constants only."""
+        po = {v: True for v in self.leaf}
+        po.update({v: True for v in self.scope.jaxpr.constvars})
+        for e in self.scope.jaxpr.eqns:
+            ok = not e.effects and all(isinstance(u, C.Literal) or po.get(u, False)
+                                       for u in e.invars)
+            for o in e.outvars:
+                po[o] = ok
+        return po
+
+    def _uses_outside(self, changed: set, site) -> str | None:
+        eqns = self.scope.jaxpr.eqns
+        own = [site.eqn] + [s.eqn for s in site.steps] + \
+            ([s.eqn for s in site.fwd.steps] if site.fwd is not None else [])
+        mine = {id(e) for e in own}
+        for e in own:                  # and the ops computing their operands (r ⊗ γ)
+            for u in e.invars:
+                p = self.scope.producer.get(u) if isinstance(u, C.Var) else None
+                if p is not None:
+                    mine.add(id(p[1]))
+        inv = {i: v for v, i in self.leaf.items()}
+        for i in changed:
+            stack, seen = [inv[i]], {inv[i]}
+            while stack:
+                u = stack.pop()
+                if u in self.scope.out_uses:
+                    return "a changed parameter is also an output of the program"
+                for j, _ in self.scope.uses.get(u, []):
+                    e = eqns[j]
+                    if all(self.param_only.get(o, False) for o in e.outvars):
+                        for o in e.outvars:
+                            if o not in seen:
+                                seen.add(o)
+                                stack.append(o)
+                    elif id(e) not in mine:
+                        f, line, _ = C.user_location(e)
+                        return (f"a parameter it changes is also read by {e.primitive.name}"
+                                f" ({f}:{line}), outside the folded sites")
+        return None
+
+
+def _place(target, op, step):
+    """``target`` (a scalar or one value per channel) in the shape of ``op.source``."""
+    tv = np.asarray(target, np.float64)
+    shape = tuple(op.source.aval.shape) if isinstance(op.source, C.Var) else ()
+    if tv.ndim == 0:
+        return np.broadcast_to(tv, shape)
+    if op.source_axis is None:
+        return tv.reshape(()) if np.all(tv == tv.flat[0]) and tv.size else None
+    place = [1] * len(shape)
+    place[op.source_axis] = tv.size
+    return np.broadcast_to(tv.reshape(place), shape)
