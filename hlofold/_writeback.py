@@ -151,10 +151,17 @@ def _host(a) -> np.ndarray:
 
 def _like(old, val):
     """``val`` as a leaf like ``old``: its dtype, shape, and placement (a global array keeps
-    its sharding)."""
-    if isinstance(val, jax.Array) and not isinstance(old, np.ndarray):
-        return val                          # rescaled on the devices, in old's sharding
-    val = np.asarray(val).astype(np.dtype(old.dtype)).reshape(old.shape)
+    its sharding). Nothing is copied that is already so (a kernel rescaled by XLA on the host
+    is a CPU array: it stays one where ``old`` is on the CPU)."""
+    dt = np.dtype(old.dtype)
+    if isinstance(val, jax.Array) and isinstance(old, jax.Array):
+        val = val if val.dtype == dt else val.astype(dt)
+        val = val if val.shape == old.shape else val.reshape(old.shape)
+        if val.sharding.is_equivalent_to(old.sharding, old.ndim):
+            return val                          # rescaled in old's placement
+        if old.is_fully_addressable and len(old.sharding.device_set) == 1:
+            return jax.device_put(val, old.sharding)
+    val = np.asarray(val).astype(dt, copy=False).reshape(old.shape)
     if not isinstance(old, jax.Array):
         return val
     if not old.is_fully_addressable or len(old.sharding.device_set) > 1:
@@ -167,7 +174,9 @@ def _gather(x) -> np.ndarray:
 
 
 def _check(flat, old, new, arg_leaves, closed) -> None:
-    run = jax.jit(C.jaxpr_as_fun(closed))                 # one compile for both runs
+    # one compile for both runs (a jitted function would compile again where the new leaves'
+    # placement is committed and the old ones' is not)
+    run = jax.jit(C.jaxpr_as_fun(closed)).lower(*old, *arg_leaves).compile()
     ref = jax.tree.leaves(run(*old, *arg_leaves))
     out = jax.tree.leaves(run(*new, *arg_leaves))
     acc, depth = accumulation_of(closed.jaxpr)

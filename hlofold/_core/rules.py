@@ -35,6 +35,7 @@ import numpy as np
 
 import jax.numpy as jnp
 
+from . import rescale
 from .reasons import Reason
 
 _F32 = jnp.finfo(np.float32)
@@ -80,15 +81,15 @@ def round_kernel(k: np.ndarray, s, kd, axis: int) -> tuple[np.ndarray, str | Non
     """``K·s`` computed in float64 and rounded once to ``kd`` (``s``: an array broadcasting
     against ``k``, or a list of them, multiplied together), and the reason to refuse it: it
     overflows, or underflows a whole output channel along ``axis`` (None: it is safe). The
-    product is rounded into ``kd`` as it is formed, in blocks (:func:`scaled`): no
-    kernel-sized float64 temporary; the float64 product is materialized only to explain a
-    result with an inf, or with a value below the normal range of ``kd`` where ``K`` is not
-    zero (:func:`_may_be_out_of_range`)."""
+    product is formed by :func:`rescale.scaled` (no kernel-sized float64 temporary; XLA on
+    the host for large kernels); the float64 product is materialized only to explain a result
+    with an inf, or with a value below the normal range of ``kd`` where ``K`` is not zero."""
     kd = np.dtype(kd)
     factors = list(s) if isinstance(s, (list, tuple)) else [s]
-    kp_cast = scaled(k, factors, kd)
-    if not _may_be_out_of_range(kp_cast, k, _tiny(kd)):
+    kp_cast, suspect = rescale.scaled(k, factors, kd, _tiny(kd))
+    if not suspect:
         return kp_cast, None
+    kp_cast = rescale.scaled_numpy(k, factors, kd)     # (XLA:CPU flushes subnormals)
     with np.errstate(over="ignore", invalid="ignore"):
         kp = np.asarray(k, np.float64)
         for f in factors:
@@ -104,52 +105,6 @@ def round_kernel(k: np.ndarray, s, kd, axis: int) -> tuple[np.ndarray, str | Non
                                f"below the {kd} normal range (unfolded, conv·s is rounded "
                                "instead)")
     return kp_cast, None
-
-
-_CHUNK = 1 << 16
-
-
-def scaled(k: np.ndarray, factors: list, kd) -> np.ndarray:
-    """``K·f₁·f₂…`` in float64, rounded once into ``kd``. One factor: NumPy's buffered
-    loop computes in float64 and casts as it writes; several: blocks of ``K`` along its
-    leading axis (each factor broadcasts against ``K``, size 1 or full there), so no
-    temporary is as large as the kernel."""
-    out = np.empty(np.broadcast_shapes(np.shape(k), *[np.shape(f) for f in factors]), kd)
-    with np.errstate(over="ignore", invalid="ignore"):
-        try:
-            if len(factors) == 1:
-                return np.multiply(k, factors[0], dtype=np.float64, casting="unsafe", out=out)
-        except TypeError:        # a dtype NumPy cannot round into directly: blocks below
-            pass
-        if out.ndim == 0:
-            out[()] = np.prod([np.float64(np.asarray(k))] + [np.float64(f) for f in factors])
-            return out
-        rows = max(1, _CHUNK // max(1, out[0].size))
-        for i in range(0, out.shape[0], rows):
-            blk = np.array(k[i:i + rows] if np.shape(k)[0] != 1 else k, np.float64)
-            for f in factors:
-                f = np.asarray(f)
-                blk = blk * (f if f.ndim == 0 or f.shape[0] == 1 else f[i:i + rows])
-            out[i:i + rows] = blk.astype(kd)
-    return out
-
-
-def _may_be_out_of_range(kp_cast: np.ndarray, k: np.ndarray, tiny: float) -> bool:
-    """Whether ``kp_cast`` (``K·s`` rounded) holds an inf, or a value below ``tiny`` where
-    ``K`` is not zero (an exact zero of the kernel stays zero: nothing to check). Read in
-    cache-sized chunks: no temporary as large as the kernel (a large model's kernels are
-    hundreds of MB)."""
-    same = np.shape(k) == kp_cast.shape
-    flat = kp_cast.reshape(-1)
-    kflat = np.asarray(k).reshape(-1) if same else None
-    for i in range(0, flat.size, _CHUNK if same else max(flat.size, 1)):
-        a = np.abs(flat[i:i + _CHUNK] if same else flat)
-        if np.isinf(a).any():
-            return True
-        small = a < tiny
-        if small.any() and (not same or (small & (kflat[i:i + _CHUNK] != 0)).any()):
-            return True
-    return False
 
 
 def underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.ndarray:
