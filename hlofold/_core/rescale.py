@@ -52,7 +52,7 @@ def _xla_can(k_dtype: np.dtype, kd: np.dtype, factors: list) -> bool:
 
 
 def _scaled_xla(k, factors, kd, tiny):
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]     # this process's: no other takes part
     with jax.ensure_compile_time_eval(), jax.enable_x64(True):
         fs = [jax.device_put(np.asarray(f, np.float64), cpu) for f in factors]
         out, suspect = _rescale(k if _on_cpu(k) else jax.device_put(k, cpu), fs, kd=kd,

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hlofold  # noqa: E402
 from hlofold import examples  # noqa: E402
+from hlofold._core import rescale  # noqa: E402
 
 
 def global_array(value, mesh, spec):
@@ -84,6 +85,9 @@ def main(pid: int, port: int) -> None:
     assert fz.report(params, x).num_folded == nbn
     print("ok freeze", flush=True)
 
+    # kernels rescaled on the host by XLA whatever their size: on this process's CPU device
+    # (jax.devices("cpu")[0] is process 0's: process 1 would wait for it, and hang)
+    rescale.XLA_MIN = 0
     written = hlofold.fold_params(examples.resnet_apply, params, x)
     single = hlofold.fold_params(examples.resnet_apply, host, np.asarray(gathered(x)))
     assert len(written.changes) == len(single.changes) == nbn + 1, str(written)  # + the head
