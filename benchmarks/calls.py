@@ -40,7 +40,8 @@ import hlofold
 
 from . import transformer
 from . import workloads as W
-from .common import code_info, machine_info, machine_line, ratio, summary
+from .common import (code_info, kept_runs, machine_info, machine_line, ratio, run_of,
+                     summary)
 
 
 # --------------------------------------------------------------------------- 1. first call
@@ -254,9 +255,8 @@ def to_markdown(res: dict) -> str:
     L = [f"# hlofold vs doing nothing ({'QUICK smoke run' if res['quick'] else 'full run'})",
          "", f"Machine: {machine_line(m)}; {m['date_utc']}; code {res['code'].get('git_commit')}",
          "", "Medians over interleaved rounds, [min–max]; ratio = hlofold / doing nothing."
-         + (f" Parts {', '.join(res['kept_from']['parts'])} are from the run of "
-            f"{res['kept_from']['date_utc']} (code {res['kept_from']['code']}), same machine."
-            if res.get("kept_from") else ""), "",
+         + "".join(f" Parts {', '.join(parts)} are from the run of {when} (code {code}), "
+                   "same machine." for (when, code), parts in kept_runs(res).items()), "",
          "## 1. First call (fresh process per sample)", "",
          "| network | jax.jit(f) s | fold(f) s | freeze= s | fold/jit | freeze/jit |",
          "|---|---|---|---|---|---|"]
@@ -371,8 +371,7 @@ def main(argv=None) -> int:
                             "artifacts", "forward", "transformer") if not res[k] and old.get(k)]
         for k in kept:
             res[k] = old[k]
-        res["kept_from"] = {"parts": kept, "date_utc": old["machine"]["date_utc"],
-                            "code": old["code"].get("git_commit")}
+            res.setdefault("kept_from", {})[k] = run_of(old, k)
     res["seconds"] = time.perf_counter() - t0
     name = a.name or ("calls_quick" if q else f"calls_{jax.default_backend()}")
     os.makedirs(a.out, exist_ok=True)

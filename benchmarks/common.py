@@ -147,3 +147,23 @@ def machine_line(m: dict) -> str:
 def ratio(num: dict, den: dict) -> float:
     """hlofold's median over doing nothing's median (two :func:`summary` dicts)."""
     return num["median"] / den["median"]
+
+
+def kept_parts(res: dict) -> dict:
+    """Part → the run (date, code) it was measured in, for the parts ``res`` kept."""
+    kept = res.get("kept_from") or {}
+    if "parts" in kept:                         # the older single-run form
+        return {k: {"date_utc": kept["date_utc"], "code": kept["code"]} for k in kept["parts"]}
+    return kept
+
+
+def run_of(res: dict, part: str) -> dict:
+    return kept_parts(res).get(part) or {"date_utc": res["machine"]["date_utc"],
+                                    "code": res["code"].get("git_commit")}
+
+
+def kept_runs(res: dict) -> dict:
+    runs: dict = {}
+    for part, r in kept_parts(res).items():
+        runs.setdefault((r["date_utc"], r["code"]), []).append(part)
+    return runs
