@@ -39,8 +39,22 @@ def _status(field: str) -> int:
 
 
 def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:      # Linux: VmHWM := VmRSS
+    """Free memory the allocator keeps back to the system (else a call reusing it shows no
+    growth), then VmHWM := VmRSS (Linux)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def _live_bytes() -> int:
+    import jax
+    return int(sum(a.nbytes for a in jax.live_arrays()))
 
 
 def _model(cfg):
@@ -58,14 +72,16 @@ def worker(variant: str, quick: bool) -> dict:
     f, p, tokens = _model(QUICK if quick else FULL)
     jax.block_until_ready(p)
     g = jax.jit(f) if variant == "jit" else hlofold.fold(f)
+    live = _live_bytes()
     _reset_peak()
     rss = _status("VmHWM")             # the high-water mark starts from here
     t0 = time.perf_counter()
-    jax.block_until_ready(g(p, tokens))
+    y = jax.block_until_ready(g(p, tokens))
     first = time.perf_counter() - t0
     for _ in range(2):
-        jax.block_until_ready(g(p, tokens))
+        y = jax.block_until_ready(g(p, tokens))
     out = {"first_s": first, "peak_growth_bytes": _status("VmHWM") - rss,
+           "held_bytes": _live_bytes() - live - y.nbytes,     # arrays kept beside p
            "param_bytes": int(sum(a.nbytes for a in jax.tree.leaves(p)))}
     if variant == "fold":
         out["report"] = g.report(p, tokens).counts()
@@ -102,6 +118,7 @@ def measure(quick: bool, rounds: int, log) -> dict:
     res["peak_growth_fold_minus_jit_vs_params"] = (
         res["peak_growth_bytes"]["fold"]["median"] - res["peak_growth_bytes"]["jit"]["median"]
     ) / res["param_bytes"]
+    res["held_bytes"] = {v: max(w["held_bytes"] for w in ws) for v, ws in firsts.items()}
     res["report"] = firsts["fold"][0]["report"]
 
     f, p, tokens = _model(cfg)
@@ -197,7 +214,13 @@ def markdown(t: dict) -> list[str]:
          f"| peak memory growth of the first calls, GiB | "
          f"{t['peak_growth_bytes']['jit']['median'] / 2 ** 30:.2f} | "
          f"{t['peak_growth_bytes']['fold']['median'] / 2 ** 30:.2f} | "
-         f"**{t['peak_growth_fold_minus_jit_vs_params']:+.3f}× the parameters** |", ""]
+         f"**{t['peak_growth_fold_minus_jit_vs_params']:+.3f}× the parameters** |"]
+    if "held_bytes" in t:
+        L.append(f"| arrays held beside the parameters after the calls, MiB | "
+                 f"{t['held_bytes']['jit'] / 2 ** 20:.1f} | {t['held_bytes']['fold'] / 2 ** 20:.1f}"
+                 f" | **{(t['held_bytes']['fold'] - t['held_bytes']['jit']) / pb:+.4f}× the "
+                 "parameters** |")
+    L.append("")
     pr = t["prepare"]
     L += ["Every norm folded (`fold_costly=True`), the prepare step both ways, and "
           "`fold_params`:", "", "| step | seconds | peak memory growth, GiB | notes |",
