@@ -90,6 +90,10 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
         return fn(rebuild(xs[:len(arr)]), *arg_tree.unflatten(xs[len(arr):]))
 
     closed = jax.make_jaxpr(flat)(*arr, *arg_leaves)
+    # the check's program, compiled before any new leaf exists: its compile's memory is not
+    # added to theirs (one compile for both runs: a jitted function would compile again where
+    # the new leaves' placement is committed and the old ones' is not)
+    run = jax.jit(C.jaxpr_as_fun(closed)).lower(*arr, *arg_leaves).compile()
     n = len(arr)
     # kernels no process holds whole are rescaled on their devices (_Writer.site); the
     # vectors a fold reads (statistics, scales, biases) are read on the host
@@ -119,7 +123,7 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
     out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites))
-    _check(flat, arr, new, arg_leaves, closed)
+    _check(run, arr, new, arg_leaves, closed)
     return out
 
 
@@ -173,10 +177,7 @@ def _gather(x) -> np.ndarray:
     return _host(x) if isinstance(x, jax.Array) else np.asarray(x)
 
 
-def _check(flat, old, new, arg_leaves, closed) -> None:
-    # one compile for both runs (a jitted function would compile again where the new leaves'
-    # placement is committed and the old ones' is not)
-    run = jax.jit(C.jaxpr_as_fun(closed)).lower(*old, *arg_leaves).compile()
+def _check(run, old, new, arg_leaves, closed) -> None:
     ref = jax.tree.leaves(run(*old, *arg_leaves))
     out = jax.tree.leaves(run(*new, *arg_leaves))
     acc, depth = accumulation_of(closed.jaxpr)
