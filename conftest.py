@@ -8,7 +8,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 try:
     from hypothesis import settings
 
-    settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True)
+    settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True)
     settings.register_profile("long", max_examples=2000, deadline=None)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is a test extra

@@ -21,6 +21,7 @@ MODELS = ["resnet18", "resnet50", "mobilenetv2"]
 VARIANTS = ["a", "b", "b'", "c", "d"]
 
 
+@pytest.mark.slow
 def test_quick_benchmark(tmp_path):
     # One test (not several sharing a fixture) so that pytest-xdist runs the benchmark once.
     proc, out, seconds = _quick_run(tmp_path)
@@ -80,6 +81,7 @@ def _check_every_variant_ran(proc, out):
             assert b["hlo"]["b_apply"]["fusions_in_blocks"] <= b["hlo"]["a"]["fusions_in_blocks"]
 
 
+@pytest.mark.slow
 def test_calls_quick(tmp_path):
     """``python -m benchmarks.calls --quick``: every way of calling measured side by side
     with doing nothing, in one run, written as JSON and Markdown with the machine stamped.

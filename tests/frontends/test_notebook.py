@@ -26,6 +26,7 @@ def test_walkthrough_committed_without_outputs():
     assert any('"fold", src' in c.source for c in nb.cells if c.cell_type == "code")
 
 
+@pytest.mark.slow
 def test_walkthrough_executes(monkeypatch):
     # The "python3" kernel must be this interpreter (the venv's): jupyter_client replaces a
     # kernelspec's "python" with sys.executable, and the venv's bin goes first on PATH too.

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -23,16 +25,30 @@ def run_script(*checks: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_sharded_programs_keep_their_shardings():
+# the checks in three processes, so that test workers share them out
+GROUPS = (("resnet-data-auto", "resnet-model-auto", "constrained-data-auto"),
+          ("constrained-model-auto", "resnet-data-explicit", "shard-map-explicit"),
+          ("shard-map-auto",))
+
+
+def test_the_groups_cover_every_check():
+    from tests.frontends._sharding_script import CHECKS
+    assert sorted(sum(GROUPS, ())) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("checks", [GROUPS[0]] + [pytest.param(g, marks=pytest.mark.slow)
+                                                 for g in GROUPS[1:]],
+                         ids=["auto", "explicit", "shard-map"])
+def test_sharded_programs_keep_their_shardings(checks):
     """ResNet-10 and a conv+BN net with with_sharding_constraint, data-parallel and with
     kernels sharded over output channels (Auto mesh axes), plus data-parallel on an Explicit
     mesh: every BN folds, in/out shardings and constraints are kept, results match, and the
-    compiled folded program (and its apply part) has no more all-gathers than the original."""
-    proc = run_script()
+    compiled folded program (and its apply part) has no more all-gathers than the original;
+    and fold inside shard_map."""
+    proc = run_script(*checks)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    from tests.frontends._sharding_script import CHECKS
-    for name in CHECKS:
+    for name in checks:
         assert f"ok {name}:" in proc.stdout, out[-6000:]
 
 

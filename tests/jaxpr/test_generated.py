@@ -72,6 +72,7 @@ def check_program(spec: Spec):
     return rep
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs())
 def test_generated_programs(spec):

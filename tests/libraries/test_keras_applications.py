@@ -74,7 +74,11 @@ def conv_bn_pairs(model) -> dict[str, str]:
     return pairs
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+SLOW = {"DenseNet121", "InceptionV3", "EfficientNetV2B0", "MobileNetV3Small"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in MODELS])
 def test_keras_application(name):
     size = MODELS[name]
     model = build(name, size)

@@ -80,6 +80,7 @@ def check_both_paths(spec):
                 assert e <= b, f"{path} output {k}: max|Δ| {e:.3g} > {b:.3g}"
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
           max_examples=40)
 @given(specs(dtypes=DTYPES))
@@ -88,6 +89,7 @@ def test_jaxpr_and_stablehlo_paths_agree(spec):
         check_both_paths(spec)
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.filter_too_much], max_examples=25)
 @given(specs(dtypes=DTYPES).filter(lambda s: bool(s.pre)))
@@ -97,6 +99,7 @@ def test_both_paths_fold_the_affine_in_front_the_same_way(spec):
         check_both_paths(spec)
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.filter_too_much], max_examples=20)
 @given(specs(dtypes=DTYPES).filter(lambda s: any(op.operand in ("token", "token-vec")
