@@ -1,22 +1,8 @@
 """Generated programs: hypothesis builds random conv networks and checks every fold.
 
-Each example is a network of 1–6 conv layers of one rank (1D/2D/3D) with
-
-* random ``dimension_numbers`` (the lhs of the first layer, every rhs and every output are
-  random permutations of the letters; later lhs specs follow the tensor they read),
-* per-spatial-dim kernel sizes, strides, rhs dilations, SAME/VALID/explicit padding,
-  ``feature_group_count``, and transposed convs (lhs dilation with explicit padding),
-* float32 or bfloat16 (bf16 nets run the chain in bf16, or cast to float32 and back),
-* after each conv a random affine chain: add/sub/``c - y``/mul/div/neg by Python literals,
-  0-d arrays, all-unit arrays or per-channel vectors (broadcast by ``broadcast_in_dim``,
-  ``reshape``, implicit broadcasting, or computed as ``γ·rsqrt(σ²+ε)``), operands stored in
-  another float dtype and cast, transposes inside the chain,
-* extra consumers: a residual reading the conv output, a second reader of a mid-chain value
-  (another program output, or a reduction),
-* an optional per-input-channel affine in front of the first conv (forward folding), and
-  layers without a nonlinearity, so one conv's chain feeds the next conv directly,
-* layers wrapped in ``jax.jit``, ``lax.scan`` or ``lax.cond`` (two different branches),
-* parameters frozen (constants), passed as inputs, or mixed.
+Each example is a network of 1–6 conv layers of one rank, with random layouts, geometry,
+dtypes, affine chains, extra consumers, nesting and parameter kinds: the list is in
+``tests/helpers/programs.py``.
 
 Properties, for every program:
 
