@@ -25,6 +25,7 @@ from . import _compat as C
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._core.reasons import Reason
+from ._core.rescale import release_freed
 from ._core.report import REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import accumulation_of
@@ -94,6 +95,8 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     # added to theirs (one compile for both runs: a jitted function would compile again where
     # the new leaves' placement is committed and the old ones' is not)
     run = jax.jit(C.jaxpr_as_fun(closed)).lower(*arr, *arg_leaves).compile()
+    ref = jax.block_until_ready(run(*arr, *arg_leaves))     # the outputs before any change
+    release_freed()                   # the compile's and the run's working memory
     n = len(arr)
     # kernels no process holds whole are rescaled on their devices (_Writer.site); the
     # vectors a fold reads (statistics, scales, biases) are read on the host
@@ -123,7 +126,9 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
     out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites))
-    _check(run, arr, new, arg_leaves, closed)
+    _check(ref, run(*new, *arg_leaves), closed)
+    del run
+    release_freed()
     return out
 
 
@@ -177,12 +182,11 @@ def _gather(x) -> np.ndarray:
     return _host(x) if isinstance(x, jax.Array) else np.asarray(x)
 
 
-def _check(run, old, new, arg_leaves, closed) -> None:
-    ref = jax.tree.leaves(run(*old, *arg_leaves))
-    out = jax.tree.leaves(run(*new, *arg_leaves))
+def _check(ref, out, closed) -> None:
     acc, depth = accumulation_of(closed.jaxpr)
-    for r, o in zip(ref, out):
+    for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
         c = compare(_gather(r), _gather(o), acc, depth)
         if not c.passed:
             raise RuntimeError(f"hlofold.fold_params: the folded parameters change the "
                                f"model's outputs ({c.why}); please report this")
+

@@ -5,8 +5,9 @@ Two ways, with the same result:
 * small kernels: NumPy, in float64, rounded into the kernel's dtype as it is written (one
   factor: NumPy's buffered loop; several, or a dtype NumPy cannot round into: blocks of
   ``K`` along its leading axis) — no temporary as large as the kernel;
-* kernels of :data:`XLA_MIN` elements or more: one fused XLA program on the host CPU
-  (``convert → multiply in float64 → convert``, on every core), 6–10× faster than NumPy's
+* kernels of :data:`XLA_MIN` elements or more: one XLA program on the host CPU
+  (``convert → multiply in float64 → convert`` fused, on every core, in blocks of
+  :data:`XLA_BLOCK` elements: no temporary beyond one block), 6–10× faster than NumPy's
   buffered loop on a 0.5 B model, rounded once to the kernel's dtype as NumPy rounds
   (:func:`_round_once`). XLA:CPU flushes subnormal numbers to zero, so the program also
   reports whether any element may be out of the kernel dtype's normal range (an inf or NaN,
@@ -22,6 +23,7 @@ CPU without a copy.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import jax
@@ -30,6 +32,7 @@ import numpy as np
 
 XLA_MIN = 1 << 22          # elements; below it one compile costs more than NumPy's loop
 _CHUNK = 1 << 16
+XLA_BLOCK = 1 << 20       # elements of K per step of the XLA program (see _blocked)
 
 
 def scaled(k: np.ndarray, factors: list, kd, tiny: float) -> tuple[np.ndarray, bool]:
@@ -53,11 +56,50 @@ def _xla_can(k_dtype: np.dtype, kd: np.dtype, factors: list) -> bool:
 
 def _scaled_xla(k, factors, kd, tiny):
     cpu = jax.local_devices(backend="cpu")[0]     # this process's: no other takes part
+    lead, fs = _blocked(np.shape(k), [np.asarray(f, np.float64) for f in factors])
+    rows = max(1, XLA_BLOCK // max(1, int(np.prod(np.shape(k)[lead:]))))
+    key = (np.shape(k), np.dtype(k.dtype), kd, tiny, lead, rows, tuple(f.shape for f in fs))
     with jax.ensure_compile_time_eval(), jax.enable_x64(True):
-        fs = [jax.device_put(np.asarray(f, np.float64), cpu) for f in factors]
+        fs = [jax.device_put(f, cpu) for f in fs]
         out, suspect = _rescale(k if _on_cpu(k) else jax.device_put(k, cpu), fs, kd=kd,
-                                tiny=float(tiny))
-        return out, bool(suspect)
+                                tiny=float(tiny), lead=lead, rows=rows)
+        suspect = bool(suspect)
+    if key not in _compiled:               # a new program: its compile's memory goes back
+        _compiled.add(key)
+        release_freed()
+    return out, suspect
+
+
+_compiled: set = set()
+
+
+def release_freed() -> None:
+    """Hand the memory the C allocator keeps after XLA's compiles and runs back to the
+    system (glibc's ``malloc_trim``; elsewhere nothing), so that a rescaled kernel is not
+    placed on top of it: preparing parameters then grows the process by the new kernels and
+    little else."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _blocked(shape: tuple, factors: list) -> tuple[int, list]:
+    """The program walks ``K`` in blocks of :data:`XLA_BLOCK` elements or fewer along its
+    leading ``lead`` axes taken as one (a full-size mask of the range check would otherwise be
+    a temporary a quarter of a float32 kernel's size: XLA:CPU does not fuse a reduction with
+    its operand). Returns ``lead`` and the factors with those axes merged as ``K``'s are."""
+    fs = [f.reshape((1,) * (len(shape) - f.ndim) + f.shape) for f in factors]
+    if not shape or 0 in shape or \
+            np.broadcast_shapes(shape, *[f.shape for f in fs]) != tuple(shape):
+        return 0, factors            # one block (empty, or a factor widening K: not blocked)
+    lead = 1
+    while lead < len(shape) - 1 and int(np.prod(shape[lead:])) > XLA_BLOCK:
+        lead += 1
+    merged = int(np.prod(shape[:lead]))
+    return lead, [f.reshape((1,) + f.shape[lead:]) if all(d == 1 for d in f.shape[:lead]) else
+                  np.broadcast_to(f, shape[:lead] + f.shape[lead:]).reshape(
+                      (merged,) + f.shape[lead:]) for f in fs]
 
 
 def _on_cpu(k) -> bool:
@@ -65,8 +107,39 @@ def _on_cpu(k) -> bool:
         {d.platform for d in k.devices()} == {"cpu"}
 
 
-@functools.partial(jax.jit, static_argnames=("kd", "tiny"))
-def _rescale(k, factors, *, kd, tiny):
+@functools.partial(jax.jit, static_argnames=("kd", "tiny", "lead", "rows"))
+def _rescale(k, factors, *, kd, tiny, lead, rows):
+    if lead == 0:
+        return _rescale_block(k, factors, kd, tiny)
+    shape = k.shape
+    k = k.reshape((-1,) + shape[lead:])
+    rows = min(rows, k.shape[0])
+    n, rem = divmod(k.shape[0], rows)
+
+    def part(start, size):
+        def cut(x):
+            return x if x.shape[0] == 1 else jax.lax.dynamic_slice_in_dim(x, start, size, 0)
+        return _rescale_block(cut(k), [cut(f) for f in factors], kd, tiny)
+
+    def body(i, carry):
+        out, bad = carry
+        blk, b = part(i * rows, rows)
+        return jax.lax.dynamic_update_slice_in_dim(out, blk, i * rows, 0), bad | b
+
+    if n == 1 and not rem:
+        out, bad = part(0, rows)
+        return out.reshape(shape), bad
+    # the loop's initial value depends on K: the caller traces this under
+    # ensure_compile_time_eval, where a constant would be built eagerly and kept as one
+    zero = jax.lax.broadcast(k.reshape(-1)[0].astype(kd) * 0, k.shape)
+    out, bad = jax.lax.fori_loop(0, n, body, (zero, np.bool_(False)))
+    if rem:
+        blk, b = part(n * rows, rem)
+        out, bad = jax.lax.dynamic_update_slice_in_dim(out, blk, n * rows, 0), bad | b
+    return out.reshape(shape), bad
+
+
+def _rescale_block(k, factors, kd, tiny):
     y = k.astype(jnp.float64)
     for f in factors:
         y = y * f
@@ -78,7 +151,7 @@ def _rescale(k, factors, *, kd, tiny):
     a = jnp.abs(out)
     bad = (a == jnp.inf) | jnp.isnan(out) | ((mag != 0) & ((a < tiny) | (mag < uint.type(1 << int(
         jnp.finfo(kdt).nmant)))))
-    return out, jnp.any(bad)                    # one reduction: fused with the product
+    return out, jnp.any(bad)
 
 
 def _round_once(y, kd):

@@ -25,6 +25,7 @@ import numpy as np
 
 
 CAP = 1 / 8
+_BLOCK = 1 << 16       # elements compared at a time
 
 
 def eps(dtype, backend: str = "cpu", cross: bool = False) -> float:
@@ -72,21 +73,28 @@ def compare(ref, out, accumulation: int = 1, depth: int = 0, backend: str = "cpu
         same = np.array_equal(r, o)
         return Comparison(0.0 if same else math.inf, 0.0 if same else math.inf, 0.0, 0.0,
                           1.0, None if same else "values differ")
-    r, o = r.astype(np.float64), o.astype(np.float64)
-    finite = np.isfinite(r) & np.isfinite(o)
-    diff = np.abs(r[finite] - o[finite])
-    max_abs = float(diff.max()) if diff.size else 0.0
-    scale = float(np.abs(r[finite]).max()) if diff.size else 0.0
-    tol = bound(np.asarray(ref).dtype, scale, accumulation, depth, backend, cross)
+    max_abs = scale = 0.0
+    n_finite, same_specials = 0, True
+    rf, of = r.reshape(-1), o.reshape(-1)
+    for i in range(0, rf.size, _BLOCK):       # in blocks: no float64 copy of an output
+        rb, ob = rf[i:i + _BLOCK].astype(np.float64), of[i:i + _BLOCK].astype(np.float64)
+        finite = np.isfinite(rb) & np.isfinite(ob)
+        n_finite += int(finite.sum())
+        if finite.any():
+            d = np.subtract(rb, ob, out=np.zeros_like(rb), where=finite)
+            max_abs = max(max_abs, float(np.abs(d).max()))
+            scale = max(scale, float(np.abs(rb, out=d, where=finite).max()))
+        same_specials = same_specials and np.array_equal(np.isnan(rb), np.isnan(ob)) and \
+            np.array_equal(np.where(np.isinf(rb), rb, 0), np.where(np.isinf(ob), ob, 0))
+    tol = bound(r.dtype, scale, accumulation, depth, backend, cross)
     why = None
-    if not (np.array_equal(np.isnan(r), np.isnan(o)) and
-            np.array_equal(np.where(np.isinf(r), r, 0), np.where(np.isinf(o), o, 0))):
+    if not same_specials:
         why = "NaN/inf at other places"
     elif max_abs > tol:
         why = f"max|Δ| = {max_abs:.3g} > {tol:.3g}"
     return Comparison(max_abs, max_abs / scale if scale else 0.0,
                       max_abs / (e * scale) if scale else 0.0, tol,
-                      float(finite.mean()) if finite.size else 1.0, why)
+                      n_finite / r.size if r.size else 1.0, why)
 
 
 def mismatch(ref, out, accumulation: int = 1, depth: int = 0) -> str | None:

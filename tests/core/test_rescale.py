@@ -84,6 +84,42 @@ def test_suspect_is_raised_where_numpy_would_see_it(xla_always, case):
     assert suspect == rescale.may_be_out_of_range(rescale.scaled_numpy(k, [s], kd), k, _tiny(kd))
 
 
+@pytest.mark.parametrize("shape,axis", [((37, 24), 0), ((37, 24), 1), ((5, 3, 7, 16), 3),
+                                        ((5, 3, 7, 16), 0), ((1, 300), 1), ((300,), 0)])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_blocks_give_numpys_bits_and_see_every_block(monkeypatch, xla_always, shape, axis, dtype):
+    """Blocks of 64 elements: several whole ones and a remainder, along merged leading axes;
+    a factor along the blocked axes or across them; an overflow in the last, partial block
+    is still seen."""
+    monkeypatch.setattr(rescale, "XLA_BLOCK", 64)
+    rng = np.random.default_rng(2)
+    k = rng.uniform(0.5, 2.0, shape).astype(dtype)
+    f = rng.uniform(0.3, 3.0, shape[axis]) * (1 + 2.0 ** -40)
+    f = f.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+    out, suspect = rescale.scaled(k, [f, np.float64(0.75)], np.dtype(dtype), _tiny(dtype))
+    assert not suspect and np.shape(out) == shape
+    ref = rescale.scaled_numpy(k, [f, np.float64(0.75)], np.dtype(dtype))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), ref.view(np.uint8))
+    k.reshape(-1)[-1] = 1e30 if dtype == ml_dtypes.bfloat16 else 3e38
+    big = np.full(f.shape, 1e10)
+    assert rescale.scaled(k, [big], np.dtype(dtype), _tiny(dtype))[1]
+    empty, _ = rescale.scaled(k[:0], [f[:0] if axis == 0 else f], np.dtype(dtype), 1e-30)
+    assert np.shape(empty) == (0,) + shape[1:]
+
+
+def test_the_range_check_needs_no_kernel_sized_temporary(monkeypatch):
+    """The range check is a reduction; XLA:CPU does not fuse it with its operand, so
+    unblocked its mask would be a temporary of one byte per element of K."""
+    k = jnp.ones((1024, 4096), jnp.float32)
+    lead, fs = rescale._blocked(k.shape, [np.ones(4096)])
+    with jax.enable_x64(True):
+        compiled = rescale._rescale.lower(
+            k, [jnp.asarray(f) for f in fs], kd=np.dtype(np.float32), tiny=1e-38, lead=lead,
+            rows=max(1, rescale.XLA_BLOCK // 4096)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= rescale.XLA_BLOCK + 4096 < k.size // 2, temp       # unblocked: k.size
+
+
 def test_round_kernel_explains_on_the_xla_path(xla_always):
     k = np.ones((4, 4, 8, 8), np.float16)
     s = np.ones(8)

@@ -91,6 +91,29 @@ def test_verify_compares_nan_and_inf_positions():
     assert "instead of" in _mismatch(f32(1, 2), f32(1, 2, 3))
 
 
+def test_compare_reads_every_block(monkeypatch):
+    """An output is compared in blocks (no float64 copy of it): a difference, a NaN, an inf
+    or the largest magnitude in the last, partial block still counts."""
+    from hlofold._core import tolerance
+    monkeypatch.setattr(tolerance, "_BLOCK", 8)
+    ref = np.linspace(-1, 1, 37).astype(np.float32)
+    assert tolerance.compare(ref, ref.copy()).passed
+    for i, v in ((36, 1.01), (33, np.nan), (30, np.inf)):
+        out = ref.copy()
+        out[i] = v
+        assert not tolerance.compare(ref, out).passed, (i, v)
+    big = ref.copy()
+    big[35] = 1e6                        # sets the scale: a 1e-3 difference elsewhere passes
+    near = big.copy()
+    near[2] += 1e-3
+    c = tolerance.compare(big, near, 1, 0)
+    assert c.passed and c.max_abs == pytest.approx(1e-3, rel=1e-3)
+    inf = ref.copy()
+    inf[[3, 20]] = np.inf
+    c = tolerance.compare(inf, inf.copy())
+    assert c.passed and c.finite == pytest.approx(35 / 37)
+
+
 def test_one_tolerance_model():
     """The bound grows with the accumulation length and the depth, per dtype eps, and is
     capped at max|ref|/8 so that a wrong fold (an O(max|ref|) error) always fails."""
