@@ -83,7 +83,13 @@ class SiteWriter:
         end_value.replace_all_uses_with(new_out)
         # the rules of later sites read the program as written (the jaxpr path plans on the
         # original equations): the op now producing the site's value stands for its old one
-        self.replaced[owner_op(new_out).operation] = op_name(end_op)
+        new_op = owner_op(new_out)
+        self.replaced[new_op] = op_name(end_op)
+        # ... also for the walks' memos: computed from a root, from the same inputs (the
+        # fold recombines what the site's ops read), so no later query walks into the guard
+        self.activation[new_op] = True
+        if end_op.operation in self.sources_memo:
+            self.sources_memo[new_op] = self.sources_memo[end_op.operation]
         self.dead.extend([s.op for s in reversed(steps)] + [root])
 
     def _folded_ops(self, root, steps, info, fwd, x, new_k, t_of, out_t, bmap, add_t):
