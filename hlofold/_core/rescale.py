@@ -57,17 +57,22 @@ def _xla_can(k_dtype: np.dtype, kd: np.dtype, factors: list) -> bool:
 def _scaled_xla(k, factors, kd, tiny):
     cpu = jax.local_devices(backend="cpu")[0]     # this process's: no other takes part
     lead, fs = _blocked(np.shape(k), [np.asarray(f, np.float64) for f in factors])
-    rows = max(1, XLA_BLOCK // max(1, int(np.prod(np.shape(k)[lead:]))))
+    rows = _rows(int(np.prod(np.shape(k)[:lead])), int(np.prod(np.shape(k)[lead:])))
     key = (np.shape(k), np.dtype(k.dtype), kd, tiny, lead, rows, tuple(f.shape for f in fs))
-    with jax.ensure_compile_time_eval(), jax.enable_x64(True):
+    with jax.ensure_compile_time_eval(), jax.enable_x64(True):   # (placed, not staged)
         fs = [jax.device_put(f, cpu) for f in fs]
-        out, suspect = _rescale(k if _on_cpu(k) else jax.device_put(k, cpu), fs, kd=kd,
-                                tiny=float(tiny), lead=lead, rows=rows)
-        suspect = bool(suspect)
-    if key not in _compiled:               # a new program: its compile's memory goes back
-        _compiled.add(key)
-        release_freed()
-    return out, suspect
+        k = k if _on_cpu(k) else jax.device_put(k, cpu)
+    with jax.enable_x64(True):
+        # compiled outside ensure_compile_time_eval, where scalars the program's tracing
+        # makes would be built eagerly and kept as its constants; a Compiled runs on its
+        # arguments, also inside an outer trace. After the first, this is a cache hit.
+        program = _rescale.lower(k, fs, kd=kd, tiny=float(tiny), lead=lead,
+                                 rows=rows).compile()
+        if key not in _compiled:    # a new program: its compile's memory goes back
+            _compiled.add(key)      # before the result is placed
+            release_freed()
+        out, suspect = program(k, fs)
+        return out, bool(suspect)
 
 
 _compiled: set = set()
@@ -102,6 +107,13 @@ def _blocked(shape: tuple, factors: list) -> tuple[int, list]:
                       (merged,) + f.shape[lead:]) for f in fs]
 
 
+def _rows(n: int, row: int) -> int:
+    """Rows of ``row`` elements per block: the largest divisor of ``n`` with at most
+    :data:`XLA_BLOCK` elements (every block alike: one loop body, no remainder)."""
+    rows = max(1, min(n, XLA_BLOCK // max(1, row)))
+    return next(r for r in range(rows, 0, -1) if n % r == 0)
+
+
 def _on_cpu(k) -> bool:
     return isinstance(k, jax.Array) and k.is_fully_addressable and \
         {d.platform for d in k.devices()} == {"cpu"}
@@ -112,31 +124,21 @@ def _rescale(k, factors, *, kd, tiny, lead, rows):
     if lead == 0:
         return _rescale_block(k, factors, kd, tiny)
     shape = k.shape
-    k = k.reshape((-1,) + shape[lead:])
-    rows = min(rows, k.shape[0])
-    n, rem = divmod(k.shape[0], rows)
+    n = int(np.prod(shape[:lead])) // rows
+    if n == 1:
+        return _rescale_block(k, factors, kd, tiny)
 
-    def part(start, size):
-        def cut(x):
-            return x if x.shape[0] == 1 else jax.lax.dynamic_slice_in_dim(x, start, size, 0)
-        return _rescale_block(cut(k), [cut(f) for f in factors], kd, tiny)
-
-    def body(i, carry):
-        out, bad = carry
-        blk, b = part(i * rows, rows)
-        return jax.lax.dynamic_update_slice_in_dim(out, blk, i * rows, 0), bad | b
-
-    if n == 1 and not rem:
-        out, bad = part(0, rows)
-        return out.reshape(shape), bad
-    # the loop's initial value depends on K: the caller traces this under
-    # ensure_compile_time_eval, where a constant would be built eagerly and kept as one
-    zero = jax.lax.broadcast(k.reshape(-1)[0].astype(kd) * 0, k.shape)
-    out, bad = jax.lax.fori_loop(0, n, body, (zero, np.bool_(False)))
-    if rem:
-        blk, b = part(n * rows, rem)
-        out, bad = jax.lax.dynamic_update_slice_in_dim(out, blk, n * rows, 0), bad | b
-    return out.reshape(shape), bad
+    def split(x):               # (merged leading axes) -> (blocks, rows, ...)
+        return x.reshape((n, rows) + x.shape[1:] if x.shape[0] != 1 else (1,) + x.shape)
+    k = split(k.reshape((-1,) + shape[lead:]))
+    fs = [split(f) for f in factors]
+    # a scan over the blocks: no index arithmetic in the traced program (the caller traces
+    # it under ensure_compile_time_eval, where such scalars would be kept as constants)
+    per_block = [i for i, f in enumerate(fs) if f.shape[0] != 1]
+    out, bad = jax.lax.map(lambda xs: _rescale_block(xs[0], [
+        xs[1][per_block.index(i)] if i in per_block else f[0] for i, f in enumerate(fs)],
+        kd, tiny), (k, [fs[i] for i in per_block]))
+    return out.reshape(shape), jnp.any(bad)
 
 
 def _rescale_block(k, factors, kd, tiny):
