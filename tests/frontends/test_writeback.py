@@ -200,7 +200,7 @@ def test_nothing_is_held_beside_the_new_leaves(monkeypatch):
          "b2": jnp.zeros(40)}
     x = jnp.asarray(RNG.standard_normal((4, 64)), jnp.float32)
     jax.block_until_ready(p)
-    before = {id(a) for a in jax.live_arrays()}
+    before = {id(a): a for a in jax.live_arrays()}      # (held: no id is reused)
     out = hlofold.fold_params(f, p, x)
     new = [a for a in jax.live_arrays() if id(a) not in before]
     rewritten = [b for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(out.params))
