@@ -189,4 +189,3 @@ def _check(ref, out, closed) -> None:
         if not c.passed:
             raise RuntimeError(f"hlofold.fold_params: the folded parameters change the "
                                f"model's outputs ({c.why}); please report this")
-

@@ -121,23 +121,21 @@ def _on_cpu(k) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("kd", "tiny", "lead", "rows"))
 def _rescale(k, factors, *, kd, tiny, lead, rows):
-    if lead == 0:
-        return _rescale_block(k, factors, kd, tiny)
     shape = k.shape
-    n = int(np.prod(shape[:lead])) // rows
+    n = int(np.prod(shape[:lead])) // rows          # blocks (lead 0: one)
     if n == 1:
         return _rescale_block(k, factors, kd, tiny)
 
     def split(x):               # (merged leading axes) -> (blocks, rows, ...)
         return x.reshape((n, rows) + x.shape[1:] if x.shape[0] != 1 else (1,) + x.shape)
-    k = split(k.reshape((-1,) + shape[lead:]))
     fs = [split(f) for f in factors]
-    # a scan over the blocks: no index arithmetic in the traced program (the caller traces
-    # it under ensure_compile_time_eval, where such scalars would be kept as constants)
-    per_block = [i for i, f in enumerate(fs) if f.shape[0] != 1]
-    out, bad = jax.lax.map(lambda xs: _rescale_block(xs[0], [
-        xs[1][per_block.index(i)] if i in per_block else f[0] for i, f in enumerate(fs)],
-        kd, tiny), (k, [fs[i] for i in per_block]))
+
+    def block(xs):              # a factor along the blocked axes comes with its block
+        kb, along = xs
+        it = iter(along)
+        return _rescale_block(kb, [next(it) if f.shape[0] != 1 else f[0] for f in fs], kd, tiny)
+    out, bad = jax.lax.map(block, (split(k.reshape((-1,) + shape[lead:])),
+                                   [f for f in fs if f.shape[0] != 1]))
     return out.reshape(shape), jnp.any(bad)
 
 
