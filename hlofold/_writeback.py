@@ -15,6 +15,7 @@ The result is checked: the model run with the new tree against the original.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Any, Callable
 
@@ -25,7 +26,6 @@ from . import _compat as C
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._core.reasons import Reason
-from ._core.rescale import release_freed
 from ._core.report import REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import accumulation_of
@@ -95,7 +95,7 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     # added to theirs (one compile for both runs: a jitted function would compile again where
     # the new leaves' placement is committed and the old ones' is not)
     run = jax.jit(C.jaxpr_as_fun(closed)).lower(*arr, *arg_leaves).compile()
-    release_freed()                   # the compile's working memory
+    _release_freed()                   # the compile's working memory
     ref = run(*arr, *arg_leaves)      # the outputs before any change (runs while we plan)
     n = len(arr)
     # kernels no process holds whole are rescaled on their devices (_Writer.site); the
@@ -128,8 +128,18 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites))
     _check(ref, run(*new, *arg_leaves), closed)
     del run
-    release_freed()
+    _release_freed()
     return out
+
+
+def _release_freed() -> None:
+    """Hand the memory the C allocator keeps after XLA's compile back to the system (glibc's
+    ``malloc_trim``; elsewhere nothing), so that the new leaves are not placed on top of it:
+    preparing parameters then grows the process by the new leaves and little else."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _groups(scope) -> list[list]:
@@ -160,8 +170,8 @@ def _host(a) -> np.ndarray:
 
 def _like(old, val):
     """``val`` as a leaf like ``old``: its dtype, shape, and placement (a global array keeps
-    its sharding). Nothing is copied that is already so (a kernel rescaled by XLA on the host
-    is a CPU array: it stays one where ``old`` is on the CPU)."""
+    its sharding). Nothing is copied that is already so (a kernel rescaled on the host is
+    64-byte aligned: placed on the CPU, JAX aliases it)."""
     dt = np.dtype(old.dtype)
     if isinstance(val, jax.Array) and isinstance(old, jax.Array):
         val = val if val.dtype == dt else val.astype(dt)

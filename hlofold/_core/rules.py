@@ -81,15 +81,14 @@ def round_kernel(k: np.ndarray, s, kd, axis: int) -> tuple[np.ndarray, str | Non
     """``K·s`` computed in float64 and rounded once to ``kd`` (``s``: an array broadcasting
     against ``k``, or a list of them, multiplied together), and the reason to refuse it: it
     overflows, or underflows a whole output channel along ``axis`` (None: it is safe). The
-    product is formed by :func:`rescale.scaled` (no kernel-sized float64 temporary; XLA on
-    the host for large kernels); the float64 product is materialized only to explain a result
+    product is formed by :func:`rescale.scaled` (no kernel-sized float64 temporary, large
+    kernels on every core); the float64 product is materialized only to explain a result
     with an inf, or with a value below the normal range of ``kd`` where ``K`` is not zero."""
     kd = np.dtype(kd)
     factors = list(s) if isinstance(s, (list, tuple)) else [s]
     kp_cast, suspect = rescale.scaled(k, factors, kd, _tiny(kd))
     if not suspect:
         return kp_cast, None
-    kp_cast = rescale.scaled_numpy(k, factors, kd)     # (XLA:CPU flushes subnormals)
     with np.errstate(over="ignore", invalid="ignore"):
         kp = np.asarray(k, np.float64)
         for f in factors:

@@ -1,7 +1,13 @@
-"""The rescaled kernel: XLA on the host (large kernels) and NumPy (small ones) give the same
-bits, and both say when the product may leave the kernel dtype's normal range.
+"""The rescaled kernel: the product in float64, rounded once into the kernel dtype, in
+chunks shared among threads, gives the bits of the whole product rounded at once, and says
+when the product may leave the kernel dtype's normal range.
 
-``rescale.XLA_MIN`` is lowered to 0 here so the XLA way runs at test sizes."""
+``rescale.PARALLEL_MIN`` is lowered to 0 and ``rescale.CHUNK`` to a few elements here, so
+kernels of test size are split into many chunks over several workers."""
+import os
+import threading
+import tracemalloc
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,31 +20,43 @@ DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, ml_dtypes.floa
 
 
 @pytest.fixture
-def xla_always(monkeypatch):
-    monkeypatch.setattr(rescale, "XLA_MIN", 0)
+def chunked(monkeypatch):
+    monkeypatch.setattr(rescale, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(rescale, "CHUNK", 64)
+    monkeypatch.setattr(rescale, "_workers", lambda: 3)
+    monkeypatch.setattr(rescale, "_pools", {})
 
 
 def _tiny(kd):
     return float(ml_dtypes.finfo(kd).tiny)
 
 
+def _whole(k, fs, kd):
+    """The reference: the whole product in float64, then rounded once."""
+    with np.errstate(over="ignore"):
+        y = np.asarray(k, np.float64)
+        for f in fs:
+            y = y * f
+        return y.astype(kd)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n_factors", [1, 2])
-def test_xla_matches_numpy_bit_for_bit(xla_always, dtype, n_factors):
+def test_chunks_match_the_whole_product_bit_for_bit(chunked, dtype, n_factors):
     rng = np.random.default_rng(0)
     # normal numbers of every dtype here (float8's normal range starts at 2**-6)
     k = (rng.choice([-1, 1], (3, 3, 16, 64)) * rng.uniform(0.1, 4, (3, 3, 16, 64))).astype(dtype)
     # factors with many significant bits: the product must be rounded once, not twice
     fs = [rng.uniform(0.3, 3.0, (1, 1, 1, 64)) * (1 + 2.0 ** -40) for _ in range(n_factors)]
     out, suspect = rescale.scaled(k, fs, np.dtype(dtype), _tiny(dtype))
-    assert isinstance(out, jax.Array) and not suspect
-    ref = rescale.scaled_numpy(k, fs, np.dtype(dtype))
-    assert np.asarray(out).dtype == ref.dtype
+    assert isinstance(out, np.ndarray) and not suspect
+    ref = _whole(k, fs, np.dtype(dtype))
+    assert out.dtype == ref.dtype
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8), ref.view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:3] + DTYPES[4:], ids=lambda d: np.dtype(d).name)
-def test_rounded_once_near_halfway(xla_always, dtype):
+def test_rounded_once_near_halfway(chunked, dtype):
     """Just below (above) the midpoint of two neighbours the product rounds down (up):
     rounding to float32 first would land on the midpoint and then round to even."""
     info = ml_dtypes.finfo(dtype)
@@ -56,22 +74,29 @@ def test_rounded_once_near_halfway(xla_always, dtype):
                                       want.astype(np.float64))
 
 
-def test_xla_takes_a_cpu_array_and_a_wider_result_type(xla_always):
+def test_takes_a_cpu_array_without_a_copy_and_gives_one_jax_places_without_a_copy(chunked):
     k = jax.device_put(np.linspace(-2, 2, 4096, dtype=np.float32).reshape(64, 64),
                        jax.devices("cpu")[0])
     s = np.linspace(0.5, 1.5, 64)
     out, suspect = rescale.scaled(k, [s], np.dtype(np.float64), _tiny(np.float64))
     assert not suspect
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(k, np.float64) * s)
+    np.testing.assert_array_equal(out, np.asarray(k, np.float64) * s)
+    assert np.asarray(k).ctypes.data == k.unsafe_buffer_pointer()       # K read in place
+    # the result is aligned so that JAX's CPU client aliases it: a leaf placed from it is
+    # no second copy of the kernel (fold_params's peak memory)
+    out, _ = rescale.scaled(k, [s], np.dtype(np.float32), _tiny(np.float32))
+    assert out.ctypes.data % 64 == 0
+    placed = jax.device_put(out, jax.devices("cpu")[0])
+    assert placed.unsafe_buffer_pointer() == out.ctypes.data
 
 
 @pytest.mark.parametrize("case", ["subnormal_k", "underflow", "overflow", "zero_k"])
-def test_suspect_is_raised_where_numpy_would_see_it(xla_always, case):
+def test_suspect_is_raised_where_the_product_leaves_the_normal_range(chunked, case):
     kd = np.dtype(np.float32)
     k = np.ones((8, 8), np.float32)
     s = np.ones(8)
     if case == "subnormal_k":
-        k[3, 3] = np.float32(1e-40)       # flushed by XLA:CPU: read from the bits
+        k[3, 3] = np.float32(1e-40)       # a subnormal element of K, in a middle chunk
     elif case == "underflow":
         s[2] = 1e-42
     elif case == "overflow":
@@ -81,46 +106,79 @@ def test_suspect_is_raised_where_numpy_would_see_it(xla_always, case):
         s[1] = 1e-42
     out, suspect = rescale.scaled(k, [s], kd, _tiny(kd))
     assert suspect == (case != "zero_k")
-    assert suspect == rescale.may_be_out_of_range(rescale.scaled_numpy(k, [s], kd), k, _tiny(kd))
+    np.testing.assert_array_equal(out, _whole(k, [s], kd))
 
 
 @pytest.mark.parametrize("shape,axis", [((37, 24), 0), ((37, 24), 1), ((5, 3, 7, 16), 3),
-                                        ((5, 3, 7, 16), 0), ((1, 300), 1), ((300,), 0)])
+                                        ((5, 3, 7, 16), 0), ((5, 3, 7, 16), 2), ((1, 300), 1),
+                                        ((300,), 0)])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_blocks_give_numpys_bits_and_see_every_block(monkeypatch, xla_always, shape, axis, dtype):
-    """Blocks of 64 elements: several whole ones and a remainder, along merged leading axes;
-    a factor along the blocked axes or across them; an overflow in the last, partial block
-    is still seen."""
-    monkeypatch.setattr(rescale, "XLA_BLOCK", 64)
+def test_chunks_see_every_element(chunked, shape, axis, dtype):
+    """Chunks of 64 elements over three workers: whole ones and a remainder, along merged
+    leading axes; a factor along the chunked axis or across it; an overflow in the last
+    element, or a value below the normal range in the first, is still seen."""
     rng = np.random.default_rng(2)
     k = rng.uniform(0.5, 2.0, shape).astype(dtype)
     f = rng.uniform(0.3, 3.0, shape[axis]) * (1 + 2.0 ** -40)
     f = f.reshape([-1 if a == axis else 1 for a in range(len(shape))])
-    out, suspect = rescale.scaled(k, [f, np.float64(0.75)], np.dtype(dtype), _tiny(dtype))
-    assert not suspect and np.shape(out) == shape
-    ref = rescale.scaled_numpy(k, [f, np.float64(0.75)], np.dtype(dtype))
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), ref.view(np.uint8))
-    k.reshape(-1)[-1] = 1e30 if dtype == ml_dtypes.bfloat16 else 3e38
-    big = np.full(f.shape, 1e10)
-    assert rescale.scaled(k, [big], np.dtype(dtype), _tiny(dtype))[1]
+    fs = [f, np.float64(0.75)]
+    out, suspect = rescale.scaled(k, fs, np.dtype(dtype), _tiny(dtype))
+    assert not suspect and out.shape == shape
+    np.testing.assert_array_equal(out.view(np.uint8), _whole(k, fs, dtype).view(np.uint8))
+    for where, value in ((-1, 1e30 if dtype == ml_dtypes.bfloat16 else 3e38), (0, 1e-30)):
+        bad = k.copy()
+        bad.reshape(-1)[where] = value
+        scale = 1e10 if where == -1 else 1e-10
+        assert rescale.scaled(bad, [np.full(f.shape, scale)], np.dtype(dtype), _tiny(dtype))[1]
     empty, _ = rescale.scaled(k[:0], [f[:0] if axis == 0 else f], np.dtype(dtype), 1e-30)
-    assert np.shape(empty) == (0,) + shape[1:]
+    assert empty.shape == (0,) + shape[1:]
 
 
-def test_the_range_check_needs_no_kernel_sized_temporary(monkeypatch):
-    """The range check is a reduction; XLA:CPU does not fuse it with its operand, so
-    unblocked its mask would be a temporary of one byte per element of K."""
-    k = jnp.ones((1024, 4096), jnp.float32)
-    lead, fs = rescale._blocked(k.shape, [np.ones(4096)])
-    with jax.enable_x64(True):
-        compiled = rescale._rescale.lower(
-            k, [jnp.asarray(f) for f in fs], kd=np.dtype(np.float32), tiny=1e-38, lead=lead,
-            rows=max(1, rescale.XLA_BLOCK // 4096)).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp <= rescale.XLA_BLOCK + 4096 < k.size // 2, temp       # unblocked: k.size
+def test_no_temporary_as_large_as_the_kernel(monkeypatch):
+    """The float64 product and the range check's masks are chunk-sized (two factors: the
+    float64 block path), so the rescale allocates the result and a few chunks per worker."""
+    monkeypatch.setattr(rescale, "_workers", lambda: 2)
+    monkeypatch.setattr(rescale, "_pools", {})
+    k = np.ones((1024, 4096), np.float32)
+    fs = [np.linspace(0.5, 1.5, 4096), np.float64(0.5)]
+    tracemalloc.start()
+    try:
+        out, _ = rescale.scaled(k, fs, np.float32, 1e-38)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak - out.nbytes < 2 * 4 * rescale.CHUNK * 8 <= k.nbytes // 4, peak - out.nbytes
 
 
-def test_round_kernel_explains_on_the_xla_path(xla_always):
+@pytest.mark.filterwarnings("ignore:os.fork")       # the child runs NumPy only, not JAX
+def test_shared_by_threads_and_after_fork(chunked):
+    """Many threads rescale at once through the one pool; a forked child (whose parent's
+    pool threads do not exist there) gets a pool of its own."""
+    rng = np.random.default_rng(5)
+    ks = [rng.uniform(0.5, 2, (64, 48)).astype(np.float32) for _ in range(16)]
+    fs = [rng.uniform(0.5, 2, 48) for _ in range(16)]
+    got = [None] * 16
+
+    def work(i):
+        got[i] = rescale.scaled(ks[i], [fs[i]], np.float32, 1e-38)[0]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(16):
+        np.testing.assert_array_equal(got[i], _whole(ks[i], [fs[i]], np.float32))
+    if not hasattr(os, "fork"):
+        return
+    pid = os.fork()
+    if pid == 0:        # the child: exits 0 only if the rescale finished and is right
+        ok = np.array_equal(rescale.scaled(ks[0], [fs[0]], np.float32, 1e-38)[0], got[0])
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_round_kernel_explains_out_of_range_products(chunked):
     k = np.ones((4, 4, 8, 8), np.float16)
     s = np.ones(8)
     s[3] = 1e6
@@ -130,14 +188,14 @@ def test_round_kernel_explains_on_the_xla_path(xla_always):
     s[6] = 1e-12
     kp, why = rules.round_kernel(k, s, np.float16, axis=3)
     assert why is not None and why.kind == "underflow" and "[6]" in str(why)
-    # a subnormal element of K: the exact product is NumPy's (XLA:CPU would flush it)
+    # a subnormal element of K scaled by 1 is kept as it is (suspect, then explained: safe)
     k = np.full((4, 8), np.float16(1.0))
     k[0, 0] = np.float16(2.0 ** -20)
     kp, why = rules.round_kernel(k, np.full(8, 1.0), np.float16, axis=1)
     assert why is None and np.asarray(kp)[0, 0] == np.float16(2.0 ** -20)
 
 
-def test_fold_numeric_on_the_xla_path(xla_always):
+def test_fold_numeric_with_chunked_rescale(chunked):
     import hlofold
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((3, 3, 8, 16)), jnp.float32)

@@ -85,9 +85,8 @@ def main(pid: int, port: int) -> None:
     assert fz.report(params, x).num_folded == nbn
     print("ok freeze", flush=True)
 
-    # kernels rescaled on the host by XLA whatever their size: on this process's CPU device
-    # (jax.devices("cpu")[0] is process 0's: process 1 would wait for it, and hang)
-    rescale.XLA_MIN = 0
+    # kernels rescaled on the host by the thread pool in many chunks, in each process
+    rescale.PARALLEL_MIN, rescale.CHUNK = 0, 4096
     written = hlofold.fold_params(examples.resnet_apply, params, x)
     single = hlofold.fold_params(examples.resnet_apply, host, np.asarray(gathered(x)))
     assert len(written.changes) == len(single.changes) == nbn + 1, str(written)  # + the head
