@@ -9,8 +9,10 @@ factors (``x·r``) are written once per normalized value, before its first root.
 from __future__ import annotations
 
 from .. import _compat as C
-from .._core.algebra import collapse
-from .ir import (GUARD, IrArith, all_finite, elem_type, mark, numpy_to_dense, op_name,
+import numpy as np
+
+from .._core.algebra import collapse, has_shift
+from .ir import (GUARD, IrArith, all_finite, elem_type, is_host, mark, numpy_to_dense, op_name,
                  owner_op, remap_operands, shape_of)
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -45,29 +47,38 @@ class SiteWriter:
                     if b is not None:     # the bias the input shift adds, through the chain
                         xp = IrArith(C_out, self.ct)
                         t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))
-                s_ir = self.const_or(s_val, C_out)
-                s_b = stablehlo.BroadcastInDimOp(
-                    ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
-                    ir.DenseI64ArrayAttr.get([kaxis])).result
-                new_k = self.convert(stablehlo.MulOp(kc, s_b).result, kdt)
+                if not (is_host(s_val) and np.all(np.asarray(s_val) == 1)):   # (K·1 is K)
+                    s_ir = self.const_or(s_val, C_out)
+                    s_b = stablehlo.BroadcastInDimOp(
+                        ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
+                        ir.DenseI64ArrayAttr.get([kaxis])).result
+                    kc = stablehlo.MulOp(kc, s_b).result
+                new_k = self.convert(kc, kdt)
+            # no shift absorbed: t is exactly 0, and no add is written (as on a jaxpr); a
+            # bias known now is checked now (a finite one needs no run-time check)
+            add_t = add_t and (has_shift(real) or any(st.kind == "bn" for st in real) or
+                               (fwd is not None and fwd.has_shift))
+            t_host_finite = is_host(t_val) and bool(np.all(np.isfinite(t_val)))
             t_of = lambda: self.convert(self.const_or(t_val, C_out), elem_type(end_value))
             guard = dec.guard        # s is known only at run time: check it there
             if not known or (fwd is not None and fwd.s_known is None):
                 if not self.guard:     # the caller checks these (hlofold._stablehlo.split)
                     new_k = self.mark_prepared(new_k)
-                    t_ir = self.mark_prepared(t_of())
-                    t_of = lambda: t_ir
+                    if add_t:
+                        t_ir = self.mark_prepared(t_of())
+                        t_of = lambda: t_ir
             fold = dict(root=root, steps=steps, info=info, fwd=fwd, x=x, new_k=new_k,
                         out_t=out_t, bmap=bmap, add_t=add_t)
             if not guard:
                 new_out = self._folded_ops(t_of=t_of, **fold)
             else:
-                t_ir = t_of()
+                t_ir = t_of() if add_t else None
                 t_of = lambda: t_ir
                 # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
                 # inf γ) runs the site's original ops instead
-                pred = stablehlo.AndOp(all_finite(new_k, self.finite_made),
-                                       all_finite(t_ir, self.finite_made)).result
+                pred = all_finite(new_k, self.finite_made)
+                if add_t and not t_host_finite:
+                    pred = stablehlo.AndOp(pred, all_finite(t_ir, self.finite_made)).result
                 if_op = stablehlo.IfOp([out_t], pred)
                 mark(if_op, GUARD)
                 with ir.InsertionPoint(if_op.true_branch.blocks.append()):

@@ -33,6 +33,7 @@ EXPECTED = {  # file: (folded, refused, reason fragment of the refusal)
     "multi_consumer.mlir": (0, 1, "2 consumers"),
     "resnet_block_jax.mlir": (2, 0, None),
     "chain_across_call.mlir": (1, 0, None),
+    "rmsnorm_dot_args.mlir": (1, 0, None),
     # squeeze-excite: a block's input read by the pool and by the gating multiply
     "efficientnet_b0_torch_xla.mlir": (49, 4, "2 consumers"),
 }
