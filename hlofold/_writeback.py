@@ -122,6 +122,7 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
                 None if bias is None else paths[bias],
                 sorted({paths[i] for i in identity} - {paths[kernel]} -
                        ({paths[bias]} if bias is not None else set()))))
+    _release_freed()                  # what planning and the rescale's chunks left free
     new = list(arr)
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))

@@ -73,6 +73,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         # ops of an earlier root's chain (a later root's forward chain does not take them)
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
+        self.forward_memo: dict = {}       # (root input, axis, region) -> its forward chain
         self.replaced: dict = {}           # op ending a folded site -> the name of the old one
         self.written: set = set()          # roots and per-token ops folds wrote (not
         #                                    readers in the program as written)
@@ -110,7 +111,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
                      self.activation, self.sources_memo, self.source_bit,
-                     self.invariant_memo, self.deps_memo, self.eval.memo,
+                     self.invariant_memo, self.deps_memo, self.forward_memo, self.eval.memo,
                      self.eval.flushed):
             memo.clear()         # they may name erased ops: not read after the sites
         return FoldReport(self.sites)

@@ -158,7 +158,7 @@ class HloForwardPlanner:
         top = root.operands[act]
         kind = "conv" if op_name(root) == "stablehlo.convolution" else "dot"
         pattern = f"stablehlo_affine_{kind}"
-        chain = walk_forward(HloForwardIR(self, root), top, axis)
+        chain = self._walk_forward(root, top, axis)
         if isinstance(chain, Reason):
             self._record(root, fname, REFUSED, info, pattern=pattern, reason=chain)
             return None
@@ -186,6 +186,18 @@ class HloForwardPlanner:
                                 reason)
         return HloForward(steps, v, ic[1], info[5], rec, act, tokens=chain.tokens,
                           masks=masks)
+
+    def _walk_forward(self, root, top, axis: int):
+        """``walk_forward`` from ``top``, once for the roots reading it (Q, K, V; gate, up):
+        the walk reads the program as written, so it finds the same chain for each, unless
+        an op it took has since been claimed by an earlier root's chain (then walked again)."""
+        key = (top, axis, parent_of(root))
+        chain = self.forward_memo.get(key)
+        if chain is None or any(o.operation in self.claimed for o in chain.taken):
+            chain = walk_forward(HloForwardIR(self, root), top, axis)
+            if not isinstance(chain, Reason):
+                self.forward_memo[key] = chain
+        return chain
 
     def _readers(self, v) -> list:
         """The ops reading ``v`` in the program as written (the jaxpr path plans on the
