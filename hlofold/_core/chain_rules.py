@@ -10,11 +10,11 @@ per-channel. Every failed match is reported as a reason (``Refusal``), never an 
 """
 from __future__ import annotations
 
+import math
 import dataclasses
 from typing import Any, Callable
 
 import jax.numpy as jnp
-import numpy as np
 
 from .reasons import Reason
 
@@ -76,7 +76,7 @@ def _channel_through_reshape(src_shape, out_shape, axis: int) -> int | None:
     """Where a reshape puts axis ``axis`` of ``src_shape``, if it survives as one axis of the
     same size with the same number of elements before it (other axes may merge or split)."""
     c = src_shape[axis]
-    before = int(np.prod(src_shape[:axis], dtype=np.int64))
+    before = math.prod(src_shape[:axis])
     acc = 1
     for j, d in enumerate(out_shape):
         if acc == before and d == c:

@@ -17,6 +17,7 @@ rules both paths share:
 """
 from __future__ import annotations
 
+import math
 import dataclasses
 from typing import Any
 
@@ -142,7 +143,7 @@ def _distinct(readers) -> int:
 
 
 def _elems(shape, skip: int | None = None) -> int:
-    return int(np.prod([d for a, d in enumerate(shape) if a != skip], dtype=np.int64))
+    return math.prod(d for a, d in enumerate(shape) if a != skip)
 
 
 class HloForwardPlanner:

@@ -7,6 +7,7 @@ the feature dimension; :class:`Evaluator` computes constant sub-expressions on t
 """
 from __future__ import annotations
 
+import math
 import dataclasses
 from typing import Any
 
@@ -229,7 +230,7 @@ def root_info(op):
     if len(rfree) != 1:
         return Reason("root", f"the rhs has {len(rfree)} free dimensions")
     return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
-            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
+            math.prod(lhs[d] for d in lc), 1)
 
 
 def dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -254,4 +255,4 @@ def lhs_root_info(op):
     if len(lfree) != 1 or not is_float(op.operands[0]):
         return None
     return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, shape_of(op.results[0]), True),
-            int(np.prod([lhs[d] for d in lc], dtype=np.int64)), 1)
+            math.prod(lhs[d] for d in lc), 1)
