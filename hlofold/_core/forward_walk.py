@@ -156,23 +156,24 @@ def invariant(ir: ForwardIR, value, axis: int, shape) -> bool:
     def key(u):                           # literals (unhashable on a jaxpr) are invariant
         return None if ir.shape(u) is None else (u, axis, shape)
 
-    stack = [value]
+    stack = [(value, key(value))]
     while stack:
-        v = stack[-1]
-        if key(v) in memo:
+        v, kv = stack[-1]
+        if kv in memo:
             stack.pop()
             continue
         here = _invariant_here(ir, v, axis, shape)
         if here is not None:
-            memo[key(v)] = here
+            memo[kv] = here
             stack.pop()
             continue
         ops = ir.operands(ir.producer(v))
-        missing = [u for u in ops if key(u) is not None and key(u) not in memo]
+        keys = [key(u) for u in ops]        # (each asked once: a shape query each)
+        missing = [(u, k) for u, k in zip(ops, keys) if k is not None and k not in memo]
         if missing:
             stack.extend(missing)
             continue
-        memo[key(v)] = all(key(u) is None or memo[key(u)] for u in ops)
+        memo[kv] = all(k is None or memo[k] for k in keys)
         stack.pop()
     return memo[key(value)]
 

@@ -15,6 +15,7 @@ channel). ``K`` may be a ``jax.Array`` on the CPU: it is read without a copy.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,16 +34,20 @@ def scaled(k, factors: list, kd, tiny: float) -> tuple[np.ndarray, bool]:
     k = np.asarray(k)
     fs = [np.asarray(f) for f in factors]
     shape = np.broadcast_shapes(k.shape, *[f.shape for f in fs])
-    out = aligned_empty(shape, kd)
-    if out.size == 0:
+    n_out = math.prod(shape)
+    # (aligned where a copy would matter: JAX copies a small array anyway)
+    out = aligned_empty(shape, kd) if n_out >= CHUNK else np.empty(shape, kd)
+    if n_out == 0:
         return out, False
-    if shape != k.shape or out.ndim == 0:       # a factor widens K (or a scalar): in one go
-        _product(k, fs, out)
-        return out, _suspect(out, None, tiny)
+    if n_out <= CHUNK or shape != k.shape or out.ndim == 0:
+        # one chunk (or a factor widening K, or a scalar): in one go
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            _product(k, fs, out)
+            return out, _suspect(out, k if shape == k.shape else None, tiny)
     k2, fs2, out2 = _as_rows(k, fs, out)
     step = max(1, CHUNK // max(1, out2[0].size))
     n = out2.shape[0]
-    workers = _workers() if out.size >= PARALLEL_MIN else 1
+    workers = _workers() if n_out >= PARALLEL_MIN else 1
     per = -(-n // workers)
     per = -(-per // step) * step                # whole chunks per worker
     parts = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
@@ -55,7 +60,7 @@ def scaled(k, factors: list, kd, tiny: float) -> tuple[np.ndarray, bool]:
 def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     """An uninitialized array whose data starts on a :data:`_ALIGN`-byte boundary."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
     return raw[off:off + nbytes].view(dtype).reshape(shape)
@@ -71,7 +76,7 @@ def _as_rows(k: np.ndarray, fs: list, out: np.ndarray):
         lead += 1
     if lead <= 1:
         return k, fs, out
-    m = int(np.prod(k.shape[:lead]))
+    m = math.prod(k.shape[:lead])
     return (k.reshape((m,) + k.shape[lead:]), [f.reshape((1,) + f.shape[lead:]) for f in fs],
             out.reshape((m,) + k.shape[lead:]))
 
@@ -90,16 +95,16 @@ def _chunks(k, fs, out, lo: int, hi: int, step: int, tiny: float) -> bool:
 
 
 def _product(k, fs, out) -> None:
-    """``out[...] = K·f₁·f₂…`` formed in float64 and rounded once into ``out``'s dtype."""
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        if len(fs) == 1 and out.dtype.itemsize >= 4:
-            # NumPy's buffered loop: float64, rounded as it writes
-            np.multiply(k, fs[0], dtype=np.float64, casting="unsafe", out=out)
-            return
-        y = np.asarray(k, np.float64)
-        for f in fs:
-            y = y * f
-        out[...] = round_once(y, out.dtype)
+    """``out[...] = K·f₁·f₂…`` formed in float64 and rounded once into ``out``'s dtype
+    (call under ``np.errstate``: an overflow is the range check's to report)."""
+    if len(fs) == 1 and out.dtype.itemsize >= 4:
+        # NumPy's buffered loop: float64, rounded as it writes
+        np.multiply(k, fs[0], dtype=np.float64, casting="unsafe", out=out)
+        return
+    y = np.asarray(k, np.float64)
+    for f in fs:
+        y = y * f
+    out[...] = round_once(y, out.dtype)
 
 
 def round_once(y: np.ndarray, kd) -> np.ndarray:

@@ -74,6 +74,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
         self.forward_memo: dict = {}       # (root input, axis, region) -> its forward chain
+        self.shape_memo: dict = {}         # value -> its shape (the forward walk's)
         self.replaced: dict = {}           # op ending a folded site -> the name of the old one
         self.written: set = set()          # roots and per-token ops folds wrote (not
         #                                    readers in the program as written)
@@ -111,7 +112,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
                      self.activation, self.sources_memo, self.source_bit,
-                     self.invariant_memo, self.deps_memo, self.forward_memo, self.eval.memo,
+                     self.invariant_memo, self.deps_memo, self.forward_memo,
+                     self.shape_memo, self.eval.memo,
                      self.eval.flushed):
             memo.clear()         # they may name erased ops: not read after the sites
         return FoldReport(self.sites)

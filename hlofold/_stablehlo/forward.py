@@ -341,7 +341,11 @@ class HloForwardIR:
         return op.results[0]
 
     def shape(self, value):
-        return shape_of(value)
+        memo = self.p.shape_memo            # (the walks ask of a value several times)
+        got = memo.get(value)
+        if got is None:
+            got = memo[value] = shape_of(value)
+        return got
 
     def broadcast_dims(self, op) -> tuple:
         return tuple(attr_dims(op, "broadcast_dimensions"))

@@ -155,6 +155,8 @@ class ChainWalker:
         self.sources_memo.clear()
         self.invariant_memo.clear()
         self.deps_memo.clear()
+        self.forward_memo.clear()
+        self.shape_memo.clear()
         self.eval.memo.clear()
         return folded
 
