@@ -145,6 +145,14 @@ class SiteWriter:
             return fwd.source
         key = (fwd.source, *(w for _, w in fwd.tokens), *(k for k, _ in fwd.tokens))
         x = self.token_inputs.get(key)
+        if x is None and len(fwd.tokens) == 1 and fwd.tokens[0][0] == "mul":
+            # the program's own x·r, a chain op before the root: read, not written again
+            w = fwd.tokens[0][1]
+            x = next((op.results[0] for op in fwd.taken
+                      if op_name(op) == "stablehlo.multiply" and
+                      list(op.operands) in ([fwd.source, w], [w, fwd.source])), None)
+            if x is not None:
+                self.token_inputs[key] = x
         if x is None:
             x = fwd.source
             with ir.Location.unknown(), ir.InsertionPoint(root):

@@ -64,6 +64,7 @@ class HloForward:
     # per-token ops the root's input keeps, in program order: ("mul", r) or ("add", u)
     tokens: list = dataclasses.field(default_factory=list)
     masks: list | None = None    # per spatial dimension, the taps that read the input
+    taken: list = dataclasses.field(default_factory=list)   # the ops the chain took
     s_known: np.ndarray | None = None
     t_known: np.ndarray | None = None
 
@@ -186,7 +187,7 @@ class HloForwardPlanner:
         rec.note = forward_note(len(chain.tokens), self.n_readers(top), masks is not None,
                                 reason)
         return HloForward(steps, v, ic[1], info[5], rec, act, tokens=chain.tokens,
-                          masks=masks)
+                          masks=masks, taken=chain.taken)
 
     def _walk_forward(self, root, top, axis: int):
         """``walk_forward`` from ``top``, once for the roots reading it (Q, K, V; gate, up):

@@ -263,28 +263,39 @@ def unmark(op, name: str) -> None:
 
 def all_finite(value, templates: dict | None = None):
     """A ``tensor<i1>``: every element of ``value`` is finite (insert where you are).
-    ``templates``: the reductions made so far, by rank; a later one of the same rank is a
-    clone of the first with its operands set (one call, not a reduction built and its body
-    filled op by op)."""
+    ``templates``: what the calls so far made, shared: a later reduction of the same rank is
+    a clone of the first with its operands set (one call, not a reduction built and its body
+    filled op by op), and its ``true`` initial value is one constant at the start of the
+    insertion block (it dominates every use there)."""
     rank = len(shape_of(value))
     fin = stablehlo.IsFiniteOp(value).result
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+    init = None
+    if templates is not None:
+        block = ir.InsertionPoint.current.block
+        init = templates.get(("true", block))
+        if init is None:
+            with ir.InsertionPoint.at_block_begin(block):
+                init = templates[("true", block)] = _true(scalar)
     made = None if templates is None else templates.get(rank)
     if made is not None:
-        init, red = made[0].clone(), made[1].clone()
+        red = made.clone()
         red.operands[0] = fin
-        red.operands[1] = init.results[0]
+        red.operands[1] = init
         return red.results[0]
-    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
-    init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1)))
-    red = stablehlo.ReduceOp([scalar], [fin], [init.result],
+    red = stablehlo.ReduceOp([scalar], [fin], [init if init is not None else _true(scalar)],
                              ir.DenseI64ArrayAttr.get(list(range(rank))))
     body = red.body.blocks.append(scalar, scalar)
     with ir.InsertionPoint(body):
         stablehlo.ReturnOp([stablehlo.AndOp(body.arguments[0], body.arguments[1]).result])
     if templates is not None:
-        templates[rank] = (init.operation, red.operation)
+        templates[rank] = red.operation
     return red.results[0]
+
+
+def _true(scalar):
+    return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result
 
 
 def parent_of(op):

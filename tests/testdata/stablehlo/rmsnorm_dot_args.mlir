@@ -1,15 +1,22 @@
 // RMSNorm (γ an argument) -> a projection whose weight is an argument, no bias: in the graph
 // γ goes on the kernel (diag(γ)·W), guarded. No shift is absorbed, so the guard checks the
-// kernel only and the folded branch adds nothing; nothing multiplies by a constant 1.
+// kernel only and the folded branch adds nothing; nothing multiplies by a constant 1; the
+// folded dot reads the program's own x·r (not a copy of it); the guards' `true` is one
+// constant at the top of the block.
 // CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[T:.*]] = stablehlo.constant dense<true>
+// CHECK: stablehlo.rsqrt
+// CHECK: %[[XR:.*]] = stablehlo.multiply %arg0, %{{.*}} : tensor<1x8x16xf32>
+// CHECK-NOT: stablehlo.multiply %arg0
 // CHECK: %[[G:.*]] = stablehlo.broadcast_in_dim %arg1, dims = [0] : (tensor<16xf32>) -> tensor<16x32xf32>
 // CHECK-NEXT: %[[K:.*]] = stablehlo.multiply %arg2, %[[G]] : tensor<16x32xf32>
 // CHECK-NEXT: %[[F:.*]] = stablehlo.is_finite %[[K]]
 // CHECK-NOT: stablehlo.is_finite
 // CHECK-NOT: stablehlo.and
-// CHECK: %[[P:.*]] = stablehlo.reduce(%[[F]]
+// CHECK-NOT: dense<true>
+// CHECK: %[[P:.*]] = stablehlo.reduce(%[[F]] init: %[[T]])
 // CHECK-NEXT: "stablehlo.if"(%[[P]])
-// CHECK-NEXT: %[[Y:.*]] = stablehlo.dot_general {{.*}}, %[[K]]
+// CHECK-NEXT: %[[Y:.*]] = stablehlo.dot_general %[[XR]], %[[K]]
 // CHECK-NEXT: stablehlo.return %[[Y]]
 // CHECK-NOT: dense<1.000000e+00>
 module {
