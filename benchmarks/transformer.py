@@ -169,7 +169,7 @@ def _prepare_both_ways(f, p, tokens, log) -> dict:
                       "prepared_bytes": int(sum(a.nbytes for a in prepared))}
         del prepared, sp, g, q
         log(f"prepare on the {where}: {out[where]['seconds']:.2f} s")
-    jax.clear_caches()      # fold_params compiles what it runs (its rescale programs too), as
+    jax.clear_caches()      # fold_params compiles what it runs (its check program), as
     _reset_peak()           # in a process that has not prepared these shapes before
     rss = _status("VmHWM")
     t0 = time.perf_counter()
