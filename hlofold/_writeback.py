@@ -95,7 +95,7 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     # added to theirs (one compile for both runs: a jitted function would compile again where
     # the new leaves' placement is committed and the old ones' is not)
     run = jax.jit(C.jaxpr_as_fun(closed)).lower(*arr, *arg_leaves).compile()
-    _release_freed()                   # the compile's working memory
+    _release_freed()                  # the compile's working memory
     ref = run(*arr, *arg_leaves)      # the outputs before any change (runs while we plan)
     n = len(arr)
     # kernels no process holds whole are rescaled on their devices (_Writer.site); the

@@ -74,7 +74,7 @@ def _as_rows(k: np.ndarray, fs: list, out: np.ndarray):
     lead = 0
     while lead < k.ndim - 1 and all(f.shape[lead] == 1 for f in fs):
         lead += 1
-    if lead <= 1:
+    if lead <= 1 or not k.flags.c_contiguous:      # (merging would copy K)
         return k, fs, out
     m = math.prod(k.shape[:lead])
     return (k.reshape((m,) + k.shape[lead:]), [f.reshape((1,) + f.shape[lead:]) for f in fs],

@@ -8,9 +8,9 @@ factors (``x·r``) are written once per normalized value, before its first root.
 """
 from __future__ import annotations
 
-from .. import _compat as C
 import numpy as np
 
+from .. import _compat as C
 from .._core.algebra import collapse, has_shift
 from .ir import (GUARD, IrArith, all_finite, elem_type, is_host, mark, numpy_to_dense, op_name,
                  owner_op, remap_operands, shape_of)

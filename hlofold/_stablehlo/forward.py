@@ -17,8 +17,8 @@ rules both paths share:
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np

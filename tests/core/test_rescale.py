@@ -212,3 +212,21 @@ def test_fold_numeric_with_chunked_rescale(chunked):
     out = folded(x, w, s, t)
     assert folded.report(x, w, s, t).num_folded == 1
     np.testing.assert_allclose(out, f(x, w, s, t), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_is_a_strided_view_is_not_copied(chunked):
+    """A transposed view (OIHW read as HWIO): the chunks walk it as it is, right bits, and
+    no copy of K is made to merge its axes."""
+    rng = np.random.default_rng(7)
+    k = rng.uniform(0.5, 2, (64, 256, 3, 3)).astype(np.float32).transpose(2, 3, 1, 0)
+    s = rng.uniform(0.5, 2, 64)
+    rescale.scaled(k[:1], [s], np.float32, 1e-38)        # the pool's threads started
+    tracemalloc.start()
+    try:
+        out, bad = rescale.scaled(k, [s], np.float32, 1e-38)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not bad
+    np.testing.assert_array_equal(out, _whole(k, [s], np.float32))
+    assert peak - out.nbytes < k.nbytes // 2, peak - out.nbytes
