@@ -31,7 +31,7 @@ from .._core.chain import UNUSED, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
-                 roots_in, shape_of)
+                 shape_of)
 from .module import drop_uncalled_private, erase_unused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info
@@ -93,9 +93,9 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         for fname, fop in list(self.symbols.items()):
             if not fop.regions[0].blocks:      # a declaration: no body to fold
                 continue
-            self._sweep(fop)
-            affines[fname] = []
-            for op in roots_in(fop, UNREACHED_OPS, affines[fname]):
+            affines[fname], roots = [], []
+            self._sweep(fop, roots, UNREACHED_OPS, affines[fname])
+            for op in roots:
                 n = len(self.sites)
                 self._site(op, fname)
                 if self._end_trial(any(r.status == FOLDED for r in self.sites[n:])):

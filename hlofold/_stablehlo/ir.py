@@ -356,26 +356,6 @@ def reads(op) -> list:
     return out
 
 
-def roots_in(op, keep=(), kept: list | None = None) -> list:
-    """The roots in ``op``'s regions, nested regions included (a multi-platform export puts
-    its program in the branches of a ``stablehlo.case``), hlofold's own guards excepted.
-    The ops directly in ``op``'s regions named in ``keep`` are appended to ``kept`` (one walk
-    over the program for both)."""
-    out = []
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                inner = inner.operation
-                name = inner.name
-                if name in ROOTS:
-                    out.append(inner)
-                elif not marked(inner, GUARD):
-                    if name in keep:
-                        kept.append(inner)
-                    out.extend(roots_in(inner))
-    return out
-
-
 def remap_operands(op, mapping):
     """Replace, in ``op`` and in every op nested in its regions (a cond/while body may read
     values from above), the operands that ``mapping`` renames."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 from .. import _compat as C
 from .._core.chain import AGAIN, Absorb, Pass, postorder
 from .._core.chain_rules import DIVISOR, Refusal, pass_axis
-from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
-                 location, op_name, owner_op, readers, reads, remap_operands, shape_of)
+from .ir import (BINARY, GUARD, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
+                 location, marked, op_name, owner_op, readers, reads, remap_operands,
+                 shape_of)
 from .patterns import Step, axis_role, resolve
 from .._core.report import NOT_REACHED, FoldSite
 from .._core.unreached import unreached_reason
@@ -175,18 +176,28 @@ class ChainWalker:
             got = self.deps_memo[op] = (prods, args)
         return got
 
-    def _sweep(self, holder) -> None:
+    def _sweep(self, holder, roots: list | None = None, keep=(), kept: list | None = None,
+               guarded: bool = False) -> None:
         """Fill the activation and source memos (``_from_root``, ``_sources``) for every op
         in ``holder``'s regions, in program order: each op once, after its producers (SSA)
         and after the ops in its own regions. What the sweep cannot settle (an op added
-        later) the lazy walks compute when asked."""
+        later) the lazy walks compute when asked. The same walk collects, in ``roots``, the
+        roots (convolutions, dots) in ``holder``'s regions, nested regions included (a
+        multi-platform export puts its program in a ``stablehlo.case``'s branches) but not
+        in hlofold's own guards, and in ``kept`` the ops directly in them named in ``keep``."""
         act, src, bits = self.activation, self.sources_memo, self.source_bit
         for region in holder.regions:
             for block in region.blocks:
                 for op in block.operations:
                     op = op.operation
-                    if len(op.regions):
-                        self._sweep(op)              # (nesting, not operands)
+                    name = op.name
+                    if roots is not None and not guarded:
+                        if name in ROOTS:
+                            roots.append(op)
+                        elif name in keep and not marked(op, GUARD):
+                            kept.append(op)
+                    if len(op.regions):              # (nesting, not operands)
+                        self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
                     prods, args = self._deps(op)
                     if not all(p in act and p in src for p in prods):
                         continue
@@ -196,7 +207,7 @@ class ChainWalker:
                     for v in args:
                         out |= bits.setdefault(v, 1 << len(bits))
                     src[op] = out
-                    act[op] = op.name in ROOTS or any(act[p] for p in prods)
+                    act[op] = name in ROOTS or any(act[p] for p in prods)
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through
