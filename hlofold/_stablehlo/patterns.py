@@ -74,7 +74,7 @@ class Evaluator:
         """The values ``value``'s host value is computed from (none: a leaf)."""
         op = owner_op(value)
         if op is None:
-            outer = entering_value(value, self.calls)
+            outer = entering_value(value, lambda: self.calls)
             return [] if outer is None else [outer]
         name = op_name(op)
         if not is_float(value) or name == "stablehlo.constant" or \
@@ -93,19 +93,20 @@ class Evaluator:
             if v in memo:
                 stack.pop()
                 continue
-            missing = [u for u in self._inputs(v) if u not in memo]
+            inputs = self._inputs(v)
+            missing = [u for u in inputs if u not in memo]
             if missing:
                 stack.extend(missing)
                 continue
-            memo[v] = self._settle(v)
+            memo[v] = self._settle(v, inputs)
             stack.pop()
         return memo[value]
 
-    def _settle(self, value):
-        """``value``'s host value from its inputs' (already in ``memo``)."""
+    def _settle(self, value, inputs: list):
+        """``value``'s host value from its ``inputs``' (already in ``memo``)."""
         op = owner_op(value)
-        ins = [self.memo[u] for u in self._inputs(value)]
-        if any(u in self.flushed for u in self._inputs(value)):
+        ins = [self.memo[u] for u in inputs]
+        if any(u in self.flushed for u in inputs):
             self.flushed.add(value)
             return None
         if op is None:
@@ -147,11 +148,11 @@ class Evaluator:
         return np.broadcast_to(x.reshape(exp), shape).astype(dt)
 
 
-def entering_value(arg, calls: dict):
+def entering_value(arg, calls):
     """The value a block argument always holds, where one can be named: for a loop-invariant
     argument of a ``stablehlo.while`` (the body returns it unchanged), the loop's operand;
-    for an argument of a private function called once (``calls``: name -> call ops), the
-    call's operand. None otherwise. As a nested jaxpr's inputs are known where the outer
+    for an argument of a private function called once (``calls()``: name -> call ops, asked
+    only then: finding them walks the module), the call's operand. None otherwise. As a nested jaxpr's inputs are known where the outer
     values are, so are these."""
     arg = ir.BlockArgument(arg)
     block, k = arg.owner, arg.arg_number
@@ -164,11 +165,12 @@ def entering_value(arg, calls: dict):
             return holder.operands[k]
         return None
     if name == "func.func":
-        fname = ir.StringAttr(holder.attributes["sym_name"]).value
-        sites = calls.get(fname, [])
         private = "sym_visibility" in holder.attributes and \
             ir.StringAttr(holder.attributes["sym_visibility"]).value == "private"
-        if private and len(sites) == 1:
+        if not private:
+            return None
+        sites = calls().get(ir.StringAttr(holder.attributes["sym_name"]).value, [])
+        if len(sites) == 1:
             return sites[0].operands[k]
     return None
 
