@@ -32,7 +32,7 @@ from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
                  shape_of)
-from .module import drop_uncalled_private, erase_unused, parse_module
+from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info
 from .values import HloValues
@@ -273,10 +273,13 @@ def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport
     guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
     the run-time guard, the folded kernels and biases marked ``PREPARED`` for the
     caller to check (see :mod:`hlofold._stablehlo.split`)."""
-    folder = _Pass(module, in_graph, guard)
-    report = folder.run()
-    if folder.inlined:          # private functions whose calls were all inlined
-        drop_uncalled_private(module, only=folder.inlined)
+    with gc_paused():
+        folder = _Pass(module, in_graph, guard)
+        report = folder.run()
+        inlined = folder.inlined
+        del folder              # (its memos hold a wrapper per op: dropped while paused)
+    if inlined:                 # private functions whose calls were all inlined
+        drop_uncalled_private(module, only=inlined)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report

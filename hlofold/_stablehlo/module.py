@@ -6,6 +6,10 @@ is :mod:`hlofold._stablehlo.ir`.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
+
 from .. import _compat as C
 from .ir import StableHLOError, op_name, owner_op
 
@@ -16,6 +20,30 @@ PURE = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo
                   "stablehlo.convert", "stablehlo.add", "stablehlo.subtract",
                   "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
                   "stablehlo.rsqrt", "stablehlo.sqrt"})
+
+
+_gc_lock = threading.Lock()
+_gc_state = {"depth": 0, "was_enabled": False}
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off while a pass makes its many short-lived
+    objects (a wrapper per op and value it touches: a full collection would walk the whole
+    heap, JAX's included, several times per fold); back on, as it was, when the last of
+    the threads in such a pass leaves it. What becomes garbage meanwhile is collected after."""
+    with _gc_lock:
+        if _gc_state["depth"] == 0:
+            _gc_state["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _gc_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_state["depth"] -= 1
+            if _gc_state["depth"] == 0 and _gc_state["was_enabled"]:
+                gc.enable()
 
 
 def erase_unused(ops) -> None:

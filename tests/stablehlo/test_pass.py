@@ -248,3 +248,37 @@ def test_a_fold_erases_what_it_replaced_and_nothing_else():
         assert gone not in folded, gone
     ref, out = (module_callable(t)(*random_inputs(t)) for t in (text, folded))
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_collector_is_paused_during_a_fold_and_left_as_it_was():
+    """fold_module pauses Python's cyclic GC (its many wrapper objects would trigger full
+    collections): on again after, off if the caller had it off, and with folds in several
+    threads at once, on only when the last one is done."""
+    import gc
+    import threading
+    from hlofold._stablehlo.module import gc_paused
+    text = open(os.path.join(DATA, "conv_bn_inference_nhwc_args.mlir")).read()
+    seen = []
+    with gc_paused():
+        seen.append(gc.isenabled())
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        hlofold.fold_stablehlo(text, in_graph=True)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with gc_paused():
+            inside.set()
+            release.wait(10)
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(10)
+    hlofold.fold_stablehlo(text, in_graph=True)     # ends while the other is still inside
+    assert not gc.isenabled()
+    release.set()
+    t.join()
+    assert gc.isenabled()
