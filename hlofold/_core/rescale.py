@@ -33,6 +33,17 @@ def scaled(k, factors: list, kd, tiny: float) -> tuple[np.ndarray, bool]:
     kd = np.dtype(kd)
     k = np.asarray(k)
     fs = [np.asarray(f) for f in factors]
+    # a factor of ones (the output side of a fold with nothing after its root) changes
+    # nothing, not even the rounding: left out
+    fs = [f for f in fs if not (f.size == 1 and f.ndim <= k.ndim and f.reshape(()) == 1)]
+    if len(fs) == 1 and kd == k.dtype == np.float32 and fs[0].dtype == np.float64:
+        with np.errstate(over="ignore"):
+            f32 = fs[0].astype(np.float32)
+        if np.array_equal(f32, fs[0]):
+            # a float32 factor (RMSNorm's γ): the product of two float32 numbers is exact
+            # in float64, and IEEE float32 multiplication rounds that exact product once,
+            # as _product would: the same bits, at float32 speed (no float64 loop)
+            fs = [f32]
     shape = np.broadcast_shapes(k.shape, *[f.shape for f in fs])
     n_out = math.prod(shape)
     # (aligned where a copy would matter: JAX copies a small array anyway)
@@ -97,6 +108,9 @@ def _chunks(k, fs, out, lo: int, hi: int, step: int, tiny: float) -> bool:
 def _product(k, fs, out) -> None:
     """``out[...] = K·f₁·f₂…`` formed in float64 and rounded once into ``out``'s dtype
     (call under ``np.errstate``: an overflow is the range check's to report)."""
+    if len(fs) == 1 and out.dtype == k.dtype == fs[0].dtype == np.float32:
+        np.multiply(k, fs[0], out=out)        # exact product rounded once (see scaled)
+        return
     if len(fs) == 1 and out.dtype.itemsize >= 4:
         # NumPy's buffered loop: float64, rounded as it writes
         np.multiply(k, fs[0], dtype=np.float64, casting="unsafe", out=out)

@@ -109,6 +109,34 @@ def test_suspect_is_raised_where_the_product_leaves_the_normal_range(chunked, ca
     np.testing.assert_array_equal(out, _whole(k, [s], kd))
 
 
+@pytest.mark.parametrize("case", ["random", "subnormal", "overflow", "zero_k", "not_float32"])
+def test_a_float32_factor_is_multiplied_in_float32_with_the_same_bits(chunked, monkeypatch,
+                                                                      case):
+    """A factor whose values are float32 numbers (RMSNorm's γ): the product of two float32
+    numbers is exact in float64, so one float32 multiply (IEEE: the exact product rounded
+    once) gives the float64 path's bits and range verdict, subnormal and infinite products
+    included. A factor with more bits keeps the float64 path."""
+    seen = []
+    real = rescale._product
+    monkeypatch.setattr(rescale, "_product",
+                        lambda k, fs, out: seen.append(fs[0].dtype) or real(k, fs, out))
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((40, 64)).astype(np.float32)
+    g = rng.standard_normal(64).astype(np.float32).astype(np.float64)
+    if case == "subnormal":
+        g[3] = 2.0 ** -130                # float32 subnormal products, rounded
+    elif case == "overflow":
+        g[5] = 2.0 ** 127                 # |k| > 2 overflows
+    elif case == "zero_k":
+        k[:, 7], g[7] = 0, 2.0 ** -140
+    elif case == "not_float32":
+        g = g * (1 + 2.0 ** -40)
+    out, suspect = rescale.scaled(k, [g[None, :]], np.dtype(np.float32), _tiny(np.float32))
+    np.testing.assert_array_equal(out.view(np.uint32), _whole(k, [g], np.float32).view(np.uint32))
+    assert suspect == (case in ("subnormal", "overflow"))
+    assert set(seen) == {np.dtype(np.float64 if case == "not_float32" else np.float32)}
+
+
 @pytest.mark.parametrize("shape,axis", [((37, 24), 0), ((37, 24), 1), ((5, 3, 7, 16), 3),
                                         ((5, 3, 7, 16), 0), ((5, 3, 7, 16), 2), ((1, 300), 1),
                                         ((300,), 0)])
@@ -215,11 +243,12 @@ def test_fold_numeric_with_chunked_rescale(chunked):
 
 
 def test_a_kernel_that_is_a_strided_view_is_not_copied(chunked):
-    """A transposed view (OIHW read as HWIO): the chunks walk it as it is, right bits, and
-    no copy of K is made to merge its axes."""
+    """A transposed view (OIHW read as WHIO): the chunks walk it as it is, right bits, and
+    no copy of K is made to merge its axes. (Each of the 3 workers holds a row's
+    temporaries and NumPy's cast buffers, ~0.1 K each here; a copy would be all of K.)"""
     rng = np.random.default_rng(7)
-    k = rng.uniform(0.5, 2, (64, 256, 3, 3)).astype(np.float32).transpose(2, 3, 1, 0)
-    s = rng.uniform(0.5, 2, 64)
+    k = rng.uniform(0.5, 2, (256, 64, 3, 24)).astype(np.float32).transpose(3, 2, 1, 0)
+    s = rng.uniform(0.5, 2, 256)
     rescale.scaled(k[:1], [s], np.float32, 1e-38)        # the pool's threads started
     tracemalloc.start()
     try:
