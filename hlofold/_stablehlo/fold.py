@@ -30,6 +30,7 @@ from .._core.algebra import along, collapse, forward_kernel, per_channel
 from .._core.chain import UNUSED, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
+from .facts import op_facts
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
                  shape_of)
 from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
@@ -89,6 +90,24 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 self.symbols[ir.StringAttr(op.attributes["sym_name"]).value] = op
 
     def run(self) -> FoldReport:
+        with op_facts():           # (no op is erased inside but by an undone trial)
+            dead = self._sites()
+        inputs = [p for op in self.dead for p in map(owner_op, op.operands)
+                  if p is not None and p not in dead]
+        for op in self.dead:
+            op.erase()
+        erase_unused(inputs)       # what computed only their operands (nothing else is read)
+        for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
+                     self.activation, self.sources_memo, self.source_bit,
+                     self.invariant_memo, self.deps_memo, self.forward_memo,
+                     self.shape_memo, self.eval.memo,
+                     self.eval.flushed):
+            memo.clear()         # they may name erased ops: not read after the sites
+        return FoldReport(self.sites)
+
+    def _sites(self) -> set:
+        """Fold every root, account for what no root reached; returns the ops folds
+        replaced (erased after)."""
         affines = {}          # function -> its ops the unreached accounting looks at
         for fname, fop in list(self.symbols.items()):
             if not fop.regions[0].blocks:      # a declaration: no body to fold
@@ -105,18 +124,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         for fname, fop in list(self.symbols.items()):
             if fname in affines and fname not in self.inlined:
                 self._account_unreached(fop, fname, affines[fname], dead)
-        inputs = [p for op in self.dead for p in map(owner_op, op.operands)
-                  if p is not None and p not in dead]
-        for op in self.dead:
-            op.erase()
-        erase_unused(inputs)       # what computed only their operands (nothing else is read)
-        for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
-                     self.activation, self.sources_memo, self.source_bit,
-                     self.invariant_memo, self.deps_memo, self.forward_memo,
-                     self.shape_memo, self.eval.memo,
-                     self.eval.flushed):
-            memo.clear()         # they may name erased ops: not read after the sites
-        return FoldReport(self.sites)
+        return dead
 
     def _record(self, op, fname, status, info=None, pattern=None, **kw) -> FoldSite:
         file, line, name = location(op)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from .. import _compat as C
 from .._core.algebra import per_channel
+from .facts import op_fact
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -112,6 +113,10 @@ def int_dims(attr) -> list[int]:
 
 
 def location(op) -> tuple[str | None, int | None, str]:
+    return op_fact("location", op.operation, _location)
+
+
+def _location(op) -> tuple[str | None, int | None, str]:
     """``(file, line, name)`` of an op's location: the first file:line in it and the first
     name (TF's ``fused["conv1_conv/Conv2D", "ops.py":1221:0]``, JAX's
     ``"jit(f)/conv_general_dilated"("model.py":42:7)``, torch_xla's names), read through

@@ -13,6 +13,7 @@ from __future__ import annotations
 from .. import _compat as C
 from .._core.chain import AGAIN, Absorb, Pass, postorder
 from .._core.chain_rules import DIVISOR, Refusal, pass_axis
+from .facts import forget_op_facts
 from .ir import (BINARY, GUARD, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
                  location, marked, op_name, owner_op, readers, reads, remap_operands,
                  shape_of)
@@ -152,6 +153,7 @@ class ChainWalker:
             for op in reversed(cloned):
                 op.erase()
         self.trial.clear()
+        forget_op_facts()
         self.activation.clear()    # keyed by op addresses: drop them after erasing
         self.sources_memo.clear()
         self.invariant_memo.clear()
@@ -185,29 +187,46 @@ class ChainWalker:
         roots (convolutions, dots) in ``holder``'s regions, nested regions included (a
         multi-platform export puts its program in a ``stablehlo.case``'s branches) but not
         in hlofold's own guards, and in ``kept`` the ops directly in them named in ``keep``."""
-        act, src, bits = self.activation, self.sources_memo, self.source_bit
+        act, src, bits, deps = self.activation, self.sources_memo, self.source_bit, \
+            self.deps_memo
+        collect = roots is not None and not guarded
         for region in holder.regions:
             for block in region.blocks:
                 for op in block.operations:
                     op = op.operation
                     name = op.name
-                    if roots is not None and not guarded:
-                        if name in ROOTS:
+                    root = name in ROOTS
+                    if collect:
+                        if root:
                             roots.append(op)
                         elif name in keep and not marked(op, GUARD):
                             kept.append(op)
                     if len(op.regions):              # (nesting, not operands)
                         self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
-                    prods, args = self._deps(op)
-                    if not all(p in act and p in src for p in prods):
-                        continue
-                    out = 0
+                        prods, args = self._deps(op)
+                    else:                            # (_deps without the region walk)
+                        prods, args = [], []
+                        for v in op.operands:
+                            if isinstance(v, ir.BlockArgument):
+                                args.append(v)
+                            else:
+                                prods.append(v.owner.operation)
+                        deps[op] = (prods, args)
+                    out, a = 0, root
                     for p in prods:
-                        out |= src[p]
-                    for v in args:
-                        out |= bits.setdefault(v, 1 << len(bits))
-                    src[op] = out
-                    act[op] = name in ROOTS or any(act[p] for p in prods)
+                        got = src.get(p)
+                        if got is None or p not in act:
+                            break
+                        out |= got
+                        a = a or act[p]
+                    else:
+                        for v in args:
+                            got = bits.get(v)
+                            if got is None:
+                                got = bits[v] = 1 << len(bits)
+                            out |= got
+                        src[op] = out
+                        act[op] = a
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through

@@ -17,6 +17,7 @@ from .. import _compat as C
 from .._core.chain_rules import Refusal, resolve_channel_operand
 from .._core.reasons import Reason
 from .._core.rules import flushes_differently
+from .facts import op_fact
 from .ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
                  owner_op, shape_of)
 from .module import call_sites
@@ -239,11 +240,16 @@ def dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
     """(lhs batch, lhs contracting, rhs batch, rhs contracting) dimensions of a
     ``stablehlo.dot_general``, or of a ``stablehlo.dot`` (a matrix/vector product: the lhs's
     last dimension contracts with the rhs's first)."""
+    lb, lc, rb, rc = op_fact("dot_dims", op.operation, _dot_dims)
+    return list(lb), list(lc), list(rb), list(rc)     # (the caller's to change)
+
+
+def _dot_dims(op) -> tuple:
     if op_name(op) == "stablehlo.dot":
-        return [], [len(shape_of(op.operands[0])) - 1], [], [0]
+        return (), (len(shape_of(op.operands[0])) - 1,), (), (0,)
     dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    return (list(dn.lhs_batching_dimensions), list(dn.lhs_contracting_dimensions),
-            list(dn.rhs_batching_dimensions), list(dn.rhs_contracting_dimensions))
+    return (tuple(dn.lhs_batching_dimensions), tuple(dn.lhs_contracting_dimensions),
+            tuple(dn.rhs_batching_dimensions), tuple(dn.rhs_contracting_dimensions))
 
 
 def lhs_root_info(op):
