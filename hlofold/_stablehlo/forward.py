@@ -205,10 +205,15 @@ class HloForwardPlanner:
         """The ops reading ``v`` in the program as written (the jaxpr path plans on the
         original equations): ``_stablehlo.ir.readers`` but for the ops folds wrote (their roots,
         per-token ops, guards and the original ops a guard holds)."""
-        def skip(op):
-            parent = parent_of(op)
-            return op.operation in self.written or marked(op, GUARD) or \
-                (parent is not None and marked(parent, GUARD))
+        written = self.written
+
+        def skip(op):        # (a guard is a stablehlo.if: other ops are not asked)
+            op = op.operation
+            if op in written or op.name == "stablehlo.if" and marked(op, GUARD):
+                return True
+            parent = op.parent
+            return parent is not None and parent.name == "stablehlo.if" and \
+                marked(parent, GUARD)
         return readers(v, skip)
 
     def n_readers(self, v) -> int:
