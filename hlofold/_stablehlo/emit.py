@@ -47,7 +47,7 @@ class SiteWriter:
                     if b is not None:     # the bias the input shift adds, through the chain
                         xp = IrArith(C_out, self.ct)
                         t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))
-                if not (is_host(s_val) and np.all(np.asarray(s_val) == 1)):   # (K·1 is K)
+                if not _ones(s_val):                                        # (K·1 is K)
                     s_ir = self.const_or(s_val, C_out)
                     s_b = stablehlo.BroadcastInDimOp(
                         ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
@@ -58,7 +58,6 @@ class SiteWriter:
             # bias known now is checked now (a finite one needs no run-time check)
             add_t = add_t and (has_shift(real) or any(st.kind == "bn" for st in real) or
                                (fwd is not None and fwd.has_shift))
-            t_host_finite = is_host(t_val) and bool(np.all(np.isfinite(t_val)))
             t_of = lambda: self.convert(self.const_or(t_val, C_out), elem_type(end_value))
             guard = dec.guard        # s is known only at run time: check it there
             if not known or (fwd is not None and fwd.s_known is None):
@@ -77,7 +76,7 @@ class SiteWriter:
                 # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
                 # inf γ) runs the site's original ops instead
                 pred = all_finite(new_k, self.finite_made)
-                if add_t and not t_host_finite:
+                if add_t and not (is_host(t_val) and bool(np.all(np.isfinite(t_val)))):
                     pred = stablehlo.AndOp(pred, all_finite(t_ir, self.finite_made)).result
                 if_op = stablehlo.IfOp([out_t], pred)
                 mark(if_op, GUARD)
@@ -161,3 +160,10 @@ class SiteWriter:
                     self.written.add(owner_op(x).operation)
             self.token_inputs[key] = x
         return x
+
+
+def _ones(x) -> bool:
+    """Whether ``x`` is a host value of ones (a Python 1.0: no array made)."""
+    if isinstance(x, float):
+        return x == 1.0
+    return is_host(x) and bool(np.all(np.asarray(x) == 1))
