@@ -272,8 +272,8 @@ class SitePlanner(ForwardPlanner):
         kinds = lambda v: None if (c := self.cone(v, limit=WEIGHT_CONE)) is None else [
             _LAYOUT.get(n, n) for n in (self.producer[u][1].primitive.name
                                         for u in c if u in self.producer)]
-        return weight_like(kinds(eqn.invars[k]), self.from_root(eqn.invars[k]),
-                           kinds(eqn.invars[1 - k]))
+        return weight_like(lambda: kinds(eqn.invars[k]), self.from_root(eqn.invars[k]),
+                           lambda: kinds(eqn.invars[1 - k]))
 
     def _kernel_dtype(self, kernel) -> np.dtype:
         """The dtype the folded kernel is rounded to."""

@@ -192,7 +192,10 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             # else: a canonical bias after the root merges into the forward fold's bias
         kernel = root.operands[kidx]
         C_out = shape_of(root.results[0])[out_axis]
-        known = self.np_chain(real, C_out)      # (kinds, float64 operands) or None
+        kfa = owner_op(kernel) is not None and self._from_root(kernel)
+        # (kinds, float64 operands) or None; not read for a kernel computed from an
+        # activation, which decide refuses first
+        known = None if kfa else self.np_chain(real, C_out)
         rec = self._record(root, fname, info=info, status=FOLDED, absorbed=absorbed,
                            note=f"chain stopped: {stop}" if stop else None) if backward else None
         kd = float_dtype(elem_type(kernel))
@@ -208,7 +211,6 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         if known:
             with np.errstate(all="ignore"):
                 s_vec, t_vec = (per_channel(v, C_out) for v in collapse(*known, C_out))
-        kfa = owner_op(kernel) is not None and self._from_root(kernel)
         k_np = None if kfa else self.eval(kernel)
         k_np = None if k_np is None else np.asarray(k_np)      # (rounded in float64 later)
         policy = "never" if not self.in_graph else "guarded" if self.guard else "unguarded"

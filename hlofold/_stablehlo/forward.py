@@ -245,8 +245,8 @@ class HloForwardPlanner:
                 SHAPE_KIND.get(op_name(o), op_name(o)) for o in map(owner_op, cone)
                 if o is not None]
         w = root.operands[k]
-        return weight_like(kinds(w), owner_op(w) is not None and self._from_root(w),
-                           kinds(root.operands[1 - k]))
+        return weight_like(lambda: kinds(w), owner_op(w) is not None and self._from_root(w),
+                           lambda: kinds(root.operands[1 - k]))
 
     def _cone(self, value, limit: int) -> set | None:
         """The values ``value`` is computed from (itself included), or None beyond
