@@ -271,3 +271,22 @@ hlofold.fold(examples.resnet_apply, freeze=0)(p, x).block_until_ready()
     first = run(1)
     assert first, "the folded programs were cached"
     assert run(2) == first, "other parameter values: the same executables, no new entry"
+
+
+def test_a_decoder_whose_sites_are_all_left_runs_jits_own_program():
+    """The cost rule leaves every norm of a Llama-style decoder (issue 29): ``fold(f)`` then
+    lowers to the StableHLO ``jax.jit(f)`` lowers to, op for op (only the module's name and
+    the result's label differ), so its steady calls cost what jit's cost."""
+    import re
+    p = examples.init_decoder(2, d=64, ffn=128, vocab=256)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    g = hlofold.fold(examples.decoder_apply)
+    rep = g.report(p, tokens)
+    assert rep.num_folded == 0 and rep.counts()["left"] == 11, str(rep)
+
+    def text(lowered):
+        t = lowered.as_text()
+        t = re.sub(r"module @\w+", "module", t)
+        return re.sub(r'jax.result_info = "[^"]*"', "", t)
+    assert text(g.lower(p, tokens)) == text(jax.jit(examples.decoder_apply).lower(p, tokens))
+    assert_close(jax.jit(examples.decoder_apply)(p, tokens), g(p, tokens))
