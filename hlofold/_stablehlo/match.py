@@ -169,12 +169,11 @@ class ChainWalker:
         got = self.deps_memo.get(op)
         if got is None:
             prods, args = [], []
-            for v in reads(op):
-                p = owner_op(v)
-                if p is None:
+            for v in (reads(op) if len(op.regions) else op.operands):
+                if isinstance(v, ir.BlockArgument):
                     args.append(v)
                 else:
-                    prods.append(p)
+                    prods.append(v.owner.operation)
             got = self.deps_memo[op] = (prods, args)
         return got
 
@@ -187,8 +186,7 @@ class ChainWalker:
         roots (convolutions, dots) in ``holder``'s regions, nested regions included (a
         multi-platform export puts its program in a ``stablehlo.case``'s branches) but not
         in hlofold's own guards, and in ``kept`` the ops directly in them named in ``keep``."""
-        act, src, bits, deps = self.activation, self.sources_memo, self.source_bit, \
-            self.deps_memo
+        act, src, bits = self.activation, self.sources_memo, self.source_bit
         collect = roots is not None and not guarded
         for region in holder.regions:
             for block in region.blocks:
@@ -203,15 +201,7 @@ class ChainWalker:
                             kept.append(op)
                     if len(op.regions):              # (nesting, not operands)
                         self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
-                        prods, args = self._deps(op)
-                    else:                            # (_deps without the region walk)
-                        prods, args = [], []
-                        for v in op.operands:
-                            if isinstance(v, ir.BlockArgument):
-                                args.append(v)
-                            else:
-                                prods.append(v.owner.operation)
-                        deps[op] = (prods, args)
+                    prods, args = self._deps(op)
                     out, a = 0, root
                     for p in prods:
                         got = src.get(p)
