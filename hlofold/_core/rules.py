@@ -30,6 +30,7 @@ rule applies; the rule itself lives here once.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import numpy as np
 
@@ -206,16 +207,15 @@ WEIGHT_CONE = 3                                   # ops looked at on each side
 WEIGHT_LAYOUT = frozenset({"transpose", "reshape", "convert"})
 
 
-def weight_like(cone_kinds, from_root: bool, other_cone_kinds) -> bool:
+def weight_like(cone_kinds: Callable, from_root: bool, other_cone_kinds: Callable) -> bool:
     """Whether an operand not known now is the weight of its root (the prepare step binds
     it): it is an input through at most :data:`WEIGHT_CONE` layout ops (``cone_kinds``: the
     kinds of the ops computing it, None beyond the bound), not computed from a root's
     output, and the other operand is computed by more ops (the activations; None beyond).
-    The two cones may be given as functions computing them, asked only when the answer
-    still depends on them."""
+    The two cones are given as functions computing them, asked only when the answer still
+    depends on them."""
     if from_root:
         return False
-    kinds = cone_kinds() if callable(cone_kinds) else cone_kinds
-    if kinds is None or not all(k in WEIGHT_LAYOUT for k in kinds):
-        return False
-    return (other_cone_kinds() if callable(other_cone_kinds) else other_cone_kinds) is None
+    kinds = cone_kinds()
+    return kinds is not None and all(k in WEIGHT_LAYOUT for k in kinds) and \
+        other_cone_kinds() is None
