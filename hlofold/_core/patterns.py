@@ -50,8 +50,12 @@ def _conv_layout(lhs_spec, rhs_spec, out_spec) -> str:
 
 def dot_layout(lhs, rhs, out, weight_on_lhs: bool = False) -> str:
     """``"dot(8, 16)x(16, 32)->(8, 32)"`` from the three shapes."""
-    return (f"dot{tuple(lhs)}x{tuple(rhs)}->{tuple(out)}" +
-            (" (weight on the lhs)" if weight_on_lhs else ""))
+    return _dot_layout(tuple(lhs), tuple(rhs), tuple(out), weight_on_lhs)
+
+
+@functools.lru_cache(maxsize=256)      # (a model's layers repeat their shapes)
+def _dot_layout(lhs, rhs, out, weight_on_lhs: bool) -> str:
+    return f"dot{lhs}x{rhs}->{out}" + (" (weight on the lhs)" if weight_on_lhs else "")
 
 
 def _spec_letters(spec: tuple[int, ...], first: str, second: str) -> str:

@@ -12,8 +12,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import collapse, has_shift
-from .ir import (GUARD, IrArith, all_finite, elem_type, is_host, mark, numpy_to_dense, op_name,
-                 owner_op, remap_operands, shape_of)
+from .ir import (GUARD, IrArith, all_finite, broadcast, elem_type, is_host, make, marker,
+                 numpy_to_dense, op_name, owner_op, remap_operands, shape_of)
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -49,10 +49,9 @@ class SiteWriter:
                         t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))
                 if not _ones(s_val):                                        # (K·1 is K)
                     s_ir = self.const_or(s_val, C_out)
-                    s_b = stablehlo.BroadcastInDimOp(
-                        ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
-                        ir.DenseI64ArrayAttr.get([kaxis])).result
-                    kc = stablehlo.MulOp(kc, s_b).result
+                    s_b = broadcast(ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
+                                    [kaxis])
+                    kc = make("stablehlo.multiply", [kc.type], [kc, s_b]).result
                 new_k = self.convert(kc, kdt)
             # no shift absorbed: t is exactly 0, and no add is written (as on a jaxpr); a
             # bias known now is checked now (a finite one needs no run-time check)
@@ -78,17 +77,20 @@ class SiteWriter:
                 pred = all_finite(new_k, self.finite_made)
                 if add_t and not (is_host(t_val) and bool(np.all(np.isfinite(t_val)))):
                     pred = stablehlo.AndOp(pred, all_finite(t_ir, self.finite_made)).result
-                if_op = stablehlo.IfOp([out_t], pred)
-                mark(if_op, GUARD)
-                with ir.InsertionPoint(if_op.true_branch.blocks.append()):
-                    stablehlo.ReturnOp([self._folded_ops(t_of=t_of, **fold)])
-                with ir.InsertionPoint(if_op.false_branch.blocks.append()):
+                attrs = self.finite_made.get(GUARD)
+                if attrs is None:
+                    attrs = self.finite_made[GUARD] = marker(GUARD)
+                if_op = make("stablehlo.if", [out_t], [pred], attrs, regions=2)
+                folded, original = if_op.regions
+                with ir.InsertionPoint(folded.blocks.append()):
+                    make("stablehlo.return", [], [self._folded_ops(t_of=t_of, **fold)])
+                with ir.InsertionPoint(original.blocks.append()):
                     mapping, last = {}, None
                     for op in [root] + [st.op for st in steps]:
                         new = op.clone()
                         remap_operands(new, mapping)
                         mapping[op.results[0]] = last = new.results[0]
-                    stablehlo.ReturnOp([last])
+                    make("stablehlo.return", [], [last])
                 new_out = if_op.results[0]
         end_value.replace_all_uses_with(new_out)
         # the rules of later sites read the program as written (the jaxpr path plans on the
@@ -166,4 +168,4 @@ def _ones(x) -> bool:
     """Whether ``x`` is a host value of ones (a Python 1.0: no array made)."""
     if isinstance(x, float):
         return x == 1.0
-    return is_host(x) and bool(np.all(np.asarray(x) == 1))
+    return is_host(x) and bool((np.asarray(x) == 1).all())

@@ -32,7 +32,7 @@ from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .facts import op_facts
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
-                 shape_of)
+                 shape_of, type_name)
 from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info
@@ -134,7 +134,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                               "_affine")
         rec = FoldSite(pattern=pattern, primitive=op_name(op), status=status, scope=f"@{fname}",
                        file=file, line=line, name_stack=name,
-                       dtype=str(elem_type(op.results[0])), **kw)
+                       dtype=type_name(elem_type(op.results[0])), **kw)
         if not isinstance(info, str):
             rec.layout, rec.in_channels, rec.groups = info[3], info[4], info[5]
             rec.out_channels = int(shape[info[0]])
@@ -208,9 +208,11 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         wide = any(elem_type(v) == f64 for v in (kernel, root.results[0], end_value))
         self.ct = f64 if wide else ir.F32Type.get()
         s_vec = t_vec = None
-        if known:
+        if known and known[0]:
             with np.errstate(all="ignore"):
                 s_vec, t_vec = (per_channel(v, C_out) for v in collapse(*known, C_out))
+        elif known:             # nothing after the root: s = 1, t = 0
+            s_vec, t_vec = np.ones(C_out), np.zeros(C_out)
         k_np = None if kfa else self.eval(kernel)
         k_np = None if k_np is None else np.asarray(k_np)      # (rounded in float64 later)
         policy = "never" if not self.in_graph else "guarded" if self.guard else "unguarded"

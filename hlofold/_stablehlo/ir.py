@@ -66,6 +66,14 @@ _FP8_BY_CLASS = {getattr(ir, f"Float8{s[2:]}Type"): np.dtype(getattr(jnp, name))
 _UNSET = object()
 
 
+_TYPE_NAMES = {ir.F32Type: "f32", ir.F64Type: "f64", ir.F16Type: "f16", ir.BF16Type: "bf16"}
+
+
+def type_name(etype) -> str:
+    """``str(etype)``, without printing the type for the float types hlofold folds."""
+    return _TYPE_NAMES.get(type(etype)) or str(etype)
+
+
 def np_dtype(etype) -> np.dtype | None:
     """The NumPy dtype of an element type hlofold folds (f32, f64, f16, bf16), else None."""
     dt = _BY_CLASS.get(type(etype), _UNSET)
@@ -239,6 +247,24 @@ PREPARED = "hlofold_prepared"    # an unguarded folded kernel or bias (checked b
 _FRONTEND = "mhlo.frontend_attributes"
 
 
+def make(name: str, results, operands, attributes=None, regions: int = 0):
+    """A new op ``name`` where you are: one call to the bindings' generic builder (a
+    dialect's generated builder is the same op in ~2 µs of Python, with types inferred)."""
+    return ir.Operation.create(name, results=results, operands=operands,
+                               attributes=attributes, regions=regions)
+
+
+def broadcast(rtype, value, dims):
+    """``stablehlo.broadcast_in_dim`` of ``value`` to the type ``rtype`` (a value)."""
+    return make("stablehlo.broadcast_in_dim", [rtype], [value],
+                {"broadcast_dimensions": ir.DenseI64ArrayAttr.get(dims)}).result
+
+
+def marker(name: str) -> dict:
+    """The attributes of a new op carrying the marker ``name`` (see :func:`mark`)."""
+    return {_FRONTEND: ir.DictAttr.get({name: ir.StringAttr.get("")})}
+
+
 def mark(op, name: str) -> None:
     """Add the marker ``name`` to ``op``'s frontend attributes."""
     op = op.operation
@@ -268,9 +294,11 @@ def all_finite(value, templates: dict | None = None):
     a clone of the first with its operands set (one call, not a reduction built and its body
     filled op by op), and its ``true`` initial value is one constant at the start of the
     insertion block (it dominates every use there)."""
-    rank = len(shape_of(value))
-    fin = stablehlo.IsFiniteOp(value).result
-    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+    shape = shape_of(value)
+    rank = len(shape)
+    i1 = ir.IntegerType.get_signless(1)
+    fin = make("stablehlo.is_finite", [ir.RankedTensorType.get(shape, i1)], [value]).result
+    scalar = ir.RankedTensorType.get([], i1)
     init = None
     if templates is not None:
         block = ir.InsertionPoint.current.block

@@ -165,17 +165,22 @@ class ChainWalker:
 
     def _deps(self, op) -> tuple[list, list]:
         """``(ops whose results op reads, block arguments it reads)``, inside its regions
-        too; cached per op (the sweeps over the program ask each op twice)."""
-        got = self.deps_memo.get(op)
-        if got is None:
-            prods, args = [], []
-            for v in (reads(op) if len(op.regions) else op.operands):
-                if isinstance(v, ir.BlockArgument):
-                    args.append(v)
-                else:
-                    prods.append(v.owner.operation)
-            got = self.deps_memo[op] = (prods, args)
-        return got
+        too; cached for an op with regions (the reads inside them are a walk), read again
+        for one without (a loop over its operands: cheaper than keeping it)."""
+        nested = len(op.regions)
+        if nested:
+            got = self.deps_memo.get(op)
+            if got is not None:
+                return got
+        prods, args = [], []
+        for v in (reads(op) if nested else op.operands):
+            if isinstance(v, ir.BlockArgument):
+                args.append(v)
+            else:
+                prods.append(v.owner.operation)
+        if nested:
+            self.deps_memo[op] = (prods, args)
+        return prods, args
 
     def _sweep(self, holder, roots: list | None = None, keep=(), kept: list | None = None,
                guarded: bool = False) -> None:

@@ -13,7 +13,8 @@ import numpy as np
 from .. import _compat as C
 from .._core.algebra import collapse, per_channel
 from .._core.rules import flushes_differently
-from .ir import PREPARED, IrArith, elem_type, mark, np_dtype, numpy_to_dense, shape_of
+from .ir import (PREPARED, IrArith, broadcast, elem_type, make, mark, np_dtype, numpy_to_dense,
+                 shape_of)
 from .patterns import Operand
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -134,11 +135,11 @@ class HloValues:
         ktype = ir.RankedTensorType.get(kshape, self.ct)
         b = None
         if fwd.has_shift:
-            w = stablehlo.MulOp(kc, self._on_kernel(t_in, c_in, fwd.groups, c_out, ktype, ko,
-                                                    ki)).result
+            w = make("stablehlo.multiply", [kc.type], [kc, self._on_kernel(
+                t_in, c_in, fwd.groups, c_out, ktype, ko, ki)]).result
             b = _reduce_sum_but(w, ko, self.ct)
-        kc = stablehlo.MulOp(kc, self._on_kernel(s_in, c_in, fwd.groups, c_out, ktype, ko,
-                                                 ki)).result
+        kc = make("stablehlo.multiply", [kc.type], [kc, self._on_kernel(
+            s_in, c_in, fwd.groups, c_out, ktype, ko, ki)]).result
         return kc, b
 
     def _on_kernel(self, vec, c_in: int, g: int, c_out: int, ktype, ko: int, ki: int):
@@ -147,7 +148,7 @@ class HloValues:
         ipg = c_in // g
         vec = self.const_or(vec, c_in)
         if g == 1:
-            return stablehlo.BroadcastInDimOp(ktype, vec, ir.DenseI64ArrayAttr.get([ki])).result
+            return broadcast(ktype, vec, [ki])
         m = stablehlo.ReshapeOp(ir.RankedTensorType.get([g, ipg], self.ct), vec).result
         m = stablehlo.BroadcastInDimOp(ir.RankedTensorType.get([g, c_out // g, ipg], self.ct),
                                        m, ir.DenseI64ArrayAttr.get([0, 2])).result
