@@ -14,6 +14,7 @@ from .. import _compat as C
 from .._core.algebra import collapse, has_shift
 from .ir import (GUARD, IrArith, all_finite, broadcast, elem_type, is_host, make, marker,
                  numpy_to_dense, op_name, owner_op, remap_operands, shape_of)
+from .patterns import root_shapes
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -28,7 +29,7 @@ class SiteWriter:
         folded kernel or bias is not finite."""
         out_axis, kidx, kaxis = info[:3]
         kernel = root.operands[kidx]
-        C_out = shape_of(root.results[0])[out_axis]
+        C_out = root_shapes(root)[2][out_axis]
         end_op = steps[-1].op if steps else root
         end_value = end_op.results[0]
         kdt = elem_type(kernel)

@@ -35,7 +35,7 @@ from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name
                  shape_of, type_name)
 from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
-from .patterns import Evaluator, lhs_root_info, root_info
+from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
 from .values import HloValues
 from .emit import SiteWriter
 from .._core.patterns import bias_map
@@ -75,6 +75,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
         self.forward_memo: dict = {}       # (root input, axis, region) -> its forward chain
+        self.forward_readers: dict = {}    # id(chain) -> (chain, readers of its top)
         self.shape_memo: dict = {}         # value -> its shape (the forward walk's)
         self.replaced: dict = {}           # op ending a folded site -> the name of the old one
         self.written: set = set()          # roots and per-token ops folds wrote (not
@@ -99,7 +100,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
                      self.activation, self.sources_memo, self.source_bit,
-                     self.invariant_memo, self.deps_memo, self.forward_memo,
+                     self.invariant_memo, self.deps_memo, self.forward_memo, self.forward_readers,
                      self.shape_memo, self.eval.memo,
                      self.eval.flushed):
             memo.clear()         # they may name erased ops: not read after the sites
@@ -128,7 +129,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
 
     def _record(self, op, fname, status, info=None, pattern=None, **kw) -> FoldSite:
         file, line, name = location(op)
-        shape = shape_of(op.results[0])
+        shape = root_shapes(op)[2]
         info = info or root_info(op)
         pattern = pattern or ("stablehlo_" + ("conv" if "conv" in op_name(op) else "dot") +
                               "_affine")
@@ -191,7 +192,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 steps = []
             # else: a canonical bias after the root merges into the forward fold's bias
         kernel = root.operands[kidx]
-        C_out = shape_of(root.results[0])[out_axis]
+        C_out = root_shapes(root)[2][out_axis]
         kfa = owner_op(kernel) is not None and self._from_root(kernel)
         # (kinds, float64 operands) or None; not read for a kernel computed from an
         # activation, which decide refuses first
@@ -250,7 +251,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         """The forward fold's own rules (``_core.decide.forward_refusal``); returns ``(fwd or None
         when refused, the kernel known now or None, what it is multiplied by for s_in, the
         bias the shift adds)``."""
-        c_in, c_out = info[4], shape_of(root.results[0])[info[0]]
+        c_in, c_out = info[4], root_shapes(root)[2][info[0]]
         fv = self.np_chain(fwd.steps, c_in)
         s_in = t_in = None
         if fv is not None:

@@ -184,8 +184,8 @@ class HloForwardPlanner:
                          reason=why)
             return None
         rec = self._record(root, fname, FOLDED, info, pattern=pattern, absorbed=absorbed)
-        rec.note = forward_note(len(chain.tokens), self.n_readers(top), masks is not None,
-                                reason)
+        rec.note = forward_note(len(chain.tokens), self._n_top_readers(chain, top),
+                                masks is not None, reason)
         return HloForward(steps, v, ic[1], info[5], rec, act, tokens=chain.tokens,
                           masks=masks, taken=chain.taken)
 
@@ -200,6 +200,14 @@ class HloForwardPlanner:
             if not isinstance(chain, Reason):
                 self.forward_memo[key] = chain
         return chain
+
+    def _n_top_readers(self, chain, top) -> int:
+        """:meth:`n_readers` of ``top``, once for the roots sharing its walked chain (the
+        program as written: the ops folds write are not readers)."""
+        got = self.forward_readers.get(id(chain))
+        if got is None or got[0] is not chain:
+            got = self.forward_readers[id(chain)] = (chain, self.n_readers(top))
+        return got[1]
 
     def _readers(self, v) -> list:
         """The ops reading ``v`` in the program as written (the jaxpr path plans on the

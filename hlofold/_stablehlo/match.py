@@ -159,6 +159,7 @@ class ChainWalker:
         self.invariant_memo.clear()
         self.deps_memo.clear()
         self.forward_memo.clear()
+        self.forward_readers.clear()
         self.shape_memo.clear()
         self.eval.memo.clear()
         return folded
@@ -202,7 +203,7 @@ class ChainWalker:
                     if collect:
                         if root:
                             roots.append(op)
-                        elif name in keep and not marked(op, GUARD):
+                        elif name in keep:        # (names of ops hlofold never marks)
                             kept.append(op)
                     if len(op.regions):              # (nesting, not operands)
                         self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
@@ -250,9 +251,14 @@ class HloChain:
         self.program = f"function @{fname}"
 
     def uses(self, v):
-        pending = {c for c, *_ in self.walker.trial}      # inlined: their uses moved
+        trial = self.walker.trial
+        if trial:
+            pending = {c for c, *_ in trial}               # inlined: their uses moved
+            got = readers(v, lambda op: op in pending)
+        else:
+            got = readers(v)
         users, n_out = [], 0
-        for owner, pos in readers(v, lambda op: op in pending):
+        for owner, pos in got:
             if op_name(owner) == "func.return":
                 n_out += 1
             else:

@@ -210,11 +210,20 @@ def axis_role(op, axis: int) -> str:
     return dot_axis_role(axis, len(lb), n_lhs - len(lb) - len(lc))
 
 
+def root_shapes(op) -> tuple:
+    """The shapes of a root's two operands and its result (read once per pass)."""
+    return op_fact("shapes", op.operation, _root_shapes)
+
+
+def _root_shapes(op) -> tuple:
+    return shape_of(op.operands[0]), shape_of(op.operands[1]), shape_of(op.results[0])
+
+
 def root_info(op):
     """(output feature dim, kernel operand index, kernel feature dim, layout text, input
     channels, feature groups) or a reason."""
     name = op_name(op)
-    lhs, rhs, out = shape_of(op.operands[0]), shape_of(op.operands[1]), shape_of(op.results[0])
+    lhs, rhs, out = root_shapes(op)
     if name == "stablehlo.convolution":
         dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
         layout = conv_layout(
@@ -258,9 +267,9 @@ def lhs_root_info(op):
     if op_name(op) not in DOTS:
         return None
     lb, lc, rb, rc = dot_dims(op)
-    lhs, rhs = shape_of(op.operands[0]), shape_of(op.operands[1])
+    lhs, rhs, out = root_shapes(op)
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     if len(lfree) != 1 or not is_float(op.operands[0]):
         return None
-    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, shape_of(op.results[0]), True),
+    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, out, True),
             math.prod(lhs[d] for d in lc), 1)
