@@ -88,7 +88,8 @@ def _channel_through_reshape(src_shape, out_shape, axis: int) -> int | None:
 
 
 def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callable,
-                            shape_of: Callable) -> ChannelOperand | Refusal:
+                            shape_of: Callable, explain: bool = True
+                            ) -> ChannelOperand | Refusal:
     """Decide whether ``value`` (an operand of a binary op whose other input is the chain
     value of shape ``out_shape``) varies only along ``channel_axis``: the one rule of both IR
     adapters, which supply ``shape_of(value)`` and ``step_of(value)``: what produced it, as
@@ -97,7 +98,8 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
     type; only between float types), ``dynamic`` (a broadcast to a symbolic shape), or None.
 
     Decided from shapes, walking back through broadcasts, unit-dim reshapes and float casts
-    to the smallest source: never from element counts.
+    to the smallest source: never from element counts. ``explain=False``: a caller that only
+    asks whether it resolves gets :data:`NOT_PER_CHANNEL` instead of the refusal's words.
     """
     rank = len(out_shape)
     shape = tuple(shape_of(value))
@@ -109,7 +111,7 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
     first_bad: int | None = None
     found: ChannelOperand | None = None
     for _ in range(64):
-        cshape = tuple(shape_of(cur))
+        cshape = shape if cur is value else tuple(shape_of(cur))
         bad = [i for i, d in enumerate(cshape) if d != 1 and axis_map.get(i) != channel_axis]
         step = step_of(cur)
         kind = step[0] if step is not None else None
@@ -152,6 +154,8 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
         cur = src
     if found is not None:
         return found
+    if not explain:
+        return NOT_PER_CHANNEL
     same = " (same size as the channels: matched by axis, not size)" if \
         first_bad is not None and out_shape[first_bad] == out_shape[channel_axis] else ""
     where = (f"{_axis_name(first_bad)} (size {out_shape[first_bad]})" if first_bad is not None
@@ -159,6 +163,9 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
     return Refusal(f"operand varies along {where}, not only along the output-feature "
                    f"{_axis_name(channel_axis)}{same}", first_bad)
 
+
+# What resolve_channel_operand(..., explain=False) refuses with (no words are built)
+NOT_PER_CHANNEL = Refusal("operand varies along a non-feature axis")
 
 # A refusal both adapters write (after the op's name), in the same words.
 DIVISOR = Reason("not-affine", "with the conv value as divisor is not affine")

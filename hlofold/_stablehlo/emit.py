@@ -39,6 +39,8 @@ class SiteWriter:
         with ir.Location.unknown(), ir.InsertionPoint(end_op):
             s_val, t_val = (s_vec, t_vec) if known else collapse(
                 *self.ir_chain(real, C_out), C_out, xp=IrArith(C_out, self.ct))
+            if known and not known[0]:
+                s_val = 1.0        # nothing after the root: s is ones (no array to look at)
             if dec.kernel is not None:
                 new_k = stablehlo.ConstantOp(numpy_to_dense(dec.kernel, kdt)).result
             else:

@@ -55,7 +55,8 @@ class ChainWalker:
                 x = acts[0]
                 other = op.operands[1] if x == op.operands[0] else op.operands[0]
                 shape = shape_of(op.results[0])
-                found = next((r for r in (resolve(other, shape, a) for a in range(len(shape))
+                found = next((r for r in (resolve(other, shape, a, explain=False)
+                                          for a in range(len(shape))
                                           if shape[a] != 1)
                               if not isinstance(r, Refusal) and r.size > 1), None)
                 if found is None or self._from_root(found.value):
@@ -291,9 +292,10 @@ def _binary(chain: HloChain, op, pos, v, axis):
         kind = "sub" if pos == 0 else "rsub"
     elif kind == "div" and pos != 0:
         return Refusal(DIVISOR.after(f"{name} "))
-    got = resolve(op.operands[1 - pos], shape_of(v), axis)
+    # (chain None: the forward walk, which asks only whether the step is one)
+    got = resolve(op.operands[1 - pos], shape_of(v), axis, explain=chain is not None)
     if isinstance(got, Refusal):
-        return Refusal(got.reason.after(f"{name}: "), got.axis)
+        return got if chain is None else Refusal(got.reason.after(f"{name}: "), got.axis)
     return Absorb(Step(op, kind, got, axis=axis), got.value)
 
 

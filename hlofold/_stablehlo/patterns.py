@@ -176,9 +176,10 @@ def entering_value(arg, calls):
     return None
 
 
-def resolve(value, out_shape, axis) -> Operand | Refusal:
+def resolve(value, out_shape, axis, explain: bool = True) -> Operand | Refusal:
     """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``: the
-    shared rule :func:`~hlofold._core.chain_rules.resolve_channel_operand` on StableHLO."""
+    shared rule :func:`~hlofold._core.chain_rules.resolve_channel_operand` on StableHLO
+    (``explain=False``: a refusal without its words, for callers that only ask)."""
     def step_of(v):
         op = owner_op(v)
         if op is None:
@@ -194,7 +195,7 @@ def resolve(value, out_shape, axis) -> Operand | Refusal:
         if name == "stablehlo.dynamic_broadcast_in_dim":
             return "dynamic", op.operands[0], None
         return None
-    got = resolve_channel_operand(value, out_shape, axis, step_of, shape_of)
+    got = resolve_channel_operand(value, out_shape, axis, step_of, shape_of, explain)
     if isinstance(got, Refusal):
         return got
     return Operand(got.source, got.source_axis, got.casts, got.size)
