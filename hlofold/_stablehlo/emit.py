@@ -91,7 +91,8 @@ class SiteWriter:
                     mapping, last = {}, None
                     for op in [root] + [st.op for st in steps]:
                         new = op.clone()
-                        remap_operands(new, mapping)
+                        if mapping:
+                            remap_operands(new, mapping)
                         mapping[op.results[0]] = last = new.results[0]
                     make("stablehlo.return", [], [last])
                 new_out = if_op.results[0]

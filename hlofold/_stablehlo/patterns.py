@@ -246,12 +246,11 @@ def root_info(op):
             math.prod(lhs[d] for d in lc), 1)
 
 
-def dot_dims(op) -> tuple[list[int], list[int], list[int], list[int]]:
+def dot_dims(op) -> tuple[tuple[int, ...], ...]:
     """(lhs batch, lhs contracting, rhs batch, rhs contracting) dimensions of a
     ``stablehlo.dot_general``, or of a ``stablehlo.dot`` (a matrix/vector product: the lhs's
     last dimension contracts with the rhs's first)."""
-    lb, lc, rb, rc = op_fact("dot_dims", op.operation, _dot_dims)
-    return list(lb), list(lc), list(rb), list(rc)     # (the caller's to change)
+    return op_fact("dot_dims", op.operation, _dot_dims)      # (tuples: shared, read-only)
 
 
 def _dot_dims(op) -> tuple:

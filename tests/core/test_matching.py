@@ -196,7 +196,7 @@ def test_dot_root_on_both_irs():
     assert info.in_channels == 8 and info.out_channels == 5
     _, ops = _hlo_ops(f, (3, 8), (8, 5))
     op = _last(ops, "stablehlo.dot_general")
-    assert dot_dims(op) == ([], [1], [], [0])
+    assert dot_dims(op) == ((), (1,), (), (0,))
     assert root_info(op)[:3] == (1, 1, 1) and root_info(op)[4] == 8
     lhs = lhs_root_info(op)            # the weight read as the lhs: its free dim is rows
     assert lhs[:3] == (0, 0, 0)
