@@ -156,26 +156,32 @@ def invariant(ir: ForwardIR, value, axis: int, shape) -> bool:
     def key(u):                           # literals (unhashable on a jaxpr) are invariant
         return None if ir.shape(u) is None else (u, axis, shape)
 
-    stack = [(value, key(value))]
+    top = key(value)
+    stack = [(value, top, None)]      # (value, its key, its operands' keys once read)
     while stack:
-        v, kv = stack[-1]
+        v, kv, keys = stack[-1]
         if kv in memo:
             stack.pop()
             continue
-        here = _invariant_here(ir, v, axis, shape)
-        if here is not None:
-            memo[kv] = here
-            stack.pop()
-            continue
-        ops = ir.operands(ir.producer(v))
-        keys = [key(u) for u in ops]        # (each asked once: a shape query each)
-        missing = [(u, k) for u, k in zip(ops, keys) if k is not None and k not in memo]
-        if missing:
-            stack.extend(missing)
-            continue
+        if keys is None:
+            here = _invariant_here(ir, v, axis, shape)
+            if here is not None:
+                memo[kv] = here
+                stack.pop()
+                continue
+            keys = [key(u) for u in ir.operands(ir.producer(v))]   # (a shape query each)
+            if any(k is not None and k in memo and not memo[k] for k in keys):
+                memo[kv] = False     # an operand known to vary: the others need no walk
+                stack.pop()
+                continue
+            missing = [(k[0], k, None) for k in keys if k is not None and k not in memo]
+            if missing:
+                stack[-1] = (v, kv, keys)
+                stack.extend(missing)
+                continue
         memo[kv] = all(k is None or memo[k] for k in keys)
         stack.pop()
-    return memo[key(value)]
+    return memo[top]
 
 
 def _invariant_here(ir: ForwardIR, value, axis: int, shape: tuple) -> bool | None:

@@ -63,11 +63,11 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.module = module
         self.sites: list[FoldSite] = []
         self.eval = Evaluator(module)
-        self.activation: dict[Any, bool] = {}
-        self.sources_memo: dict[Any, int] = {}      # op -> the block arguments it reads, bits
-        self.source_bit: dict[Any, int] = {}
+        # value -> the block arguments it is computed from (bits 1...) | from a root (bit 0)
+        self.facts: dict[Any, int] = {}
+        self.n_args = 0                            # block arguments given a bit so far
         self.invariant_memo: dict = {}             # _core.forward_walk.invariant
-        self.deps_memo: dict = {}                  # op -> (ops it reads, arguments it reads)
+        self.reads_memo: dict = {}                 # op with regions -> the values it reads
         # ops a folded site replaced: erased after all sites, so that no op is freed while
         # the memos (keyed by the ops' addresses) are in use
         self.dead: list = []
@@ -99,8 +99,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             op.erase()
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
-                     self.activation, self.sources_memo, self.source_bit,
-                     self.invariant_memo, self.deps_memo, self.forward_memo, self.forward_readers,
+                     self.facts, self.invariant_memo, self.reads_memo, self.forward_memo,
+                     self.forward_readers,
                      self.shape_memo, self.eval.memo,
                      self.eval.flushed):
             memo.clear()         # they may name erased ops: not read after the sites
@@ -120,7 +120,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 self._site(op, fname)
                 if self._end_trial(any(r.status == FOLDED for r in self.sites[n:])):
                     affines[fname] = None      # inlined ops: look at the program again
-        # accounted before the replaced ops are erased: the activation memo stays valid
+        # accounted before the replaced ops are erased: the value facts stay valid
         dead = {op.operation for op in self.dead}
         for fname, fop in list(self.symbols.items()):
             if fname in affines and fname not in self.inlined:

@@ -283,28 +283,8 @@ class HloForwardPlanner:
 
     def _sources(self, value) -> int:
         """The block arguments (the module's inputs, a region's arguments) ``value`` is
-        computed from, as a bit set; memoized per op, walked iteratively."""
-        memo, bits = self.sources_memo, self.source_bit
-
-        def arg_bit(v):
-            return bits.setdefault(v, 1 << len(bits))
-
-        top = owner_op(value)
-        if top is None:
-            return arg_bit(value)
-
-        def inputs_of(op):
-            return self._deps(op)[0]
-
-        def settle(op):
-            prods, args = self._deps(op)
-            out = 0
-            for p in prods:
-                out |= memo[p]
-            for v in args:
-                out |= arg_bit(v)
-            memo[op] = out
-        return postorder(top, memo, inputs_of, settle)
+        computed from, as a bit set (its fact without the activation bit)."""
+        return self._fact(value) >> 1
 
     def _fused_with(self, v) -> str | None:
         """The op producing ``v`` when XLA computes an elementwise consumer of ``v`` in the

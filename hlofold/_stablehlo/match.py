@@ -30,7 +30,8 @@ UNREACHED_OPS = frozenset({"stablehlo.batch_norm_inference", "stablehlo.multiply
 
 class ChainWalker:
     """What the StableHLO pass (``_stablehlo.fold._Pass``) keeps for its chain walks: private calls
-    inlined on trial, the activation memo, and the records of unreached normalizations."""
+    inlined on trial, the value facts (sources, activation), and the records of unreached
+    normalizations."""
 
     def _account_unreached(self, fop, fname, ops=None, dead=frozenset()) -> None:
         """A NOT_REACHED record for each ``batch_norm_inference`` and each ``multiply`` of
@@ -155,45 +156,38 @@ class ChainWalker:
                 op.erase()
         self.trial.clear()
         forget_op_facts()
-        self.activation.clear()    # keyed by op addresses: drop them after erasing
-        self.sources_memo.clear()
+        self.facts.clear()         # keyed by value addresses: drop them after erasing
+        self.n_args = 0
         self.invariant_memo.clear()
-        self.deps_memo.clear()
+        self.reads_memo.clear()
         self.forward_memo.clear()
         self.forward_readers.clear()
         self.shape_memo.clear()
         self.eval.memo.clear()
         return folded
 
-    def _deps(self, op) -> tuple[list, list]:
-        """``(ops whose results op reads, block arguments it reads)``, inside its regions
-        too; cached for an op with regions (the reads inside them are a walk), read again
-        for one without (a loop over its operands: cheaper than keeping it)."""
-        nested = len(op.regions)
-        if nested:
-            got = self.deps_memo.get(op)
-            if got is not None:
-                return got
-        prods, args = [], []
-        for v in (reads(op) if nested else op.operands):
-            if isinstance(v, ir.BlockArgument):
-                args.append(v)
-            else:
-                prods.append(v.owner.operation)
-        if nested:
-            self.deps_memo[op] = (prods, args)
-        return prods, args
+    def _reads_of(self, op) -> list:
+        """The values ``op`` reads, inside its regions too (:func:`reads`); cached for an op
+        with regions (the reads inside them are a walk), read again for one without."""
+        if not len(op.regions):
+            return op.operands
+        got = self.reads_memo.get(op)
+        if got is None:
+            got = self.reads_memo[op] = reads(op)
+        return got
 
     def _sweep(self, holder, roots: list | None = None, keep=(), kept: list | None = None,
                guarded: bool = False) -> None:
-        """Fill the activation and source memos (``_from_root``, ``_sources``) for every op
-        in ``holder``'s regions, in program order: each op once, after its producers (SSA)
-        and after the ops in its own regions. What the sweep cannot settle (an op added
-        later) the lazy walks compute when asked. The same walk collects, in ``roots``, the
-        roots (convolutions, dots) in ``holder``'s regions, nested regions included (a
-        multi-platform export puts its program in a ``stablehlo.case``'s branches) but not
-        in hlofold's own guards, and in ``kept`` the ops directly in them named in ``keep``."""
-        act, src, bits = self.activation, self.sources_memo, self.source_bit
+        """Fill the value facts (``_fact``: the block arguments a value is computed from, as
+        bits from bit 1 on, and bit 0 when it is computed from a root's output) for every
+        value in ``holder``'s regions, in program order: each op once, after its producers
+        (SSA) and after the ops in its own regions. What the sweep does not see (an op
+        added later) the lazy walks compute when asked. The same walk collects, in
+        ``roots``, the roots (convolutions, dots) in ``holder``'s regions, nested regions
+        included (a multi-platform export puts its program in a ``stablehlo.case``'s
+        branches) but not in hlofold's own guards, and in ``kept`` the ops directly in them
+        named in ``keep``."""
+        facts, arg_fact = self.facts, self._arg_fact
         collect = roots is not None and not guarded
         for region in holder.regions:
             for block in region.blocks:
@@ -208,39 +202,57 @@ class ChainWalker:
                             kept.append(op)
                     if len(op.regions):              # (nesting, not operands)
                         self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
-                    prods, args = self._deps(op)
-                    out, a = 0, root
-                    for p in prods:
-                        got = src.get(p)
-                        if got is None or p not in act:
-                            break
+                    out = 1 if root else 0
+                    for v in self._reads_of(op):
+                        got = facts.get(v)
+                        if got is None:       # a block argument's first read (else: walked)
+                            got = arg_fact(v) if isinstance(v, ir.BlockArgument) else \
+                                self._fact(v)
                         out |= got
-                        a = a or act[p]
-                    else:
-                        for v in args:
-                            got = bits.get(v)
-                            if got is None:
-                                got = bits[v] = 1 << len(bits)
-                            out |= got
-                        src[op] = out
-                        act[op] = a
+                    for r in op.results:
+                        facts[r] = out
+
+    def _arg_fact(self, v) -> int:
+        """A block argument's fact: its own bit (the next free one, its first time)."""
+        got = self.facts.get(v)
+        if got is None:
+            got = self.facts[v] = 2 << self.n_args
+            self.n_args += 1
+        return got
+
+    def _fact(self, value) -> int:
+        """The block arguments ``value`` is computed from (bits from bit 1 on) and whether
+        from a root's output (bit 0): the sweep's, or walked iteratively for a value added
+        since (each value once, through the ops' region reads too)."""
+        facts = self.facts
+        got = facts.get(value)
+        if got is not None:
+            return got
+        if isinstance(value, ir.BlockArgument):
+            return self._arg_fact(value)
+
+        def inputs_of(v):
+            return () if isinstance(v, ir.BlockArgument) else \
+                self._reads_of(v.owner.operation)
+
+        def settle(v):
+            if isinstance(v, ir.BlockArgument):
+                self._arg_fact(v)
+                return
+            op = v.owner.operation
+            out = 1 if op.name in ROOTS else 0
+            for u in self._reads_of(op):
+                out |= facts[u]
+            for r in op.results:
+                facts[r] = out
+        return postorder(value, facts, inputs_of, settle)
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through
-        ops whose regions read one (a site's run-time guard). Memoized per op (no op is
-        erased while the memo is in use: see ``dead``): one walk over the program in all,
-        not one per operand."""
-        top = owner_op(value)
-        if top is None:
-            return False
-        memo = self.activation
-
-        def inputs_of(op):
-            return () if op_name(op) in ROOTS else self._deps(op)[0]
-
-        def settle(op):
-            memo[op] = op_name(op) in ROOTS or any(memo[p] for p in self._deps(op)[0])
-        return postorder(top, memo, inputs_of, settle)
+        ops whose regions read one (a site's run-time guard): bit 0 of its fact. No op is
+        erased while the facts are in use (see ``dead``)."""
+        got = self.facts.get(value)
+        return bool((self._fact(value) if got is None else got) & 1)
 
 
 class HloChain:
