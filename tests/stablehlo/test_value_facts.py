@@ -1,0 +1,80 @@
+"""The pass's value facts (``ChainWalker._sweep`` / ``_fact``): for every value, the block
+arguments it is computed from and whether it is computed from a root's output. The sweep
+fills them in program order; a value added afterwards is walked lazily — both must agree,
+also through an op's regions (values read from above) and for a private function's
+arguments."""
+from hlofold import _compat as C
+from hlofold._stablehlo.fold import _Pass
+from hlofold._stablehlo.ir import op_name
+from hlofold._stablehlo.match import UNREACHED_OPS
+from hlofold._stablehlo.module import parse_module
+
+ir, stablehlo, _ = C.mlir()
+
+MODULE = """
+func.func @main(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %g: tensor<4xf32>, %p: tensor<i1>)
+    -> tensor<2x4xf32> {
+  %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0]
+      : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+  %gb = stablehlo.broadcast_in_dim %g, dims = [1] : (tensor<4xf32>) -> tensor<2x4xf32>
+  %h = stablehlo.multiply %y, %gb : tensor<2x4xf32>
+  %c = "stablehlo.if"(%p) ({
+    stablehlo.return %gb : tensor<2x4xf32>
+  }, {
+    stablehlo.return %h : tensor<2x4xf32>
+  }) : (tensor<i1>) -> tensor<2x4xf32>
+  %r = stablehlo.add %c, %x : tensor<2x4xf32>
+  return %r : tensor<2x4xf32>
+}
+"""
+
+
+def _pass_and_values(text):
+    module = parse_module(text)
+    p = _Pass(module)
+    main = p.symbols["main"]
+    block = main.regions[0].blocks[0]
+    ops = {op_name(op).split(".")[-1]: op.operation for op in block.operations}
+    return module, p, main, block, ops
+
+
+def test_the_sweep_says_what_each_value_is_computed_from():
+    module, p, main, block, ops = _pass_and_values(MODULE)
+    with module.context, ir.Location.unknown():
+        p._sweep(main, [], UNREACHED_OPS, [])
+        x, w, g, pred = block.arguments
+        bit = {a: p._sources(a) for a in (x, w, g, pred)}
+        assert len(set(bit.values())) == 4 and all(b and not b & (b - 1) for b in bit.values())
+        y, gb, h = (ops[n].results[0] for n in ("dot_general", "broadcast_in_dim", "multiply"))
+        c, r = ops["if"].results[0], ops["add"].results[0]
+        assert p._from_root(y) and p._sources(y) == bit[x] | bit[w]
+        assert not p._from_root(gb) and p._sources(gb) == bit[g]
+        assert p._from_root(h) and p._sources(h) == bit[x] | bit[w] | bit[g]
+        # the if reads %gb and %h inside its regions: computed from them, and from its predicate
+        assert p._from_root(c) and p._sources(c) == bit[x] | bit[w] | bit[g] | bit[pred]
+        assert p._from_root(r) and p._sources(r) == p._sources(c)
+        assert not p._from_root(x) and not p._from_root(g)
+
+
+def test_a_value_added_after_the_sweep_is_walked_to_the_same_facts():
+    module, p, main, block, ops = _pass_and_values(MODULE)
+    with module.context, ir.Location.unknown():
+        p._sweep(main, [], UNREACHED_OPS, [])
+        g = block.arguments[2]
+        gb = ops["broadcast_in_dim"].results[0]
+        with ir.InsertionPoint(ops["add"]):         # written after the sweep: not in facts
+            a = stablehlo.MulOp(gb, gb).result
+            b = stablehlo.AddOp(a, ops["if"].results[0]).result
+        assert a not in p.facts and b not in p.facts
+        assert not p._from_root(a) and p._sources(a) == p._sources(g)
+        c = ops["if"].results[0]
+        assert p._from_root(b) and p._sources(b) == p._sources(g) | p._sources(c)
+        fresh = _Pass(module)                        # a sweep of the program as it is now
+        fresh._sweep(main, [], UNREACHED_OPS, [])
+        for v in (a, b):
+            assert fresh._from_root(v) == p._from_root(v)
+        # (bits are numbered per pass: compare which arguments, by their own bits)
+        args = list(block.arguments)
+        for v in (a, b):
+            assert [bool(p._sources(v) & p._sources(u)) for u in args] == \
+                [bool(fresh._sources(v) & fresh._sources(u)) for u in args]
