@@ -200,10 +200,11 @@ class ChainWalker:
                             roots.append(op)
                         elif name in keep:        # (names of ops hlofold never marks)
                             kept.append(op)
-                    if len(op.regions):              # (nesting, not operands)
+                    nested = len(op.regions)
+                    if nested:                       # (nesting, not operands)
                         self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
                     out = 1 if root else 0
-                    for v in self._reads_of(op):
+                    for v in (self._reads_of(op) if nested else op.operands):
                         got = facts.get(v)
                         if got is None:       # a block argument's first read (else: walked)
                             got = arg_fact(v) if isinstance(v, ir.BlockArgument) else \
