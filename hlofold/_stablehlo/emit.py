@@ -44,9 +44,12 @@ class SiteWriter:
             if dec.kernel is not None:
                 new_k = stablehlo.ConstantOp(numpy_to_dense(dec.kernel, kdt)).result
             else:
-                kc = self.convert(kernel, self.ct)
-                if fwd is not None:
-                    kc, b = self.forward_kernel_ir(kc, fwd, info, C_out)
+                if fwd is None:
+                    kc = self.convert(kernel, self.ct)
+                else:            # (before the root: it reads what the chain in front reads)
+                    with ir.InsertionPoint(root):
+                        kc, b = self.forward_kernel_ir(self.convert(kernel, self.ct), fwd, info,
+                                                       C_out)
                     if b is not None:     # the bias the input shift adds, through the chain
                         xp = IrArith(C_out, self.ct)
                         t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))

@@ -81,6 +81,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.written: set = set()          # roots and per-token ops folds wrote (not
         #                                    readers in the program as written)
         self.token_inputs: dict = {}       # (source, per-token values, kinds) -> x·r
+        self.kernel_factors: dict = {}     # (chain, block, kernel type, axes) -> s, t on it
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
@@ -99,6 +100,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             op.erase()
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
+                     self.kernel_factors,
                      self.facts, self.invariant_memo, self.reads_memo, self.forward_memo,
                      self.forward_readers,
                      self.shape_memo, self.eval.memo,

@@ -21,7 +21,8 @@ ir, stablehlo, func_dialect = C.mlir()
 
 
 class HloValues:
-    """Site values for the StableHLO pass (reads ``self.eval`` and ``self.ct``)."""
+    """Site values for the StableHLO pass (reads ``self.eval``, ``self.ct`` and
+    ``self.kernel_factors``)."""
 
     def mark_prepared(self, value):
         """``value`` through an op marked ``PREPARED`` (a folded kernel or bias
@@ -124,22 +125,29 @@ class HloValues:
 
     def forward_kernel_ir(self, kc, fwd, info, c_out: int):
         """In the graph: ``(kc ⊙_in s, Σ kc·t)`` for the forward fold ``fwd`` (``kc``: the
-        kernel in the arithmetic type; the bias is None without a shift)."""
+        kernel in the arithmetic type; the bias is None without a shift). Insert before the
+        root: ``s`` and ``t`` over the kernel are written once for the roots that share the
+        chain in one block with kernels of one type (Q, K, V read one broadcast of γ; later
+        roots of a block sit after the first)."""
         c_in, ko, ki = info[4], info[2], fwd.k_in_axis
-        if fwd.s_known is not None:
-            s_in, t_in = fwd.s_known, fwd.t_known
-        else:
-            s_in, t_in = collapse(*self.ir_chain(fwd.steps, c_in), c_in,
-                                  xp=IrArith(c_in, self.ct))
-        kshape = shape_of(kc)
-        ktype = ir.RankedTensorType.get(kshape, self.ct)
+        ktype = ir.RankedTensorType.get(shape_of(kc), self.ct)
+        key = (id(fwd.steps), ir.InsertionPoint.current.block, ktype, ko, ki, fwd.groups, c_out)
+        got = self.kernel_factors.get(key)
+        if got is None or got[0] is not fwd.steps:      # (the steps kept: an id not reused)
+            if fwd.s_known is not None:
+                s_in, t_in = fwd.s_known, fwd.t_known
+            else:
+                s_in, t_in = collapse(*self.ir_chain(fwd.steps, c_in), c_in,
+                                      xp=IrArith(c_in, self.ct))
+            on = (lambda v: self._on_kernel(v, c_in, fwd.groups, c_out, ktype, ko, ki))
+            got = self.kernel_factors[key] = (fwd.steps, on(s_in),
+                                              on(t_in) if fwd.has_shift else None)
+        _, s_k, t_k = got
         b = None
-        if fwd.has_shift:
-            w = make("stablehlo.multiply", [kc.type], [kc, self._on_kernel(
-                t_in, c_in, fwd.groups, c_out, ktype, ko, ki)]).result
+        if t_k is not None:
+            w = make("stablehlo.multiply", [kc.type], [kc, t_k]).result
             b = _reduce_sum_but(w, ko, self.ct)
-        kc = make("stablehlo.multiply", [kc.type], [kc, self._on_kernel(
-            s_in, c_in, fwd.groups, c_out, ktype, ko, ki)]).result
+        kc = make("stablehlo.multiply", [kc.type], [kc, s_k]).result
         return kc, b
 
     def _on_kernel(self, vec, c_in: int, g: int, c_out: int, ktype, ko: int, ki: int):
