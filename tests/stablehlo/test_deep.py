@@ -69,6 +69,24 @@ def test_deep_decoders_fold_every_layer_on_the_stablehlo_path(layers):
         assert_close(ref, module_callable(app)(TOKENS, *made)[0])
 
 
+def test_projections_of_one_norm_read_one_factor_on_their_kernels():
+    """In the graph, the roots reading one norm (Q, K, V; gate, up) with kernels of one type
+    multiply them by one broadcast of its γ, written before the first of them: per layer
+    two, and one for the head (not one per projection); outputs are the module's."""
+    p, text = decoder_module(2)
+    folded, rep = hlofold.fold_stablehlo(text, in_graph=True)
+    assert rep.num_folded == 11, rep.counts()
+    main = folded[folded.index("func.func public @main"):]
+    gammas = [f"%arg{i}" for i, w in enumerate(jax.tree.leaves(p)) if w.ndim == 1]
+    over_kernels = [line for line in main.splitlines() if "stablehlo.broadcast_in_dim" in line
+                    and line.split("stablehlo.broadcast_in_dim ")[1].split(",")[0] in gammas
+                    and "dims = [0]" in line]
+    assert len(over_kernels) == 5, "\n".join(over_kernels)
+    assert main.count("stablehlo.is_finite") == 11          # a guard per projection still
+    leaves = jax.tree.leaves((p, TOKENS))
+    assert_close(jax.jit(examples.decoder_apply)(p, TOKENS), module_callable(folded)(*leaves)[0])
+
+
 DEPTH = 3000
 
 
