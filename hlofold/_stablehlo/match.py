@@ -143,21 +143,25 @@ class ChainWalker:
         program now holds inlined ops."""
         if not self.trial:
             return False
+        facts = self.facts       # (keyed by value addresses: an erased op's go with it; the
+        #                          others hold: the program as written, or inlined ops kept)
         for call, callee_name, cloned, results in reversed(self.trial):
             if folded:
                 sites = self.eval.calls.get(callee_name, [])
                 sites[:] = [c for c in sites if c.operation != call.operation]
+                for r in call.results:
+                    facts.pop(r, None)
                 call.erase()
                 self.inlined.add(callee_name)
                 continue
             for r, v in zip(call.results, results):
                 v.replace_all_uses_with(r)
             for op in reversed(cloned):
+                for r in op.results:
+                    facts.pop(r, None)
                 op.erase()
         self.trial.clear()
-        forget_op_facts()
-        self.facts.clear()         # keyed by value addresses: drop them after erasing
-        self.n_args = 0
+        forget_op_facts()          # the other memos, keyed by addresses, are simply dropped
         self.invariant_memo.clear()
         self.reads_memo.clear()
         self.forward_memo.clear()

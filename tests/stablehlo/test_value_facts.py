@@ -3,7 +3,14 @@ arguments it is computed from and whether it is computed from a root's output. T
 fills them in program order; a value added afterwards is walked lazily — both must agree,
 also through an op's regions (values read from above) and for a private function's
 arguments."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hlofold
 from hlofold import _compat as C
+from hlofold._stablehlo import match
+from hlofold._stablehlo.artifacts import module_callable
 from hlofold._stablehlo.fold import _Pass
 from hlofold._stablehlo.ir import op_name
 from hlofold._stablehlo.match import UNREACHED_OPS
@@ -78,3 +85,42 @@ def test_a_value_added_after_the_sweep_is_walked_to_the_same_facts():
         for v in (a, b):
             assert [bool(p._sources(v) & p._sources(u)) for u in args] == \
                 [bool(fresh._sources(v) & fresh._sources(u)) for u in args]
+
+
+def test_inlining_a_call_keeps_the_facts_of_the_rest_of_the_program(monkeypatch):
+    """A site whose chain continues into a private function inlines it (a trial); the facts
+    of the values the inlining did not erase stay, so later sites do not walk the program
+    again: the values walked lazily grow with the layers, not with their square."""
+    @jax.jit
+    def bn(y, m, v, g, b):                       # a private function per call site
+        return (y - m) * jax.lax.rsqrt(v + 1e-5) * g + b
+
+    def net(x, ps):
+        for k, m, v, g, b in ps:
+            y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            x = jax.nn.relu(bn(y, m, v, g, b))
+        return x
+
+    rng = np.random.default_rng(0)
+    settled = []
+    real = match.postorder
+
+    def counting(top, memo, inputs_of, settle):
+        return real(top, memo, inputs_of, lambda n: (settled.append(n), settle(n)))
+    monkeypatch.setattr(match, "postorder", counting)
+    per_layer = {}
+    for layers in (10, 40):
+        ps = [tuple(jnp.asarray(a, jnp.float32) for a in (
+            rng.normal(size=(3, 3, 4, 4)) * 0.1, rng.normal(size=4), rng.uniform(0.5, 2, 4),
+            rng.normal(size=4), rng.normal(size=4))) for _ in range(layers)]
+        x = jnp.asarray(rng.normal(size=(1, 6, 6, 4)), jnp.float32)
+        text = jax.jit(lambda x: net(x, ps)).lower(x).as_text()
+        assert text.count("call @") >= 2 * layers
+        settled.clear()
+        out, rep = hlofold.fold_stablehlo(text)
+        assert rep.num_folded == layers, rep.counts()
+        per_layer[layers] = len(settled) / layers
+        np.testing.assert_allclose(module_callable(out)(x)[0], jax.jit(net)(x, ps),
+                                   rtol=1e-5, atol=1e-5)
+    assert per_layer[40] <= 1.5 * per_layer[10], per_layer
