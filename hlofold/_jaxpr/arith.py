@@ -2,7 +2,7 @@
 
 The same collapse and kernel placement as :mod:`hlofold._core.algebra`, with ``lax`` ops for
 values known only when the program runs; known operands stay NumPy and are computed on the
-host. The StableHLO adapter's counterpart is ``hlofold._stablehlo.ir.IrArith``.
+host. The StableHLO adapter's counterpart is ``hlofold._stablehlo.build.IrArith``.
 """
 from __future__ import annotations
 

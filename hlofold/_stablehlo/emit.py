@@ -12,8 +12,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import collapse, has_shift
-from .ir import (GUARD, IrArith, all_finite, broadcast, elem_type, is_host, make, marker,
-                 numpy_to_dense, op_name, owner_op, remap_operands, shape_of)
+from .build import GUARD, IrArith, all_finite, broadcast, is_host, make, marker
+from .ir import elem_type, numpy_to_dense, op_name, owner_op, remap_operands, shape_of
 from .patterns import root_shapes
 
 ir, stablehlo, func_dialect = C.mlir()

@@ -29,8 +29,9 @@ from .._core.chain import Absorb, postorder
 from .._core.chain_rules import Refusal
 from .._core.decide import forward_consumers_refusal, forward_note
 from .._core.forward_walk import walk_forward
-from .ir import (BINARY, GUARD, ROOTS, SHAPE_KIND, attr_dims, is_float, location, marked,
-                 op_name, owner_op, parent_of, readers, same_block, shape_of)
+from .build import GUARD, marked
+from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, is_float, location, op_name, owner_op,
+                 parent_of, readers, same_block, shape_of)
 from .match import HLO_STEPS
 from .patterns import Step, dot_dims, resolve
 from .._core.patterns import border_masks

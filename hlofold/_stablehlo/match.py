@@ -14,9 +14,9 @@ from .. import _compat as C
 from .._core.chain import AGAIN, Absorb, Pass, postorder
 from .._core.chain_rules import DIVISOR, Refusal, pass_axis
 from .facts import forget_op_facts
-from .ir import (BINARY, GUARD, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
-                 location, marked, op_name, owner_op, readers, reads, remap_operands,
-                 shape_of)
+from .build import GUARD, marked
+from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
+                 location, op_name, owner_op, readers, reads, remap_operands, shape_of)
 from .patterns import Step, axis_role, resolve
 from .._core.report import NOT_REACHED, FoldSite
 from .._core.unreached import unreached_reason

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 from .. import _compat as C
 from .._core.report import FoldReport
-from .ir import PREPARED, StableHLOError, all_finite, marked, op_name, reads, unmark
+from .build import PREPARED, all_finite, marked, unmark
+from .ir import StableHLOError, op_name, reads
 from .module import drop_uncalled_private, main_function, parse_module
 from .fold import fold_module
 from .weights import argument_index, set_arguments

@@ -13,8 +13,8 @@ import numpy as np
 from .. import _compat as C
 from .._core.algebra import collapse, per_channel
 from .._core.rules import flushes_differently
-from .ir import (PREPARED, IrArith, broadcast, elem_type, make, mark, np_dtype, numpy_to_dense,
-                 shape_of)
+from .build import PREPARED, IrArith, broadcast, make, mark
+from .ir import elem_type, np_dtype, numpy_to_dense, shape_of
 from .patterns import Operand
 
 ir, stablehlo, func_dialect = C.mlir()
