@@ -106,7 +106,7 @@ class SiteWriter:
         self.replaced[new_op] = op_name(end_op)
         # ... also for the walks' memos: computed from a root, from the same inputs (the
         # fold recombines what the site's ops read), so no later query walks into the guard
-        self.facts[new_out] = self._fact(end_value) | 1
+        self.lineage[new_out] = self._lineage(end_value) | 1
         self.dead.extend([s.op for s in reversed(steps)] + [root])
 
     def _folded_ops(self, root, steps, info, fwd, x, new_k, t_of, out_t, bmap, add_t):

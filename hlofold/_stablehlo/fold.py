@@ -63,8 +63,9 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.module = module
         self.sites: list[FoldSite] = []
         self.eval = Evaluator(module)
-        # value -> the block arguments it is computed from (bits 1...) | from a root (bit 0)
-        self.facts: dict[Any, int] = {}
+        # value -> its lineage: the block arguments it is computed from (bits 1...) | from a
+        # root (bit 0)
+        self.lineage: dict[Any, int] = {}
         self.n_args = 0                            # block arguments given a bit so far
         self.invariant_memo: dict = {}             # _core.forward_walk.invariant
         self.reads_memo: dict = {}                 # op with regions -> the values it reads
@@ -101,7 +102,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
                      self.kernel_factors,
-                     self.facts, self.invariant_memo, self.reads_memo, self.forward_memo,
+                     self.lineage, self.invariant_memo, self.reads_memo, self.forward_memo,
                      self.forward_readers,
                      self.shape_memo, self.eval.memo,
                      self.eval.flushed):
@@ -122,7 +123,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 self._site(op, fname)
                 if self._end_trial(any(r.status == FOLDED for r in self.sites[n:])):
                     affines[fname] = None      # inlined ops: look at the program again
-        # accounted before the replaced ops are erased: the value facts stay valid
+        # accounted before the replaced ops are erased: the lineage stays valid
         dead = {op.operation for op in self.dead}
         for fname, fop in list(self.symbols.items()):
             if fname in affines and fname not in self.inlined:

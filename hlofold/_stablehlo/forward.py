@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import has_shift
-from .._core.chain import Absorb, postorder
+from .._core.chain import Absorb
 from .._core.chain_rules import Refusal
 from .._core.decide import forward_consumers_refusal, forward_note
 from .._core.forward_walk import walk_forward
@@ -284,8 +284,8 @@ class HloForwardPlanner:
 
     def _sources(self, value) -> int:
         """The block arguments (the module's inputs, a region's arguments) ``value`` is
-        computed from, as a bit set (its fact without the activation bit)."""
-        return self._fact(value) >> 1
+        computed from, as a bit set (its lineage without the activation bit)."""
+        return self._lineage(value) >> 1
 
     def _fused_with(self, v) -> str | None:
         """The op producing ``v`` when XLA computes an elementwise consumer of ``v`` in the

@@ -30,7 +30,7 @@ UNREACHED_OPS = frozenset({"stablehlo.batch_norm_inference", "stablehlo.multiply
 
 class ChainWalker:
     """What the StableHLO pass (``_stablehlo.fold._Pass``) keeps for its chain walks: private calls
-    inlined on trial, the value facts (sources, activation), and the records of unreached
+    inlined on trial, the values' lineage (sources, activation), and the records of unreached
     normalizations."""
 
     def _account_unreached(self, fop, fname, ops=None, dead=frozenset()) -> None:
@@ -143,14 +143,14 @@ class ChainWalker:
         program now holds inlined ops."""
         if not self.trial:
             return False
-        facts = self.facts       # (keyed by value addresses: an erased op's go with it; the
+        lineage = self.lineage   # (keyed by value addresses: an erased op's go with it; the
         #                          others hold: the program as written, or inlined ops kept)
         for call, callee_name, cloned, results in reversed(self.trial):
             if folded:
                 sites = self.eval.calls.get(callee_name, [])
                 sites[:] = [c for c in sites if c.operation != call.operation]
                 for r in call.results:
-                    facts.pop(r, None)
+                    lineage.pop(r, None)
                 call.erase()
                 self.inlined.add(callee_name)
                 continue
@@ -158,7 +158,7 @@ class ChainWalker:
                 v.replace_all_uses_with(r)
             for op in reversed(cloned):
                 for r in op.results:
-                    facts.pop(r, None)
+                    lineage.pop(r, None)
                 op.erase()
         self.trial.clear()
         forget_op_facts()          # the other memos, keyed by addresses, are simply dropped
@@ -182,17 +182,15 @@ class ChainWalker:
 
     def _sweep(self, holder, roots: list | None = None, keep=(), kept: list | None = None,
                guarded: bool = False) -> None:
-        """Fill the value facts (``_fact``: the block arguments a value is computed from, as
-        bits from bit 1 on, and bit 0 when it is computed from a root's output) for every
-        value in ``holder``'s regions, in program order: each op once, after its producers
-        (SSA) and after the ops in its own regions. What the sweep does not see (an op
-        added later) the lazy walks compute when asked. The same walk collects, in
-        ``roots``, the roots (convolutions, dots) in ``holder``'s regions, nested regions
-        included (a multi-platform export puts its program in a ``stablehlo.case``'s
-        branches) but not in hlofold's own guards, and in ``kept`` the ops directly in them
-        named in ``keep``."""
-        facts, arg_fact = self.facts, self._arg_fact
+        """Fill the lineage of every value in ``holder``'s regions (:meth:`_lineage`), in
+        program order: each op once, after its producers (SSA) and after the ops in its own
+        regions. What the sweep does not see (an op added later) :meth:`_lineage` walks when
+        asked. The same walk collects, in ``roots``, the roots (convolutions, dots) in
+        ``holder``'s regions, nested regions included (a multi-platform export puts its
+        program in a ``stablehlo.case``'s branches) but not in hlofold's own guards, and in
+        ``kept`` the ops directly in them named in ``keep``."""
         collect = roots is not None and not guarded
+        settle = self._settle
         for region in holder.regions:
             for block in region.blocks:
                 for op in block.operations:
@@ -204,37 +202,36 @@ class ChainWalker:
                             roots.append(op)
                         elif name in keep:        # (names of ops hlofold never marks)
                             kept.append(op)
-                    nested = len(op.regions)
-                    if nested:                       # (nesting, not operands)
+                    if len(op.regions):              # (nesting, not operands)
                         self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
-                    out = 1 if root else 0
-                    for v in (self._reads_of(op) if nested else op.operands):
-                        got = facts.get(v)
-                        if got is None:       # a block argument's first read (else: walked)
-                            got = arg_fact(v) if isinstance(v, ir.BlockArgument) else \
-                                self._fact(v)
-                        out |= got
-                    for r in op.results:
-                        facts[r] = out
+                        settle(op, self._reads_of(op), root)
+                    else:
+                        settle(op, op.operands, root)
 
-    def _arg_fact(self, v) -> int:
-        """A block argument's fact: its own bit (the next free one, its first time)."""
-        got = self.facts.get(v)
-        if got is None:
-            got = self.facts[v] = 2 << self.n_args
-            self.n_args += 1
-        return got
+    def _settle(self, op, reads, root: bool) -> None:
+        """The lineage of ``op``'s results: what the values it reads (``reads``) are computed
+        from, and bit 0 for a root (the one rule of the sweep and of the lazy walk)."""
+        lineage = self.lineage
+        out = 1 if root else 0
+        for v in reads:
+            got = lineage.get(v)
+            out |= self._lineage(v) if got is None else got    # (a block argument's first read)
+        for r in op.results:
+            lineage[r] = out
 
-    def _fact(self, value) -> int:
-        """The block arguments ``value`` is computed from (bits from bit 1 on) and whether
-        from a root's output (bit 0): the sweep's, or walked iteratively for a value added
-        since (each value once, through the ops' region reads too)."""
-        facts = self.facts
-        got = facts.get(value)
+    def _lineage(self, value) -> int:
+        """The block arguments ``value`` is computed from (bits from bit 1 on; an argument's
+        own bit is given at its first read) and whether from a root's output (bit 0): the
+        sweep's, or walked iteratively for a value added since (each value once, through the
+        ops' region reads too)."""
+        lineage = self.lineage
+        got = lineage.get(value)
         if got is not None:
             return got
         if isinstance(value, ir.BlockArgument):
-            return self._arg_fact(value)
+            got = lineage[value] = 2 << self.n_args
+            self.n_args += 1
+            return got
 
         def inputs_of(v):
             return () if isinstance(v, ir.BlockArgument) else \
@@ -242,22 +239,17 @@ class ChainWalker:
 
         def settle(v):
             if isinstance(v, ir.BlockArgument):
-                self._arg_fact(v)
-                return
-            op = v.owner.operation
-            out = 1 if op.name in ROOTS else 0
-            for u in self._reads_of(op):
-                out |= facts[u]
-            for r in op.results:
-                facts[r] = out
-        return postorder(value, facts, inputs_of, settle)
+                self._lineage(v)
+            else:
+                op = v.owner.operation
+                self._settle(op, self._reads_of(op), op.name in ROOTS)
+        return postorder(value, lineage, inputs_of, settle)
 
     def _from_root(self, value) -> bool:
         """Whether ``value`` is computed from a conv/dot result (an activation), also through
-        ops whose regions read one (a site's run-time guard): bit 0 of its fact. No op is
-        erased while the facts are in use (see ``dead``)."""
-        got = self.facts.get(value)
-        return bool((self._fact(value) if got is None else got) & 1)
+        ops whose regions read one (a site's run-time guard): bit 0 of its lineage. No op is
+        erased while the lineage is in use (see ``dead``)."""
+        return bool(self._lineage(value) & 1)
 
 
 class HloChain:

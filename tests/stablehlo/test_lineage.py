@@ -1,8 +1,8 @@
-"""The pass's value facts (``ChainWalker._sweep`` / ``_fact``): for every value, the block
-arguments it is computed from and whether it is computed from a root's output. The sweep
-fills them in program order; a value added afterwards is walked lazily — both must agree,
-also through an op's regions (values read from above) and for a private function's
-arguments."""
+"""The values' lineage in the pass (``ChainWalker._sweep`` / ``_lineage``): for every value,
+the block arguments it is computed from and whether it is computed from a root's output.
+The sweep fills it in program order; a value added afterwards is walked lazily: both must
+agree, also through an op's regions (values read from above); an inlined private function
+drops only what it erases."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,16 +63,16 @@ def test_the_sweep_says_what_each_value_is_computed_from():
         assert not p._from_root(x) and not p._from_root(g)
 
 
-def test_a_value_added_after_the_sweep_is_walked_to_the_same_facts():
+def test_a_value_added_after_the_sweep_is_walked_to_the_same_lineage():
     module, p, main, block, ops = _pass_and_values(MODULE)
     with module.context, ir.Location.unknown():
         p._sweep(main, [], UNREACHED_OPS, [])
         g = block.arguments[2]
         gb = ops["broadcast_in_dim"].results[0]
-        with ir.InsertionPoint(ops["add"]):         # written after the sweep: not in facts
+        with ir.InsertionPoint(ops["add"]):         # written after the sweep: no lineage yet
             a = stablehlo.MulOp(gb, gb).result
             b = stablehlo.AddOp(a, ops["if"].results[0]).result
-        assert a not in p.facts and b not in p.facts
+        assert a not in p.lineage and b not in p.lineage
         assert not p._from_root(a) and p._sources(a) == p._sources(g)
         c = ops["if"].results[0]
         assert p._from_root(b) and p._sources(b) == p._sources(g) | p._sources(c)
@@ -87,9 +87,9 @@ def test_a_value_added_after_the_sweep_is_walked_to_the_same_facts():
                 [bool(fresh._sources(v) & fresh._sources(u)) for u in args]
 
 
-def test_inlining_a_call_keeps_the_facts_of_the_rest_of_the_program(monkeypatch):
-    """A site whose chain continues into a private function inlines it (a trial); the facts
-    of the values the inlining did not erase stay, so later sites do not walk the program
+def test_inlining_a_call_keeps_the_lineage_of_the_rest_of_the_program(monkeypatch):
+    """A site whose chain continues into a private function inlines it (a trial); the lineage
+    of the values the inlining did not erase stays, so later sites do not walk the program
     again: the values walked lazily grow with the layers, not with their square."""
     @jax.jit
     def bn(y, m, v, g, b):                       # a private function per call site
