@@ -20,7 +20,7 @@ ir, stablehlo, func_dialect = C.mlir()
 
 
 class SiteWriter:
-    """Reads the pass's state (``ct``, ``guard``, ``finite_made``, ``written``, ``claimed``,
+    """Reads the pass's state (``ct``, ``guard``, ``guard_parts``, ``written``, ``claimed``,
     ``replaced``, ``dead``, ``token_inputs``) and its value helpers (``_stablehlo.values``)."""
 
     def _rewrite(self, root, steps, real, info, fwd, dec, known, s_vec, t_vec, bmap, add_t):
@@ -80,12 +80,12 @@ class SiteWriter:
                 t_of = lambda: t_ir
                 # run-time guard: a non-finite folded kernel or bias (σ² = 0 with ε = 0, an
                 # inf γ) runs the site's original ops instead
-                pred = all_finite(new_k, self.finite_made)
+                pred = all_finite(new_k, self.guard_parts)
                 if add_t and not (is_host(t_val) and bool(np.all(np.isfinite(t_val)))):
-                    pred = stablehlo.AndOp(pred, all_finite(t_ir, self.finite_made)).result
-                attrs = self.finite_made.get(GUARD)
+                    pred = stablehlo.AndOp(pred, all_finite(t_ir, self.guard_parts)).result
+                attrs = self.guard_parts.get(GUARD)
                 if attrs is None:
-                    attrs = self.finite_made[GUARD] = marker(GUARD)
+                    attrs = self.guard_parts[GUARD] = marker(GUARD)
                 if_op = make("stablehlo.if", [out_t], [pred], attrs, regions=2)
                 folded, original = if_op.regions
                 with ir.InsertionPoint(folded.blocks.append()):

@@ -76,17 +76,17 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.claimed: set = set()
         self.forward_taken: set = set()    # ops of forward chains (any status)
         self.forward_memo: dict = {}       # (root input, axis, region) -> its forward chain
-        self.forward_readers: dict = {}    # id(chain) -> (chain, readers of its top)
+        self.chain_shared: dict = {}       # id(chain's steps) -> (steps, shared_by_chain's)
         self.shape_memo: dict = {}         # value -> its shape (the forward walk's)
         self.replaced: dict = {}           # op ending a folded site -> the name of the old one
         self.written: set = set()          # roots and per-token ops folds wrote (not
         #                                    readers in the program as written)
         self.token_inputs: dict = {}       # (source, per-token values, kinds) -> x·r
-        self.kernel_factors: dict = {}     # (chain, block, kernel type, axes) -> s, t on it
         self.inlined: set[str] = set()     # private callees inlined into a caller
         self.trial: list = []              # calls inlined while walking the current site
         self.ct = None                     # in-graph arithmetic type of the current site
-        self.finite_made: dict = {}        # guards' reductions by rank (cloned: _hlo_ir)
+        self.guard_parts: dict = {}        # what guards reuse: reductions by rank, a true
+        #                                    per block (build.all_finite), the marker
         self.symbols = {}
         for op in module.body.operations:
             if op_name(op) == "func.func":
@@ -101,11 +101,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             op.erase()
         erase_unused(inputs)       # what computed only their operands (nothing else is read)
         for memo in (self.dead, self.claimed, self.replaced, self.written, self.token_inputs,
-                     self.kernel_factors,
                      self.lineage, self.invariant_memo, self.reads_memo, self.forward_memo,
-                     self.forward_readers,
-                     self.shape_memo, self.eval.memo,
-                     self.eval.flushed):
+                     self.chain_shared, self.shape_memo, self.eval.memo, self.eval.flushed):
             memo.clear()         # they may name erased ops: not read after the sites
         return FoldReport(self.sites)
 

@@ -202,13 +202,19 @@ class HloForwardPlanner:
                 self.forward_memo[key] = chain
         return chain
 
+    def shared_by_chain(self, steps) -> dict:
+        """What is worked out once for the roots sharing a walked forward chain (Q, K, V;
+        gate, up): a dict per chain, keyed by its steps (one list for those roots, held here
+        with its dict, so no other list gets its id); dropped with the chain memo."""
+        return self.chain_shared.setdefault(id(steps), (steps, {}))[1]
+
     def _n_top_readers(self, chain, top) -> int:
         """:meth:`n_readers` of ``top``, once for the roots sharing its walked chain (the
         program as written: the ops folds write are not readers)."""
-        got = self.forward_readers.get(id(chain))
-        if got is None or got[0] is not chain:
-            got = self.forward_readers[id(chain)] = (chain, self.n_readers(top))
-        return got[1]
+        shared = self.shared_by_chain(chain.steps)
+        if "readers" not in shared:
+            shared["readers"] = self.n_readers(top)
+        return shared["readers"]
 
     def _readers(self, v) -> list:
         """The ops reading ``v`` in the program as written (the jaxpr path plans on the

@@ -165,7 +165,7 @@ class ChainWalker:
         self.invariant_memo.clear()
         self.reads_memo.clear()
         self.forward_memo.clear()
-        self.forward_readers.clear()
+        self.chain_shared.clear()
         self.shape_memo.clear()
         self.eval.memo.clear()
         return folded

@@ -21,8 +21,8 @@ ir, stablehlo, func_dialect = C.mlir()
 
 
 class HloValues:
-    """Site values for the StableHLO pass (reads ``self.eval``, ``self.ct`` and
-    ``self.kernel_factors``)."""
+    """Site values for the StableHLO pass (reads ``self.eval`` and ``self.ct``; shares what
+    roots of one forward chain write through ``self.shared_by_chain``)."""
 
     def mark_prepared(self, value):
         """``value`` through an op marked ``PREPARED`` (a folded kernel or bias
@@ -131,18 +131,17 @@ class HloValues:
         roots of a block sit after the first)."""
         c_in, ko, ki = info[4], info[2], fwd.k_in_axis
         ktype = ir.RankedTensorType.get(shape_of(kc), self.ct)
-        key = (id(fwd.steps), ir.InsertionPoint.current.block, ktype, ko, ki, fwd.groups, c_out)
-        got = self.kernel_factors.get(key)
-        if got is None or got[0] is not fwd.steps:      # (the steps kept: an id not reused)
+        shared = self.shared_by_chain(fwd.steps)
+        key = ("on kernel", ir.InsertionPoint.current.block, ktype, ko, ki, fwd.groups, c_out)
+        if key not in shared:
             if fwd.s_known is not None:
                 s_in, t_in = fwd.s_known, fwd.t_known
             else:
                 s_in, t_in = collapse(*self.ir_chain(fwd.steps, c_in), c_in,
                                       xp=IrArith(c_in, self.ct))
             on = (lambda v: self._on_kernel(v, c_in, fwd.groups, c_out, ktype, ko, ki))
-            got = self.kernel_factors[key] = (fwd.steps, on(s_in),
-                                              on(t_in) if fwd.has_shift else None)
-        _, s_k, t_k = got
+            shared[key] = (on(s_in), on(t_in) if fwd.has_shift else None)
+        s_k, t_k = shared[key]
         b = None
         if t_k is not None:
             w = make("stablehlo.multiply", [kc.type], [kc, t_k]).result
