@@ -4,7 +4,8 @@
   tolerance, reasons, report) imports no other part of hlofold;
 * each IR adapter (``hlofold._jaxpr``, ``hlofold._stablehlo``) imports the core,
   ``hlofold._compat`` and itself only: not the other adapter, not the front ends;
-* ``hlofold._compat`` (every use of JAX internals and MLIR bindings) imports no hlofold module;
+* ``hlofold._compat`` (every use of JAX internals and MLIR bindings) imports no hlofold module
+  outside itself, and no other module reads ``jax._src`` or ``jaxlib``'s internals;
 * no module imports another's private name (``from .x import _y``): a helper two modules
   need is a named internal API;
 * every module is small enough to read in one sitting (under 400 lines).
@@ -69,7 +70,7 @@ ALLOWED = {
     "hlofold._core": {"hlofold._core"},
     "hlofold._jaxpr": {"hlofold._core", "hlofold._compat", "hlofold._jaxpr"},
     "hlofold._stablehlo": {"hlofold._core", "hlofold._compat", "hlofold._stablehlo"},
-    "hlofold._compat": set(),
+    "hlofold._compat": {"hlofold._compat"},
 }
 
 
@@ -114,3 +115,19 @@ def test_the_public_api_is_what_init_exports():
         ["Folded", "FoldReport", "FoldSite", "FoldedParams", "ParamChange", "Split",
          "StableHLOError", "VerificationError", "VerifyReport", "export", "fold",
          "fold_jaxpr", "fold_params", "fold_stablehlo", "lower", "verify"])
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_only_compat_reads_jax_internals(path):
+    """JAX internals (``jax._src``, jaxlib's bindings) are read in ``hlofold._compat`` only,
+    where each goes through one check (``_compat.lookup.internal``)."""
+    if part(module_name(path)) == "hlofold._compat":
+        return
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        bad += [f"line {node.lineno}: {m}" for m in mods
+                if m.startswith(("jax._src", "jaxlib")) or m == "jax.extend.mlir"
+                or m.startswith("jax.extend.mlir.")]
+    assert not bad, f"{module_name(path)} imports JAX internals: {bad}"

@@ -1,0 +1,43 @@
+"""Every use of JAX internals (and jaxlib's MLIR bindings) in hlofold lives here.
+
+hlofold reads and rebuilds jaxprs and StableHLO modules, which needs names JAX keeps in
+``jax.extend`` or ``jax._src``, the parameters of its control-flow primitives, and jaxlib's
+MLIR bindings. Keeping them in one package means a JAX upgrade touches one place, and lets
+hlofold *fail closed* on a JAX it has not seen:
+
+* :mod:`.lookup`: the tested window (:data:`TESTED`), the one check every internal goes
+  through (:func:`internal`), what this JAX changed (:data:`CHANGED`), which features that
+  switched off (:func:`disabled`), and :class:`CompatError`;
+* :mod:`.jaxpr`: jaxpr classes, evaluation, tracing, source locations;
+* :mod:`.params`: the parameters of jit, cond, scan, while and remat;
+* :mod:`.mlir`: the MLIR bindings and ``jax.export`` internals.
+
+Importing hlofold never fails because an internal moved: a missing one becomes a stand-in
+that raises :class:`CompatError` when used, and the front ends run the original program.
+"""
+from .lookup import (CHANGED, JAX_VERSION, TESTED, UNTESTED, WINDOW, CompatError, disabled,
+                     internal, is_untested, require, version_tuple, warn_untested)
+from .jaxpr import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, add_eqn, aval_of,
+                    bind_eqn, check_jaxpr, cond_eqn, eval_jaxpr, hoist_consts, in_manual_context,
+                    is_tracer, jaxpr_as_fun, jaxpr_of, jit_info, name_stack, new_var,
+                    partial_eval, rebase_source, shape_struct, source_of, stage_cond, trace,
+                    user_location, varying_axes)
+from .params import (JIT_NAMES, call_body, cond_branches, inlinable_call, remat_body,
+                     scan_body, while_body, with_cond_branches, with_remat_body,
+                     with_scan_body, with_while_body)
+from .mlir import (bfloat16, exported_with_inputs, location_view, mlir, mlir_context,
+                   module_to_portable_artifact)
+
+__all__ = [
+    "CHANGED", "JAX_VERSION", "TESTED", "UNTESTED", "WINDOW", "CompatError", "disabled",
+    "internal", "is_untested", "require", "version_tuple", "warn_untested",
+    "ClosedJaxpr", "DropVar", "Jaxpr", "JaxprEqn", "Literal", "Var", "add_eqn", "aval_of",
+    "bind_eqn", "check_jaxpr", "cond_eqn", "eval_jaxpr", "hoist_consts", "in_manual_context",
+    "is_tracer", "jaxpr_as_fun", "jaxpr_of", "jit_info", "name_stack", "new_var",
+    "partial_eval", "rebase_source", "shape_struct", "source_of", "stage_cond", "trace",
+    "user_location", "varying_axes",
+    "JIT_NAMES", "call_body", "cond_branches", "inlinable_call", "remat_body", "scan_body",
+    "while_body", "with_cond_branches", "with_remat_body", "with_scan_body", "with_while_body",
+    "bfloat16", "exported_with_inputs", "location_view", "mlir", "mlir_context",
+    "module_to_portable_artifact",
+]

@@ -1,0 +1,107 @@
+"""jaxlib's MLIR bindings and JAX's export internals: what the StableHLO adapter needs.
+
+The bindings are looked up through :func:`lookup.internal` (feature ``"stablehlo"``); the
+``jax.export`` internals under ``"export"``. A missing one switches its feature off.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from .lookup import CompatError, internal, mark_changed
+
+bfloat16 = jax.numpy.bfloat16
+
+_ir = internal("stablehlo", "jax.extend.mlir.ir", "jaxlib.mlir.ir")
+_stablehlo = internal("stablehlo", "jax.extend.mlir.dialects.stablehlo",
+                      "jaxlib.mlir.dialects.stablehlo")
+_func = internal("stablehlo", "jax.extend.mlir.dialects.func", "jaxlib.mlir.dialects.func")
+_make_ir_context = internal("stablehlo", "jax._src.interpreters.mlir:make_ir_context")
+_module_to_bytecode = internal("export", "jax._src.export._export:_module_to_bytecode")
+
+# What the StableHLO adapter calls on the bindings (a renamed one switches the path off
+# instead of failing in the middle of a fold).
+_BINDINGS = {
+    "ir": ("ArrayAttr", "BF16Type", "BlockArgument", "ComplexType", "DenseBoolArrayAttr",
+           "DenseElementsAttr", "DenseI64ArrayAttr", "DenseIntElementsAttr", "DictAttr",
+           "F16Type", "F32Type", "F64Type", "FlatSymbolRefAttr", "FloatAttr", "FunctionType",
+           "InsertionPoint", "IntegerAttr", "IntegerType", "Location", "Module", "Operation",
+           "RankedTensorType", "StringAttr", "TypeAttr"),
+    "stablehlo": ("AddOp", "AndOp", "BroadcastInDimOp", "ConstantOp", "ConvDimensionNumbers",
+                  "ConvertOp", "DivOp", "DotDimensionNumbers", "MulOp", "NegOp", "ReduceOp",
+                  "ReshapeOp", "ReturnOp", "RsqrtOp", "SubtractOp", "TransposeOp",
+                  "serialize_portable_artifact", "deserialize_portable_artifact"),
+}
+for _mod_name, _names in _BINDINGS.items():
+    _mod = {"ir": _ir, "stablehlo": _stablehlo}[_mod_name]
+    if isinstance(_mod, type):     # a Missing stand-in: recorded already
+        continue
+    for _n in _names:
+        if not hasattr(_mod, _n):
+            mark_changed(f"jaxlib.mlir.{_mod_name}.{_n}", "stablehlo",
+                         f"jaxlib's MLIR bindings ({_mod_name}.{_n} not found)")
+
+
+def mlir():
+    """jaxlib's bundled MLIR Python bindings: ``(ir, stablehlo, func)`` (stand-ins raising
+    :class:`CompatError` when used, where this JAX moved them)."""
+    return _ir, _stablehlo, _func
+
+
+def location_view(loc) -> tuple[str, object]:
+    """``(kind, view)`` of an MLIR location: kind "file", "name", "fused", "callsite" or
+    "unknown", ``view`` with that kind's accessors (jaxlib 0.10.2 has a class per kind;
+    0.10.0 puts ``is_a_*()`` and every accessor on ``Location``)."""
+    ir = _ir
+    if hasattr(ir, "FileLineColLoc"):
+        for kind, cls in (("file", ir.FileLineColLoc), ("name", ir.NameLoc),
+                          ("fused", ir.FusedLoc), ("callsite", ir.CallSiteLoc)):
+            try:
+                return kind, cls(loc)
+            except Exception:
+                continue
+        return "unknown", loc
+    for kind in ("file", "name", "fused", "callsite"):
+        test = getattr(loc, f"is_a_{kind}", None)
+        if test is not None and test():
+            return kind, loc
+    return "unknown", loc
+
+
+def mlir_context():
+    """A fresh MLIR context with the dialects JAX registers (stablehlo, chlo, func, ...)."""
+    return _make_ir_context()
+
+
+def module_to_portable_artifact(module) -> bytes:
+    """Serialize a module as JAX serializes exported modules (a StableHLO portable artifact)."""
+    return _module_to_bytecode(module)
+
+
+_EXPORTED_FIELDS = ("in_tree", "in_avals", "in_shardings_hlo", "module_kept_var_idx",
+                    "mlir_module_serialized")
+
+
+def exported_with_inputs(exp, kept, new_avals, module_bytes):
+    """``exp`` (a ``jax.export.Exported``) with the module ``module_bytes`` whose inputs are
+    ``exp``'s inputs ``kept`` (in order) and then new inputs of ``new_avals`` (unsharded):
+    flat positional inputs. Touches ``Exported``'s private sharding fields (jax 0.10)."""
+    from .jaxpr import ShapedArray
+    names = {f.name for f in dataclasses.fields(exp)}
+    if not set(_EXPORTED_FIELDS) <= names:
+        raise CompatError("jax.export.Exported's fields (expected "
+                          + ", ".join(sorted(set(_EXPORTED_FIELDS) - names)) + ")", "export")
+    avals = [exp.in_avals[i] for i in kept] + [ShapedArray(a.shape, a.dtype)
+                                               for a in new_avals]
+    extra = (None,) * len(new_avals)
+    fields = dict(
+        in_tree=jax.tree_util.tree_structure((tuple(range(len(avals))), {})),
+        in_avals=tuple(avals),
+        in_shardings_hlo=tuple(exp.in_shardings_hlo[i] for i in kept) + extra,
+        module_kept_var_idx=tuple(range(len(avals))),
+        mlir_module_serialized=module_bytes)
+    named = getattr(exp, "_in_named_shardings", None)
+    if named is not None:
+        fields["_in_named_shardings"] = tuple(named[i] for i in kept) + extra
+    return dataclasses.replace(exp, **fields)
