@@ -25,3 +25,7 @@ __all__ = ["fold", "fold_jaxpr", "FoldReport", "FoldSite", "Folded", "Split", "l
            "export", "fold_stablehlo", "verify", "VerifyReport", "VerificationError",
            "StableHLOError", "fold_params", "FoldedParams", "ParamChange"]
 __version__ = "0.1.0"
+
+from ._compat import warn_untested as _warn_untested  # noqa: E402
+
+_warn_untested(stacklevel=3)      # once, on a JAX newer than the tested window

@@ -43,7 +43,7 @@ from ._views import FoldedViews
 
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
-         cache_prepared: bool = True, float32_kernels: bool = False, verify: bool = False,
+         cache_prepared: bool = True, float32_kernels: bool = False, verify: bool | None = None,
          in_graph: bool = False, fold_costly: bool = False, prepare: str = "auto"):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
@@ -68,7 +68,10 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         outputs), not rounding; :meth:`Folded.measure_precision` measures that. Past it
         it warns (``RuntimeWarning`` naming the folded sites, ``file:line``) and runs the
         original program for that signature from then on. Calls whose inputs are tracers
-        (under an enclosing transformation) are not verified.
+        (under an enclosing transformation) are not verified. ``None`` (default): ``False``
+        on the JAX releases hlofold is tested with (``hlofold._compat.TESTED``), ``True`` on
+        a newer JAX — there, too, a fold that needs a JAX internal that changed is off and
+        the call runs the original program (the report says which change).
       in_graph: what a call under an enclosing transformation (``jax.jit(fold(f))``,
         ``vmap``) does with sites whose parameters are traced, so that ``K ⊙ s`` would be
         recomputed on every call. ``False`` (default): leave them unfolded — the program is
@@ -109,7 +112,7 @@ class Folded(FoldedViews):
     """A folded inference function (see :func:`fold`)."""
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
-                 float32_kernels=False, verify=False, in_graph=False, fold_costly=False,
+                 float32_kernels=False, verify=None, in_graph=False, fold_costly=False,
                  prepare="auto"):
         if prepare not in ("auto", "host", "device"):
             raise ValueError(f"hlofold.fold: prepare must be 'auto', 'host' or 'device', "
@@ -117,9 +120,18 @@ class Folded(FoldedViews):
         self._prepare = prepare
         self._float32_kernels = float32_kernels
         self._cost = None if fold_costly else frozenset()     # the cost rule (_core.cost)
-        self._verify = verify
+        self._verify = C.UNTESTED if verify is None else bool(verify)
         self.in_graph = bool(in_graph)
-        ji = C.jit_info(fun)
+        # fail closed: where this JAX changed what the jaxpr path reads, every call runs
+        # the original program (jax.jit of it), and report() says why
+        self._off = C.disabled("jaxpr")
+        try:
+            ji = None if self._off else C.jit_info(fun)
+        except C.CompatError as e:
+            self._off, ji = e, None
+        if self._off is not None:
+            self._original = fun if hasattr(fun, "lower") else jax.jit(
+                fun, static_argnums=static_argnums, static_argnames=static_argnames)
         self._fun = fun
         self._py = ji[0] if ji else fun
         self.signature = Signature(fun, self._py)
@@ -159,6 +171,8 @@ class Folded(FoldedViews):
     # ---- programs
 
     def _program_for(self, args, kwargs) -> tuple[Program, list]:
+        if self._off is not None:
+            raise self._off
         arguments = self.signature.bind(args, kwargs)
         static = {k: v for k, v in arguments.items() if k in self._static}
         frozen = {k: v for k, v in arguments.items() if k in self.frozen}
@@ -293,6 +307,8 @@ class Folded(FoldedViews):
             outs = fast_call(fast, args)
             if outs is not MISS:
                 return outs
+        if self._off is not None:
+            return self._original(*args, **kwargs)
         prog, leaves = self._program_for(args, kwargs)
         if self._failed and prog.verified is None and any(C.is_tracer(x) for x in leaves) \
                 and self._shape_sig(args, kwargs) in self._failed:
@@ -323,20 +339,6 @@ class Folded(FoldedViews):
         return self.signature.shape_key(self.signature.bind(args, kwargs), self._static,
                                         static_key)
 
-    def _unfolded(self, prog: Program) -> Callable:
-        if prog.unfolded is None:
-            prog.unfolded = jax.jit(C.jaxpr_as_fun(prog.original),
-                                    donate_argnums=prog.donated)
-        return prog.unfolded
-
-    def _reference(self, prog: Program) -> Callable:
-        """The original program, never donating (verify runs it before the folded one)."""
-        if not prog.donated:
-            return self._unfolded(prog)
-        if prog.reference is None:
-            prog.reference = jax.jit(C.jaxpr_as_fun(prog.original))
-        return prog.reference
-
     def _call_leaves(self, prog: Program, leaves: list) -> tuple[list, Any]:
         """The outputs of one call, and the prepared entry it ran with (None: it ran
         another program: the original, an in-graph variant, or a verification)."""
@@ -344,7 +346,7 @@ class Folded(FoldedViews):
         if prog.verified is False:        # verify=True found the fold wrong for this signature
             if tracing:
                 return list(C.jaxpr_as_fun(prog.original)(*leaves)), None
-            return list(self._unfolded(prog)(*leaves)), None
+            return list(prog.original_fn()(*leaves)), None
         if self._verify and prog.verified is None and not tracing:
             if prog.original.effects:
                 # comparing would run the program's side effects (callbacks, I/O) twice
@@ -355,7 +357,7 @@ class Folded(FoldedViews):
                     "); running it twice to compare would repeat them, so its fold is not "
                     "verified", RuntimeWarning, stacklevel=4)
                 return self._call_folded(prog, leaves, tracing)
-            ref = list(self._reference(prog)(*leaves))   # first: the folded call may donate
+            ref = list(prog.reference_fn()(*leaves))   # first: the folded call may donate
             outs, _ = self._call_folded(prog, leaves, tracing)
             return verify_outputs(prog, ref, outs), None
         return self._call_folded(prog, leaves, tracing)
@@ -379,18 +381,14 @@ class Folded(FoldedViews):
             # parameters traced by an enclosing transformation: K·s cannot be prepared
             return list(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])(
                 *leaves)), None
-        if prog.churned:
-            if tracing:
+        if prog.churned or prog.compat:
+            if tracing and not prog.compat:
                 return list(C.jaxpr_as_fun(prog.original)(*leaves)), None
-            return list(self._unfolded(prog)(*leaves)), None
-        entry = self._folding_for(prog, known)
+            return list(prog.original_fn()(*leaves)), None
+        try:
+            entry = self._folding_for(prog, known)
+        except C.CompatError as e:    # preparing needs an internal this JAX changed
+            prog.compat = f"the original program ({e})"
+            return list(prog.original_fn()(*leaves)), None
         _, fn, prepared = entry
         return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx])), entry
-
-    def __repr__(self) -> str:
-        name = getattr(self._py, '__qualname__', self._py)
-        off = [w for p in self._programs.values() if (w := p.running())]
-        if not off:
-            return f"<hlofold.fold of {name!r}>"
-        return (f"<hlofold.fold of {name!r}: {len(off)} of {len(self._programs)} input "
-                f"signatures run {off[0]}>")

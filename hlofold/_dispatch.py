@@ -217,9 +217,26 @@ class Program:
     hits: int = 0                  # calls served by the cached prepared values
     churn: int = 0                 # consecutive re-prepares after fewer than 2 hits
     churned: bool = False          # parameters change every call: run the original program
+    compat: str | None = None      # preparing needs an internal this JAX changed: the original
+
+    def original_fn(self) -> Callable:
+        """The original program, compiled (fallbacks: verify, churn, a changed JAX)."""
+        if self.unfolded is None:
+            self.unfolded = jax.jit(C.jaxpr_as_fun(self.original), donate_argnums=self.donated)
+        return self.unfolded
+
+    def reference_fn(self) -> Callable:
+        """The original program, never donating (verify runs it before the folded one)."""
+        if not self.donated:
+            return self.original_fn()
+        if self.reference is None:
+            self.reference = jax.jit(C.jaxpr_as_fun(self.original))
+        return self.reference
 
     def running(self) -> str | None:
         """What calls of this signature run instead of the folded program, and why."""
+        if self.compat:
+            return self.compat
         if self.verified is False:
             return ("the original program (verify=True found the folded outputs differ on the "
                     "first call)")

@@ -85,7 +85,10 @@ class FoldedViews:
     def report(self, *args, **kwargs) -> FoldReport:
         """The fold report for these arguments (direct calls). With abstract parameters
         (e.g. ``jax.ShapeDtypeStruct``) it says what would be prepared, without values."""
-        prog, rep = self._report_of(args, kwargs)
+        try:
+            prog, rep = self._report_of(args, kwargs)
+        except C.CompatError as e:     # this JAX changed what folding reads: nothing folds
+            return FoldReport([], running=f"the original program ({e})", compat=[str(e)])
         why = prog.running()
         return rep if why is None else dataclasses.replace(rep, running=why)
 
@@ -142,7 +145,9 @@ class FoldedViews:
         artifact's form, ``hlofold.lower``/``export``): sites whose parameters are
         arguments are rescaled in the graph, guarded, with ``in_graph=True``, and left as
         they are otherwise (see :meth:`traced_report`); frozen parameters fold as
-        constants."""
+        constants. Where this JAX changed what folding reads: the original's lowering."""
+        if self._off is not None:
+            return self._original.lower(*args, **kwargs)
         prog, leaves = self._program_for(args, kwargs)
         return jax.jit(C.jaxpr_as_fun(self._variant(prog, self._traced_mode())[0])).lower(
             *leaves)
@@ -158,3 +163,11 @@ class FoldedViews:
         return Split([prog.leaf_names[i] for i in prog.known_idx],
                      [prog.leaf_names[i] for i in prog.unknown_idx], folding.apply,
                      folding.report, self, prog.key, folding, fn)
+
+    def __repr__(self) -> str:
+        name = getattr(self._py, '__qualname__', self._py)
+        off = [w for p in self._programs.values() if (w := p.running())]
+        if not off:
+            return f"<hlofold.fold of {name!r}>"
+        return (f"<hlofold.fold of {name!r}: {len(off)} of {len(self._programs)} input "
+                f"signatures run {off[0]}>")

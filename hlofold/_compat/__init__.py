@@ -15,7 +15,7 @@ hlofold *fail closed* on a JAX it has not seen:
 Importing hlofold never fails because an internal moved: a missing one becomes a stand-in
 that raises :class:`CompatError` when used, and the front ends run the original program.
 """
-from .lookup import (CHANGED, JAX_VERSION, TESTED, UNTESTED, WINDOW, CompatError, disabled,
+from .lookup import (CHANGED, LOOKUPS, JAX_VERSION, TESTED, UNTESTED, WINDOW, CompatError, disabled,
                      internal, is_untested, require, version_tuple, warn_untested)
 from .jaxpr import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, add_eqn, aval_of,
                     bind_eqn, check_jaxpr, cond_eqn, eval_jaxpr, hoist_consts, in_manual_context,
@@ -29,7 +29,7 @@ from .mlir import (bfloat16, exported_with_inputs, location_view, mlir, mlir_con
                    module_to_portable_artifact)
 
 __all__ = [
-    "CHANGED", "JAX_VERSION", "TESTED", "UNTESTED", "WINDOW", "CompatError", "disabled",
+    "CHANGED", "LOOKUPS", "JAX_VERSION", "TESTED", "UNTESTED", "WINDOW", "CompatError", "disabled",
     "internal", "is_untested", "require", "version_tuple", "warn_untested",
     "ClosedJaxpr", "DropVar", "Jaxpr", "JaxprEqn", "Literal", "Var", "add_eqn", "aval_of",
     "bind_eqn", "check_jaxpr", "cond_eqn", "eval_jaxpr", "hoist_consts", "in_manual_context",

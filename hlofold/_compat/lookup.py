@@ -74,11 +74,13 @@ _OFF = {
 
 # name -> (feature, what changed), for every internal found missing or changed
 CHANGED: dict[str, tuple[str, str]] = {}
+# (feature, paths) of every internal looked up, in order (the tests hide each in turn)
+LOOKUPS: list[tuple[str, tuple[str, ...]]] = []
 
 
 def disabled(feature: str) -> CompatError | None:
     """The error that switched ``feature`` off on this JAX (the first one found), or None."""
-    for name, (feat, what) in CHANGED.items():
+    for feat, what in CHANGED.values():
         if feat == feature:
             return CompatError(what, feature)
     return None
@@ -124,6 +126,7 @@ class Missing(metaclass=_MissingMeta):
 def internal(feature: str, *paths: str) -> Any:
     """The object at the first of ``paths`` (``"module:attr.attr"``) that exists; otherwise a
     :class:`Missing` stand-in, recorded in :data:`CHANGED` for ``feature``."""
+    LOOKUPS.append((feature, paths))
     for path in paths:
         mod, _, attrs = path.partition(":")
         try:

@@ -65,6 +65,9 @@ class FoldReport:
     # (hlofold.fold falls back to the original program after a verify mismatch, or when the
     # parameters change on every call)
     running: str | None = None
+    # what this JAX changed that kept hlofold from folding part of the program (a body it
+    # could not enter, a feature switched off): hlofold._compat says which internal and how
+    compat: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -91,7 +94,7 @@ class FoldReport:
     def to_dict(self) -> dict[str, Any]:
         return {"num_folded": self.num_folded, "num_refused": self.num_refused,
                 "counts": self.counts(), "precision": self.precision,
-                "running": self.running,
+                "running": self.running, "compat": list(self.compat),
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
@@ -107,6 +110,9 @@ class FoldReport:
                 + f" ({len(self.sites)} sites)")
         if self.running:
             head += f"\nNOTE: calls run {self.running}"
+        for why in self.compat:
+            if not (self.running and why in self.running):
+                head += f"\nNOTE: {why}"
         p = self.precision
         if p and p.get("reference"):
             head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "

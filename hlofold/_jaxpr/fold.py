@@ -81,6 +81,9 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     """
     if in_graph not in IN_GRAPH_MODES:
         raise ValueError(f"in_graph must be one of {IN_GRAPH_MODES}, got {in_graph!r}")
+    off = C.disabled("jaxpr")
+    if off is not None:         # this JAX changed what the jaxpr path reads: fold nothing
+        return closed, unchanged_report(off)
     if isinstance(closed, C.Jaxpr):
         closed = C.ClosedJaxpr(closed, ())
     if not isinstance(closed, C.ClosedJaxpr):
@@ -92,13 +95,22 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
         raise ValueError(f"invar_names has {len(names)} entries for {n_in} inputs")
     cnames = list(const_names) if const_names is not None else [None] * len(closed.consts)
     sites: list[FoldSite] = []
+    opts = _Options(float32_kernels=float32_kernels, in_graph=in_graph,
+                    cost=None if cost is None else frozenset(cost))
     scope = _Scope(closed,
                    known_in=[NONE] * n_in,
                    names_in=[_const(frozenset({n})) for n in names],
-                   const_names=cnames, path="top", sites=sites,
-                   opts=_Options(float32_kernels=float32_kernels, in_graph=in_graph,
-                                 cost=None if cost is None else frozenset(cost)))
-    return scope.fold(), FoldReport(sites)
+                   const_names=cnames, path="top", sites=sites, opts=opts)
+    try:
+        folded = scope.fold()
+    except C.CompatError as e:  # an internal this JAX changed, met mid-fold: fold nothing
+        return closed, unchanged_report(e)
+    return folded, FoldReport(sites, compat=list(opts.compat))
+
+
+def unchanged_report(err: Exception) -> FoldReport:
+    """The report of a program left as it was because this JAX changed what hlofold reads."""
+    return FoldReport([], running=f"the original program ({err})", compat=[str(err)])
 
 
 def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str],
@@ -125,6 +137,8 @@ class _Options:
     float32_kernels: bool = False
     in_graph: str = "guarded"
     cost: frozenset | None = None     # hlofold.fold's cost rule (names of prepared constants)
+    # what this JAX changed that kept the fold out of part of the program (filled on the way)
+    compat: list = dataclasses.field(default_factory=list, compare=False, hash=False)
 
 
 def _const(v):
@@ -318,7 +332,13 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         """Fold the jaxprs ``eqn`` carries by its rule in ``NESTED_RULES``."""
         prim, params = eqn.primitive.name, eqn.params
         label = f"{prim}({params['name']})" if isinstance(params.get("name"), str) else prim
-        new = NESTED_RULES.get(prim, other_rule)(self._child, eqn, label)
+        try:
+            new = NESTED_RULES.get(prim, other_rule)(self._child, eqn, label)
+        except C.CompatError as e:    # its parameters are not what hlofold reads: left
+            why = f"{e}; the {prim} at {self.path} is left as it is"
+            if why not in self.opts.compat:
+                self.opts.compat.append(why)
+            return False
         if new is None:
             return False
         self.new_eqn[i] = new

@@ -151,11 +151,41 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     Without ``params`` or ``split``, a site whose weights are arguments is folded in the
     graph, guarded at run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on
     every call.
+
+    On a JAX whose MLIR bindings changed what this pass reads (``hlofold._compat``), the
+    artifact comes back as given (without ``params``/``split``; with them a
+    ``CompatError`` says which change), its report naming the change.
     """
-    art = read_artifact(data)
     if params is not None and split is not None:
         raise ValueError("params= (fold for these weight values) and split= (a prepare "
                          "module for any weight values) exclude each other")
+    off = C.disabled("stablehlo")
+    if off is None:
+        try:
+            return _fold(data, params, split, in_graph)
+        except C.CompatError as e:
+            off = e
+    if params is not None or split is not None:
+        raise off       # their results take other arguments than the module given
+    return _unchanged(data), FoldReport([], running=f"the module as given ({off})",
+                                        compat=[str(off)])
+
+
+def _unchanged(data):
+    """``data`` as given, read without the bindings (a path: its text, or its bytes)."""
+    if isinstance(data, os.PathLike) or (isinstance(data, str) and "\n" not in data
+                                         and os.path.isfile(data)):
+        raw = _read_file(os.fspath(data))
+        try:
+            text = raw.decode("utf-8")
+            return text if ("func.func" in text or "module" in text) else raw
+        except UnicodeDecodeError:
+            return raw
+    return bytes(data) if isinstance(data, (bytearray, memoryview)) else data
+
+
+def _fold(data, params, split, in_graph):
+    art = read_artifact(data)
     if params is not None:
         return _fold_with_params(art, data, params)
     if split is not None:

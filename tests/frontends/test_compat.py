@@ -1,0 +1,227 @@
+"""Fail closed on a JAX hlofold has not seen (issue 41).
+
+Each simulated change runs in a process of its own (``tests/frontends/_compat_script.py``):
+a newer version string; every internal ``hlofold._compat`` looks up made to look missing to
+hlofold in turn (JAX itself keeps it); JAX 0.11's merged jaxpr classes; a renamed MLIR
+binding. In each: import works, every entry point returns ``jax.jit``'s results, and where
+the change switched a fold off, the report names it. In this process: jitted functions whose
+settings cannot be read, and control-flow parameters of another shape (JAX 0.11's scan).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+import hlofold._compat as C
+from hlofold._compat import lookup
+from tests.frontends import _compat_script as S
+from tests.helpers import ROOT
+
+TOL = 1e-4          # |Δ| against jax.jit's outputs (values of order 10; a fold rounds once)
+JAXPR_ENTRIES = {"fold", "fold(jit, static)", "freeze", "fold_jaxpr", "fold_params", "scan"}
+STABLEHLO_ENTRIES = {"fold_stablehlo", "export"}
+
+
+def run_script(cfg: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]).rstrip(os.pathsep), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "tests.frontends._compat_script",
+                           json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def check(out: dict, off: set[str], cause: str) -> None:
+    """Every entry point agrees with jax.jit; those in ``off`` folded nothing and say
+    ``cause``; the others folded."""
+    assert not out["errors"], out["errors"]
+    assert set(out["diff"]) >= JAXPR_ENTRIES - {"scan"} | STABLEHLO_ENTRIES, out["diff"]
+    assert max(out["diff"].values()) < TOL and out["scan diff"] < TOL, out
+    for name, n in out["folded"].items():
+        if name in off:
+            assert n == 0, (name, out)
+            notes = " ".join(out["notes"][name])
+            assert f"JAX {out['jax']} changed" in notes and cause in notes, (name, notes)
+        else:
+            assert n >= 1, (name, out)
+
+
+def test_versions_newer_than_the_window_are_untested():
+    assert lookup.version_tuple("0.12.0.1") == (0, 12, 0, 1)
+    assert lookup.version_tuple("0.11.0.dev20260801") == (0, 11, 0)
+    assert lookup.version_tuple("0.10.2rc1") == (0, 10, 2)
+    assert not lookup.is_untested("0.10.0") and not lookup.is_untested(C.TESTED[1])
+    for v in ("0.10.3", "0.11.0", "0.12.0.1", "1.0", "0.11.0.dev20260801", "0.10.2.dev1"):
+        assert lookup.is_untested(v), v
+    assert not C.UNTESTED and not C.CHANGED      # this suite runs inside the window
+
+
+def test_a_newer_jax_warns_once_verifies_and_folds():
+    out = run_script({"version": "0.12.0.1"})
+    assert out["untested"] and out["verify_default"] is True
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "tested with jax 0.10.0 to 0.10.2; this is jax 0.12.0.1" in out["warnings"][0]
+    check(out, set(), "")
+
+
+# the internals whose loss the README tier checks; the slow tier hides every one in turn
+QUICK = {"jax._src.core:eval_jaxpr", "jax._src.source_info_util:user_frames",
+         "jax._src.export._export:_module_to_bytecode"}
+
+
+def _cases():
+    for feature, paths in C.LOOKUPS:
+        mark = () if paths[0] in QUICK else (pytest.mark.slow,)
+        yield pytest.param(feature, paths, id=paths[0], marks=mark)
+
+
+@pytest.mark.parametrize("feature, paths", list(_cases()))
+def test_each_internal_missing_in_turn(feature, paths):
+    # a whole module is hidden where it has a fallback (jaxlib's own path to the bindings,
+    # which JAX itself imports: that one cannot be hidden from JAX)
+    hide = [p for p in paths if ":" in p] or list(paths[:1])
+    out = run_script({"hide": hide})
+    if ":" not in paths[0] and len(paths) > 1:
+        assert not out["changed"], out["changed"]      # the fallback path was used
+        check(out, set(), "")
+        return
+    assert list(out["changed"]) == [paths[0]] and out["changed"][paths[0]][0] == feature
+    off = {"jaxpr": JAXPR_ENTRIES, "stablehlo": STABLEHLO_ENTRIES,
+           "export": {"export"}}.get(feature, set())
+    check(out, off, paths[0].replace(":", "."))
+
+
+def test_the_mlir_dialect_missing_everywhere_turns_the_stablehlo_path_off():
+    out = run_script({"hide": ["jax.extend.mlir.dialects.stablehlo",
+                               "jaxlib.mlir.dialects.stablehlo"]})
+    check(out, STABLEHLO_ENTRIES, "jax.extend.mlir.dialects.stablehlo")
+
+
+def test_a_renamed_mlir_binding_turns_the_stablehlo_path_off():
+    out = run_script({"hide": ["jax.extend.mlir.ir:RankedTensorType"]})
+    check(out, STABLEHLO_ENTRIES, "ir.RankedTensorType")
+
+
+def test_merged_jaxpr_classes_turn_the_jaxpr_path_off():
+    """JAX 0.11: ``ClosedJaxpr`` is ``Jaxpr`` (a jaxpr carries its constants)."""
+    out = run_script({"alias": {"jax.extend.core:ClosedJaxpr": "Jaxpr"}})
+    check(out, JAXPR_ENTRIES, "ClosedJaxpr and Jaxpr are one class")
+
+
+# ---------------------------------------------------------------- in this process
+
+
+class _Jitted:
+    """A jitted function whose settings this JAX hides (``_jit_info`` renamed)."""
+
+    def __init__(self, f):
+        self._jitted = jax.jit(f)
+
+    def __call__(self, *a):
+        return self._jitted(*a)
+
+    def lower(self, *a):
+        return self._jitted.lower(*a)
+
+    def trace(self, *a):
+        return self._jitted.trace(*a)
+
+    def eval_shape(self, *a):
+        return self._jitted.eval_shape(*a)
+
+
+def _inputs():
+    rng = np.random.default_rng(1)
+    return S.params(rng), jnp.asarray(rng.normal(size=(2, 8, 8, 4)), jnp.float32)
+
+
+def test_a_jitted_function_whose_settings_cannot_be_read_runs_as_given():
+    p, x = _inputs()
+    f = hlofold.fold(_Jitted(S.net))
+    np.testing.assert_array_equal(f(p, x), jax.jit(S.net)(p, x))
+    np.testing.assert_array_equal(jax.jit(f)(p, x), jax.jit(S.net)(p, x))
+    rep = f.report(p, x)
+    assert rep.num_folded == 0 and "jax.jit's wrapped functions" in rep.running
+    assert "rsqrt" in hlofold.lower(f, p, x)        # the original's lowering
+
+
+def _scan_as_in_jax_0_11(closed):
+    """``closed`` with its scan's parameters in JAX 0.11's form (``ft_in``/``ft_out``
+    in place of ``num_consts``/``num_carry``/``linear``)."""
+    eqns = []
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name == "scan":
+            p = {k: v for k, v in e.params.items() if k not in ("num_consts", "num_carry",
+                                                                  "linear")}
+            e = e.replace(params={**p, "ft_in": object(), "ft_out": object()})
+        eqns.append(e)
+    return C.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def test_a_scan_whose_parameters_changed_is_left_as_it_is():
+    p, x = _inputs()
+    closed = _scan_as_in_jax_0_11(jax.make_jaxpr(lambda x: S.looped(p, x))(x))
+    new, rep = hlofold.fold_jaxpr(closed)
+    scan = [e for e in new.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scan) == 1 and "ft_in" in scan[0].params
+    assert scan[0].params["jaxpr"] is [e for e in closed.jaxpr.eqns
+                                       if e.primitive.name == "scan"][0].params["jaxpr"]
+    assert rep.num_folded == 0
+    assert any("the parameters of scan (expected num_consts, num_carry" in c and
+               "the scan at top is left as it is" in c for c in rep.compat), rep.compat
+    assert "NOTE: JAX" in str(rep)
+
+
+def test_the_decorator_leaves_a_scan_it_cannot_read_and_folds_the_rest(monkeypatch):
+    def as_in_0_11(eqn):
+        raise C.CompatError("the parameters of scan (expected num_consts, num_carry; found "
+                            "ft_in, ft_out, jaxpr, length, reverse, unroll)", "jaxpr")
+    monkeypatch.setattr(C, "scan_body", as_in_0_11)
+    p, x = _inputs()
+
+    def both(p, x):          # a conv → BN outside the scan, and one inside it
+        return S.looped(p, S.net(p, x))
+    f = hlofold.fold(both, freeze=0)
+    np.testing.assert_allclose(f(p, x), jax.jit(both)(p, x), rtol=1e-5, atol=1e-5)
+    rep = f.report(p, x)
+    assert rep.num_folded == 1 and rep.running is None       # the one outside the scan
+    assert any("the scan at top" in c for c in rep.compat), rep.compat
+
+
+def test_the_cli_exits_3_with_one_line_where_a_mode_needs_what_jax_changed(tmp_path,
+                                                                           monkeypatch,
+                                                                           capsys):
+    from hlofold import _cli
+    p, x = _inputs()
+    src = tmp_path / "m.mlir"
+    src.write_text(jax.jit(S.net).lower(p, x).as_text())
+    np.savez(tmp_path / "w.npz", arg1=np.asarray(p["k"]))
+    monkeypatch.setitem(lookup.CHANGED, "jax.extend.mlir.ir",
+                        ("stablehlo", "jax.extend.mlir.ir (not found)"))
+    out = tmp_path / "o.mlir"
+    code = _cli.main(["fold", str(src), "-o", str(out), "--params", str(tmp_path / "w.npz"),
+                      "--prepared-out", str(tmp_path / "p.npz")])
+    err = capsys.readouterr().err
+    assert code == 3 and not out.exists() and "Traceback" not in err
+    assert "changed jax.extend.mlir.ir (not found)" in err and len(err.splitlines()) == 1
+    # without --params the module is written as given, and the report says why
+    assert _cli.main(["fold", str(src), "-o", str(out)]) == 0
+    assert out.read_text() == src.read_text()
+    assert "NOTE: calls run the module as given (JAX" in capsys.readouterr().out
+
+
+def test_no_warning_inside_the_window():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lookup.warn_untested()
