@@ -74,19 +74,10 @@ def _inputs(args_path, specs):
             if tuple(a.shape) != tuple(sp.shape):
                 raise _UsageError(f"input {i}: shape {a.shape}, expected {tuple(sp.shape)}")
         return [a.astype(sp.dtype) for a, sp in zip(arrays, specs)]
-    rng = np.random.default_rng(0)
-    out = []
-    for sp in specs:
-        if any(not isinstance(d, int) for d in sp.shape):
-            raise _UsageError("the program has symbolic shapes: give --inputs")
-        dt = np.dtype(sp.dtype)
-        if np.issubdtype(dt, np.integer) or dt == np.bool_:
-            out.append(rng.integers(0, 2, sp.shape).astype(dt))
-        else:
-            # positive values: an input may be a BatchNorm variance (rsqrt of a negative
-            # number would make every output NaN and the comparison vacuous)
-            out.append(rng.uniform(0.5, 1.5, sp.shape).astype(dt))
-    return out
+    from ._stablehlo.artifacts import random_inputs
+    if any(not isinstance(d, int) for sp in specs for d in sp.shape):
+        raise _UsageError("the program has symbolic shapes: give --inputs")
+    return random_inputs(specs)
 
 
 def _verify_artifacts(original, folded, inputs_path, backends):

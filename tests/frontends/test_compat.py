@@ -225,3 +225,16 @@ def test_no_warning_inside_the_window():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lookup.warn_untested()
+
+
+def test_on_a_newer_jax_fold_stablehlo_checks_its_fold_against_the_module(monkeypatch):
+    monkeypatch.setattr(C, "UNTESTED", True)
+    p, x = _inputs()
+    text = jax.jit(lambda x: S.net(p, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and rep.running is None and "rsqrt" not in folded
+    import hlofold._core.tolerance as T       # a fold the check finds wrong: the module as given
+    monkeypatch.setattr(T, "mismatch", lambda *a: "max|Δ| too large (forced)")
+    with pytest.warns(RuntimeWarning, match="differs from the one given"):
+        again, rep = hlofold.fold_stablehlo(text)
+    assert again == text and "the fold differed from it" in rep.running
