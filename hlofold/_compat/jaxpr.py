@@ -46,7 +46,10 @@ _partial_eval = internal("jaxpr", "jax._src.interpreters.partial_eval:"
 _trace_to_jaxpr = internal("jaxpr", "jax._src.interpreters.partial_eval:"
                                     "trace_to_jaxpr_dynamic")
 _wrap_init = internal("jaxpr", "jax._src.linear_util:wrap_init")
-_auto_insert_reshard = internal("shard_map", "jax._src.core:auto_insert_reshard")
+# (jax 0.10.0 names it standard_insert_pvary; 0.10.2 has both, the newer one also inserting
+# reshards of reduced operands)
+_auto_insert_reshard = internal("shard_map", "jax._src.core:auto_insert_reshard",
+                                "jax._src.core:standard_insert_pvary")
 _SourceInfo = internal("source", "jax._src.source_info_util:SourceInfo")
 _user_context = internal("source", "jax._src.source_info_util:user_context")
 _current_name_stack = internal("source", "jax._src.source_info_util:current_name_stack")
