@@ -25,7 +25,7 @@ from .jaxpr import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, add_eqn
 from .params import (JIT_NAMES, call_body, cond_branches, inlinable_call, remat_body,
                      scan_body, while_body, with_cond_branches, with_remat_body,
                      with_scan_body, with_while_body)
-from .mlir import (bfloat16, exported_with_inputs, location_view, mlir, mlir_context,
+from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, location_view, mlir, mlir_context,
                    module_to_portable_artifact)
 
 __all__ = [
@@ -38,6 +38,6 @@ __all__ = [
     "user_location", "varying_axes",
     "JIT_NAMES", "call_body", "cond_branches", "inlinable_call", "remat_body", "scan_body",
     "while_body", "with_cond_branches", "with_remat_body", "with_scan_body", "with_while_body",
-    "bfloat16", "exported_with_inputs", "location_view", "mlir", "mlir_context",
+    "bfloat16", "exported_input_shardings", "exported_with_inputs", "location_view", "mlir", "mlir_context",
     "module_to_portable_artifact",
 ]

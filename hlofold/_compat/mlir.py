@@ -79,14 +79,22 @@ def module_to_portable_artifact(module) -> bytes:
     return _module_to_bytecode(module)
 
 
+def exported_input_shardings(exp) -> tuple:
+    """The shardings of an ``Exported``'s inputs: its named shardings where it keeps them
+    (jax 0.10, Shardy), else its HLO shardings (None: unsharded)."""
+    named = getattr(exp, "_in_named_shardings", None)
+    return tuple(named) if named is not None else tuple(exp.in_shardings_hlo)
+
+
 _EXPORTED_FIELDS = ("in_tree", "in_avals", "in_shardings_hlo", "module_kept_var_idx",
                     "mlir_module_serialized")
 
 
-def exported_with_inputs(exp, kept, new_avals, module_bytes):
+def exported_with_inputs(exp, kept, new_avals, module_bytes, new_from=None):
     """``exp`` (a ``jax.export.Exported``) with the module ``module_bytes`` whose inputs are
-    ``exp``'s inputs ``kept`` (in order) and then new inputs of ``new_avals`` (unsharded):
-    flat positional inputs. Touches ``Exported``'s private sharding fields (jax 0.10)."""
+    ``exp``'s inputs ``kept`` (in order) and then new inputs of ``new_avals``: flat
+    positional inputs. ``new_from[j]``: the input of ``exp`` whose sharding the new input
+    ``j`` takes (None: unsharded). Touches ``Exported``'s private sharding fields (jax 0.10)."""
     from .jaxpr import ShapedArray
     names = {f.name for f in dataclasses.fields(exp)}
     if not set(_EXPORTED_FIELDS) <= names:
@@ -94,7 +102,8 @@ def exported_with_inputs(exp, kept, new_avals, module_bytes):
                           + ", ".join(sorted(set(_EXPORTED_FIELDS) - names)) + ")", "export")
     avals = [exp.in_avals[i] for i in kept] + [ShapedArray(a.shape, a.dtype)
                                                for a in new_avals]
-    extra = (None,) * len(new_avals)
+    new_from = list(new_from) if new_from is not None else [None] * len(new_avals)
+    extra = tuple(None if i is None else exp.in_shardings_hlo[i] for i in new_from)
     fields = dict(
         in_tree=jax.tree_util.tree_structure((tuple(range(len(avals))), {})),
         in_avals=tuple(avals),
@@ -103,5 +112,6 @@ def exported_with_inputs(exp, kept, new_avals, module_bytes):
         mlir_module_serialized=module_bytes)
     named = getattr(exp, "_in_named_shardings", None)
     if named is not None:
-        fields["_in_named_shardings"] = tuple(named[i] for i in kept) + extra
+        fields["_in_named_shardings"] = tuple(named[i] for i in kept) + tuple(
+            None if i is None else named[i] for i in new_from)
     return dataclasses.replace(exp, **fields)

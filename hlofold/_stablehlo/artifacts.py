@@ -20,7 +20,7 @@ from .ir import StableHLOError
 from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
-from .weights import bind_and_fold
+from .weights import argument_index, bind_and_fold
 
 ir, stablehlo, _ = C.mlir()
 
@@ -284,12 +284,24 @@ def _fold_with_params(art: Artifact, data, params):
                                  "inputs one to one (unused inputs dropped, effects or several "
                                  "platforms): fold before exporting, with hlofold.export")
         assert len(kept) + len(prepared) == n_module
-        new = C.exported_with_inputs(exp, kept, prepared,
-                                     C.module_to_portable_artifact(module))
+        bound = [argument_index(k) for k in params]
+        new = C.exported_with_inputs(exp, kept, prepared, C.module_to_portable_artifact(module),
+                                     new_from=[_origin(exp, bound, v) for v in prepared])
     prepared = [jax.device_put(v) for v in prepared]
     if isinstance(data, jax.export.Exported):
         return new, report, prepared
     return bytes(new.serialize()), report, prepared
+
+
+def _origin(exp, bound: list[int], value) -> int | None:
+    """The bound input whose sharding a prepared ``value`` takes: one of its shape and dtype,
+    where all such inputs are sharded alike (see ``shardings``)."""
+    shardings = C.exported_input_shardings(exp)
+    same = [i for i in bound if tuple(exp.in_avals[i].shape) == tuple(np.shape(value))
+            and np.dtype(exp.in_avals[i].dtype) == np.asarray(value).dtype]
+    if not same or shardings[same[0]] is None or len({str(shardings[i]) for i in same}) != 1:
+        return None
+    return same[0]
 
 
 def _write(module, art: Artifact):
@@ -330,11 +342,13 @@ def _main_signature(text_or_bytes):
         return [aval(t) for t in ftype.inputs], [aval(t) for t in ftype.results]
 
 
-def module_callable(data, platform: str = "cpu"):
+def module_callable(data, platform: str = "cpu", in_shardings=None, out_shardings=None):
     """A function running the StableHLO module ``data`` (any artifact kind) through JAX.
 
     For a ``jax.export`` artifact this is its own ``call``; for a bare module, an export of
-    the module's signature whose body is replaced by the module.
+    the module's signature whose body is replaced by the module. A sharded module (Shardy's
+    ``sdy.sharding``) runs sharded when given the shardings of its inputs and outputs (as
+    for ``jax.jit``: ``NamedSharding`` s of one mesh, flat lists).
     """
     art = read_artifact(data)
     if art.kind == EXPORT:
@@ -348,7 +362,9 @@ def module_callable(data, platform: str = "cpu"):
 
     def zeros(*_):
         return tuple(jax.numpy.zeros(o.shape, o.dtype) for o in outs)
-    shell = jax.export.export(jax.jit(zeros), platforms=[platform])(*ins)
+    sharded = {} if in_shardings is None else dict(
+        in_shardings=tuple(in_shardings), out_shardings=tuple(out_shardings))
+    shell = jax.export.export(jax.jit(zeros, **sharded), platforms=[platform])(*ins)
     ctx = C.mlir_context()
     with ctx:
         module = ir.Module.parse(art.module)

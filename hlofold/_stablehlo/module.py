@@ -136,12 +136,12 @@ def main_function(module):
 def check_stablehlo(module):
     names, inner = set(), set()
     for fop in module.body.operations:
-        names.add(op_name(fop))
+        names.add(op_name(fop).split(".")[0])       # func.func, sdy.mesh, ...
         if op_name(fop) == "func.func" and fop.regions[0].blocks:
             inner.update(op.operation.name for op in fop.regions[0].blocks[0].operations)
     names.update(n.split(".")[0] for n in inner)
-    unknown = {n for n in names if n not in ("func", "stablehlo", "chlo", "func.func",
-                                             "sdy", "mhlo", "shardy", "builtin")}
+    unknown = {n for n in names if n not in ("func", "stablehlo", "chlo", "sdy", "mhlo",
+                                             "shardy", "builtin")}
     if not any(op_name(f) == "func.func" for f in module.body.operations):
         raise StableHLOError("the module has no func.func: not a StableHLO program")
     if unknown:

@@ -28,6 +28,8 @@ from .build import PREPARED, all_finite, marked, unmark
 from .ir import StableHLOError, op_name, reads
 from .module import drop_uncalled_private, main_function, parse_module
 from .fold import fold_module
+from .shardings import (argument_shardings, from_arguments, set_argument_shardings,
+                        set_result_shardings)
 from .weights import argument_index, set_arguments
 
 ir, stablehlo, _ = C.mlir()
@@ -110,6 +112,8 @@ def _make_prepare(main, kinds, crossing, moved, calls) -> None:
     block = main.regions[0].blocks[0]
     ops = list(block.operations)
     outs = [_value(block, ops, k) for k in crossing]
+    shardings = argument_shardings(main)
+    out_shardings = [from_arguments(v, block, shardings) for v in outs] + [{}]
     ret = ops[-1]
     with ir.InsertionPoint(ret):
         ok = None
@@ -134,14 +138,15 @@ def _make_prepare(main, kinds, crossing, moved, calls) -> None:
     set_arguments(main, weights)
     main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
         [a.type for a in block.arguments], [v.type for v in outs]))
-    if "res_attrs" in main.attributes:
-        del main.attributes["res_attrs"]
+    set_result_shardings(main, out_shardings)     # the prepared weights: as their origin
 
 
 def _make_apply(main, kinds, crossing, moved, calls) -> None:
     block = main.regions[0].blocks[0]
     ops = list(block.operations)
     n = len(block.arguments)
+    shardings = argument_shardings(main)
+    new_shardings = [from_arguments(_value(block, ops, k), block, shardings) for k in crossing]
     for k in crossing:
         v = _value(block, ops, k)
         arg = block.add_argument(v.type, ir.Location.unknown())
@@ -152,5 +157,6 @@ def _make_apply(main, kinds, crossing, moved, calls) -> None:
             continue
         if kinds[pos] == WEIGHT or all(len(list(r.uses)) == 0 for r in op.results):
             op.erase()
-    set_arguments(main, list(range(len(block.arguments))), appended=True)
+    set_arguments(main, list(range(n)), appended=True)
     set_arguments(main, calls + list(range(n, len(block.arguments))))
+    set_argument_shardings(main, {len(calls) + j: s for j, s in enumerate(new_shardings)})

@@ -22,6 +22,7 @@ from .._core.report import FoldReport
 from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense
 from .module import main_function, parse_module
 from .fold import fold_module
+from .shardings import argument_shardings, by_type, set_argument_shardings
 
 ir, stablehlo, _ = C.mlir()
 
@@ -51,6 +52,8 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any]) -> tuple[Any, FoldRe
         n = len(block.arguments)
         for i, v in values.items():
             _check_value(i, v, block.arguments[i].type if i < n else None, n)
+        shardings = argument_shardings(main)
+        removed = [(block.arguments[i].type, shardings[i]) for i in sorted(values)]
         with ir.InsertionPoint.at_block_begin(block):
             for i, v in sorted(values.items()):
                 arg = block.arguments[i]
@@ -61,6 +64,9 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any]) -> tuple[Any, FoldRe
         set_arguments(main, kept)
         report = fold_module(module)
         prepared = _hoist(main)
+        hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
+        set_argument_shardings(main, {len(kept) + j: sh
+                                      for j, sh in by_type(hoisted, removed).items()})
         if not module.operation.verify():
             raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return module, report, prepared, kept
