@@ -329,6 +329,15 @@ def main(argv=None) -> int:
     except CompatError as e:          # this JAX changed what the command needs: nothing written
         print(f"hlofold {args.command}: {e}", file=sys.stderr)
         return 3
+    except Exception as e:            # a bug of hlofold's: one line, no partial output
+        import os
+        if os.environ.get("HLOFOLD_TRACEBACK"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"hlofold {args.command}: internal error ({type(e).__name__}: {first}); nothing "
+              f"was written. Please report it with the input (HLOFOLD_TRACEBACK=1 shows the "
+              f"traceback)", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":  # pragma: no cover

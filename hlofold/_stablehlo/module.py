@@ -87,16 +87,20 @@ def call_sites(module) -> dict:
 
 
 def drop_uncalled_private(module, only=None) -> None:
-    """Erase the private functions no ``func.call`` anywhere (nested regions included)
-    calls; with ``only``, just those of these names."""
+    """Erase the private functions nothing refers to — no ``func.call``, no
+    ``stablehlo.composite``'s ``decomposition``, no other op's symbol attribute, anywhere
+    (nested regions included); with ``only``, just those of these names."""
     called = set()
 
     def calls_in(op):
         for region in op.regions:
             for block in region.blocks:
                 for inner in block.operations:
-                    if op_name(inner) == "func.call":
-                        called.add(ir.FlatSymbolRefAttr(inner.attributes["callee"]).value)
+                    attrs = inner.attributes
+                    for k in range(len(attrs)):
+                        a = attrs[k].attr
+                        if isinstance(a, ir.FlatSymbolRefAttr):
+                            called.add(a.value)
                     calls_in(inner)
     for fop in module.body.operations:
         calls_in(fop)
