@@ -5,7 +5,7 @@ accumulation and depth; TF32 eps for float32 on GPUs across backends).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -13,7 +13,7 @@ import numpy as np
 from . import _compat as C
 from . import _iree as iree
 from ._core import tolerance as T
-from ._jaxpr.accumulation import accumulation_of
+from ._jaxpr.accumulation import accumulation_of, computes_in
 
 _PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
 
@@ -112,20 +112,23 @@ def _as_callable(prog, platform: str):
     return module_callable(prog, platform)
 
 
-def accumulation_length(prog, args) -> tuple[int, int]:
-    """``(L, D)`` of ``prog`` (a callable or an artifact): its longest accumulation of a
-    conv/dot and the most of them on one path (see :mod:`hlofold._core.tolerance`)."""
+def accumulation_length(prog, args) -> tuple[int, int, Any]:
+    """``(L, D, compute)`` of ``prog`` (a callable or an artifact): its longest accumulation
+    of a conv/dot, the most of them on one path, and the narrowest float type they compute
+    in (see :mod:`hlofold._core.tolerance`)."""
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
-        return accumulation_of(jax.make_jaxpr(prog)(*args).jaxpr)
-    from ._stablehlo.accumulation import module_accumulation
+        jaxpr = jax.make_jaxpr(prog)(*args).jaxpr
+        return (*accumulation_of(jaxpr), computes_in(jaxpr))
+    from ._stablehlo.accumulation import module_accumulation, module_computes_in
     from ._stablehlo.artifacts import read_artifact
     from ._stablehlo.module import parse_module
     with C.mlir_context():
-        return module_accumulation(parse_module(read_artifact(prog).module))
+        module = parse_module(read_artifact(prog).module)
+        return (*module_accumulation(module), module_computes_in(module))
 
 
 def verify(original, folded, *args, backends: Sequence[str] | None = None,
-           accumulation: int | tuple[int, int] | None = None,
+           accumulation: int | tuple | None = None,
            raise_on_failure: bool = True) -> VerifyReport:
     """Compare ``folded`` against ``original`` on every available backend.
 
@@ -136,14 +139,16 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     where IREE is installed, see :mod:`hlofold._iree`); default every one present. Each
     output is compared with the original on the same backend, and with the original on
     XLA's CPU (cross-backend). Raises ``VerificationError`` on failure unless
-    ``raise_on_failure=False``.
+    ``raise_on_failure=False``. ``accumulation``: ``L``, ``(L, D)`` or ``(L, D, compute)``
+    of the tolerance model (default: read from ``original``).
     """
     names = _available(backends)
     if not names:
         raise ValueError(f"none of the backends {list(backends or _PLATFORMS)} is available")
     if accumulation is None:
         accumulation = accumulation_length(original, args)
-    acc, depth = accumulation if isinstance(accumulation, tuple) else (accumulation, 0)
+    acc, depth, compute = (tuple(accumulation) + (0, None))[:3] if isinstance(
+        accumulation, tuple) else (accumulation, 0, None)
     results: dict[str, tuple[list, list]] = {}
     devices, skipped, errors = {}, {}, {}
     for b in names:
@@ -170,14 +175,15 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
             pairs.append(("cpu original", cpu_ref))
         for against, refs in pairs:
             for i, (r, x) in enumerate(zip(refs, fold)):
-                rows.append(_row(b, against, i, r, x, acc, depth))
+                rows.append(_row(b, against, i, r, x, acc, depth, compute))
     rep = VerifyReport(rows, acc, names, devices, depth, skipped, errors)
     if raise_on_failure and not rep.passed:
         raise VerificationError(rep)
     return rep
 
 
-def _row(backend, against, i, ref, out, acc, depth) -> VerifyRow:
-    c = T.compare(ref, out, acc, depth, backend, cross=against != "same backend")
+def _row(backend, against, i, ref, out, acc, depth, compute=None) -> VerifyRow:
+    c = T.compare(ref, out, acc, depth, backend, cross=against != "same backend",
+                  compute=compute)
     return VerifyRow(backend, against, i, str(np.asarray(ref).dtype), c.max_abs, c.max_rel,
                      c.eps_units, c.bound, c.passed, c.finite)

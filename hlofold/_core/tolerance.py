@@ -10,7 +10,10 @@ grows like rounding noise over the longest accumulation ``L`` (the largest
     max|folded − original| ≤ min(eps·(8 + 2·√L)·(D + 1), 1/8) · max|original| + eps·1e-3
 
 over the finite values, with NaN/inf at the same places; non-float outputs compare exactly.
-``eps`` is the dtype's machine epsilon; across backends (a GPU against the CPU original)
+``eps`` is the machine epsilon of the output's dtype or, when the program computes its
+convolutions and dots in a narrower float type (bf16/fp16 under float32 outputs: a mixed-
+precision model's logits), of that type (``compute``): the fold rounds the kernel to the type
+it computes in, and the original's own error is of that type's order; across backends (a GPU against the CPU original)
 float32 may run as TF32 on tensor cores, so cross-backend checks use eps = 2⁻¹⁰ for float32
 on GPUs. The relative part is capped at 1/8: a wrong fold (a wrong scale or bias) errs by
 O(max|original|), which must always fail, also in bfloat16 over long accumulations.
@@ -28,20 +31,30 @@ CAP = 1 / 8
 _BLOCK = 1 << 16       # elements compared at a time
 
 
-def eps(dtype, backend: str = "cpu", cross: bool = False) -> float:
-    """The rounding unit of the model for outputs of ``dtype`` (0 for non-float dtypes)."""
+def eps(dtype, backend: str = "cpu", cross: bool = False, compute=None) -> float:
+    """The rounding unit of the model for outputs of ``dtype`` (0 for non-float dtypes) from a
+    program computing in ``compute`` (None: in the output's type)."""
     dt = np.dtype(dtype)
     if not jnp.issubdtype(dt, jnp.floating):
         return 0.0
-    if cross and backend == "gpu" and dt == np.float32:
-        return 2.0 ** -10
-    return float(jnp.finfo(dt).eps)
+    e = 2.0 ** -10 if cross and backend == "gpu" and dt == np.float32 else \
+        float(jnp.finfo(dt).eps)
+    if compute is not None and jnp.issubdtype(np.dtype(compute), jnp.floating):
+        e = max(e, float(jnp.finfo(np.dtype(compute)).eps))
+    return e
+
+
+def narrowest(dtypes) -> np.dtype | None:
+    """The float type of ``dtypes`` with the largest epsilon (None: no float type)."""
+    floats = [np.dtype(d) for d in dtypes if d is not None
+              and jnp.issubdtype(np.dtype(d), jnp.floating)]
+    return max(floats, key=lambda d: float(jnp.finfo(d).eps), default=None)
 
 
 def bound(dtype, scale: float, accumulation: int = 1, depth: int = 0, backend: str = "cpu",
-          cross: bool = False) -> float:
+          cross: bool = False, compute=None) -> float:
     """The largest ``max|Δ|`` the model allows for outputs of magnitude ``scale``."""
-    e = eps(dtype, backend, cross)
+    e = eps(dtype, backend, cross, compute)
     rel = min(e * (8 + 2 * math.sqrt(max(accumulation, 1))) * (max(depth, 0) + 1), CAP)
     return rel * scale + e * 1e-3
 
@@ -62,13 +75,13 @@ class Comparison:
 
 
 def compare(ref, out, accumulation: int = 1, depth: int = 0, backend: str = "cpu",
-            cross: bool = False) -> Comparison:
+            cross: bool = False, compute=None) -> Comparison:
     """``out`` against ``ref`` under the model (see the module docstring)."""
     r, o = np.asarray(ref), np.asarray(out)
     if r.shape != o.shape or r.dtype != o.dtype:
         return Comparison(math.inf, math.inf, math.inf, 0.0, 0.0,
                           f"{o.dtype}{list(o.shape)} instead of {r.dtype}{list(r.shape)}")
-    e = eps(r.dtype, backend, cross)
+    e = eps(r.dtype, backend, cross, compute)
     if e == 0.0:
         same = np.array_equal(r, o)
         return Comparison(0.0 if same else math.inf, 0.0 if same else math.inf, 0.0, 0.0,
@@ -86,7 +99,7 @@ def compare(ref, out, accumulation: int = 1, depth: int = 0, backend: str = "cpu
             scale = max(scale, float(np.abs(rb, out=d, where=finite).max()))
         same_specials = same_specials and np.array_equal(np.isnan(rb), np.isnan(ob)) and \
             np.array_equal(np.where(np.isinf(rb), rb, 0), np.where(np.isinf(ob), ob, 0))
-    tol = bound(r.dtype, scale, accumulation, depth, backend, cross)
+    tol = bound(r.dtype, scale, accumulation, depth, backend, cross, compute)
     why = None
     if not same_specials:
         why = "NaN/inf at other places"
@@ -97,6 +110,6 @@ def compare(ref, out, accumulation: int = 1, depth: int = 0, backend: str = "cpu
                       n_finite / r.size if r.size else 1.0, why)
 
 
-def mismatch(ref, out, accumulation: int = 1, depth: int = 0) -> str | None:
+def mismatch(ref, out, accumulation: int = 1, depth: int = 0, compute=None) -> str | None:
     """Why ``out`` is not ``ref`` under the model (None: it is)."""
-    return compare(ref, out, accumulation, depth).why
+    return compare(ref, out, accumulation, depth, compute=compute).why

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
+from .._core.tolerance import narrowest
 from .nested import subjaxprs
 
 _ACCUMULATING = frozenset({"conv_general_dilated", "dot_general"})
@@ -26,6 +27,17 @@ def accumulation_of(jaxpr) -> tuple[int, int]:
         deepest = max(deepest, d)
     return longest, deepest
 
+
+
+def computes_in(jaxpr) -> np.dtype | None:
+    """The narrowest float type a conv/dot of ``jaxpr`` (nested jaxprs included) reads or
+    writes: the precision the program computes in (``_core.tolerance``'s ``compute``)."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name in _ACCUMULATING:
+            found += [v.aval.dtype for v in (*e.invars[:2], *e.outvars)]
+        found += [d for j in subjaxprs(e) if (d := computes_in(j)) is not None]
+    return narrowest(found)
 
 
 def _eqn_accumulation(e) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .ir import DOTS, ROOTS
+from .._core.tolerance import narrowest
+from .ir import DOTS, ROOTS, elem_type, float_dtype
 from .patterns import dot_dims
 
 
@@ -48,3 +49,22 @@ def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
                 depth[r] = d
             deepest = max(deepest, d)
     return longest, deepest
+
+
+def module_computes_in(module) -> np.dtype | None:
+    """The narrowest float type a convolution or dot of ``module`` (any function, any region)
+    reads or writes: the precision the module computes in (``_core.tolerance``'s
+    ``compute``)."""
+    found = []
+
+    def walk(op):
+        if op.operation.name in ROOTS:
+            found.extend(float_dtype(elem_type(v)) for v in (*list(op.operands)[:2],
+                                                             *op.results))
+        for region in op.operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    walk(inner)
+    for f in module.body.operations:
+        walk(f)
+    return narrowest(found)

@@ -194,7 +194,7 @@ def _checked(data, folded, report: FoldReport):
     they differ beyond hlofold's tolerance, the artifact as given, with the reason."""
     import warnings
     from .._core.tolerance import mismatch
-    from .accumulation import module_accumulation
+    from .accumulation import module_accumulation, module_computes_in
     from .module import parse_module
     specs = input_specs(data)
     if any(not isinstance(d, int) for sp in specs for d in sp.shape) or (
@@ -207,9 +207,11 @@ def _checked(data, folded, report: FoldReport):
     ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
     out = jax.tree.leaves(module_callable(folded, "cpu")(*args))
     with C.mlir_context():
-        acc, depth = module_accumulation(parse_module(read_artifact(data).module))
+        module = parse_module(read_artifact(data).module)
+        acc, depth = module_accumulation(module)
+        compute = module_computes_in(module)
     bad = [why for r, o in zip(ref, out)
-           if (why := mismatch(np.asarray(r), np.asarray(o), acc, depth)) is not None]
+           if (why := mismatch(np.asarray(r), np.asarray(o), acc, depth, compute)) is not None]
     if len(ref) == len(out) and not bad:
         return folded, report
     why = bad[0] if bad else "a different number of outputs"
