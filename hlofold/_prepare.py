@@ -116,8 +116,11 @@ def place(hoisted: Sequence[Any], like: Sequence[Any]) -> list:
     """Device arrays of the hoisted constants, placed like the parameters they come from.
 
     A constant that *is* a parameter passes through; a new one (a folded kernel or bias)
-    takes the sharding of a parameter of its shape (a folded kernel keeps its kernel's),
-    else is replicated over the parameters' mesh or put on their device."""
+    takes the sharding of a parameter of its shape (a folded kernel keeps its kernel's), or
+    of its shape without size-1 dimensions (a bias ``(1, 1, 1, C)`` the BatchNorm vectors'
+    ``(C,)``: the channel stays sharded as in the original program, so its output comes back
+    in ``jax.jit``'s sharding), else is replicated over the parameters' mesh or put on their
+    device."""
     # uncommitted parameters (made without a placement) leave the new ones uncommitted too,
     # so jit places them with the per-call inputs as it would have placed the parameters
     arrays = [a for a in like if isinstance(a, jax.Array) and not C.is_tracer(a)
@@ -137,9 +140,22 @@ def place(hoisted: Sequence[Any], like: Sequence[Any]) -> list:
         if isinstance(c, jax.Array):
             out.append(c)
             continue
-        target = by_shape.get(tuple(np.shape(c)), default)
+        target = by_shape.get(tuple(np.shape(c))) or _squeezed_like(np.shape(c), by_shape) \
+            or default
         out.append(jax.device_put(c, target) if target is not None else jax.device_put(c))
     return out
+
+
+def _squeezed_like(shape, by_shape: dict):
+    """The sharding of a parameter whose shape is ``shape`` without its size-1 dimensions,
+    spread over ``shape`` (those dimensions unsharded); None where there is none."""
+    squeezed = tuple(d for d in shape if d != 1)
+    sh = by_shape.get(squeezed) if len(squeezed) < len(shape) else None
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        return None
+    spec = iter(tuple(sh.spec) + (None,) * (len(squeezed) - len(sh.spec)))
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(
+        *[None if d == 1 else next(spec) for d in shape]))
 
 
 def _dtype(c):

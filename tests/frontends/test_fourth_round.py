@@ -96,3 +96,20 @@ def test_the_stablehlo_path_measures_the_same_precision():
     leaves = jax.tree.leaves((p, x))
     vrep = hlofold.verify(text, folded, *leaves)
     assert rep.num_folded > 0 and vrep.passed
+
+
+def test_freeze_and_host_prepare_keep_jits_output_sharding():
+    """Item 4: parameters sharded over both axes of a 4 × 2 mesh; every folded call's output
+    has jax.jit's sharding (24 combinations of kernel, BatchNorm-vector and input shardings
+    × freeze=/prepare="host"/both/default). Runs in a subprocess (8 host devices)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, "-m", "tests.frontends._output_sharding_script"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "ok: 48 folded calls kept jax.jit's output sharding" in proc.stdout
