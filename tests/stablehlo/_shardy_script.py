@@ -129,8 +129,14 @@ def run_check(name: str) -> str:
     close(ref, out, "split=")
     same_sharding(out, ref, "split=")
 
-    # a sharded jax.export: params= gives an Exported whose new inputs keep the shardings
+    # a sharded jax.export: in the graph, the same inputs; params= gives an Exported whose
+    # new inputs keep the shardings
     exp = jax.export.export(jitted)(p, x)
+    new, rep = hlofold.fold_stablehlo(exp, in_graph=True)
+    assert rep.num_folded >= n_min
+    out = jax.jit(new.call)(p, x)
+    close(ref, out, "export in the graph")
+    same_sharding(out, ref, "export in the graph")
     new, rep, prepared = hlofold.fold_stablehlo(
         exp, params={i: np.asarray(v) for i, v in enumerate(leaves)})
     assert rep.num_folded >= n_min
