@@ -86,10 +86,16 @@ def call_sites(module) -> dict:
     return out
 
 
+# the attributes by which an op refers to a function: func.call's callee, a composite's
+# decomposition, a custom_call's called computations
+SYMBOL_ATTRS = ("callee", "decomposition", "called_computations")
+
+
 def drop_uncalled_private(module, only=None) -> None:
     """Erase the private functions nothing refers to — no ``func.call``, no
-    ``stablehlo.composite``'s ``decomposition``, no other op's symbol attribute, anywhere
-    (nested regions included); with ``only``, just those of these names."""
+    ``stablehlo.composite``'s ``decomposition``, no ``custom_call``'s
+    ``called_computations``, anywhere (nested regions included); with ``only``, just those of
+    these names."""
     called = set()
 
     def calls_in(op):
@@ -97,10 +103,11 @@ def drop_uncalled_private(module, only=None) -> None:
             for block in region.blocks:
                 for inner in block.operations:
                     attrs = inner.attributes
-                    for k in range(len(attrs)):
-                        a = attrs[k].attr
-                        if isinstance(a, ir.FlatSymbolRefAttr):
-                            called.add(a.value)
+                    for key in SYMBOL_ATTRS:
+                        if key in attrs:
+                            a = attrs[key]
+                            refs = list(ir.ArrayAttr(a)) if isinstance(a, ir.ArrayAttr) else [a]
+                            called.update(ir.FlatSymbolRefAttr(r).value for r in refs)
                     calls_in(inner)
     for fop in module.body.operations:
         calls_in(fop)

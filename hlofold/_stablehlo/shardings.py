@@ -45,6 +45,8 @@ def agreed(candidates: list[dict]) -> dict:
 def from_arguments(value, block, shardings: list[dict]) -> dict:
     """The sharding of the arguments of ``block`` that ``value`` is computed from and that
     have its type (see the module docstring)."""
+    if not any(shardings):       # an unsharded module (the common case): nothing to walk
+        return {}
     args = {a: i for i, a in enumerate(block.arguments)}
     seen, todo, found = set(), [value], []
     while todo:
@@ -93,9 +95,15 @@ def set_result_shardings(main, shards: list[dict]) -> None:
 def by_type(values: list[Any], removed: list[tuple[Any, dict]]) -> dict[int, dict]:
     """For values that replace weight arguments bound to constants (``removed``: their
     types and shardings): the sharding all removed arguments of a value's type agree on."""
+    by: dict = {}
+    for t, sh in removed:
+        if sh:
+            by.setdefault(str(t), []).append(sh)
+    if not by:                   # an unsharded module (the common case): nothing to do
+        return {}
     out = {}
     for k, v in enumerate(values):
-        s = agreed([sh for t, sh in removed if t == v.type])
+        s = agreed(by.get(str(v.type), []))
         if s:
             out[k] = s
     return out
