@@ -120,7 +120,7 @@ class Folded(FoldedViews):
         self._prepare = prepare
         self._float32_kernels = float32_kernels
         self._cost = None if fold_costly else frozenset()     # the cost rule (_core.cost)
-        self._verify = C.UNTESTED if verify is None else bool(verify)
+        self._verify = C.untested() if verify is None else bool(verify)
         self.in_graph = bool(in_graph)
         # fail closed: where this JAX changed what the jaxpr path reads, every call runs
         # the original program (jax.jit of it), and report() says why
@@ -387,8 +387,11 @@ class Folded(FoldedViews):
             return list(prog.original_fn()(*leaves)), None
         try:
             entry = self._folding_for(prog, known)
-        except C.CompatError as e:    # preparing needs an internal this JAX changed
-            prog.compat = f"the original program ({e})"
+        except Exception as e:        # preparing needs an internal this JAX changed
+            err = C.as_compat(e)
+            if err is None:
+                raise
+            prog.compat = f"the original program ({err})"
             return list(prog.original_fn()(*leaves)), None
         _, fn, prepared = entry
         return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx])), entry

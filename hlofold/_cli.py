@@ -204,7 +204,7 @@ def cmd_fold(args) -> int:
     print(report)
     from . import _compat as C
     verify = args.verify if args.verify is not None else (
-        C.UNTESTED and (report.num_folded > 0 or prepare is not None or prepared is not None))
+        C.untested() and (report.num_folded > 0 or prepare is not None or prepared is not None))
     if verify:
         if prepare is not None:
             vrep = _verify_split(data, folded, prepare, args.per_call, args.inputs,

@@ -82,8 +82,10 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     if off is None:
         try:
             return _fold_params(fn, params, *args)
-        except C.CompatError as e:
-            off = e
+        except Exception as e:
+            off = C.as_compat(e)
+            if off is None:
+                raise
     return FoldedParams(params, [], FoldReport([], running=f"the original parameters ({off})",
                                                compat=[str(off)]))
 

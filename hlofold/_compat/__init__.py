@@ -15,8 +15,9 @@ hlofold *fail closed* on a JAX it has not seen:
 Importing hlofold never fails because an internal moved: a missing one becomes a stand-in
 that raises :class:`CompatError` when used, and the front ends run the original program.
 """
-from .lookup import (CHANGED, LOOKUPS, JAX_VERSION, TESTED, UNTESTED, WINDOW, CompatError, disabled,
-                     internal, is_untested, require, version_tuple, warn_untested)
+from .lookup import (CHANGED, LOOKUPS, JAX_VERSION, TESTED, WINDOW, CompatError, as_compat,
+                     disabled, internal, is_untested, require, untested, version_tuple,
+                     warn_untested)
 from .jaxpr import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, add_eqn, aval_of,
                     bind_eqn, check_jaxpr, cond_eqn, eval_jaxpr, hoist_consts, in_manual_context,
                     is_tracer, jaxpr_as_fun, jaxpr_of, jit_info, name_stack, new_var,
@@ -29,8 +30,9 @@ from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, loc
                    module_to_portable_artifact)
 
 __all__ = [
-    "CHANGED", "LOOKUPS", "JAX_VERSION", "TESTED", "UNTESTED", "WINDOW", "CompatError", "disabled",
-    "internal", "is_untested", "require", "version_tuple", "warn_untested",
+    "CHANGED", "LOOKUPS", "JAX_VERSION", "TESTED", "WINDOW", "CompatError", "as_compat",
+    "disabled", "internal", "is_untested", "require", "untested", "version_tuple",
+    "warn_untested",
     "ClosedJaxpr", "DropVar", "Jaxpr", "JaxprEqn", "Literal", "Var", "add_eqn", "aval_of",
     "bind_eqn", "check_jaxpr", "cond_eqn", "eval_jaxpr", "hoist_consts", "in_manual_context",
     "is_tracer", "jaxpr_as_fun", "jaxpr_of", "jit_info", "name_stack", "new_var",

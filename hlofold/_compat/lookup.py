@@ -52,6 +52,13 @@ def is_untested(version: str = JAX_VERSION) -> bool:
 
 
 UNTESTED: bool = is_untested()
+
+
+def untested() -> bool:
+    """Whether this JAX is newer than the tested window (read at call time)."""
+    return UNTESTED
+
+
 WINDOW = f"jax {TESTED[0]} to {TESTED[1]}"
 
 
@@ -141,9 +148,23 @@ def internal(feature: str, *paths: str) -> Any:
     return type(f"Missing[{name}]", (Missing,), {"_name": name, "_feature": feature})
 
 
+def as_compat(err: Exception, feature: str = "jaxpr") -> CompatError | None:
+    """``err``, raised by hlofold's own machinery while folding, as what fails closed: a
+    :class:`CompatError` as it is; on a JAX newer than the tested window any other error too
+    (hlofold has not seen that JAX: the call runs the original program, the report says why);
+    on a tested JAX None — a bug of hlofold's, to raise."""
+    if isinstance(err, CompatError):
+        return err
+    if not UNTESTED:
+        return None
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    return CompatError(f"what hlofold reads ({type(err).__name__} while folding: {first})",
+                       feature)
+
+
 def warn_untested(stacklevel: int = 2) -> None:
     """Say once, on an untested JAX, what hlofold does there."""
-    if UNTESTED:
+    if untested():
         warnings.warn(
             f"hlofold is tested with {WINDOW}; this is jax {JAX_VERSION}. Folded functions "
             f"verify the first call of each input signature against the original program "

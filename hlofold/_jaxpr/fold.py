@@ -103,8 +103,11 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
                    const_names=cnames, path="top", sites=sites, opts=opts)
     try:
         folded = scope.fold()
-    except C.CompatError as e:  # an internal this JAX changed, met mid-fold: fold nothing
-        return closed, unchanged_report(e)
+    except Exception as e:      # an internal this JAX changed, met mid-fold: fold nothing
+        err = C.as_compat(e)    # (on a tested JAX, only a CompatError; others are bugs)
+        if err is None:
+            raise
+        return closed, unchanged_report(err)
     return folded, FoldReport(sites, compat=list(opts.compat))
 
 

@@ -161,13 +161,18 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                          "module for any weight values) exclude each other")
     off = C.disabled("stablehlo")
     if off is None:
+        art = read_artifact(data)          # bad input is the caller's: raised as it is
         try:
-            result = _fold(data, params, split, in_graph)
-            if C.UNTESTED and params is None and split is None and result[1].num_folded:
+            result = _fold(art, data, params, split, in_graph)
+            if C.untested() and params is None and split is None and result[1].num_folded:
                 return _checked(data, *result)
             return result
-        except C.CompatError as e:
-            off = e
+        except StableHLOError:
+            raise
+        except Exception as e:
+            off = C.as_compat(e, "stablehlo")
+            if off is None:
+                raise
     if params is not None or split is not None:
         raise off       # their results take other arguments than the module given
     return _unchanged(data), FoldReport([], running=f"the module as given ({off})",
@@ -236,8 +241,7 @@ def _unchanged(data):
     return bytes(data) if isinstance(data, (bytearray, memoryview)) else data
 
 
-def _fold(data, params, split, in_graph):
-    art = read_artifact(data)
+def _fold(art: Artifact, data, params, split, in_graph):
     if params is not None:
         return _fold_with_params(art, data, params)
     if split is not None:

@@ -82,7 +82,7 @@ def main(cfg: dict) -> dict:
         import hlofold
         import hlofold._compat as C
         out: dict = {"changed": {k: list(v) for k, v in C.CHANGED.items()}, "jax": C.JAX_VERSION,
-                     "untested": C.UNTESTED, "errors": {}, "diff": {}, "notes": {},
+                     "untested": C.untested(), "errors": {}, "diff": {}, "notes": {},
                      "folded": {}}
         rng = np.random.default_rng(0)
         p, x = params(rng), jnp.asarray(rng.normal(size=(2, 8, 8, 4)), jnp.float32)
