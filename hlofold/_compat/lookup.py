@@ -70,6 +70,9 @@ class CompatError(RuntimeError):
         super().__init__(f"JAX {JAX_VERSION} changed {what}: {_OFF[feature]} on this JAX "
                          f"(hlofold is tested with {WINDOW})")
 
+    def __reduce__(self):           # copies and pickles (a Folded holding one is copied)
+        return CompatError, (self.what, self.feature)
+
 
 _OFF = {
     "jaxpr": "hlofold does not fold jaxprs (calls run the original program)",

@@ -277,3 +277,14 @@ def test_on_a_newer_jax_any_failure_while_folding_runs_the_original(monkeypatch)
     monkeypatch.setattr(lookup, "UNTESTED", False)
     with pytest.raises(KeyError):
         hlofold.fold_stablehlo(text)
+
+
+def test_a_folded_function_running_as_given_copies_and_pickles():
+    import copy
+    import pickle
+    p, x = _inputs()
+    f = hlofold.fold(_Jitted(S.net))
+    np.testing.assert_array_equal(copy.deepcopy(f)(p, x), jax.jit(S.net)(p, x))
+    err = C.CompatError("jax.jit's wrapped functions", "jaxpr")
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err) and again.feature == "jaxpr"
