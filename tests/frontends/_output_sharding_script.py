@@ -22,13 +22,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hlofold  # noqa: E402
+from tests.helpers.conv_bn import conv_bn, conv_bn_params  # noqa: E402
 
 
 def net(p, x):
-    y = jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return jax.nn.relu((y - p["mean"]) * jax.lax.rsqrt(p["var"] + 1e-5) * p["gamma"]
-                       + p["beta"])
+    return jax.nn.relu(conv_bn(p, x))
 
 
 def main() -> int:
@@ -36,10 +34,7 @@ def main() -> int:
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     rng = np.random.default_rng(0)
     c = 8
-    p0 = {"k": rng.normal(size=(3, 3, c, c)), "mean": rng.normal(size=c),
-          "var": rng.uniform(0.5, 2, size=c), "gamma": rng.normal(size=c),
-          "beta": rng.normal(size=c)}
-    p0 = {k: jnp.asarray(v, jnp.float32) for k, v in p0.items()}
+    p0 = conv_bn_params(rng, c)
     x0 = jnp.asarray(rng.normal(size=(8, 8, 8, c)), jnp.float32)
     kernels = [P(None, None, None, "model"), P(None, None, "model", "data"),
                P(None, None, None, ("data", "model"))]

@@ -28,24 +28,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import hlofold  # noqa: E402
 from hlofold import examples  # noqa: E402
 from hlofold._stablehlo.artifacts import module_callable  # noqa: E402
+from tests.helpers.conv_bn import conv, conv_bn, conv_bn_params  # noqa: E402
 
 
 def conv_net(p, x):
-    y = jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    y = (y - p["mean"]) * jax.lax.rsqrt(p["var"] + 1e-5) * p["gamma"] + p["beta"]
-    y = jax.lax.with_sharding_constraint(jax.nn.relu(y), NamedSharding(MESH, P("data")))
-    return jax.lax.conv_general_dilated(y, p["k2"], (1, 1), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = jax.lax.with_sharding_constraint(jax.nn.relu(conv_bn(p, x)),
+                                         NamedSharding(MESH, P("data")))
+    return conv(y, p["k2"])
 
 
 def conv_case(mesh):
     rng = np.random.default_rng(0)
     c = 8
-    p = {"k": rng.normal(size=(3, 3, c, c)), "mean": rng.normal(size=c),
-         "var": rng.uniform(0.5, 2, size=c), "gamma": rng.normal(size=c),
-         "beta": rng.normal(size=c), "k2": rng.normal(size=(1, 1, c, c))}
-    p = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+    p = conv_bn_params(rng, c, k2=(1, 1, c, c))
     x = jnp.asarray(rng.normal(size=(8, 8, 8, c)), jnp.float32)
     vec = NamedSharding(mesh, P("model"))
     shard = {"k": NamedSharding(mesh, P(None, None, None, "model")), "mean": vec, "var": vec,
@@ -166,10 +161,7 @@ def run_manual() -> str:
     fn, p, x, _, x_shard, _, _ = conv_case(mesh)
     p.pop("k2")
 
-    def inner(p, x):
-        y = jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return (y - p["mean"]) * jax.lax.rsqrt(p["var"] + 1e-5) * p["gamma"] + p["beta"]
+    inner = conv_bn
     rep_sh = jax.tree.map(lambda _: NamedSharding(mesh, P()), p)
     jitted = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=(P(), P("data")),
                                    out_specs=P("data")),

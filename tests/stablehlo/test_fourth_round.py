@@ -10,32 +10,21 @@ import pytest
 import hlofold
 from hlofold import _cli
 from hlofold._stablehlo.artifacts import module_callable
-
-
-def _bn(y, mean, var, gamma, beta):
-    return (y - mean) * jax.lax.rsqrt(var + 1e-5) * gamma + beta
+from tests.helpers.conv_bn import bn, conv, conv_bn, conv_bn_params
 
 
 def composite_net(p, x):
     """A BatchNorm written as a ``stablehlo.composite`` (its decomposition a private
     function the module refers to by name, not by ``func.call``) after a conv → BN."""
-    y = jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    y = jax.nn.relu(_bn(y, p["mean"], p["var"], p["gamma"], p["beta"]))
-    y = jax.lax.conv_general_dilated(y, p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return jax.lax.composite(_bn, name="my.batch_norm")(y, p["mean"], p["var"], p["gamma"],
+    y = conv(jax.nn.relu(conv_bn(p, x)), p["k"])
+    return jax.lax.composite(bn, name="my.batch_norm")(y, p["mean"], p["var"], p["gamma"],
                                                          p["beta"])
 
 
 def _case():
     rng = np.random.default_rng(0)
-    c = 4
-    p = {"k": rng.normal(size=(3, 3, c, c)), "mean": rng.normal(size=c),
-         "var": rng.uniform(0.5, 2, size=c), "gamma": rng.normal(size=c),
-         "beta": rng.normal(size=c)}
-    p = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
-    x = jnp.asarray(rng.normal(size=(2, 8, 8, c)), jnp.float32)
+    p = conv_bn_params(rng, 4)
+    x = jnp.asarray(rng.normal(size=(2, 8, 8, 4)), jnp.float32)
     return p, x, jax.jit(composite_net).lower(p, x).as_text()
 
 
