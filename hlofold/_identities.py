@@ -67,11 +67,13 @@ class Writer:
         """``(kernel leaf, bias leaf or None, leaves solved)`` or the reason it is kept."""
         info, fwd = site.info, site.fwd
         kernel = site.eqn.invars[info.kernel_index]
-        if kernel not in self.leaf:
-            return ("the kernel is computed from the parameters (e.g. transposed or tied to "
-                    "an embedding), not a leaf of its own")
+        if kernel not in self.leaf and self._kernel_back(kernel, None) is None:
+            return ("the kernel is computed from the parameters (e.g. tied to an embedding, "
+                    "or changed in value), not a leaf of its own reshaped, transposed or "
+                    "reversed")
         kernel_value = site.kernel_const
-        if kernel_value is None and self.leaf[kernel] in self.deferred and \
+        if kernel_value is None and kernel in self.leaf and self.leaf[kernel] in self.deferred \
+                and \
                 site.s_known is not None and (fwd is None or (fwd.s_known is not None and
                                                               not fwd.has_shift)):
             nd, ko = len(kernel.aval.shape), info.kernel_axis
@@ -103,7 +105,8 @@ class Writer:
         targets += [(s, 0.0) for s in front if s.kind in ("add", "sub")]
         targets += [(s, (t if s.kind == "add" else -t) if s is slot else 0.0) for s in shifts]
         trial = dict(self.assign)
-        trial[self.leaf[kernel]] = kernel_value          # (its dtype: no float64 copy)
+        k_leaf, kernel_value = self._kernel_back(kernel, kernel_value)
+        trial[k_leaf] = kernel_value          # (its dtype: no float64 copy)
         for step, target in targets:
             op = step.operand
             tv = _place(target, op, step)
@@ -118,7 +121,28 @@ class Writer:
             return why
         self.assign = trial
         bias = None if slot is None else self._leaf_of(slot.operand.source)
-        return self.leaf[kernel], bias, changed
+        return k_leaf, bias, changed
+
+    def _kernel_back(self, v, value):
+        """``(leaf, value in the leaf's layout)`` for a kernel computed from one parameter
+        leaf by reshapes, transposes and reversals only (Keras' ``DepthwiseConv2D`` reshapes
+        its kernel, ``Conv2DTranspose`` reverses and transposes it): the folded kernel
+        ``value`` taken back through their inverses, in its dtype. None for any other
+        computation (``value`` None: only whether there is such a path)."""
+        while v not in self.leaf:
+            e = self.scope.producer.get(v, (0, None))[1] if isinstance(v, C.Var) else None
+            name = None if e is None else e.primitive.name
+            if name in ("reshape", "squeeze") and e.params.get("dimensions") is None:
+                value = None if value is None else np.reshape(value, e.invars[0].aval.shape)
+            elif name == "transpose":
+                value = None if value is None else np.transpose(
+                    value, np.argsort(e.params["permutation"]))
+            elif name == "rev":
+                value = None if value is None else np.flip(value, tuple(e.params["dimensions"]))
+            else:
+                return None
+            v = e.invars[0]
+        return self.leaf[v], value
 
     # ---- solving a parameter computation for a target value
 

@@ -10,7 +10,9 @@ parameter leaf:
   layer's own bias when it has one, else the norm's β — which carries ``t``.
 
 A leaf is changed only when every use of it belongs to sites written back (a norm read by a
-non-linear consumer, a kernel tied to an embedding, stay as they are, with the reason).
+non-linear consumer, a kernel tied to an embedding, stay as they are, with the reason). A
+kernel reached through reshapes, transposes and reversals of its leaf (Keras' depthwise and
+transposed convolutions) is written in the leaf's layout.
 The result is checked: the model run with the new tree against the original.
 """
 from __future__ import annotations
