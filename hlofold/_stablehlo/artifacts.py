@@ -175,7 +175,7 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                 raise
     if params is not None or split is not None:
         raise off       # their results take other arguments than the module given
-    return _unchanged(data), FoldReport([], running=f"the module as given ({off})",
+    return _as_given(data), FoldReport([], running=f"the module as given ({off})",
                                         compat=[str(off)])
 
 
@@ -223,16 +223,19 @@ def _checked(data, folded, report: FoldReport):
     warnings.warn(f"hlofold.fold_stablehlo: on this untested JAX {C.JAX_VERSION} the folded "
                   f"module differs from the one given ({why}); returning the one given",
                   RuntimeWarning, stacklevel=3)
-    return _unchanged(data), dataclasses.replace(
+    return _as_given(data), dataclasses.replace(
         report, running=f"the module as given (the fold differed from it on this untested "
                         f"JAX {C.JAX_VERSION}: {why})")
 
 
-def _unchanged(data):
-    """``data`` as given, read without the bindings (a path: its text, or its bytes)."""
+def _as_given(data):
+    """``data`` as the kind fold_stablehlo returns for it, read without the bindings (a path:
+    the file's text, or its bytes)."""
     if isinstance(data, os.PathLike) or (isinstance(data, str) and "\n" not in data
                                          and os.path.isfile(data)):
         raw = _read_file(os.fspath(data))
+        if raw.startswith(_MLIR_MAGIC):
+            return raw
         try:
             text = raw.decode("utf-8")
             return text if ("func.func" in text or "module" in text) else raw
@@ -262,18 +265,6 @@ def _fold(art: Artifact, data, params, split, in_graph):
     if isinstance(data, jax.export.Exported):
         return new, report
     return bytes(new.serialize()), report
-
-
-def _as_given(data):
-    """``data`` as the kind fold_stablehlo returns for it (a path: the file's contents)."""
-    if isinstance(data, os.PathLike) or (isinstance(data, str) and "\n" not in data
-                                         and os.path.isfile(data)):
-        raw = _read_file(os.fspath(data))
-        art = read_artifact(raw)
-        return art.module if art.kind == TEXT else raw
-    if isinstance(data, (bytearray, memoryview)):
-        return bytes(data)
-    return data
 
 
 def _fold_with_params(art: Artifact, data, params):
