@@ -9,7 +9,7 @@ import dataclasses
 
 import jax
 
-from .lookup import CompatError, internal, mark_changed
+from .lookup import CompatError, Missing, internal, mark_changed
 
 bfloat16 = jax.numpy.bfloat16
 
@@ -33,14 +33,22 @@ _BINDINGS = {
                   "ReshapeOp", "ReturnOp", "RsqrtOp", "SubtractOp", "TransposeOp",
                   "serialize_portable_artifact", "deserialize_portable_artifact"),
 }
-for _mod_name, _names in _BINDINGS.items():
-    _mod = {"ir": _ir, "stablehlo": _stablehlo}[_mod_name]
-    if isinstance(_mod, type):     # a Missing stand-in: recorded already
-        continue
-    for _n in _names:
-        if not hasattr(_mod, _n):
-            mark_changed(f"jaxlib.mlir.{_mod_name}.{_n}", "stablehlo",
-                         f"jaxlib's MLIR bindings ({_mod_name}.{_n} not found)")
+
+
+def _check_bindings() -> None:
+    """Record each name of :data:`_BINDINGS` the bindings lack (a moved module is recorded
+    by :func:`internal` already)."""
+    for mod_name, names in _BINDINGS.items():
+        mod = {"ir": _ir, "stablehlo": _stablehlo}[mod_name]
+        if isinstance(mod, type) and issubclass(mod, Missing):
+            continue
+        for n in names:
+            if not hasattr(mod, n):
+                mark_changed(f"jaxlib.mlir.{mod_name}.{n}", "stablehlo",
+                             f"jaxlib's MLIR bindings ({mod_name}.{n} not found)")
+
+
+_check_bindings()
 
 
 def mlir():
