@@ -61,14 +61,14 @@ def demo(args) -> int:
 
     _progress(4, total, "checking numerics")
     from ._core.tolerance import compare
-    from ._jaxpr.accumulation import accumulation_of
-    acc, depth = accumulation_of(folded.original_jaxpr(params, x).jaxpr)
+    from ._jaxpr.accumulation import tolerance_profile
+    acc, depth, compute = tolerance_profile(folded.original_jaxpr(params, x).jaxpr)
     ref = np.asarray(unfolded(params, x))
     print("\n== Numeric check against the unfolded program (same backend: "
           f"{jax.default_backend()}; hlofold's tolerance model, L = {acc}, D = {depth}) ==")
     ok = True
     for name, fn in (("folded (params as inputs)", folded), ("folded (frozen)", frozen)):
-        c = compare(ref, np.asarray(fn(params, x)), acc, depth)
+        c = compare(ref, np.asarray(fn(params, x)), acc, depth, compute=compute)
         ok &= c.why is None
         print(f"  {name:28s} max|Δ| = {c.max_abs:.3e}  (bound {c.bound:.3e})  "
               f"{'PASS' if c.why is None else 'FAIL: ' + c.why}")

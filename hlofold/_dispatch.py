@@ -20,7 +20,7 @@ import numpy as np
 from . import _compat as C
 from ._core.report import FoldReport
 from ._core.tolerance import mismatch
-from ._jaxpr.accumulation import accumulation_of, computes_in
+from ._jaxpr.accumulation import tolerance_profile
 
 
 def explicit_sharding(x):
@@ -256,8 +256,7 @@ CHURN_LIMIT = 3
 def verify_outputs(prog: Program, ref: list, outs: list) -> list:
     """Compare the folded outputs with the original program's on these inputs; on a
     mismatch warn and switch this signature to the original program."""
-    acc, depth = accumulation_of(prog.original.jaxpr)
-    compute = computes_in(prog.original.jaxpr)
+    acc, depth, compute = tolerance_profile(prog.original.jaxpr)
     bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
            if (why := mismatch(r, o, acc, depth, compute)) is not None]
     prog.verified = not bad

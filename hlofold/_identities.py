@@ -72,10 +72,9 @@ class Writer:
                     "or changed in value), not a leaf of its own reshaped, transposed or "
                     "reversed")
         kernel_value = site.kernel_const
-        if kernel_value is None and kernel in self.leaf and self.leaf[kernel] in self.deferred \
-                and \
-                site.s_known is not None and (fwd is None or (fwd.s_known is not None and
-                                                              not fwd.has_shift)):
+        deferred = kernel in self.leaf and self.leaf[kernel] in self.deferred
+        if kernel_value is None and deferred and site.s_known is not None and (
+                fwd is None or (fwd.s_known is not None and not fwd.has_shift)):
             nd, ko = len(kernel.aval.shape), info.kernel_axis
             factors = [along(site.s_known, ko, nd)] + ([] if fwd is None else [input_scale(
                 fwd.s_known, ko, fwd.k_in_axis, fwd.groups, info.out_channels, nd)])

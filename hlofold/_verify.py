@@ -10,10 +10,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from . import _compat as C
 from . import _iree as iree
 from ._core import tolerance as T
-from ._jaxpr.accumulation import accumulation_of, computes_in
+from ._jaxpr.accumulation import tolerance_profile
 
 _PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
 
@@ -117,14 +116,9 @@ def accumulation_length(prog, args) -> tuple[int, int, Any]:
     of a conv/dot, the most of them on one path, and the narrowest float type they compute
     in (see :mod:`hlofold._core.tolerance`)."""
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
-        jaxpr = jax.make_jaxpr(prog)(*args).jaxpr
-        return (*accumulation_of(jaxpr), computes_in(jaxpr))
-    from ._stablehlo.accumulation import module_accumulation, module_computes_in
-    from ._stablehlo.artifacts import read_artifact
-    from ._stablehlo.module import parse_module
-    with C.mlir_context():
-        module = parse_module(read_artifact(prog).module)
-        return (*module_accumulation(module), module_computes_in(module))
+        return tolerance_profile(jax.make_jaxpr(prog)(*args).jaxpr)
+    from ._stablehlo.artifacts import artifact_profile
+    return artifact_profile(prog)
 
 
 def verify(original, folded, *args, backends: Sequence[str] | None = None,

@@ -30,7 +30,7 @@ from ._jaxpr.fold import plan_sites
 from ._core.reasons import Reason
 from ._core.report import REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
-from ._jaxpr.accumulation import accumulation_of, computes_in
+from ._jaxpr.accumulation import tolerance_profile
 
 
 @dataclasses.dataclass
@@ -212,8 +212,7 @@ def _gather(x) -> np.ndarray:
 
 
 def _check(ref, out, closed) -> None:
-    acc, depth = accumulation_of(closed.jaxpr)
-    compute = computes_in(closed.jaxpr)
+    acc, depth, compute = tolerance_profile(closed.jaxpr)
     for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
         c = compare(_gather(r), _gather(o), acc, depth, compute=compute)
         if not c.passed:

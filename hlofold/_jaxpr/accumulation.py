@@ -29,6 +29,12 @@ def accumulation_of(jaxpr) -> tuple[int, int]:
 
 
 
+def tolerance_profile(jaxpr) -> tuple[int, int, np.dtype | None]:
+    """``(L, D, compute)`` of a jaxpr: what :mod:`hlofold._core.tolerance` measures a fold by
+    (:func:`accumulation_of`, :func:`computes_in`)."""
+    return (*accumulation_of(jaxpr), computes_in(jaxpr))
+
+
 def computes_in(jaxpr) -> np.dtype | None:
     """The narrowest float type a conv/dot of ``jaxpr`` (nested jaxprs included) reads or
     writes: the precision the program computes in (``_core.tolerance``'s ``compute``)."""

@@ -51,6 +51,12 @@ def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
     return longest, deepest
 
 
+def module_profile(module) -> tuple[int, int, np.dtype | None]:
+    """``(L, D, compute)`` of a parsed module: what :mod:`hlofold._core.tolerance` measures a
+    fold by (:func:`module_accumulation`, :func:`module_computes_in`)."""
+    return (*module_accumulation(module), module_computes_in(module))
+
+
 def module_computes_in(module) -> np.dtype | None:
     """The narrowest float type a convolution or dot of ``module`` (any function, any region)
     reads or writes: the precision the module computes in (``_core.tolerance``'s

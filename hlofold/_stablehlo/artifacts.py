@@ -199,8 +199,6 @@ def _checked(data, folded, report: FoldReport):
     they differ beyond hlofold's tolerance, the artifact as given, with the reason."""
     import warnings
     from .._core.tolerance import mismatch
-    from .accumulation import module_accumulation, module_computes_in
-    from .module import parse_module
     specs = input_specs(data)
     if any(not isinstance(d, int) for sp in specs for d in sp.shape) or (
             any(np.dtype(sp.dtype).itemsize == 8 for sp in specs)
@@ -211,10 +209,7 @@ def _checked(data, folded, report: FoldReport):
     args = random_inputs(specs)
     ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
     out = jax.tree.leaves(module_callable(folded, "cpu")(*args))
-    with C.mlir_context():
-        module = parse_module(read_artifact(data).module)
-        acc, depth = module_accumulation(module)
-        compute = module_computes_in(module)
+    acc, depth, compute = artifact_profile(data)
     bad = [why for r, o in zip(ref, out)
            if (why := mismatch(np.asarray(r), np.asarray(o), acc, depth, compute)) is not None]
     if len(ref) == len(out) and not bad:
@@ -226,6 +221,14 @@ def _checked(data, folded, report: FoldReport):
     return _as_given(data), dataclasses.replace(
         report, running=f"the module as given (the fold differed from it on this untested "
                         f"JAX {C.JAX_VERSION}: {why})")
+
+
+def artifact_profile(data) -> tuple:
+    """``(L, D, compute)`` of an artifact for the tolerance model (``accumulation``)."""
+    from .accumulation import module_profile
+    from .module import parse_module
+    with C.mlir_context():
+        return module_profile(parse_module(read_artifact(data).module))
 
 
 def _as_given(data):

@@ -58,18 +58,18 @@ _FP8 = {"f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "f8E4M3FNUZ": "flo
 # the same, by the Python class the bindings give an element type (a type is printed, which
 # is slow, only when its class is not one of these)
 # (empty where this JAX moved the bindings: hlofold._compat switched the path off)
-_BINDINGS = C.disabled("stablehlo") is None
+_HAVE_BINDINGS = C.disabled("stablehlo") is None
 _BY_CLASS = {ir.F32Type: _NP_DTYPES["f32"], ir.F64Type: _NP_DTYPES["f64"],
              ir.F16Type: _NP_DTYPES["f16"], ir.BF16Type: _NP_DTYPES["bf16"],
-             ir.IntegerType: None, ir.ComplexType: None} if _BINDINGS else {}
+             ir.IntegerType: None, ir.ComplexType: None} if _HAVE_BINDINGS else {}
 _FP8_BY_CLASS = {getattr(ir, f"Float8{s[2:]}Type"): np.dtype(getattr(jnp, name))
                  for s, name in _FP8.items()
-                 if _BINDINGS and hasattr(ir, f"Float8{s[2:]}Type")}
+                 if _HAVE_BINDINGS and hasattr(ir, f"Float8{s[2:]}Type")}
 _UNSET = object()
 
 
 _TYPE_NAMES = {ir.F32Type: "f32", ir.F64Type: "f64", ir.F16Type: "f16",
-               ir.BF16Type: "bf16"} if _BINDINGS else {}
+               ir.BF16Type: "bf16"} if _HAVE_BINDINGS else {}
 
 
 def type_name(etype) -> str:
