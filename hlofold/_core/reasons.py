@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {
     "canonical": "already conv + bias",
     "unreached": "a per-channel scale no root reaches",
     "not-written": "fold_params cannot write the fold back",
+    "branches": "parallel branches that cannot merge into one convolution",
     "internal": "hlofold failed to rewrite the program",
 }
 

@@ -12,6 +12,7 @@ CANONICAL = "canonical"      # already conv + bias: nothing to gain
 NO_PATTERN = "no-pattern"    # the conv is not followed by per-channel affine arithmetic
 NOT_REACHED = "not-reached"  # a per-channel scale (a normalization) that no root reaches
 LEFT = "left"                # safe to fold, left by hlofold.fold's cost rule (_core.cost)
+MERGED = "merged"            # parallel branches summed, merged into one convolution
 
 
 @dataclasses.dataclass
@@ -20,7 +21,7 @@ class FoldSite:
 
     pattern: str                      # name of the pattern that examined the site
     primitive: str                    # root primitive, e.g. "conv_general_dilated"
-    status: str                       # FOLDED / REFUSED / CANONICAL / NO_PATTERN / NOT_REACHED / LEFT
+    status: str                       # FOLDED / REFUSED / CANONICAL / NO_PATTERN / NOT_REACHED / LEFT / MERGED
     scope: str                        # where in the program: "top", "top/jit(apply)/scan", ...
     file: str | None = None
     line: int | None = None
@@ -78,6 +79,10 @@ class FoldReport:
         return [s for s in self.sites if s.status == REFUSED]
 
     @property
+    def merged(self) -> list[FoldSite]:
+        return [s for s in self.sites if s.status == MERGED]
+
+    @property
     def num_folded(self) -> int:
         return len(self.folded)
 
@@ -107,6 +112,7 @@ class FoldReport:
                 + (f", {c[NOT_REACHED]} normalizations no conv/dense reaches"
                    if c.get(NOT_REACHED) else "")
                 + (f", {c[LEFT]} left for cost" if c.get(LEFT) else "")
+                + (f", {c[MERGED]} branch sums merged" if c.get(MERGED) else "")
                 + f" ({len(self.sites)} sites)")
         if self.running:
             head += f"\nNOTE: calls run {self.running}"

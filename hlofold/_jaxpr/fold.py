@@ -30,13 +30,14 @@ import numpy as np
 
 from .. import _compat as C
 from .emit import SiteEmitter, is_guard
+from .merge import merge_scope
 from .nested import NESTED_RULES, contains_root, inline_calls, other_rule
 from .._core.decide import IN_GRAPH_POLICIES
 from .plan import Site, SitePlanner
 from .values import NONE, ScopeValues
 from .steps import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
 from .patterns import PATTERNS, RootInfo
-from .._core.report import FOLDED, NOT_REACHED, REFUSED, FoldReport, FoldSite
+from .._core.report import FOLDED, MERGED, NOT_REACHED, REFUSED, FoldReport, FoldSite
 from .._core.reasons import Reason
 from .._core.unreached import unreached_reason
 
@@ -209,13 +210,11 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
     def fold(self) -> C.ClosedJaxpr:
         first = len(self.sites)
         changed = self.plan()
-        if not changed:
-            return self.original
         try:
-            return _dce(self._emit())
+            return self._merged(_dce(self._emit()) if changed else self.original)
         except Exception as e:     # fail closed: this scope runs as written, and says why
             for rec in self.sites[first:]:
-                if rec.status == FOLDED:
+                if rec.status in (FOLDED, MERGED):
                     rec.status = REFUSED
                     rec.reason = Reason("internal", f"hlofold could not rewrite this part of "
                                         f"the program ({type(e).__name__}: {e}); it runs "
@@ -224,6 +223,21 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                           f"internal error ({type(e).__name__}: {e})", RuntimeWarning,
                           stacklevel=2)
             return self.original
+
+    def _merged(self, closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+        """``closed`` (this scope, folded) with its sums of parallel branches merged
+        (``_jaxpr.merge``), planned over a scope of its own."""
+        prims = {e.primitive.name for e in closed.jaxpr.eqns}
+        if "add" not in prims or not prims & {"conv_general_dilated", "cond"}:
+            return closed
+        named = dict(zip(self.jaxpr.constvars, self.const_names))
+        ins = closed.jaxpr.invars
+        view = _Scope(closed, [self.known_thunks.get(v, NONE) for v in ins],
+                      [self.name_thunks.get(v, _const(frozenset())) for v in ins],
+                      [named.get(v) for v in closed.jaxpr.constvars], self.path, self.sites,
+                      self.opts, [self.source_thunks.get(v, _const(0)) for v in ins])
+        new = merge_scope(view, self.opts.in_graph, self.path, self.sites)
+        return closed if new is None else _dce(new)
 
     def plan(self) -> bool:
         """Decide every site of this scope (nested scopes are folded); True if one folds.

@@ -38,6 +38,7 @@ from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
 from .values import HloValues
 from .emit import SiteWriter
+from .merge_write import merge_module
 from .._core.patterns import bias_map
 from .._core.reasons import Reason
 from .._core.report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
@@ -293,6 +294,10 @@ def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport
         del folder              # (its memos hold a wrapper per op: dropped while paused)
     if inlined:                 # private functions whose calls were all inlined
         drop_uncalled_private(module, only=inlined)
+    with gc_paused():           # sums of parallel branches, each as one convolution
+        merge_module(module, {ir.StringAttr(op.attributes["sym_name"]).value: op
+                              for op in module.body.operations
+                              if op_name(op) == "func.func"}, report.sites)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report

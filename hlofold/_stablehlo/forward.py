@@ -92,7 +92,7 @@ def input_channel(root, act: int) -> tuple[int, int] | Refusal:
         if "batch_group_count" in root.attributes and \
                 ir.IntegerAttr(root.attributes["batch_group_count"]).value != 1:
             return Refusal("batch_group_count > 1", kind="root")
-        if any(_ints(root, "window_reversal")):
+        if any(op_ints(root, "window_reversal")):
             return Refusal("a convolution with window reversal", kind="root")
         dn = stablehlo.ConvDimensionNumbers(root.attributes["dimension_numbers"])
         return dn.input_feature_dimension, dn.kernel_input_feature_dimension
@@ -104,7 +104,7 @@ def input_channel(root, act: int) -> tuple[int, int] | Refusal:
     return (lc[0], rc[0]) if act == 0 else (rc[0], lc[0])
 
 
-def _ints(op, name, default=None) -> list:
+def op_ints(op, name, default=None) -> list:
     if name not in op.attributes:
         return list(default or [])
     attr = op.attributes[name]
@@ -122,13 +122,13 @@ def conv_masks(root) -> list | None | Refusal:
     lhs, rhs, out = (shape_of(v) for v in (root.operands[0], root.operands[1],
                                             root.results[0]))
     n = len(dn.input_spatial_dimensions)
-    pad = _ints(root, "padding", [0] * (2 * n))
+    pad = op_ints(root, "padding", [0] * (2 * n))
     return border_masks([lhs[d] for d in dn.input_spatial_dimensions],
                         [rhs[d] for d in dn.kernel_spatial_dimensions],
                         [out[d] for d in dn.output_spatial_dimensions],
-                        _ints(root, "window_strides", [1] * n), pad[0::2],
-                        _ints(root, "lhs_dilation", [1] * n),
-                        _ints(root, "rhs_dilation", [1] * n))
+                        op_ints(root, "window_strides", [1] * n), pad[0::2],
+                        op_ints(root, "lhs_dilation", [1] * n),
+                        op_ints(root, "rhs_dilation", [1] * n))
 
 
 def conv_specs(root) -> tuple[tuple, tuple]:

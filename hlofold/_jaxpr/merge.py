@@ -1,0 +1,371 @@
+"""Parallel branches merged on a jaxpr: the rule of ``_core.merge`` read from equations.
+
+After a scope's BatchNorms are folded, a RepVGG-style block is a sum (a tree of ``add``
+equations) whose leaves are branches reading one input ``x``: ``conv(x, K)`` with the affine
+left after it (``+ t`` of a folded site, or a BatchNorm no root took: the identity branch's),
+an average pool (``reduce_window_sum`` then ``/ n``), a 1×1 → k×k pair, ``x`` itself, and
+per-channel biases. :func:`merge_scope` reads each tree into ``_core.merge.Term`` s, asks the
+core which merge (:func:`hlofold._core.merge.plan`), and writes the merged
+``conv(x, Σ embed(Kᵢ·sᵢ)) + Σ t`` in place of the tree's last ``add`` (the branches' equations
+are then dead, and the scope drops them). Known weights are merged in float64 on the host and
+rounded once; weights that are inputs are merged in the graph where the caller prepares them
+(``in_graph="prepared"``/``"unguarded"``), else the merge is refused as ``weights-not-known``
+(which makes :func:`hlofold.fold` prepare them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat as C
+from .._core import merge as M
+from .._core.algebra import collapse, np64
+from .._core.chain_rules import Refusal
+from .._core.reasons import Reason
+from .merge_emit import merge_group, splice
+from .emit import is_guard
+from .steps import AFFINE_STEPS, AffineStep, affine_step, resolve_operand
+
+_CONV, _POOL = "conv_general_dilated", "reduce_window_sum"
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """A branch read from equations: ``kind`` conv/pool/identity/pair on input ``x``."""
+
+    kind: str
+    x: Any
+    leaf: Any                   # the tree's leaf value
+    base: Any = None            # the conv / pool equation
+    chain: list = dataclasses.field(default_factory=list)   # (eqn, pos), outermost first
+    first: "_Leaf | None" = None                            # a pair's 1×1 conv
+    steps: list = dataclasses.field(default_factory=list)   # AffineSteps, root outwards
+    # another reading of an identity leaf: a nonlinearity on a branch (x', its op)
+    alt: tuple | None = None
+
+
+def _producer(view, v):
+    return view.producer.get(v, (0, None))[1] if isinstance(v, C.Var) else None
+
+
+def _single(view, v) -> bool:
+    return isinstance(v, C.Var) and len(view.uses.get(v, ())) == 1 and not view.out_uses.get(v)
+
+
+def _operand(view, a, shape, axis):
+    r = resolve_operand(a, shape, axis, lambda v: _producer(view, v))
+    return None if isinstance(r, Refusal) else r
+
+
+def _param_like(view, a, shape) -> bool:
+    return isinstance(a, C.Literal) or not a.aval.shape or any(
+        _operand(view, a, shape, ax) is not None for ax in range(len(shape)) if shape[ax] != 1)
+
+
+def _walk_back(view, v):
+    """From ``v`` back through affine equations whose values are read once."""
+    chain = []
+    while (e := _producer(view, v)) is not None and e.primitive.name in AFFINE_STEPS:
+        shape = tuple(e.outvars[0].aval.shape)
+        if e.primitive.name == "neg":
+            pos = 0
+        else:
+            p = [_param_like(view, a, shape) for a in e.invars]
+            if len(p) != 2 or p.count(False) != 1:
+                break
+            pos = p.index(False)
+        if tuple(e.invars[pos].aval.shape) != shape:
+            break
+        chain.append((e, pos))
+        v = e.invars[pos]
+        if not _single(view, v):
+            break
+    return v, chain
+
+
+def _read(view, leaf) -> _Leaf:
+    base_v, chain = _walk_back(view, leaf)
+    e = _producer(view, base_v)
+    name = e.primitive.name if e is not None else None
+    if name in (_CONV, _POOL) and not (name == _CONV and view.from_root(e.invars[1])):
+        if not _single(view, base_v):
+            return _Leaf("shared", e.invars[0], leaf, e, chain)
+        t = _Leaf("conv" if name == _CONV else "pool", e.invars[0], leaf, e, chain)
+        mid, chain1 = _walk_back(view, e.invars[0])
+        e1 = _producer(view, mid)
+        if e1 is not None and e1.primitive.name == _CONV and _single(view, mid) and \
+                _single(view, e.invars[0]) and not view.from_root(e1.invars[1]):
+            t.first = _Leaf("conv", e1.invars[0], e.invars[0], e1, chain1)
+        return t
+    inner = _inner_conv(view, e) if e is not None else None
+    if inner is not None and inner[0] == "guarded":
+        return _Leaf(inner[0], inner[1], leaf, inner[2], chain)
+    return _Leaf("identity", base_v, leaf, None, chain,
+                 alt=inner[1:] if inner is not None else None)
+
+
+def _inner_conv(view, e):
+    """``(kind, x, op)`` where ``e`` hides a branch convolution on ``x``: a folded site's
+    run-time guard ("guarded"), or an elementwise op of one activation on a conv's output
+    ("nonlinear")."""
+    if is_guard(e):
+        branch = C.cond_branches(e)[1].jaxpr
+        conv = next((q for q in branch.eqns if q.primitive.name == _CONV), None)
+        if conv is not None and conv.invars[0] in branch.invars:
+            return "guarded", e.invars[1 + branch.invars.index(conv.invars[0])], conv
+        return None
+    shape = tuple(e.outvars[0].aval.shape)
+    acts = [a for a in e.invars if isinstance(a, C.Var) and tuple(a.aval.shape) == shape
+            and not _param_like(view, a, shape)]
+    if len(e.outvars) != 1 or len(acts) != 1:
+        return None
+    v, _ = _walk_back(view, acts[0])
+    conv = _producer(view, v)
+    if conv is not None and conv.primitive.name == _CONV:
+        return "nonlinear", conv.invars[0], e
+    return None
+
+
+def _window(e, lhs_spec) -> M.Window | None:
+    """The core's Window of a conv or pool equation (None: another layout)."""
+    p = e.params
+    if e.primitive.name == _CONV:
+        dn = p["dimension_numbers"]
+        if tuple(dn.lhs_spec) != tuple(lhs_spec):
+            return None
+        rhs, lhs = e.invars[1].aval.shape, e.invars[0].aval.shape
+        return M.Window(tuple(rhs[d] for d in dn.rhs_spec[2:]), tuple(p["window_strides"]),
+                        tuple(tuple(q) for q in p["padding"]), tuple(p["rhs_dilation"]),
+                        tuple(p["lhs_dilation"]), int(p["feature_group_count"]),
+                        int(lhs[dn.lhs_spec[1]]),
+                        int(e.outvars[0].aval.shape[dn.out_spec[1]]),
+                        int(p["batch_group_count"]))
+    wd, st, pad = p["window_dimensions"], p["window_strides"], p["padding"]
+    nb, nf = lhs_spec[0], lhs_spec[1]
+    if any(d != 1 for d in p["base_dilation"]) or \
+            (wd[nb], wd[nf], st[nb], st[nf]) != (1, 1, 1, 1) or \
+            tuple(pad[nb]) != (0, 0) or tuple(pad[nf]) != (0, 0):
+        return None
+    sp = lhs_spec[2:]
+    return M.depthwise_window(int(e.invars[0].aval.shape[nf]), [wd[d] for d in sp],
+                              [st[d] for d in sp], [tuple(pad[d]) for d in sp],
+                              [p["window_dilation"][d] for d in sp])
+
+
+def _refusal(text: str) -> Reason:
+    return Reason("branches", text)
+
+
+# branches read as such that do not merge, and why
+_NOT_MERGED = {
+    "shared": _refusal("a branch's value is read elsewhere too (merged, its convolution "
+                       "would run twice)"),
+    "nonlinear": _refusal("a nonlinearity on a branch"),
+    "guarded": Reason("weights-not-known", "the branches' weights are inputs, folded in "
+                      "the graph under run-time guards; they merge where they are known "
+                      "(hlofold.fold prepares them, freeze= bakes them in) or with "
+                      "in_graph='prepared'"),
+}
+
+
+def _op_name(e) -> str:
+    if e.primitive.name == "custom_jvp_call":
+        return "a custom_jvp function such as jax.nn.relu"
+    name = e.params.get("name") if e.primitive.name in ("pjit", "jit") else None
+    return name if isinstance(name, str) else e.primitive.name
+
+
+class _Group:
+    """One input's branches in one sum: their structure (the core's plan) first, values
+    after (on the host or in a trace)."""
+
+    def __init__(self, view, leaves: list[_Leaf]):
+        self.view = view
+        self.leaves = leaves
+        target = next(lf.base for lf in leaves if lf.kind in ("conv", "pair", "guarded")
+                      and lf.base.primitive.name == _CONV)
+        self.target = target
+        self.dn = target.params["dimension_numbers"]
+        self.axis = self.dn.out_spec[1]
+        self.shape = tuple(target.outvars[0].aval.shape)
+        self.channels = int(self.shape[self.axis])
+
+    def structure(self, lf: _Leaf) -> M.Term | Reason:
+        """The term of a leaf without values (``kernel`` None), or why it is none."""
+        if lf.kind in _NOT_MERGED:
+            why = _NOT_MERGED[lf.kind]
+            return why.then(f" ({_op_name(lf.base)})") if lf.kind == "nonlinear" else why
+        dn, n = self.dn, len(self.dn.lhs_spec) - 2
+        prod = lambda v: _producer(self.view, v)
+        for part in ([lf] if lf.first is None or lf.kind != "pair" else [lf, lf.first]):
+            part.steps = []
+            for e, pos in reversed(part.chain):
+                st = affine_step(e, pos, self.axis, prod)
+                if not isinstance(st, AffineStep):
+                    return _refusal("a branch's arithmetic is not per output channel "
+                                    f"({st.reason})")
+                part.steps.append(st)
+        if lf.kind in ("identity", "pool") and tuple(dn.lhs_spec) != tuple(dn.out_spec):
+            return _refusal("the convolution's input and output layouts differ, so an "
+                            "identity or pool branch has no kernel in it")
+        if lf.kind == "identity":
+            if tuple(lf.x.aval.shape) != self.shape:
+                return _refusal("a value of another shape")
+            return M.Term("identity", M.depthwise_window(self.channels, (1,) * n, (1,) * n,
+                                                         ((0, 0),) * n), None)
+        base = lf.base
+        w = _window(base, dn.lhs_spec)
+        if w is None or (base.primitive.name == _CONV and
+                         tuple(base.params["dimension_numbers"].out_spec) != tuple(dn.out_spec)):
+            return _refusal(f"a branch's {base.primitive.name} has another layout")
+        if lf.kind != "pair":
+            return M.Term(lf.kind, w, None, handle=base)
+        w1 = _window(lf.first.base, dn.lhs_spec)
+        if w1 is None:
+            return _refusal("the first convolution of a pair has another layout")
+        # the composed window: the second's taps over the first's input channels
+        return M.Term("pair", dataclasses.replace(
+            w, groups=math.gcd(w1.groups, w.groups), in_channels=w1.in_channels),
+            None, handle=base if base.primitive.name == _CONV else None,
+            label=f"1×1→{w.describe()} " + ("conv" if base.primitive.name == _CONV
+                                            else "avg pool")) \
+            if all(k == 1 for k in w1.size) else \
+            _refusal("the first convolution of a sequential pair is not 1×1")
+
+    @staticmethod
+    def kernels(lf: _Leaf) -> list:
+        """The kernels the term of ``lf`` reads."""
+        return [p.base.invars[1] for p in [lf] + ([lf.first] if lf.kind == "pair" else [])
+                if p.base is not None and p.base.primitive.name == _CONV]
+
+    def needs(self, lf: _Leaf) -> list:
+        """The atoms whose values the term of ``lf`` is made of."""
+        parts = [lf] + ([lf.first] if lf.kind == "pair" else [])
+        return [a for a in [st.operand.source for p in parts for st in p.steps
+                            if st.operand is not None]
+                + self.kernels(lf) if isinstance(a, C.Var)]
+
+    def term(self, lf: _Leaf, s: M.Term, get, xp) -> M.Term | Reason:
+        """The term with values: ``get(atom)`` a known value (host) or a traced one."""
+        c = self.channels
+        t = dataclasses.replace(s)
+        if lf.kind == "identity":
+            t.kernel = M.identity_kernel(c, len(s.window.size))
+        elif lf.kind == "pool":
+            t.kernel = np.ones((c, 1) + s.window.size)
+        if lf.kind == "pair":
+            return self._pair(lf, get, xp)
+        if lf.kind == "conv":
+            t.kernel = _canonical(get(lf.base.invars[1]), lf.base)
+        t.scale, t.shift = _affine(lf.steps, [None if st.operand is None else get(st.operand)
+                                              for st in lf.steps], c, xp)
+        return t
+
+    def _pair(self, lf: _Leaf, get, xp) -> M.Term | Reason:
+        dn = self.dn
+
+        def part(p: _Leaf, kind: str, channels: int) -> M.Term:
+            w = _window(p.base, dn.lhs_spec)
+            k = (_canonical(get(p.base.invars[1]), p.base) if p.base.primitive.name == _CONV
+                 else np.ones((w.out_channels, 1) + w.size))
+            return M.Term(kind, w, k, *_affine(p.steps, [
+                None if st.operand is None else get(st.operand) for st in p.steps],
+                channels, xp), handle=p.base)
+        first = part(lf.first, "conv", int(lf.first.base.outvars[0].aval.shape[
+            lf.first.base.params["dimension_numbers"].out_spec[1]]))
+        second = part(lf, "conv" if lf.base.primitive.name == _CONV else "pool", self.channels)
+        sp = [int(lf.base.invars[0].aval.shape[d]) for d in dn.lhs_spec[2:]]
+        osp = [int(self.shape[d]) for d in dn.out_spec[2:]]
+        return M.compose(first, second, sp, osp, np if xp is np64 else jnp)
+
+
+def _canonical(k, eqn):
+    """A kernel in the core's ``(O, I/G, *window)`` layout."""
+    spec = tuple(eqn.params["dimension_numbers"].rhs_spec)
+    return jnp.transpose(k, spec) if not isinstance(k, np.ndarray) else np.transpose(k, spec)
+
+
+def _affine(steps, vals, channels, xp):
+    if not steps:
+        return None, None
+    s, t = collapse([st.kind for st in steps], vals, channels, xp=xp)
+    shifted = any(st.kind in ("add", "sub", "rsub") for st in steps)
+    scaled = any(st.kind not in ("add", "sub") for st in steps)
+    return (s if scaled else None), (t if shifted else None)
+
+
+def merge_scope(view, in_graph: str, path: str, sites: list) -> C.ClosedJaxpr | None:
+    """Merge the branch sums of ``view`` (a scope over a folded program); the program with
+    each merged sum rewritten (its branches left dead), or None when nothing merges."""
+    eqns = view.jaxpr.eqns
+    replaced: dict[int, list] = {}
+    constvars, consts = list(view.jaxpr.constvars), list(view.closed.consts)
+    for i, e in enumerate(eqns):
+        if e.primitive.name != "add" or not _is_top(view, e):
+            continue
+        new = _merge_tree(view, e, in_graph, path, sites, constvars, consts)
+        if new is not None:
+            replaced[i] = new
+    if not replaced:
+        return None
+    out = []
+    for i, e in enumerate(eqns):
+        out.extend(replaced.get(i, [e]))
+    return C.ClosedJaxpr(view.jaxpr.replace(constvars=constvars, eqns=out), consts)
+
+
+def _is_top(view, e) -> bool:
+    o = e.outvars[0]
+    uses = view.uses.get(o, ())
+    return not (_single(view, o) and view.jaxpr.eqns[uses[0][0]].primitive.name == "add")
+
+
+def _tree_leaves(view, top) -> list:
+    out = []
+    for a in top.invars:
+        e = _producer(view, a)
+        if e is not None and e.primitive.name == "add" and _single(view, a):
+            out.extend(_tree_leaves(view, e))
+        else:
+            out.append(a)
+    return out
+
+
+def _merge_tree(view, top, in_graph, path, sites, constvars, consts):
+    shape = tuple(top.outvars[0].aval.shape)
+    atoms = _tree_leaves(view, top)
+    leaves = [_read(view, a) if isinstance(a, C.Var) and tuple(a.aval.shape) == shape
+              else None for a in atoms]
+    for l in leaves:            # a branch whose value is read elsewhere too stays
+        if l is not None and l.kind in ("conv", "pool") and not _single(view, l.leaf):
+            l.kind, l.first = "shared", None
+    plain = {l.x for l in leaves if l is not None and l.first is None}
+    for l in leaves:            # a pair is read as one where its input is another branch's
+        if l is not None and l.first is not None and l.first.x in plain:
+            l.x, l.kind = l.first.x, "pair"
+    groups: dict = {}
+    for k, l in enumerate(leaves):
+        if l is not None:
+            groups.setdefault(l.x, []).append(k)
+    for l in leaves:      # an identity on its own may be a nonlinearity on another's branch
+        if l is not None and l.alt is not None and len(groups[l.x]) == 1 and l.alt[0] in groups:
+            del groups[l.x]
+            l.kind, l.x, l.base = "nonlinear", *l.alt
+            groups[l.x].append(leaves.index(l))
+    merges, taken = [], set()
+    for ks in groups.values():
+        if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded")
+                                  for k in ks):
+            continue
+        m = merge_group(view, _Group(view, [leaves[k] for k in ks]), in_graph, path, sites)
+        if m is not None:
+            merges.append(m)
+            taken.update(ks[j] for j in m.plan.members)
+    if not merges:
+        return None
+    return splice(view, top, merges, [a for k, a in enumerate(atoms) if k not in taken],
+                  constvars, consts)

@@ -1,0 +1,220 @@
+"""A jaxpr branch merge decided and written: values on the host or in the graph, the report
+record, and the merged ``conv + bias`` spliced in place of the sum (``_jaxpr.merge`` reads
+the branches)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _compat as C
+from .._core import merge as M
+from .._core.algebra import np64
+from .._core.chain_rules import ChannelOperand
+from .._core.patterns import conv_layout
+from .._core.reasons import Reason
+from .._core.report import MERGED, NOT_REACHED, REFUSED, FoldSite
+from .._core.rules import round_kernel
+from .arith import cast, lax_arith
+
+IN_GRAPH = ("prepared", "unguarded")     # in_graph modes a merge of input weights is staged
+
+
+@dataclasses.dataclass
+class Merge:
+    """A decided merge: the group, the core's plan over its terms, and its values — known
+    (``kernel``, ``shift``, ``shift_map``) or computed in the trace (``needs``)."""
+
+    group: Any
+    plan: M.Plan
+    terms: list
+    x: Any
+    target: Any                     # the conv equation the merged one is written as
+    groups: int
+    kernel: Any = None
+    shift: Any = None
+    shift_map: Any = None
+    needs: list = dataclasses.field(default_factory=list)
+    members: dict = dataclasses.field(default_factory=dict)     # term index -> leaf
+
+
+def _names(view, atoms) -> list[str]:
+    return sorted({n for a in atoms if isinstance(a, C.Var) for n in view.names(a) if n})
+
+
+def _host_get(view):
+    def get(a):
+        if isinstance(a, ChannelOperand):
+            val = view.value(a.source)
+            arr = np.asarray(val)
+            for dt in a.casts:
+                arr = arr.astype(np.dtype(dt))
+            arr = arr.astype(np.float64)
+            return arr.reshape(-1) if a.source_axis is not None else arr.reshape(())
+        return np.asarray(view.value(a), np.float64)
+    return get
+
+
+def merge_group(view, g, in_graph: str, path: str, sites: list) -> Merge | None:
+    """Decide the merge of group ``g`` (``_jaxpr.merge._Group``) and record it."""
+    structs = [g.structure(lf) for lf in g.leaves]
+    ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
+    terms = [structs[i] for i in ok]
+    p = M.plan(terms) if len(terms) >= 2 else next(
+        s for s in structs if not isinstance(s, M.Term))
+    if isinstance(p, Reason):
+        _record(view, g.target, g, path, sites, REFUSED, reason=p,
+                absorbed=[s.describe() if isinstance(s, M.Term) else f"{lf.kind} branch"
+                          for s, lf in zip(structs, g.leaves)])
+        return None
+    members = {j: g.leaves[ok[j]] for j in p.members}
+    needs = list(dict.fromkeys(a for lf in members.values() for a in g.needs(lf)))
+    kernels = [k for lf in members.values() for k in g.kernels(lf)]
+    target = terms[p.target].handle
+    tw = terms[p.target].window
+    absorbed, note = M.describe(terms, p)
+    kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]),
+              kernel=", ".join(_names(view, kernels)) or None)
+    unknown = [a for a in needs if isinstance(a, C.Var) and view.value(a) is None]
+    m = Merge(g, p, terms, g.leaves[0].x, target, tw.groups, members=members)
+    if not unknown:
+        get = _host_get(view)
+        for j, lf in members.items():
+            t = g.term(lf, terms[j], get, np64)
+            if isinstance(t, Reason):
+                _record(view, target, g, path, sites, REFUSED, reason=t, **kw)
+                return None
+            m.terms[j] = t
+        k64 = M.merged_kernel(m.terms, p, np)
+        spec = tuple(target.params["dimension_numbers"].rhs_spec)
+        kd = np.dtype(target.invars[1].aval.dtype)
+        m.kernel, why = round_kernel(np.transpose(k64, np.argsort(spec)), [], kd, spec[0])
+        if why is not None:
+            _record(view, target, g, path, sites, REFUSED, reason=why, **kw)
+            return None
+        m.shift, m.shift_map = M.merged_shift(m.terms, p, np)
+        _taken_unreached(sites, path, members.values())
+        _record(view, target, g, path, sites, MERGED, note=note, rescale="constant",
+                groups=tw.groups, **kw)
+        return m
+    if in_graph not in IN_GRAPH:
+        why = Reason("weights-not-known", "the branches' weights are not known at transform "
+                     "time, so the merged kernel would be computed on every call; "
+                     "hlofold.fold prepares them once, freeze= bakes them in")
+        _record(view, target, g, path, sites, REFUSED, reason=why, **kw)
+        return None
+    m.needs = needs
+    _taken_unreached(sites, path, members.values())
+    _record(view, target, g, path, sites, MERGED, note=note, rescale="in-graph",
+            groups=tw.groups, **kw)
+    return m
+
+
+def _taken_unreached(sites: list, path: str, leaves) -> None:
+    """Drop the not-reached records of normalizations a merge took (an identity branch's
+    BatchNorm, a pool's): they are folded into the merged convolution now."""
+    keys = {(C.user_location(e), C.name_stack(e)) for lf in leaves
+            for part in (lf, lf.first) if part is not None for e, _ in part.chain}
+    sites[:] = [s for s in sites if not (
+        s.status == NOT_REACHED and s.scope == path and
+        ((s.file, s.line, s.function), s.name_stack) in keys)]
+
+
+def _record(view, eqn, g, path, sites, status, groups=None, **kw) -> None:
+    file, line, fn = C.user_location(eqn)
+    dn = eqn.params["dimension_numbers"]
+    sites.append(FoldSite(
+        pattern="branches", primitive="conv_general_dilated", status=status, scope=path,
+        file=file, line=line, function=fn, name_stack=C.name_stack(eqn),
+        layout=conv_layout(dn.lhs_spec, dn.rhs_spec, dn.out_spec),
+        in_channels=int(eqn.invars[0].aval.shape[dn.lhs_spec[1]]),
+        out_channels=g.channels, groups=groups or int(eqn.params["feature_group_count"]),
+        dtype=str(eqn.outvars[0].aval.dtype), **kw))
+
+
+def _traced_values(m: Merge, read):
+    """The merged kernel and shift of ``m`` computed in the trace (weights are inputs)."""
+    kd = np.dtype(m.target.invars[1].aval.dtype)
+    cdt = np.float64 if kd.itemsize > 4 and jax.config.jax_enable_x64 else np.float32
+
+    def get(a):
+        if isinstance(a, ChannelOperand):
+            v = a.source.val if isinstance(a.source, C.Literal) else read(a.source)
+            for dt in a.casts:
+                v = cast(jnp.asarray(v), dt)
+            v = jnp.reshape(jnp.asarray(v), (a.size,) if a.source_axis is not None else ())
+            return cast(v, cdt)
+        return cast(read(a), cdt)
+
+    g, p = m.group, m.plan
+    terms = list(m.terms)
+    for j, lf in m.members.items():
+        t = g.term(lf, terms[j], get, lax_arith(cdt))
+        if isinstance(t, Reason):
+            raise ValueError(f"a merge decided on its structure failed on values: {t}")
+        if isinstance(t.kernel, np.ndarray):
+            t.kernel = t.kernel.astype(cdt)
+        terms[j] = t
+    k = M.merged_kernel(terms, p, jnp)
+    spec = tuple(m.target.params["dimension_numbers"].rhs_spec)
+    k = cast(jnp.transpose(k, tuple(np.argsort(spec))), kd)
+    shift, smap = M.merged_shift(terms, p, jnp)
+    return k, shift, smap
+
+
+def splice(view, top, merges: list[Merge], rest: list, constvars: list, consts: list) -> list:
+    """The equations computing ``top``'s result as the merged convolutions plus the sum's
+    other terms ``rest``; new constants are appended to ``constvars``/``consts``."""
+    out_var = top.outvars[0]
+    shape, dtype = tuple(out_var.aval.shape), out_var.aval.dtype
+    atoms = list(dict.fromkeys([m.x for m in merges] +
+                               [a for a in rest if isinstance(a, C.Var)] +
+                               [a for m in merges for a in m.needs if isinstance(a, C.Var)]))
+
+    def fn(*vals):
+        env = dict(zip(atoms, vals))
+        read = lambda a: a.val if isinstance(a, C.Literal) else env[a]
+        y = None
+        for m in merges:
+            k, shift, smap = ((m.kernel, m.shift, m.shift_map) if not m.needs else
+                              _traced_values(m, read))
+            params = dict(m.target.params, feature_group_count=m.groups)
+            z = C.bind_eqn(m.target, [read(m.x), k], params)[0]
+            out_spec = m.target.params["dimension_numbers"].out_spec
+            if shift is not None:
+                sv = cast(jnp.asarray(shift), z.dtype) if not isinstance(shift, np.ndarray) \
+                    else np.asarray(shift).astype(z.dtype)
+                dims = (out_spec[1],) if np.ndim(sv) else ()
+                z = lax.add(z, lax.broadcast_in_dim(sv, z.shape, dims))
+            if smap is not None:             # (O, *spatial) placed as (1, …) in the output
+                host = isinstance(smap, np.ndarray)
+                mp = (np if host else jnp).moveaxis(
+                    smap[None], list(range(smap.ndim + 1)),
+                    [out_spec[0], out_spec[1]] + list(out_spec[2:]))
+                mp = mp.astype(z.dtype) if host else cast(mp, z.dtype)
+                z = lax.add(z, lax.broadcast_in_dim(mp, z.shape, tuple(range(z.ndim))))
+            y = z if y is None else lax.add(y, z)
+        for a in rest:
+            v = read(a)
+            v = cast(jnp.asarray(v), dtype)
+            if v.shape != shape:
+                v = lax.broadcast_in_dim(v, shape, ())
+            y = lax.add(y, v)
+        return cast(y, dtype)
+
+    with C.source_of(merges[0].target):
+        sub = C.trace(fn, [a.aval for a in atoms])
+    ren: dict = dict(zip(sub.jaxpr.invars, atoms))
+    for cv, c in zip(sub.jaxpr.constvars, sub.consts):
+        v = C.new_var(C.aval_of(c))
+        constvars.append(v)
+        consts.append(c)
+        ren[cv] = v
+    res = sub.jaxpr.outvars[0]
+    return [e.replace(invars=[ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars],
+                      outvars=[out_var if o is res else o for o in e.outvars])
+            for e in sub.jaxpr.eqns]

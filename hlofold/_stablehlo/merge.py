@@ -1,0 +1,180 @@
+"""Parallel branches merged on StableHLO: the rule of ``_core.merge`` read from ops.
+
+The StableHLO twin of ``_jaxpr.merge``: after the pass folded each branch's BatchNorm, a
+tree of ``stablehlo.add`` whose leaves read one input ``x`` — ``convolution(x, K)`` with the
+affine after it (a folded site's ``+ t``, the arithmetic or ``batch_norm_inference`` of an
+identity branch), an average pool (``reduce_window`` of ``add``, then ``/ n``), a 1×1 → k×k
+pair, ``x`` itself — is read into the core's terms, planned by the core
+(:func:`hlofold._core.merge.plan`) and rewritten as one ``convolution`` (attributes of the
+largest branch's) plus the summed bias. Weights must be known (constants, or bound with
+``params=``); a sum of branches whose weights are module arguments is refused with the
+reason (``weights-not-known``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import _compat as C
+from .._core import merge as M
+from .._core.chain_rules import Refusal
+from .._core.reasons import Reason
+from .build import GUARD, marked
+from .forward import op_ints
+from .ir import BINARY, op_name, owner_op, shape_of
+from .patterns import resolve
+
+ir, stablehlo, _ = C.mlir()
+
+CONV, _POOL = "stablehlo.convolution", "stablehlo.reduce_window"
+_BN = "stablehlo.batch_norm_inference"
+_AFFINE = frozenset(BINARY) | {"stablehlo.negate", _BN}
+
+
+@dataclasses.dataclass
+class _Leaf:
+    kind: str
+    x: object
+    leaf: object
+    base: object = None
+    chain: list = dataclasses.field(default_factory=list)   # (op, pos), outermost first
+    first: "_Leaf | None" = None
+    steps: list = dataclasses.field(default_factory=list)
+    alt: tuple | None = None      # an identity's other reading: a nonlinearity on a branch
+
+
+def single(v) -> bool:
+    u = list(v.uses)
+    return len(u) == 1 and op_name(u[0].owner) != "func.return"
+
+
+def _param_like(v, shape) -> bool:
+    return not shape_of(v) or any(
+        not isinstance(resolve(v, shape, ax, explain=False), Refusal)
+        for ax in range(len(shape)) if shape[ax] != 1)
+
+
+def walk_back(v):
+    chain = []
+    while (op := owner_op(v)) is not None and op_name(op) in _AFFINE:
+        shape = shape_of(op.results[0])
+        if op_name(op) in BINARY:
+            p = [_param_like(o, shape) for o in op.operands]
+            if p.count(False) != 1:
+                break
+            pos = p.index(False)
+        else:
+            pos = 0
+        if shape_of(op.operands[pos]) != shape:
+            break
+        chain.append((op, pos))
+        v = op.operands[pos]
+        if not single(v):
+            break
+    return v, chain
+
+
+def _is_pool(op, ev) -> bool:
+    body = op.regions[0].blocks[0]
+    ops = [op_name(o) for o in body.operations]
+    init = ev(op.operands[1]) if len(op.operands) == 2 else None
+    return ops == ["stablehlo.add", "stablehlo.return"] and init is not None and \
+        not np.any(init)
+
+
+def read(v, ev) -> _Leaf:
+    base_v, chain = walk_back(v)
+    op = owner_op(base_v)
+    name = op_name(op) if op is not None else None
+    if name == CONV or (name == _POOL and _is_pool(op, ev)):
+        if not single(base_v):
+            return _Leaf("shared", op.operands[0], v, op, chain)
+        t = _Leaf("conv" if name == CONV else "pool", op.operands[0], v, op, chain)
+        mid, chain1 = walk_back(op.operands[0])
+        o1 = owner_op(mid)
+        if o1 is not None and op_name(o1) == CONV and single(mid) and \
+                single(op.operands[0]):
+            t.first = _Leaf("conv", o1.operands[0], op.operands[0], o1, chain1)
+        return t
+    if op is not None and marked(op, GUARD):      # a folded site's run-time guard
+        inside, convs = set(), []
+        for region in op.regions:
+            for block in region.blocks:
+                inside.update(block.arguments)
+                for inner in block.operations:
+                    inside.update(inner.results)
+                    if op_name(inner) == CONV:
+                        convs.append(inner)
+        for inner in convs:
+            if inner.operands[0] not in inside:
+                return _Leaf("guarded", inner.operands[0], v, inner, chain)
+    if op is not None and len(op.results) == 1:
+        shape = shape_of(op.results[0])
+        acts = [o for o in op.operands if shape_of(o) == shape and not _param_like(o, shape)]
+        if len(acts) == 1 and name not in (CONV, _POOL):
+            u, _ = walk_back(acts[0])
+            c = owner_op(u)
+            if c is not None and op_name(c) == CONV:
+                return _Leaf("identity", base_v, v, None, chain, alt=(c.operands[0], op))
+    return _Leaf("identity", base_v, v, None, chain)
+
+
+def specs(op):
+    dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    return ((dn.input_batch_dimension, dn.input_feature_dimension, *dn.input_spatial_dimensions),
+            (dn.kernel_output_feature_dimension, dn.kernel_input_feature_dimension,
+             *dn.kernel_spatial_dimensions),
+            (dn.output_batch_dimension, dn.output_feature_dimension,
+             *dn.output_spatial_dimensions))
+
+
+def _int_attr(op, name, default=1) -> int:
+    return ir.IntegerAttr(op.attributes[name]).value if name in op.attributes else default
+
+
+def window(op, lhs_spec) -> M.Window | None:
+    if op_name(op) == CONV:
+        ls, rs, os_ = specs(op)
+        if tuple(ls) != tuple(lhs_spec):
+            return None
+        n = len(ls) - 2
+        pad = op_ints(op, "padding", [0] * (2 * n))
+        rhs, lhs = shape_of(op.operands[1]), shape_of(op.operands[0])
+        return M.Window(tuple(rhs[d] for d in rs[2:]),
+                        tuple(op_ints(op, "window_strides", [1] * n)),
+                        tuple(zip(pad[0::2], pad[1::2])),
+                        tuple(op_ints(op, "rhs_dilation", [1] * n)),
+                        tuple(op_ints(op, "lhs_dilation", [1] * n)),
+                        _int_attr(op, "feature_group_count"), int(lhs[ls[1]]),
+                        int(shape_of(op.results[0])[os_[1]]),
+                        _int_attr(op, "batch_group_count"))
+    r = len(shape_of(op.operands[0]))
+    wd = op_ints(op, "window_dimensions")
+    st = op_ints(op, "window_strides", [1] * r)
+    pad = op_ints(op, "padding", [0] * (2 * r))
+    pad = list(zip(pad[0::2], pad[1::2]))
+    nb, nf = lhs_spec[0], lhs_spec[1]
+    if any(d != 1 for d in op_ints(op, "base_dilations", [1] * r)) or \
+            (wd[nb], wd[nf], st[nb], st[nf]) != (1, 1, 1, 1) or \
+            pad[nb] != (0, 0) or pad[nf] != (0, 0):
+        return None
+    sp = lhs_spec[2:]
+    wdil = op_ints(op, "window_dilations", [1] * r)
+    return M.depthwise_window(int(shape_of(op.operands[0])[nf]), [wd[d] for d in sp],
+                              [st[d] for d in sp], [pad[d] for d in sp],
+                              [wdil[d] for d in sp])
+
+
+NOT_MERGED = {
+    "shared": Reason("branches", "a branch's value is read elsewhere too (merged, its "
+                     "convolution would run twice)"),
+    "nonlinear": Reason("branches", "a nonlinearity on a branch"),
+    "guarded": Reason("weights-not-known", "the branches' weights are module arguments, "
+                      "folded in the graph under run-time guards; they merge with their "
+                      "values (fold_stablehlo(..., params=), hlofold fold --params)"),
+}
+WEIGHTS_ARGS = Reason("weights-not-known", "the branches' weights are module arguments; they merge "
+               "with their values (fold_stablehlo(..., params=), hlofold fold --params)")
+
+

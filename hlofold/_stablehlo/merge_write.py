@@ -1,0 +1,288 @@
+"""StableHLO branch merges decided and written (``_stablehlo.merge`` reads the branches):
+:func:`merge_module` finds each sum, the terms get their values, the report its record,
+and the merged ``convolution + bias`` takes the sum's place."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .. import _compat as C
+from .._core import merge as M
+from .._core.algebra import collapse
+from .._core.chain import Absorb
+from .._core.patterns import conv_layout
+from .._core.reasons import Reason
+from .._core.report import MERGED, NOT_REACHED, REFUSED, FoldSite
+from .._core.rules import round_kernel
+from .build import broadcast, make
+from .ir import elem_type, float_dtype, location, numpy_to_dense, op_name, owner_op, shape_of
+from .match import HLO_STEPS
+from .merge import CONV, NOT_MERGED, WEIGHTS_ARGS, read, single, specs, window
+from .module import erase_unused
+from .patterns import Evaluator
+from .values import HloValues
+
+ir, stablehlo, _ = C.mlir()
+
+
+@dataclasses.dataclass
+class Merged:
+    x: object
+    target: object
+    groups: int
+    kernel: np.ndarray
+    shift: object
+    shift_map: object
+
+
+def _steps(chain, axis):
+    out = []
+    for op, pos in reversed(chain):
+        r = HLO_STEPS[op_name(op)](None, op, pos, op.operands[pos], axis)
+        if not isinstance(r, Absorb):
+            return None
+        out.append(r.step)
+    return out
+
+
+def _affine(steps, c, vals):
+    if not steps:
+        return None, None
+    known = vals.np_chain(steps, c)
+    if known is None:
+        return "unknown"
+    s, t = collapse(*known, c)
+    kinds = known[0]
+    return (s if any(k not in ("add", "sub") for k in kinds) else None,
+            t if any(k in ("add", "sub", "rsub") for k in kinds) else None)
+
+
+def merge_group(leaves, fname, ev, vals, sites):
+    """Decide and record the merge of one input's branches: ``(Merged, member indices)``
+    or None."""
+    target = next(lf.base for lf in leaves if lf.kind in ("conv", "pair", "guarded")
+                  and op_name(lf.base) == CONV)
+    ls, rs, os_ = specs(target)
+    axis, n = os_[1], len(ls) - 2
+    shape = shape_of(target.results[0])
+    c = int(shape[axis])
+    structs, values = [], []
+    for lf in leaves:
+        s, v = _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals)
+        structs.append(s)
+        values.append(v)
+    ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
+    terms = [structs[i] for i in ok]
+    p = M.plan(terms) if len(terms) >= 2 else next(
+        s for s in structs if not isinstance(s, M.Term))
+    if not isinstance(p, Reason) and any(values[ok[j]] is None for j in p.members):
+        p = WEIGHTS_ARGS
+    if isinstance(p, Reason):
+        _record(target, fname, c, sites, REFUSED, reason=p, absorbed=[
+            s.describe() if isinstance(s, M.Term) else f"{lf.kind} branch"
+            for s, lf in zip(structs, leaves)])
+        return None
+    full = [values[i] if j in p.members else terms[j] for j, i in enumerate(ok)]
+    tw = terms[p.target].window
+    tgt = terms[p.target].handle
+    k64 = M.merged_kernel(full, p, np)
+    trs = specs(tgt)[1]
+    kd = float_dtype(elem_type(tgt.operands[1]))
+    kernel, why = round_kernel(np.transpose(k64, np.argsort(trs)), [], kd, trs[0])
+    absorbed, note = M.describe(terms, p)
+    if why is not None:
+        _record(target, fname, c, sites, REFUSED, reason=why, absorbed=absorbed)
+        return None
+    shift, smap = M.merged_shift(full, p, np)
+    _drop_unreached(sites, fname, [leaves[ok[j]] for j in p.members])
+    _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed, rescale="constant",
+            groups=tw.groups)
+    x = leaves[0].x
+    return Merged(x, tgt, tw.groups, kernel, shift, smap), [ok[j] for j in p.members]
+
+
+def _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals):
+    """``(structure, term with values or None when a weight is not known)``."""
+    if lf.kind in NOT_MERGED:
+        return NOT_MERGED[lf.kind], None
+    steps = _steps(lf.chain, axis)
+    if steps is None:
+        return Reason("branches", "a branch's arithmetic is not per output channel"), None
+    if lf.kind in ("identity", "pool") and tuple(ls) != tuple(os_):
+        return Reason("branches", "the convolution's input and output layouts differ, so "
+                      "an identity or pool branch has no kernel in it"), None
+    if lf.kind == "identity":
+        if shape_of(lf.x) != shape:
+            return Reason("branches", "a value of another shape"), None
+        w = M.depthwise_window(c, (1,) * n, (1,) * n, ((0, 0),) * n)
+        kernel = M.identity_kernel(c, n)
+    else:
+        w = window(lf.base, ls)
+        if w is None or (op_name(lf.base) == CONV and tuple(specs(lf.base)[2]) != tuple(os_)):
+            return Reason("branches", f"a branch's {op_name(lf.base)} has another layout"), None
+        kernel = (_kernel(lf.base, ev) if op_name(lf.base) == CONV
+                  else np.ones((w.out_channels, 1) + w.size))
+    handle = lf.base if lf.kind in ("conv", "pair") and op_name(lf.base) == CONV else None
+    aff = _affine(steps, c, vals)
+    if lf.kind == "pair":
+        w1 = window(lf.first.base, ls)
+        steps1 = _steps(lf.first.chain, specs(lf.first.base)[2][1])
+        if w1 is None or steps1 is None or any(k != 1 for k in w1.size):
+            return Reason("branches", "the first convolution of a sequential pair is not a "
+                          "1×1 convolution of the same layout"), None
+        label = f"1×1→{w.describe()} " + ("conv" if handle is not None else "avg pool")
+        s = M.Term("pair", dataclasses.replace(w, groups=math.gcd(w1.groups, w.groups),
+                                               in_channels=w1.in_channels),
+                   None, handle=handle, label=label)
+        m = int(shape_of(lf.first.base.results[0])[specs(lf.first.base)[2][1]])
+        aff1 = _affine(steps1, m, vals)
+        k1 = _kernel(lf.first.base, ev)
+        if "unknown" in (aff, aff1) or kernel is None or k1 is None:
+            return s, None
+        first = M.Term("conv", w1, k1, *aff1)
+        second = M.Term("conv" if handle is not None else "pool", w, kernel, *aff,
+                        handle=handle)
+        sp = [int(shape_of(lf.base.operands[0])[d]) for d in ls[2:]]
+        t = M.compose(first, second, sp, [int(shape[d]) for d in os_[2:]])
+        return (t if isinstance(t, Reason) else s), (t if isinstance(t, M.Term) else None)
+    s = M.Term(lf.kind, w, None, handle=handle)
+    if aff == "unknown" or kernel is None:
+        return s, None
+    return s, M.Term(lf.kind, w, kernel, *aff, handle=handle)
+
+
+def _kernel(op, ev):
+    """A conv's kernel (canonical, float64); None: not known."""
+    k = ev(op.operands[1])
+    return None if k is None else np.transpose(np.asarray(k, np.float64), specs(op)[1])
+
+
+def _drop_unreached(sites, fname, leaves) -> None:
+    keys = {location(op) for lf in leaves for part in (lf, lf.first) if part is not None
+            for op, _ in part.chain}
+    sites[:] = [s for s in sites if not (s.status == NOT_REACHED and s.scope == f"@{fname}"
+                                         and (s.file, s.line, s.name_stack) in keys)]
+
+
+def _record(op, fname, c, sites, status, groups=None, **kw) -> None:
+    file, line, name = location(op)
+    ls, rs, os_ = specs(op)
+    sites.append(FoldSite(
+        pattern="branches", primitive=op_name(op), status=status, scope=f"@{fname}",
+        file=file, line=line, name_stack=name, layout=conv_layout(ls, rs, os_),
+        in_channels=int(shape_of(op.operands[0])[ls[1]]), out_channels=c,
+        groups=groups or (ir.IntegerAttr(op.attributes["feature_group_count"]).value
+                          if "feature_group_count" in op.attributes else 1),
+        dtype=str(elem_type(op.results[0])), **kw))
+
+
+def rewrite(top, merges: list[Merged], rest: list) -> None:
+    """``top``'s result computed as the merged convolutions plus ``rest``."""
+    rtype = top.results[0].type
+    with ir.InsertionPoint(top):
+        y = None
+        for m in merges:
+            ktype = ir.RankedTensorType(m.target.operands[1].type)
+            k = stablehlo.ConstantOp(numpy_to_dense(m.kernel, ktype.element_type)).result
+            named = m.target.attributes
+            attrs = {named[i].name: named[i].attr for i in range(len(named))}
+            gtype = (ir.IntegerAttr(attrs["feature_group_count"]).type
+                     if "feature_group_count" in attrs else ir.IntegerType.get_signless(64))
+            attrs["feature_group_count"] = ir.IntegerAttr.get(gtype, m.groups)
+            z = make(CONV, [m.target.results[0].type], [m.x, k], attrs).result
+            et = elem_type(z)
+            os_ = specs(m.target)[2]
+            if m.shift is not None:
+                vec = np.broadcast_to(np.asarray(m.shift, np.float64),
+                                      (shape_of(z)[os_[1]],))
+                b = stablehlo.ConstantOp(numpy_to_dense(np.ascontiguousarray(vec), et)).result
+                z = stablehlo.AddOp(z, broadcast(z.type, b, [os_[1]])).result
+            if m.shift_map is not None:
+                mp = np.moveaxis(m.shift_map[None], list(range(m.shift_map.ndim + 1)),
+                                 [os_[0], os_[1]] + list(os_[2:]))
+                b = stablehlo.ConstantOp(numpy_to_dense(np.ascontiguousarray(mp), et)).result
+                z = stablehlo.AddOp(z, broadcast(z.type, b, list(range(mp.ndim)))).result
+            y = z if y is None else stablehlo.AddOp(y, z).result
+        for a in rest:
+            y = stablehlo.AddOp(y, a).result
+    if y.type != rtype:         # pragma: no cover (the leaves have the sum's type)
+        raise AssertionError("merged sum of another type")
+    top.results[0].replace_all_uses_with(y)
+    erase_unused([top])
+
+
+class _Values(HloValues):
+    def __init__(self, ev):
+        self.eval = ev
+        self.ct = ir.F32Type.get()
+
+
+def merge_module(module, fname_ops, sites: list) -> None:
+    """Merge the branch sums of each function (``fname_ops``: name → func op) of
+    ``module`` in place, recording each merge or refusal in ``sites``."""
+    ev = Evaluator(module)
+    vals = _Values(ev)
+    for fname, fop in fname_ops.items():
+        if not fop.regions[0].blocks:
+            continue
+        for op in list(fop.regions[0].blocks[0].operations):
+            if op_name(op) == "stablehlo.add" and _is_top(op):
+                _merge_tree(op, fname, ev, vals, sites)
+
+
+def _is_top(op) -> bool:
+    u = list(op.results[0].uses)
+    return not (len(u) == 1 and op_name(u[0].owner) == "stablehlo.add")
+
+
+def _tree_leaves(op) -> list:
+    out = []
+    for v in op.operands:
+        p = owner_op(v)
+        if p is not None and op_name(p) == "stablehlo.add" and single(v):
+            out.extend(_tree_leaves(p))
+        else:
+            out.append(v)
+    return out
+
+
+def _merge_tree(top, fname, ev, vals, sites) -> None:
+    shape = shape_of(top.results[0])
+    atoms = _tree_leaves(top)
+    leaves = [read(a, ev) if shape_of(a) == shape else None for a in atoms]
+    for lf in leaves:
+        if lf is not None and lf.kind in ("conv", "pool") and not single(lf.leaf):
+            lf.kind, lf.first = "shared", None
+    plain = [lf.x for lf in leaves if lf is not None and lf.first is None]
+    for lf in leaves:
+        if lf is not None and lf.first is not None and any(lf.first.x == x for x in plain):
+            lf.x, lf.kind = lf.first.x, "pair"
+    groups: list[list[int]] = []
+    for k, lf in enumerate(leaves):
+        if lf is None:
+            continue
+        g = next((g for g in groups if leaves[g[0]].x == lf.x), None)
+        if g is None:
+            groups.append([k])
+        else:
+            g.append(k)
+    for k, lf in enumerate(leaves):  # an identity on its own: a nonlinearity on a branch?
+        g = next((g for g in groups if k in g), None)
+        other = None if lf is None or lf.alt is None else next(
+            (o for o in groups if leaves[o[0]].x == lf.alt[0]), None)
+        if g is not None and len(g) == 1 and other is not None:
+            groups.remove(g)
+            lf.kind, lf.x, lf.base = "nonlinear", *lf.alt
+            other.append(k)
+    done = []
+    for ks in groups:
+        if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded") for k in ks):
+            continue
+        res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites)
+        if res is not None:
+            done.append((res[0], [ks[j] for j in res[1]]))
+    if done:
+        taken = {k for _, ks in done for k in ks}
+        rewrite(top, [m for m, _ in done], [a for k, a in enumerate(atoms) if k not in taken])
