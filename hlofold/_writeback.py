@@ -27,6 +27,7 @@ import numpy as np
 from . import _compat as C
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
+from ._jaxpr.merge import merge_scope
 from ._core.reasons import Reason
 from ._core.report import REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
@@ -140,6 +141,9 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
                 None if bias is None else paths[bias],
                 sorted({paths[i] for i in identity} - {paths[kernel]} -
                        ({paths[bias]} if bias is not None else set()))))
+    if {"add", "conv_general_dilated"} <= {e.primitive.name for e in closed.jaxpr.eqns}:
+        # sums of parallel branches: merged in programs only (each branch's BN is written)
+        merge_scope(scope, "never", "top", scope.sites, write=False)
     _release_freed()                  # what planning and the rescale's chunks left free
     new = list(arr)
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once

@@ -31,6 +31,10 @@ from .emit import is_guard
 from .steps import AFFINE_STEPS, AffineStep, affine_step, resolve_operand
 
 _CONV, _POOL = "conv_general_dilated", "reduce_window_sum"
+# elementwise nonlinearities a branch may end in (refused with that reason; other ops end
+# the reading: the leaf is no branch)
+NONLINEAR = frozenset({"max", "min", "tanh", "logistic", "exp", "clamp", "erf",
+                       "custom_jvp_call", "abs"})
 
 
 @dataclasses.dataclass
@@ -117,6 +121,8 @@ def _inner_conv(view, e):
         conv = next((q for q in branch.eqns if q.primitive.name == _CONV), None)
         if conv is not None and conv.invars[0] in branch.invars:
             return "guarded", e.invars[1 + branch.invars.index(conv.invars[0])], conv
+        return None
+    if e.primitive.name not in NONLINEAR:
         return None
     shape = tuple(e.outvars[0].aval.shape)
     acts = [a for a in e.invars if isinstance(a, C.Var) and tuple(a.aval.shape) == shape
@@ -298,16 +304,18 @@ def _affine(steps, vals, channels, xp):
     return (s if scaled else None), (t if shifted else None)
 
 
-def merge_scope(view, in_graph: str, path: str, sites: list) -> C.ClosedJaxpr | None:
+def merge_scope(view, in_graph: str, path: str, sites: list,
+                write: bool = True) -> C.ClosedJaxpr | None:
     """Merge the branch sums of ``view`` (a scope over a folded program); the program with
-    each merged sum rewritten (its branches left dead), or None when nothing merges."""
+    each merged sum rewritten (its branches left dead), or None when nothing merges.
+    ``write=False`` (``fold_params``): record the merges as not written, rewrite nothing."""
     eqns = view.jaxpr.eqns
     replaced: dict[int, list] = {}
     constvars, consts = list(view.jaxpr.constvars), list(view.closed.consts)
     for i, e in enumerate(eqns):
         if e.primitive.name != "add" or not _is_top(view, e):
             continue
-        new = _merge_tree(view, e, in_graph, path, sites, constvars, consts)
+        new = _merge_tree(view, e, in_graph, path, sites, constvars, consts, write)
         if new is not None:
             replaced[i] = new
     if not replaced:
@@ -335,7 +343,7 @@ def _tree_leaves(view, top) -> list:
     return out
 
 
-def _merge_tree(view, top, in_graph, path, sites, constvars, consts):
+def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write=True):
     shape = tuple(top.outvars[0].aval.shape)
     atoms = _tree_leaves(view, top)
     leaves = [_read(view, a) if isinstance(a, C.Var) and tuple(a.aval.shape) == shape
@@ -361,7 +369,8 @@ def _merge_tree(view, top, in_graph, path, sites, constvars, consts):
         if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded")
                                   for k in ks):
             continue
-        m = merge_group(view, _Group(view, [leaves[k] for k in ks]), in_graph, path, sites)
+        m = merge_group(view, _Group(view, [leaves[k] for k in ks]), in_graph, path, sites,
+                        write)
         if m is not None:
             merges.append(m)
             taken.update(ks[j] for j in m.plan.members)

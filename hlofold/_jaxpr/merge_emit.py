@@ -59,8 +59,18 @@ def _host_get(view):
     return get
 
 
-def merge_group(view, g, in_graph: str, path: str, sites: list) -> Merge | None:
-    """Decide the merge of group ``g`` (``_jaxpr.merge._Group``) and record it."""
+# fold_params: a merge changes the program, which a parameter tree cannot express
+NOT_WRITTEN = Reason("not-written", "not written back: the branches merge into one "
+                     "convolution only in a program (a parameter tree of the trained form "
+                     "cannot hold it; each branch's BatchNorm is written into its own "
+                     "convolution); the deploy program comes from hlofold.lower/export(..., "
+                     "freeze=) or fold_stablehlo(..., params=)")
+
+
+def merge_group(view, g, in_graph: str, path: str, sites: list,
+                write: bool = True) -> Merge | None:
+    """Decide the merge of group ``g`` (``_jaxpr.merge._Group``) and record it (with
+    ``write`` False, only say that it would merge and cannot be written back)."""
     structs = [g.structure(lf) for lf in g.leaves]
     ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
     terms = [structs[i] for i in ok]
@@ -80,6 +90,10 @@ def merge_group(view, g, in_graph: str, path: str, sites: list) -> Merge | None:
     kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]),
               kernel=", ".join(_names(view, kernels)) or None)
     unknown = [a for a in needs if isinstance(a, C.Var) and view.value(a) is None]
+    if not write:
+        _record(view, target, g, path, sites, REFUSED, reason=NOT_WRITTEN.then(f" ({note})"),
+                groups=tw.groups, **kw)
+        return None
     m = Merge(g, p, terms, g.leaves[0].x, target, tw.groups, members=members)
     if not unknown:
         get = _host_get(view)

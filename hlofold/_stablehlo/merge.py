@@ -30,6 +30,10 @@ ir, stablehlo, _ = C.mlir()
 CONV, _POOL = "stablehlo.convolution", "stablehlo.reduce_window"
 _BN = "stablehlo.batch_norm_inference"
 _AFFINE = frozenset(BINARY) | {"stablehlo.negate", _BN}
+# elementwise nonlinearities a branch may end in (refused with that reason)
+NONLINEAR = frozenset({"stablehlo.maximum", "stablehlo.minimum", "stablehlo.tanh",
+                       "stablehlo.logistic", "stablehlo.exponential", "stablehlo.clamp",
+                       "stablehlo.abs"})
 
 
 @dataclasses.dataclass
@@ -109,7 +113,7 @@ def read(v, ev) -> _Leaf:
         for inner in convs:
             if inner.operands[0] not in inside:
                 return _Leaf("guarded", inner.operands[0], v, inner, chain)
-    if op is not None and len(op.results) == 1:
+    if op is not None and len(op.results) == 1 and name in NONLINEAR:
         shape = shape_of(op.results[0])
         acts = [o for o in op.operands if shape_of(o) == shape and not _param_like(o, shape)]
         if len(acts) == 1 and name not in (CONV, _POOL):

@@ -19,7 +19,9 @@ ir, stablehlo, func_dialect = C.mlir()
 PURE = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
                   "stablehlo.convert", "stablehlo.add", "stablehlo.subtract",
                   "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
-                  "stablehlo.rsqrt", "stablehlo.sqrt"})
+                  "stablehlo.rsqrt", "stablehlo.sqrt", "stablehlo.convolution",
+                  "stablehlo.reduce_window", "stablehlo.batch_norm_inference",
+                  "stablehlo.transpose", "stablehlo.maximum"})
 
 
 _gc_lock = threading.Lock()
