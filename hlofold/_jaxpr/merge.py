@@ -229,7 +229,7 @@ class _Group:
                          tuple(base.params["dimension_numbers"].out_spec) != tuple(dn.out_spec)):
             return _refusal(f"a branch's {base.primitive.name} has another layout")
         if lf.kind != "pair":
-            return M.Term(lf.kind, w, None, handle=base)
+            return M.Term(lf.kind, w, None, handle=base if lf.kind == "conv" else None)
         w1 = _window(lf.first.base, dn.lhs_spec)
         if w1 is None:
             return _refusal("the first convolution of a pair has another layout")

@@ -215,8 +215,8 @@ def splice(view, top, merges: list[Merge], rest: list, constvars: list, consts: 
         for a in rest:
             v = read(a)
             v = cast(jnp.asarray(v), dtype)
-            if v.shape != shape:
-                v = lax.broadcast_in_dim(v, shape, ())
+            if v.shape != shape:         # a scalar, or size-1 axes (lax broadcasts those)
+                v = lax.broadcast_in_dim(v, shape, tuple(range(v.ndim)) if v.ndim else ())
             y = lax.add(y, v)
         return cast(y, dtype)
 
