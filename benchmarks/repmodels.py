@@ -111,17 +111,40 @@ def stages(kind: str, width: int, blocks: int) -> list[tuple[int, int, int]]:
     return out
 
 
+# the published networks' stages: (width, blocks), each stage starting with a stride 2
+ARCHS = {
+    "repvgg_a0": ("repvgg", [(48, 1), (48, 2), (96, 4), (192, 14), (1280, 1)]),
+    "mobileone_s0": ("mobileone", [(48, 1), (48, 2), (128, 8), (256, 10), (1024, 1)]),
+}
+
+
+def arch_spec(name: str) -> tuple[str, list[tuple[int, int, int]]]:
+    """``(block kind, [(cin, cout, stride), ...])`` of a published network (``ARCHS``)."""
+    kind, stages_ = ARCHS[name]
+    out, c = [], 3
+    for width, n in stages_:
+        for i in range(n):
+            out.append((c, width, 2 if i == 0 else 1))
+            c = width
+    return kind, out
+
+
 def make(kind: str, width: int = 32, blocks: int = 4, size: int = 32, batch: int = 1,
-         seed: int = 0):
-    """``(apply, variables, x)``: the multi-branch network in inference mode."""
+         seed: int = 0, spec=None):
+    """``(apply, variables, x)``: the multi-branch network in inference mode (``kind`` a
+    block kind with ``stages(kind, width, blocks)``, or a name in ``ARCHS``)."""
     nn = _linen()
-    spec = stages(kind, width, blocks)
+    if kind in ARCHS:
+        kind, spec = arch_spec(kind)
+    spec = spec or stages(kind, width, blocks)
+    k_branches = {"mobileone": 4}.get(kind)
 
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
             for cin, cout, s in spec:
-                x = BLOCKS[kind](nn, cin, cout, s)(x)
+                x = (BLOCKS[kind](nn, cin, cout, s, k=k_branches) if k_branches else
+                     BLOCKS[kind](nn, cin, cout, s))(x)
             return jnp.mean(x, axis=(1, 2))
 
     net = Net()
@@ -150,12 +173,15 @@ def trained_like(variables, seed: int = 0):
 
 
 def make_deploy(kind: str, width: int = 32, blocks: int = 4, size: int = 32,
-                batch: int = 1, seed: int = 0):
+                batch: int = 1, seed: int = 0):  # (kind: a block kind, or a name in ARCHS)
     """``(apply, params, x)``: the deploy form a hand-written re-parameterization gives —
     per block one conv of the largest window plus a bias (MobileOne: a 3×3 depthwise and a
     1×1 conv) — with random weights (for timing)."""
     rng = np.random.default_rng(seed)
-    spec = stages(kind, width, blocks)
+    if kind in ARCHS:
+        kind, spec = arch_spec(kind)
+    else:
+        spec = stages(kind, width, blocks)
     params = []
     for cin, cout, s in spec:
         if kind == "mobileone":

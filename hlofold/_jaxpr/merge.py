@@ -369,11 +369,15 @@ def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write=True)
         if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded")
                                   for k in ks):
             continue
-        m = merge_group(view, _Group(view, [leaves[k] for k in ks]), in_graph, path, sites,
-                        write)
+        g = _Group(view, [leaves[k] for k in ks])
+        # the sum's per-channel biases join the first merge's bias
+        biases = {} if merges else {k: op for k, a in enumerate(atoms) if k not in ks and (
+            op := _operand(view, a, shape, g.axis)) is not None}
+        m = merge_group(view, g, in_graph, path, sites, write, list(biases.values()))
         if m is not None:
             merges.append(m)
-            taken.update(ks[j] for j in m.plan.members)
+            taken.update(k for k in ks if any(leaves[k] is lf for lf in m.members.values()))
+            taken.update(k for k, op in biases.items() if op in m.biases)
     if not merges:
         return None
     return splice(view, top, merges, [a for k, a in enumerate(atoms) if k not in taken],

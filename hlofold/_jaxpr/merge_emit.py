@@ -40,6 +40,7 @@ class Merge:
     shift_map: Any = None
     needs: list = dataclasses.field(default_factory=list)
     members: dict = dataclasses.field(default_factory=dict)     # term index -> leaf
+    biases: list = dataclasses.field(default_factory=list)      # the sum's biases taken
 
 
 def _names(view, atoms) -> list[str]:
@@ -67,10 +68,11 @@ NOT_WRITTEN = Reason("not-written", "not written back: the branches merge into o
                      "freeze=) or fold_stablehlo(..., params=)")
 
 
-def merge_group(view, g, in_graph: str, path: str, sites: list,
-                write: bool = True) -> Merge | None:
+def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = True,
+                biases=()) -> Merge | None:
     """Decide the merge of group ``g`` (``_jaxpr.merge._Group``) and record it (with
-    ``write`` False, only say that it would merge and cannot be written back)."""
+    ``write`` False, only say that it would merge and cannot be written back); ``biases``:
+    the sum's per-channel terms (ChannelOperands), added to the merged bias."""
     structs = [g.structure(lf) for lf in g.leaves]
     ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
     terms = [structs[i] for i in ok]
@@ -83,18 +85,23 @@ def merge_group(view, g, in_graph: str, path: str, sites: list,
         return None
     members = {j: g.leaves[ok[j]] for j in p.members}
     needs = list(dict.fromkeys(a for lf in members.values() for a in g.needs(lf)))
+    # (a bias not known now stays added after, unless the merge is staged in the graph)
+    b_known = [b for b in biases if not isinstance(b.source, C.Var) or
+               view.value(b.source) is not None]
     kernels = [k for lf in members.values() for k in g.kernels(lf)]
     target = terms[p.target].handle
     tw = terms[p.target].window
     absorbed, note = M.describe(terms, p)
-    kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]),
+    kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]
+                                               + [b.source for b in biases]),
               kernel=", ".join(_names(view, kernels)) or None)
     unknown = [a for a in needs if isinstance(a, C.Var) and view.value(a) is None]
     if not write:
         _record(view, target, g, path, sites, REFUSED, reason=NOT_WRITTEN.then(f" ({note})"),
                 groups=tw.groups, **kw)
         return None
-    m = Merge(g, p, terms, g.leaves[0].x, target, tw.groups, members=members)
+    m = Merge(g, p, terms, g.leaves[0].x, target, tw.groups, members=members,
+              biases=b_known)
     if not unknown:
         get = _host_get(view)
         for j, lf in members.items():
@@ -111,6 +118,8 @@ def merge_group(view, g, in_graph: str, path: str, sites: list,
             _record(view, target, g, path, sites, REFUSED, reason=why, **kw)
             return None
         m.shift, m.shift_map = M.merged_shift(m.terms, p, np)
+        for b in b_known:
+            m.shift = get(b) if m.shift is None else m.shift + get(b)
         _taken_unreached(sites, path, members.values())
         _record(view, target, g, path, sites, MERGED, note=note, rescale="constant",
                 groups=tw.groups, **kw)
@@ -121,7 +130,8 @@ def merge_group(view, g, in_graph: str, path: str, sites: list,
                      "hlofold.fold prepares them once, freeze= bakes them in")
         _record(view, target, g, path, sites, REFUSED, reason=why, **kw)
         return None
-    m.needs = needs
+    m.biases = list(biases)
+    m.needs = needs + [b.source for b in biases if isinstance(b.source, C.Var)]
     _taken_unreached(sites, path, members.values())
     _record(view, target, g, path, sites, MERGED, note=note, rescale="in-graph",
             groups=tw.groups, **kw)
@@ -177,6 +187,8 @@ def _traced_values(m: Merge, read):
     spec = tuple(m.target.params["dimension_numbers"].rhs_spec)
     k = cast(jnp.transpose(k, tuple(np.argsort(spec))), kd)
     shift, smap = M.merged_shift(terms, p, jnp)
+    for b in m.biases:
+        shift = get(b) if shift is None else shift + get(b)
     return k, shift, smap
 
 

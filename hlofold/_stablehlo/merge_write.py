@@ -21,7 +21,8 @@ from .ir import elem_type, float_dtype, location, numpy_to_dense, op_name, owner
 from .match import HLO_STEPS
 from .merge import CONV, NOT_MERGED, WEIGHTS_ARGS, read, single, specs, window
 from .module import erase_unused
-from .patterns import Evaluator
+from .patterns import Evaluator, resolve
+from .._core.chain_rules import Refusal
 from .values import HloValues
 
 ir, stablehlo, _ = C.mlir()
@@ -285,4 +286,12 @@ def _merge_tree(top, fname, ev, vals, sites) -> None:
             done.append((res[0], [ks[j] for j in res[1]]))
     if done:
         taken = {k for _, ks in done for k in ks}
+        m = done[0][0]                    # the sum's known per-channel biases join its bias
+        axis = specs(m.target)[2][1]
+        for k, a in enumerate(atoms):
+            r = None if k in taken else resolve(a, shape, axis, explain=False)
+            val = None if r is None or isinstance(r, Refusal) else vals.operand_np(r)
+            if val is not None:
+                m.shift = val if m.shift is None else m.shift + val
+                taken.add(k)
         rewrite(top, [m for m, _ in done], [a for k, a in enumerate(atoms) if k not in taken])

@@ -1,0 +1,200 @@
+"""Multi-branch CNNs: ``hlofold.fold`` next to doing nothing and next to the hand-written
+deploy form (issue 38).
+
+For Flax RepVGG-A0-like and MobileOne-S0-like networks (``benchmarks/repmodels.py``, the
+published stage widths and depths, trained-looking BatchNorms) at batch 1 and 8:
+
+* ``jit``: ``jax.jit(apply)`` of the train-time (multi-branch) model — doing nothing;
+* ``fold``: ``hlofold.fold(apply)`` of the same model (branches merged, BNs folded);
+* ``deploy``: ``jax.jit`` of the deploy form a hand-written re-parameterization gives (one
+  conv + bias per block; MobileOne a depthwise 3×3 and a 1×1), the same widths — the limit;
+* ``under jit``: ``jax.jit(lambda v, x: fold(apply)(v, x))`` — parameters traced, so the
+  original program runs: it must cost what ``jit`` costs.
+
+Steady calls are timed in interleaved rounds (each round every variant, ``--calls`` calls
+each), reported as medians with min–max; first calls (trace, fold, compile, run) in fresh
+processes. For timm's train-time RepVGG-A0 and MobileOne-S0 exported by PyTorch/XLA
+(``tests/testdata/stablehlo``), the folded module from ``fold_stablehlo(params=)`` runs next
+to the module as given. ``python -m benchmarks.branches [--quick]`` writes
+``docs/benchmarks/branches_cpu.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+import hlofold
+
+from . import repmodels as R
+from .common import code_info, machine_info, machine_line, now, summary
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, os.pardir, "docs", "benchmarks")
+DATA = os.path.join(HERE, os.pardir, "tests", "testdata", "stablehlo")
+
+
+def _steady(fns: dict, args: dict, rounds: int, calls: int) -> dict:
+    for name, fn in fns.items():                  # compiled and warm
+        jax.block_until_ready(fn(*args[name]))
+        jax.block_until_ready(fn(*args[name]))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            a = args[name]
+            t0 = now()
+            for _ in range(calls):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            times[name].append((now() - t0) / calls * 1e3)
+    return {name: summary(ts) for name, ts in times.items()}
+
+
+def flax_part(arch: str, batch: int, size: int, rounds: int, calls: int) -> dict:
+    apply, v, x = R.make(arch, size=size, batch=batch)
+    dapply, w, _ = R.make_deploy(arch, size=size, batch=batch)
+    folded = hlofold.fold(apply)
+    fns = {"jit": jax.jit(apply), "fold": folded, "deploy": jax.jit(dapply),
+           "under jit": jax.jit(lambda v, x: folded(v, x))}
+    args = {"jit": (v, x), "fold": (v, x), "deploy": (w, x), "under jit": (v, x)}
+    res = _steady(fns, args, rounds, calls)
+    rep = folded.report(v, x)
+    prog = folded.jaxpr(v, x)
+    return {"arch": arch, "batch": batch, "size": size, "steady_ms": res,
+            "convs": {"train": R.conv_count(jax.make_jaxpr(apply)(v, x)),
+                      "fold": R.conv_count(prog),
+                      "deploy": R.conv_count(jax.make_jaxpr(dapply)(w, x))},
+            "merged": len(rep.merged), "folded": rep.num_folded}
+
+
+_FIRST = """
+import sys, time, jax, hlofold
+from benchmarks import repmodels as R
+arch, batch, size, which = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+apply, v, x = R.make(arch, size=size, batch=batch)
+jax.block_until_ready(v)
+f = jax.jit(apply) if which == "jit" else hlofold.fold(apply)
+t = time.perf_counter()
+jax.block_until_ready(f(v, x))
+print(time.perf_counter() - t)
+"""
+
+
+def first_calls(arch: str, batch: int, size: int, runs: int) -> dict:
+    """First call (trace, fold, compile, run) in fresh processes, alternating."""
+    out = {"jit": [], "fold": []}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for _ in range(runs):
+        for which in out:
+            p = subprocess.run([sys.executable, "-c", _FIRST, arch, str(batch), str(size),
+                                which], capture_output=True, text=True, env=env,
+                               cwd=os.path.join(HERE, os.pardir))
+            if p.returncode:
+                raise RuntimeError(p.stderr[-2000:])
+            out[which].append(float(p.stdout.split()[-1]) * 1e3)
+    return {k: summary(v) for k, v in out.items()}
+
+
+def timm_part(arch: str, rounds: int, calls: int) -> dict:
+    from hlofold._stablehlo.artifacts import input_specs, module_callable
+    sys.path.insert(0, os.path.join(HERE, os.pardir))
+    from tests.helpers.torch_weights import weight
+    text = open(os.path.join(DATA, f"{arch}_torch_xla.mlir")).read()
+    meta = json.load(open(os.path.join(DATA, f"{arch}_torch_xla.json")))
+    names = meta["args"]
+    ws = {f"arg{i}": weight(n, s.shape)
+          for i, (n, s) in enumerate(zip(names, input_specs(text))) if n != "input"}
+    x = np.load(os.path.join(DATA, f"{arch}_torch_xla_io.npz"))["x"]
+    full = [jax.device_put(ws[f"arg{i}"]) if n != "input" else jax.device_put(x)
+            for i, n in enumerate(names)]
+    t0 = now()
+    apply, rep, prepared = hlofold.fold_stablehlo(text, params=ws)
+    fold_s = now() - t0
+    orig, new = module_callable(text), module_callable(apply)
+    prepared = [jax.device_put(p) for p in prepared]
+    res = _steady({"original": orig, "folded": new},
+                  {"original": full, "folded": [jax.device_put(x), *prepared]}, rounds, calls)
+    return {"arch": arch, "steady_ms": res, "fold_stablehlo_s": fold_s,
+            "convs": {"original": text.count("stablehlo.convolution"),
+                      "folded": str(apply).count("stablehlo.convolution"),
+                      "timm deploy": meta["deploy_convs"]}}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Multi-branch CNNs: fold vs doing nothing vs the deploy form ({res['when']})",
+             "", machine_line(res["machine"]), "",
+             "Steady calls, ms per call: median (min–max) over interleaved rounds. "
+             "`fold/jit` < 1 is faster than doing nothing; `fold/deploy` is the distance to "
+             "the hand-written deploy form (goal: ≤ 1.02).", "",
+             "| net | batch | convs train → fold (deploy) | jit | fold | deploy | under jit | "
+             "fold/jit | fold/deploy | under jit/jit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
+    for r in res["flax"]:
+        s = r["steady_ms"]
+        lines.append(
+            f"| {r['arch']} ({r['size']} px) | {r['batch']} | {r['convs']['train']} → "
+            f"{r['convs']['fold']} ({r['convs']['deploy']}) | {fmt(s['jit'])} | "
+            f"{fmt(s['fold'])} | {fmt(s['deploy'])} | {fmt(s['under jit'])} | "
+            f"{s['fold']['median'] / s['jit']['median']:.3f} | "
+            f"{s['fold']['median'] / s['deploy']['median']:.3f} | "
+            f"{s['under jit']['median'] / s['jit']['median']:.3f} |")
+    if res.get("first"):
+        lines += ["", "First call (trace, fold, compile, run; fresh processes), ms: median "
+                  "(min–max)", "", "| net | batch | jit | fold | fold/jit |", "|---|---|---|---|---|"]
+        for r in res["first"]:
+            lines.append(f"| {r['arch']} | {r['batch']} | {fmt(r['ms']['jit'])} | "
+                         f"{fmt(r['ms']['fold'])} | "
+                         f"{r['ms']['fold']['median'] / r['ms']['jit']['median']:.3f} |")
+    if res.get("timm"):
+        lines += ["", "timm's train-time modules exported by PyTorch/XLA (1×3×32×32), "
+                  "`fold_stablehlo(params=)`, ms per call", "",
+                  "| module | convs original → folded (timm deploy) | original | folded | "
+                  "folded/original | fold_stablehlo s |", "|---|---|---|---|---|---|"]
+        for r in res["timm"]:
+            s = r["steady_ms"]
+            lines.append(f"| {r['arch']} | {r['convs']['original']} → {r['convs']['folded']} "
+                         f"({r['convs']['timm deploy']}) | {fmt(s['original'])} | "
+                         f"{fmt(s['folded'])} | "
+                         f"{s['folded']['median'] / s['original']['median']:.3f} | "
+                         f"{r['fold_stablehlo_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--first-runs", type=int, default=3)
+    ap.add_argument("--out", default=OUT)
+    a = ap.parse_args(argv)
+    size, rounds, calls, first = (16, 2, 2, 0) if a.quick else \
+        (a.size, a.rounds, a.calls, a.first_runs)
+    import datetime
+    res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
+           "code": code_info(), "flax": [], "first": [], "timm": []}
+    for arch in R.ARCHS:
+        for batch in (1, 8):
+            res["flax"].append(flax_part(arch, batch, size, rounds, calls))
+            print(res["flax"][-1], flush=True)
+            if first:
+                res["first"].append({"arch": arch, "batch": batch,
+                                     "ms": first_calls(arch, batch, size, first)})
+        res["timm"].append(timm_part(arch, rounds, calls))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "branches_cpu.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(a.out, "branches_cpu.md"), "w") as f:
+        f.write(markdown(res))
+    print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
