@@ -239,8 +239,10 @@ class _Group:
             None, handle=base if base.primitive.name == _CONV else None,
             label=f"1×1→{w.describe()} " + ("conv" if base.primitive.name == _CONV
                                             else "avg pool")) \
-            if all(k == 1 for k in w1.size) else \
-            _refusal("the first convolution of a sequential pair is not 1×1")
+            if all(k == 1 for k in w1.size + w1.strides + w1.lhs_dilation) and \
+            all(q == (0, 0) for q in w1.padding) else \
+            _refusal("the first convolution of a sequential pair is not 1×1 (stride 1, no "
+                     "padding)")
 
     @staticmethod
     def kernels(lf: _Leaf) -> list:

@@ -297,7 +297,8 @@ def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport
     with gc_paused():           # sums of parallel branches, each as one convolution
         merge_module(module, {ir.StringAttr(op.attributes["sym_name"]).value: op
                               for op in module.body.operations
-                              if op_name(op) == "func.func"}, report.sites)
+                              if op_name(op) == "func.func"}, report.sites,
+                     staged=in_graph and not guard)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report

@@ -16,7 +16,7 @@ from .._core.patterns import conv_layout
 from .._core.reasons import Reason
 from .._core.report import MERGED, NOT_REACHED, REFUSED, FoldSite
 from .._core.rules import round_kernel
-from .build import broadcast, make
+from .build import IrArith, broadcast, make
 from .ir import elem_type, float_dtype, location, numpy_to_dense, op_name, owner_op, shape_of
 from .match import HLO_STEPS
 from .merge import CONV, NOT_MERGED, WEIGHTS_ARGS, read, single, specs, window
@@ -26,6 +26,11 @@ from .._core.chain_rules import Refusal
 from .values import HloValues
 
 ir, stablehlo, _ = C.mlir()
+
+
+_PAIR_ARGS = Reason("weights-not-known", "a sequential 1×1 → k×k pair is composed on the "
+                   "host only: its weights are module arguments (give their values: "
+                   "params=, --params)")
 
 
 @dataclasses.dataclass
@@ -60,9 +65,10 @@ def _affine(steps, c, vals):
             t if any(k in ("add", "sub", "rsub") for k in kinds) else None)
 
 
-def merge_group(leaves, fname, ev, vals, sites):
+def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
     """Decide and record the merge of one input's branches: ``(Merged, member indices)``
-    or None."""
+    or None. ``staged``: weights that are arguments are merged in the graph, unguarded
+    (``split=``: the prepare module computes the merged kernel and checks it)."""
     target = next(lf.base for lf in leaves if lf.kind in ("conv", "pair", "guarded")
                   and op_name(lf.base) == CONV)
     ls, rs, os_ = specs(target)
@@ -74,25 +80,39 @@ def merge_group(leaves, fname, ev, vals, sites):
         s, v = _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals)
         structs.append(s)
         values.append(v)
+    if staged:             # a pair is composed on the host: in the graph it stays a branch
+        structs = [_PAIR_ARGS if lf.kind == "pair" and v is None else st
+                   for st, v, lf in zip(structs, values, leaves)]
     ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
     terms = [structs[i] for i in ok]
     p = M.plan(terms) if len(terms) >= 2 else next(
         s for s in structs if not isinstance(s, M.Term))
-    if not isinstance(p, Reason) and any(values[ok[j]] is None for j in p.members):
+    unknown = not isinstance(p, Reason) and any(values[ok[j]] is None for j in p.members)
+    if unknown and not staged:
         p = WEIGHTS_ARGS
     if isinstance(p, Reason):
         _record(target, fname, c, sites, REFUSED, reason=p, absorbed=[
             s.describe() if isinstance(s, M.Term) else f"{lf.kind} branch"
             for s, lf in zip(structs, leaves)])
         return None
-    full = [values[i] if j in p.members else terms[j] for j, i in enumerate(ok)]
     tw = terms[p.target].window
     tgt = terms[p.target].handle
+    absorbed, note = M.describe(terms, p)
+    if unknown:
+        members = {j: leaves[ok[j]] for j in p.members}
+        got = _staged(tgt, terms, p, members, axis, c, vals)
+        if isinstance(got, Reason):
+            _record(target, fname, c, sites, REFUSED, reason=got, absorbed=absorbed)
+            return None
+        _drop_unreached(sites, fname, list(members.values()))
+        _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed,
+                rescale="in-graph", groups=tw.groups)
+        return Merged(leaves[0].x, tgt, tw.groups, *got, None), [ok[j] for j in p.members]
+    full = [values[i] if j in p.members else terms[j] for j, i in enumerate(ok)]
     k64 = M.merged_kernel(full, p, np)
     trs = specs(tgt)[1]
     kd = float_dtype(elem_type(tgt.operands[1]))
     kernel, why = round_kernel(np.transpose(k64, np.argsort(trs)), [], kd, trs[0])
-    absorbed, note = M.describe(terms, p)
     if why is not None:
         _record(target, fname, c, sites, REFUSED, reason=why, absorbed=absorbed)
         return None
@@ -102,6 +122,60 @@ def merge_group(leaves, fname, ev, vals, sites):
             groups=tw.groups)
     x = leaves[0].x
     return Merged(x, tgt, tw.groups, kernel, shift, smap), [ok[j] for j in p.members]
+
+
+def _staged(tgt, terms, p, members, axis, c, vals):
+    """``(kernel, bias)`` of a merge computed in the graph (before the sum; inserted where
+    the caller's insertion point is), each marked prepared; or why not."""
+    trs = specs(tgt)[1]
+    ktype = ir.RankedTensorType(tgt.operands[1].type)
+    ct = ir.F64Type.get() if ktype.element_type == ir.F64Type.get() else ir.F32Type.get()
+    vals.ct = ct
+    arith = IrArith(c, ct)
+    tw = terms[p.target].window
+    if any(lf.kind == "conv" and terms[j].window.groups != tw.groups
+           for j, lf in members.items()):
+        return Reason("branches", "groups differ, and the weights are module arguments: "
+                      "merged with their values only (params=, --params)")
+    total, shift = None, None
+    for j, lf in members.items():
+        t, off = terms[j], p.members[j]
+        if lf.kind == "conv":
+            ms = specs(lf.base)[1]
+            k = vals.convert(lf.base.operands[1], ct)
+            if tuple(ms) != tuple(trs):      # the member's layout read as the target's
+                perm = [ms[list(trs).index(a)] for a in range(len(trs))]
+                k = stablehlo.TransposeOp(k, ir.DenseI64ArrayAttr.get(perm)).result
+        else:
+            canon = M.expand_groups(np.ones((c, 1) + t.window.size), t.window.groups,
+                                    tw.groups)
+            k = stablehlo.ConstantOp(numpy_to_dense(np.ascontiguousarray(
+                np.transpose(canon, np.argsort(trs))), ct)).result
+        steps = _steps(lf.chain, axis)
+        sc, sh = (None, None) if not steps else collapse(*vals.ir_chain(steps, c), c, xp=arith)
+        kinds = [st.kind for st in steps or []]
+        if any(kd not in ("add", "sub") for kd in kinds):
+            k = stablehlo.MulOp(k, broadcast(k.type, arith.value(sc), [trs[0]])).result
+        if any(kd in ("add", "sub", "rsub") for kd in kinds):
+            shift = sh if shift is None else arith.add(shift, sh)
+        lo = [0] * len(trs)
+        hi = [0] * len(trs)
+        for d, (o, size, big) in enumerate(zip(off, t.window.size, tw.size)):
+            lo[trs[2 + d]], hi[trs[2 + d]] = o, big - size - o
+        if any(lo) or any(hi):
+            shape = list(shape_of(k))
+            for a in range(len(shape)):
+                shape[a] += lo[a] + hi[a]
+            zero = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+                ir.RankedTensorType.get([], ct), ir.FloatAttr.get(ct, 0.0))).result
+            k = make("stablehlo.pad", [ir.RankedTensorType.get(shape, ct)], [k, zero],
+                     {"edge_padding_low": ir.DenseI64ArrayAttr.get(lo),
+                      "edge_padding_high": ir.DenseI64ArrayAttr.get(hi),
+                      "interior_padding": ir.DenseI64ArrayAttr.get([0] * len(lo))}).result
+        total = k if total is None else stablehlo.AddOp(total, k).result
+    kernel = vals.mark_prepared(vals.convert(total, ktype.element_type))
+    bias = None if shift is None else vals.mark_prepared(arith.value(shift))
+    return kernel, bias
 
 
 def _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals):
@@ -186,7 +260,8 @@ def rewrite(top, merges: list[Merged], rest: list) -> None:
         y = None
         for m in merges:
             ktype = ir.RankedTensorType(m.target.operands[1].type)
-            k = stablehlo.ConstantOp(numpy_to_dense(m.kernel, ktype.element_type)).result
+            k = m.kernel if not isinstance(m.kernel, np.ndarray) else stablehlo.ConstantOp(
+                numpy_to_dense(m.kernel, ktype.element_type)).result
             named = m.target.attributes
             attrs = {named[i].name: named[i].attr for i in range(len(named))}
             gtype = (ir.IntegerAttr(attrs["feature_group_count"]).type
@@ -196,9 +271,14 @@ def rewrite(top, merges: list[Merged], rest: list) -> None:
             et = elem_type(z)
             os_ = specs(m.target)[2]
             if m.shift is not None:
-                vec = np.broadcast_to(np.asarray(m.shift, np.float64),
-                                      (shape_of(z)[os_[1]],))
-                b = stablehlo.ConstantOp(numpy_to_dense(np.ascontiguousarray(vec), et)).result
+                if isinstance(m.shift, (np.ndarray, np.generic, float, int)):
+                    vec = np.broadcast_to(np.asarray(m.shift, np.float64),
+                                          (shape_of(z)[os_[1]],))
+                    b = stablehlo.ConstantOp(numpy_to_dense(np.ascontiguousarray(vec),
+                                                            et)).result
+                else:
+                    b = m.shift if elem_type(m.shift) == et else stablehlo.ConvertOp(
+                        ir.RankedTensorType.get(shape_of(m.shift), et), m.shift).result
                 z = stablehlo.AddOp(z, broadcast(z.type, b, [os_[1]])).result
             if m.shift_map is not None:
                 mp = np.moveaxis(m.shift_map[None], list(range(m.shift_map.ndim + 1)),
@@ -220,9 +300,10 @@ class _Values(HloValues):
         self.ct = ir.F32Type.get()
 
 
-def merge_module(module, fname_ops, sites: list) -> None:
+def merge_module(module, fname_ops, sites: list, staged: bool = False) -> None:
     """Merge the branch sums of each function (``fname_ops``: name → func op) of
-    ``module`` in place, recording each merge or refusal in ``sites``."""
+    ``module`` in place, recording each merge or refusal in ``sites``; ``staged``: merge
+    argument weights in the graph, unguarded (``split=``)."""
     ev = Evaluator(module)
     vals = _Values(ev)
     for fname, fop in fname_ops.items():
@@ -230,7 +311,7 @@ def merge_module(module, fname_ops, sites: list) -> None:
             continue
         for op in list(fop.regions[0].blocks[0].operations):
             if op_name(op) == "stablehlo.add" and _is_top(op):
-                _merge_tree(op, fname, ev, vals, sites)
+                _merge_tree(op, fname, ev, vals, sites, staged)
 
 
 def _is_top(op) -> bool:
@@ -249,7 +330,7 @@ def _tree_leaves(op) -> list:
     return out
 
 
-def _merge_tree(top, fname, ev, vals, sites) -> None:
+def _merge_tree(top, fname, ev, vals, sites, staged=False) -> None:
     shape = shape_of(top.results[0])
     atoms = _tree_leaves(top)
     leaves = [read(a, ev) if shape_of(a) == shape else None for a in atoms]
@@ -281,7 +362,8 @@ def _merge_tree(top, fname, ev, vals, sites) -> None:
     for ks in groups:
         if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded") for k in ks):
             continue
-        res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites)
+        with ir.InsertionPoint(top):           # (a staged merge's ops go before the sum)
+            res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites, staged)
         if res is not None:
             done.append((res[0], [ks[j] for j in res[1]]))
     if done:

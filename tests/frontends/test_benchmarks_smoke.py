@@ -136,3 +136,27 @@ def test_foldtime_quick():
     # make_jaxpr, the 10k-op module, and per decoder: str of the parsed module, and as bytes
     assert sum(line.startswith("| doing nothing") for line in proc.stdout.splitlines()) == 6
     assert all(" ms [" in r for r in rows), proc.stdout
+
+
+@pytest.mark.slow
+def test_branches_quick(tmp_path):
+    """``python -m benchmarks.branches --quick``: the multi-branch nets next to jax.jit and
+    their deploy form, and timm's exports next to the modules as given, written with the
+    machine stamped. Asserts the structure (the folded programs are the deploy form), not
+    the timings (tiny sizes, two rounds)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.branches", "--quick", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "branches_cpu.json").read_text())
+    assert res["machine"]["backend"] == "cpu"
+    assert {(r["arch"], r["batch"]) for r in res["flax"]} == {
+        (a, b) for a in ("repvgg_a0", "mobileone_s0") for b in (1, 8)}
+    for r in res["flax"]:
+        assert r["convs"]["fold"] == r["convs"]["deploy"] < r["convs"]["train"], r
+        assert set(r["steady_ms"]) == {"jit", "fold", "deploy", "under jit"}
+    for r in res["timm"]:
+        assert r["convs"]["folded"] <= r["convs"]["timm deploy"] < r["convs"]["original"]
+    assert "fold/deploy" in (tmp_path / "branches_cpu.md").read_text()

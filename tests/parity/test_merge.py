@@ -111,11 +111,32 @@ def test_stablehlo_merges_with_constants_and_with_params(net):
         args, params={i: np.asarray(a) for i, a in enumerate(leaves)})
     assert len(rep2.merged) == blocks and convs_in(got.mlir_module()) == want
     assert_close(ref, got.call(x, *prepared), depth=12)
-    # weights as arguments, folded in the graph: the branches stay, with the reason
+    # weights as arguments, folded in the graph (guarded): the branches stay, with why
     same, rep3 = hlofold.fold_stablehlo(args, in_graph=True)
     assert not rep3.merged and {reason_kind(s.reason) for s in branch_records(rep3)} == \
         {"weights-not-known"}
     assert_close(ref, same.call(*leaves, x), depth=12)
+
+
+def test_stablehlo_split_merges_in_the_prepare_module(net):
+    """``split=``: the merged kernel and bias are computed by the prepare module from the
+    weights (unguarded, checked by its ``ok``); apply runs the deploy form. A 1×1 → k×k pair
+    is composed on the host only, so under split= DBB's pairs stay branches (with the
+    reason) and the rest of each block merges."""
+    kind, apply, v, x, ref = net
+    leaves, tree = jax.tree.flatten(v)
+    exp = jax.export.export(jax.jit(lambda *a: apply(jax.tree.unflatten(tree, a[:-1]),
+                                                     a[-1])))(*leaves, x)
+    app, rep, prep = hlofold.fold_stablehlo(exp.mlir_module(), split=[f"arg{len(leaves)}"])
+    *made, ok = module_callable(prep)(*leaves)
+    assert bool(ok)
+    assert_close(ref, module_callable(app)(x, *made)[0], depth=12)
+    blocks = 8 if kind == "mobileone" else 4
+    assert len(rep.merged) == blocks and all(s.rescale == "in-graph" for s in rep.merged)
+    want = repmodels.deploy_convs(kind, 4) + (12 if kind == "dbb" else 0)
+    assert convs_in(str(app)) == want
+    if kind == "dbb":
+        assert all("1×1→3×3 conv left" in s.note for s in rep.merged)
 
 
 @pytest.mark.parametrize("arch", ["repvgg_a0", "mobileone_s0"])
