@@ -25,30 +25,17 @@ import numpy as np
 import timm
 import torch
 from timm.utils.model import reparameterize_model
-from torch_xla.stablehlo import exported_program_to_stablehlo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location(
-    "torch_weights", os.path.join(HERE, os.pardir, os.pardir, "helpers", "torch_weights.py"))
-tw = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tw)
+spec = importlib.util.spec_from_file_location("make_torch_xla",
+                                              os.path.join(HERE, "make_torch_xla.py"))
+mx = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mx)        # (its export_with_weights; main() is not run)
 
 for arch in ("repvgg_a0", "mobileone_s0"):
     torch.manual_seed(0)
     model = timm.create_model(arch, pretrained=False, num_classes=10).eval()
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, t in state.items():
-            if t.is_floating_point():
-                t.copy_(torch.from_numpy(tw.weight(name, t.shape)))
-    x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 3, 32, 32))
-                         .astype(np.float32))
-    with torch.no_grad():
-        y = model(x).numpy()
-    bundle = exported_program_to_stablehlo(torch.export.export(model, (x,)))
-    text = bundle.get_stablehlo_text("forward")
-    names = [loc.name if loc.type_.name != "INPUT_ARG" else "input"
-             for loc in bundle._bundle.stablehlo_funcs[0].meta.input_locations]
+    x, y, text, names = mx.export_with_weights(model)
     deploy = reparameterize_model(model)
     n_deploy = sum(isinstance(m, torch.nn.Conv2d) for m in deploy.modules())
     with torch.no_grad():
