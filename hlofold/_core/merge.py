@@ -253,12 +253,15 @@ def compose(first: Term, second: Term, in_spatial: Sequence[int],
                 f"1×1→{w.describe()} " + ("conv" if second.kind == "conv" else "avg pool"))
 
 
-def describe(terms: Sequence[Term], p: Plan) -> tuple[list[str], str]:
-    """``(members, note)`` for the report: what merged, into what, and what was left."""
+def describe(terms: Sequence[Term], p: Plan, others=()) -> tuple[list[str], str]:
+    """``(members, note)`` for the report: what merged, into what, and what was left
+    (``others``: ``(label, reason)`` of branches that are no term, e.g. a nonlinear one)."""
     tw = terms[p.target].window
     note = (f"{len(p.members)} branches -> one {tw.describe()} conv"
             + (f" (stride {tuple(tw.strides)})" if any(s != 1 for s in tw.strides) else "")
             + (f" g{tw.groups}" if tw.groups != 1 else ""))
     for i, why in p.left.items():
         note += f"; {terms[i].describe()} left: {why}"
+    for label, why in others:
+        note += f"; {label} left: {why}"
     return [terms[i].describe() for i in p.members], note

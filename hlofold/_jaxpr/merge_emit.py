@@ -91,7 +91,8 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
     kernels = [k for lf in members.values() for k in g.kernels(lf)]
     target = terms[p.target].handle
     tw = terms[p.target].window
-    absorbed, note = M.describe(terms, p)
+    absorbed, note = M.describe(terms, p, [(f"a {lf.kind} branch", st) for st, lf in zip(
+        structs, g.leaves) if not isinstance(st, M.Term)])
     kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]
                                                + [b.source for b in biases]),
               kernel=", ".join(_names(view, kernels)) or None)

@@ -92,12 +92,13 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
         p = WEIGHTS_ARGS
     if isinstance(p, Reason):
         _record(target, fname, c, sites, REFUSED, reason=p, absorbed=[
-            s.describe() if isinstance(s, M.Term) else f"{lf.kind} branch"
+            s.describe() if isinstance(s, M.Term) else _label(lf)
             for s, lf in zip(structs, leaves)])
         return None
     tw = terms[p.target].window
     tgt = terms[p.target].handle
-    absorbed, note = M.describe(terms, p)
+    absorbed, note = M.describe(terms, p, [(_label(lf), st) for st, lf in zip(
+        structs, leaves) if not isinstance(st, M.Term)])
     if unknown:
         members = {j: leaves[ok[j]] for j in p.members}
         got = _staged(tgt, terms, p, members, axis, c, vals)
@@ -122,6 +123,13 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
             groups=tw.groups)
     x = leaves[0].x
     return Merged(x, tgt, tw.groups, kernel, shift, smap), [ok[j] for j in p.members]
+
+
+def _label(lf) -> str:
+    """How a branch that is no term is named in a merge's note."""
+    return {"pair": "1×1→k×k pair", "shared": "a branch read elsewhere",
+            "nonlinear": "a nonlinear branch", "guarded": "a guarded branch"}.get(
+                lf.kind, f"{lf.kind} branch")
 
 
 def _staged(tgt, terms, p, members, axis, c, vals):

@@ -36,6 +36,10 @@ EXPECTED = {  # file: (folded, refused, reason fragment of the refusal)
     "rmsnorm_dot_args.mlir": (1, 0, None),
     # squeeze-excite: a block's input read by the pool and by the gating multiply
     "efficientnet_b0_torch_xla.mlir": (49, 4, "2 consumers"),
+    # train-time multi-branch blocks: each BN folds; the branches (weights are arguments,
+    # each site guarded) stay, one refused merge per block (test_merge: with params=)
+    "repvgg_a0_torch_xla.mlir": (44, 22, "module arguments"),
+    "mobileone_s0_torch_xla.mlir": (191, 43, "module arguments"),
 }
 
 
