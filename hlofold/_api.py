@@ -44,7 +44,8 @@ from ._views import FoldedViews
 def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str] = (),
          static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
          cache_prepared: bool = True, float32_kernels: bool = False, verify: bool | None = None,
-         in_graph: bool = False, fold_costly: bool = False, prepare: str = "auto"):
+         in_graph: bool = False, fold_costly: bool = False, prepare: str = "auto",
+         merge: bool = True):
     """Fold every BatchNorm (per-channel affine) after a convolution in ``fun``.
 
     Args:
@@ -53,10 +54,8 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
       freeze: argument numbers or names whose values are baked into the program as
         constants (like ``torch.jit.freeze``). A different array passed later re-freezes.
       static_argnums, static_argnames: as for ``jax.jit`` (for a plain ``fun``).
-      cache_prepared: cache the prepared (folded) parameters between calls, keyed on the
-        identity of the ``jax.Array`` parameters. With ``False`` every call prepares again
-        (useful only for benchmarking; after a few calls the signature then runs the
-        original program, as for parameters that change on every call).
+      cache_prepared: cache the prepared parameters between calls, keyed on the identity of
+        the ``jax.Array`` parameters (``False``: prepare on every call, for benchmarks).
       float32_kernels: for bf16/fp16 convolutions, keep the folded kernel in float32 and run
         the convolution in float32 (accuracy over speed). See :meth:`Folded.measure_precision`.
       verify: fail closed. On the first call for each input signature, run the folded and
@@ -73,27 +72,24 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         a newer JAX — there, too, a fold that needs a JAX internal that changed is off and
         the call runs the original program (the report says which change).
       in_graph: what a call under an enclosing transformation (``jax.jit(fold(f))``,
-        ``vmap``) does with sites whose parameters are traced, so that ``K ⊙ s`` would be
-        recomputed on every call. ``False`` (default): leave them unfolded — the program is
-        the original one there, never slower (on XLA:CPU the rescale costs more than it
-        saves); :meth:`traced_report` says so per site. To fold everything under your own
-        jit, prepare outside it: ``sp = folded.split(params, x)``, ``prepared =
-        sp.prepare(params, x)``, then ``jax.jit(lambda p, x: sp.apply(p, params, x))``.
-        ``True``: rescale in the graph, each site guarded at run time (a non-finite folded
-        kernel or bias runs the original equations); fp16/fp8 kernels stay unfolded there.
+        ``vmap``) does with sites whose parameters are traced (``K ⊙ s`` would run on every
+        call). ``False`` (default): leave them unfolded, the original program, never slower;
+        :meth:`traced_report` says so per site (to fold under your own jit, prepare outside
+        it: :meth:`split`). ``True``: rescale in the graph, each site guarded at run time (a
+        non-finite folded kernel or bias runs the original equations; fp16/fp8 kernels stay).
       fold_costly: fold sites the cost rule leaves. By default a site whose parameters are
         inputs folds only where its fold removes a pass over a tensor (a BatchNorm after a
         conv or dense layer, an affine pass of its own in front of one): a LayerNorm/RMSNorm
         γ folded into the projections reading it removes only multiplies inside the pass
-        computing ``x·r``, which stays, and would hold a folded copy of each kernel beside
-        the parameters (or rescale it on every call, in the graph). Such sites are reported
-        ``left``, with their figures (``hlofold._core.cost``). Frozen parameters and
-        :func:`hlofold.fold_params` fold them regardless.
+        computing ``x·r`` and would hold a folded copy of each kernel beside the parameters.
+        Such sites are reported ``left``, with their figures (``hlofold._core.cost``).
+        Frozen parameters and :func:`hlofold.fold_params` fold them regardless.
       prepare: where the parameters a folded site reads are prepared (``K ⊙ s``, the
         bias): ``"auto"`` (default) on the host for parameters on one CPU device (no
         compile), on their own devices otherwise — sharded, spanning processes, or on an
         accelerator: one compiled program per signature, nothing gathered, the results in
         the parameters' sharding; ``"host"`` or ``"device"`` to choose.
+      merge: sums of parallel branches become one convolution (docs/folds.md); ``False``: kept.
 
     Returns a :class:`Folded` callable with ``.lower``, ``.report``, ``.jaxpr`` and ``.split``.
     """
@@ -101,11 +97,12 @@ def fold(fun: Callable | None = None, *, freeze: int | str | Sequence[int | str]
         return functools.partial(fold, freeze=freeze, static_argnums=static_argnums,
                                  static_argnames=static_argnames, cache_prepared=cache_prepared,
                                  float32_kernels=float32_kernels, verify=verify,
-                                 in_graph=in_graph, fold_costly=fold_costly, prepare=prepare)
+                                 in_graph=in_graph, fold_costly=fold_costly, prepare=prepare,
+                                 merge=merge)
     return Folded(fun, freeze=freeze, static_argnums=static_argnums,
                   static_argnames=static_argnames, cache_prepared=cache_prepared,
                   float32_kernels=float32_kernels, verify=verify, in_graph=in_graph,
-                  fold_costly=fold_costly, prepare=prepare)
+                  fold_costly=fold_costly, prepare=prepare, merge=merge)
 
 
 class Folded(FoldedViews):
@@ -113,12 +110,13 @@ class Folded(FoldedViews):
 
     def __init__(self, fun, *, freeze, static_argnums, static_argnames, cache_prepared,
                  float32_kernels=False, verify=None, in_graph=False, fold_costly=False,
-                 prepare="auto"):
+                 prepare="auto", merge=True):
         if prepare not in ("auto", "host", "device"):
             raise ValueError(f"hlofold.fold: prepare must be 'auto', 'host' or 'device', "
                              f"got {prepare!r}")
         self._prepare = prepare
         self._float32_kernels = float32_kernels
+        self._merge = bool(merge)
         self._cost = None if fold_costly else frozenset()     # the cost rule (_core.cost)
         self._verify = C.untested() if verify is None else bool(verify)
         self.in_graph = bool(in_graph)
@@ -238,6 +236,7 @@ class Folded(FoldedViews):
         # parameters); they are folded per value on the host (_prepare).
         folded, found = fold_jaxpr(closed, invar_names=names, const_names=const_names,
                                    float32_kernels=self._float32_kernels, in_graph="never",
+                                   merge=self._merge,
                                    cost=self._cost)
         needed = set()
         for s in found.sites:
@@ -287,11 +286,13 @@ class Folded(FoldedViews):
             if not manual and (self._prepare == "device" or
                                (self._prepare == "auto" and on_device(known))):
                 entry = device_entry(prog, known, float32_kernels=self._float32_kernels,
+                                     merge=self._merge,
                                      cost=self._cost is not None)
             else:
                 folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
                                            prog.known_idx, known,
                                            float32_kernels=self._float32_kernels,
+                                           merge=self._merge,
                                            cost=self._cost is not None)
                 entry = (folding, prog.executables.get(folding),
                          list(folding.hoisted) if manual else place(folding.hoisted, known))
@@ -369,7 +370,8 @@ class Folded(FoldedViews):
                 prog.variants[mode] = fold_jaxpr(
                     prog.original, invar_names=prog.leaf_names,
                     const_names=prog.const_names, in_graph=mode,
-                    float32_kernels=self._float32_kernels, cost=self._cost)
+                    float32_kernels=self._float32_kernels, cost=self._cost,
+                    merge=self._merge)
             return prog.variants[mode]
 
     def _traced_mode(self) -> str:

@@ -196,11 +196,11 @@ def cmd_fold(args) -> int:
     prepared = prepare = None
     if args.params:
         params = _read_params(args.params)
-        folded, report, prepared = fold_stablehlo(data, params=params)
+        folded, report, prepared = fold_stablehlo(data, params=params, merge=args.merge)
     elif args.prepare:
-        folded, report, prepare = fold_stablehlo(data, split=args.per_call)
+        folded, report, prepare = fold_stablehlo(data, split=args.per_call, merge=args.merge)
     else:
-        folded, report = fold_stablehlo(data, in_graph=args.in_graph)
+        folded, report = fold_stablehlo(data, in_graph=args.in_graph, merge=args.merge)
     print(report)
     from . import _compat as C
     verify = args.verify if args.verify is not None else (
@@ -281,6 +281,9 @@ def main(argv=None) -> int:
                     "call; by default they are left as they are: give --params to fold them "
                     "once)")
     p_fold.add_argument("--in-graph", **in_graph)
+    p_fold.add_argument("--no-merge", dest="merge", action="store_false",
+                        help="keep sums of parallel branches (RepVGG, MobileOne, ...) as "
+                             "they are; each branch's BatchNorm still folds")
     p_fold.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                         help="run original and folded; refuse to write a folded artifact "
                              "that differs beyond tolerance (default: off on the JAX "

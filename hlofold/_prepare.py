@@ -52,7 +52,7 @@ class Folding:
 
 def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Sequence,
                      known_idx: Sequence[int], values: Sequence[Any], *,
-                     float32_kernels: bool, cost: bool = False) -> Folding:
+                     float32_kernels: bool, cost: bool = False, merge: bool = True) -> Folding:
     """Fold ``closed`` with its inputs ``known_idx`` bound to ``values`` (with ``cost``,
     under the cost rule: they are prepared copies)."""
     j = closed.jaxpr
@@ -66,7 +66,7 @@ def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: S
         bound, invar_names=[n for i, n in enumerate(names) if i not in known],
         const_names=list(const_names) + [names[i] for i in known_idx],
         float32_kernels=float32_kernels, in_graph="never",
-        cost=[names[i] for i in known_idx] if cost else None)
+        cost=[names[i] for i in known_idx] if cost else None, merge=merge)
     for s in report.sites:
         if s.status == FOLDED and s.rescale == "constant" and known_names & (
                 set(s.params) | set((s.kernel or "").split(", "))):
@@ -194,12 +194,12 @@ class DevicePrepare:
 
 def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Sequence,
                    known_idx: Sequence[int], *, float32_kernels: bool,
-                   cost: bool) -> DevicePrepare:
+                   cost: bool, merge: bool = True) -> DevicePrepare:
     """The :class:`DevicePrepare` of ``closed`` whose inputs ``known_idx`` are parameters."""
     import jax.numpy as jnp
     folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names,
                                 float32_kernels=float32_kernels, in_graph="unguarded",
-                                cost=[] if cost else None)
+                                cost=[] if cost else None, merge=merge)
     for s in report.sites:
         if s.status == FOLDED and s.rescale == "in-graph":
             s.rescale = PREPARED
@@ -223,7 +223,8 @@ def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Seq
                          jax.jit(C.jaxpr_as_fun(unknown_j)))
 
 
-def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool):
+def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,
+                 merge: bool = True):
     """``(Folding, apply, values)`` for parameters ``known`` of ``prog`` (an input
     signature's ``_dispatch.Program``), prepared on their devices (:func:`device_prepare`,
     made once per signature). Folded values that are not finite (σ² = 0 with ε = 0, an inf
@@ -231,7 +232,7 @@ def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool):
     if prog.device is None:
         prog.device = device_prepare(prog.original, prog.leaf_names, prog.const_names,
                                      prog.known_idx, float32_kernels=float32_kernels,
-                                     cost=cost)
+                                     cost=cost, merge=merge)
     dp = prog.device
     residuals, ok = dp.prepare(*known)
     if bool(ok):

@@ -47,7 +47,8 @@ _MAX_INLINE_ROUNDS = 8      # calls within calls a chain is followed into
 def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = None,
                const_names: Sequence[str] | None = None,
                float32_kernels: bool = False, in_graph: str = "guarded",
-               cost: Sequence[str] | None = None) -> tuple[C.ClosedJaxpr, FoldReport]:
+               cost: Sequence[str] | None = None,
+               merge: bool = True) -> tuple[C.ClosedJaxpr, FoldReport]:
     """Fold every conv → per-channel-affine chain of ``closed``.
 
     Args:
@@ -77,6 +78,8 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
         over a tensor is left (status ``left``, with its figures). None (default): fold
         every safe site.
 
+      merge: merge sums of parallel branches into one convolution (``_jaxpr.merge``).
+
     Returns ``(folded, report)``. ``folded`` has the same inputs and outputs as ``closed``;
     when nothing folds it *is* ``closed``.
     """
@@ -97,7 +100,7 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     cnames = list(const_names) if const_names is not None else [None] * len(closed.consts)
     sites: list[FoldSite] = []
     opts = _Options(float32_kernels=float32_kernels, in_graph=in_graph,
-                    cost=None if cost is None else frozenset(cost))
+                    cost=None if cost is None else frozenset(cost), merge=merge)
     scope = _Scope(closed,
                    known_in=[NONE] * n_in,
                    names_in=[_const(frozenset({n})) for n in names],
@@ -141,6 +144,7 @@ class _Options:
     float32_kernels: bool = False
     in_graph: str = "guarded"
     cost: frozenset | None = None     # hlofold.fold's cost rule (names of prepared constants)
+    merge: bool = True                # parallel branches merged (_jaxpr.merge)
     # what this JAX changed that kept the fold out of part of the program (filled on the way)
     compat: list = dataclasses.field(default_factory=list, compare=False, hash=False)
 
@@ -228,7 +232,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         """``closed`` (this scope, folded) with its sums of parallel branches merged
         (``_jaxpr.merge``), planned over a scope of its own."""
         prims = {e.primitive.name for e in closed.jaxpr.eqns}
-        if "add" not in prims or not prims & {"conv_general_dilated", "cond"}:
+        if not self.opts.merge or "add" not in prims or not prims & {"conv_general_dilated", "cond"}:
             return closed
         named = dict(zip(self.jaxpr.constvars, self.const_names))
         ins = closed.jaxpr.invars

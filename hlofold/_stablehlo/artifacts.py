@@ -121,7 +121,8 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
     return buf.getvalue()
 
 
-def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT):
+def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT,
+                   merge: bool = True):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
@@ -150,7 +151,7 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
 
     Without ``params`` or ``split``, a site whose weights are arguments is folded in the
     graph, guarded at run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on
-    every call.
+    every call. ``merge=False`` keeps sums of parallel branches (each branch's BN folds).
 
     On a JAX whose MLIR bindings changed what this pass reads (``hlofold._compat``), the
     artifact comes back as given (without ``params``/``split``; with them a
@@ -163,7 +164,7 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     if off is None:
         art = read_artifact(data)          # bad input is the caller's: raised as it is
         try:
-            result = _fold(art, data, params, split, in_graph)
+            result = _fold(art, data, params, split, in_graph, merge)
             if C.untested() and params is None and split is None and result[1].num_folded:
                 return _checked(data, *result)
             return result
@@ -247,17 +248,17 @@ def _as_given(data):
     return bytes(data) if isinstance(data, (bytearray, memoryview)) else data
 
 
-def _fold(art: Artifact, data, params, split, in_graph):
+def _fold(art: Artifact, data, params, split, in_graph, merge=True):
     if params is not None:
-        return _fold_with_params(art, data, params)
+        return _fold_with_params(art, data, params, merge)
     if split is not None:
         if art.kind == EXPORT:
             raise StableHLOError("split= makes two modules; a jax.export artifact is one "
                                  "function: fold it with params=, or use hlofold.fold(...)"
                                  ".split() on the JAX function")
-        prepare, apply, report = split_module(art.module, split)
+        prepare, apply, report = split_module(art.module, split, merge)
         return _write(apply, art), report, _write(prepare, art)
-    module, report = fold_module_text(art.module, in_graph)
+    module, report = fold_module_text(art.module, in_graph, merge)
     if not report.num_folded:     # nothing folded: the artifact exactly as it was given
         return _as_given(data), report
     with module.context:
@@ -270,8 +271,8 @@ def _fold(art: Artifact, data, params, split, in_graph):
     return bytes(new.serialize()), report
 
 
-def _fold_with_params(art: Artifact, data, params):
-    module, report, prepared, kept = bind_and_fold(art.module, params)
+def _fold_with_params(art: Artifact, data, params, merge=True):
+    module, report, prepared, kept = bind_and_fold(art.module, params, merge)
     with module.context:
         if art.kind != EXPORT:
             return _write(module, art), report, prepared
@@ -309,9 +310,9 @@ def _write(module, art: Artifact):
     return _module_bytes(module, art.kind != TEXT, art.target)
 
 
-def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT) -> FoldReport:
+def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT, merge: bool = True) -> FoldReport:
     """What ``fold_stablehlo`` would fold, and why not the rest (nothing is written)."""
-    return fold_stablehlo(data, in_graph=in_graph)[1]
+    return fold_stablehlo(data, in_graph=in_graph, merge=merge)[1]
 
 
 # --------------------------------------------------------------------------- running

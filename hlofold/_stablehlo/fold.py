@@ -281,7 +281,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 r.status, r.reason, r.rescale, r.guarded = REFUSED, reason, None, False
 
 
-def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport:
+def fold_module(module, in_graph: bool = True, guard: bool = True,
+                merge: bool = True) -> FoldReport:
     """Fold ``module`` in place (call inside its context); returns the report.
     ``in_graph``: fold sites whose weights are arguments with the rescale in the graph,
     guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
@@ -294,21 +295,23 @@ def fold_module(module, in_graph: bool = True, guard: bool = True) -> FoldReport
         del folder              # (its memos hold a wrapper per op: dropped while paused)
     if inlined:                 # private functions whose calls were all inlined
         drop_uncalled_private(module, only=inlined)
-    with gc_paused():           # sums of parallel branches, each as one convolution
-        merge_module(module, {ir.StringAttr(op.attributes["sym_name"]).value: op
-                              for op in module.body.operations
-                              if op_name(op) == "func.func"}, report.sites,
-                     staged=in_graph and not guard)
+    if merge:
+        with gc_paused():       # sums of parallel branches, each as one convolution
+            merge_module(module, {ir.StringAttr(op.attributes["sym_name"]).value: op
+                                  for op in module.body.operations
+                                  if op_name(op) == "func.func"}, report.sites,
+                         staged=in_graph and not guard)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report
 
 
-def fold_module_text(text_or_bytes, in_graph: bool = True) -> tuple[Any, FoldReport]:
+def fold_module_text(text_or_bytes, in_graph: bool = True,
+                     merge: bool = True) -> tuple[Any, FoldReport]:
     """Parse, fold and return ``(module, report)`` (module in hlofold's MLIR context)."""
     module = parse_module(text_or_bytes)
     with module.context, ir.Location.unknown():
-        report = fold_module(module, in_graph)
+        report = fold_module(module, in_graph, merge=merge)
     return module, report
 
 

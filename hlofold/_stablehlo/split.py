@@ -38,7 +38,8 @@ CALL, WEIGHT, CONST = "call", "weight", "const"
 _MOVABLE = ("stablehlo.broadcast_in_dim",)       # cheap enough to redo per call
 
 
-def split_module(text_or_bytes, per_call: Sequence[Any]) -> tuple[Any, Any, FoldReport]:
+def split_module(text_or_bytes, per_call: Sequence[Any],
+                 merge: bool = True) -> tuple[Any, Any, FoldReport]:
     """``(prepare module, apply module, report)``. ``per_call``: the ``@main`` arguments
     that change on every call (``0``, ``"arg0"``); all others are weights. ``prepare``
     takes the weights (in their order) and returns what ``apply`` takes after the per-call
@@ -52,7 +53,7 @@ def split_module(text_or_bytes, per_call: Sequence[Any]) -> tuple[Any, Any, Fold
         if not calls or calls[-1] >= n:
             raise StableHLOError(f"per-call arguments {calls}: @main takes {n} arguments "
                                  f"(arg0 .. arg{n - 1}); name at least one of them")
-        report = fold_module(module, in_graph=True, guard=False)
+        report = fold_module(module, in_graph=True, guard=False, merge=merge)
         text = str(module)
         kinds, crossing, moved = _classify(main_function(module), set(calls))
     prepare, apply = parse_module(text), parse_module(text)

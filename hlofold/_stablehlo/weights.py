@@ -39,8 +39,8 @@ def argument_index(key) -> int:
     return int(s)
 
 
-def bind_and_fold(text_or_bytes, params: Mapping[Any, Any]) -> tuple[Any, FoldReport, list,
-                                                                     list[int]]:
+def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
+                  merge: bool = True) -> tuple[Any, FoldReport, list, list[int]]:
     """``(apply module, report, prepared values, kept)``: ``params`` (module argument →
     value) bound and folded, the folded constants hoisted into trailing arguments.
     ``kept``: the original argument numbers the apply module still takes first, in order."""
@@ -62,7 +62,7 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any]) -> tuple[Any, FoldRe
                 arg.replace_all_uses_with(const)
         kept = [i for i in range(n) if i not in values]
         set_arguments(main, kept)
-        report = fold_module(module)
+        report = fold_module(module, merge=merge)
         prepared = _hoist(main)
         hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
         set_argument_shardings(main, {len(kept) + j: sh

@@ -86,6 +86,33 @@ def test_merge_records_say_what_merged_and_where(net):
     assert "branch sums merged" in str(rep)
 
 
+def test_merge_false_keeps_the_branches_on_every_path(net, tmp_path):
+    """``merge=False`` (``fold``, ``fold_jaxpr``, ``fold_stablehlo``, ``--no-merge``): each
+    branch's BN folds, no branch merges, the train-time convolutions stay."""
+    kind, apply, v, x, ref = net
+    train = repmodels.conv_count(jax.make_jaxpr(apply)(v, x))
+    f = hlofold.fold(apply, merge=False)
+    assert_close(ref, f(v, x), depth=12)
+    rep = f.report(v, x)
+    assert not branch_records(rep) and rep.num_folded > 0
+    assert repmodels.conv_count(f.jaxpr(v, x)) == train
+    _, rep = hlofold.fold_jaxpr(jax.make_jaxpr(apply)(v, x), in_graph="prepared",
+                                merge=False)
+    assert not branch_records(rep) and rep.num_folded > 0
+    exp = jax.export.export(jax.jit(lambda x: apply(v, x)))(x)
+    got, srep = hlofold.fold_stablehlo(exp, merge=False)
+    assert not branch_records(srep) and convs_in(got.mlir_module()) == train
+    assert_close(ref, got.call(x), depth=12)
+    if kind == "repvgg":
+        src, out = tmp_path / "m.mlir", tmp_path / "o.mlir"
+        src.write_text(exp.mlir_module())
+        proc = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o",
+                               str(out), "--no-merge"], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == 0, proc.stderr
+        assert convs_in(out.read_text()) == train and "merged" not in proc.stdout
+
+
 def test_guarded_in_graph_fold_says_why_branches_stay(net):
     kind, apply, v, x, ref = net
     folded, rep = hlofold.fold_jaxpr(jax.make_jaxpr(apply)(v, x))      # guarded
