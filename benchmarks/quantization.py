@@ -10,7 +10,9 @@ and range over seeds.
 * Transformer block: Flax linen pre-norm block (``tests/helpers/blocks.py``), LayerNorm and
   RMSNorm, with γ drawn log-normal with spread σ_γ (real LLM norms have outlier channels).
 
-Run: ``python -m benchmarks.quantization [--seeds 5] [--out docs/quantization.md]``.
+Run: ``python -m benchmarks.quantization [--seeds 5] [--qwix] [--out FILE]`` (``--qwix``:
+Qwix's post-training quantization, int8 weights and activations, in place of the weight
+quantizer).
 """
 from __future__ import annotations
 
@@ -48,6 +50,30 @@ def measure(f, params, x):
     folded = hlofold.fold_params(f, params, x)
     return (rel_err(ref, f(quantize(params), x)),
             rel_err(ref, f(quantize(folded.params), x)), len(folded.changes))
+
+
+def qwix_ptq(f, x):
+    """Qwix's post-training quantization of the Flax linen model behind ``f`` (its bound
+    ``apply``): int8 weights and int8 activations (w8a8, Qwix's rule for every module);
+    returns ``variables -> outputs`` of the quantized model, the weights quantized by
+    ``qwix.quantize_params``."""
+    import qwix
+    rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)]
+    ptq = qwix.quantize_model(f.__self__, qwix.PtqProvider(rules))
+    abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+
+    def run(variables):
+        q = qwix.quantize_params(variables["params"], abstract)
+        return ptq.apply({**variables, "params": q}, x)
+    return run
+
+
+def measure_qwix(f, params, x):
+    """:func:`measure` with Qwix's w8a8 PTQ in place of the per-channel weight quantizer."""
+    ref = f(params, x)
+    folded = hlofold.fold_params(f, params, x)
+    run = qwix_ptq(f, x)
+    return rel_err(ref, run(params)), rel_err(ref, run(folded.params)), len(folded.changes)
 
 
 def cnn_case(seed):
@@ -88,16 +114,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--qwix", action="store_true",
+                    help="quantize with Qwix's PTQ (w8a8) instead of the weight quantizer")
     a = ap.parse_args(argv)
     seeds = range(a.seeds)
-    lines = ["| model | int8 error, unfolded weights | int8 error, folded weights | "
+    how = measure_qwix if a.qwix else measure
+    what = "Qwix w8a8 error" if a.qwix else "int8 error"
+    lines = [f"| model | {what}, unfolded weights | {what}, folded weights | "
              "folded/unfolded | sites folded |", "|---|---|---|---|---|"]
     lines.append("| ResNet-18 (BN), width 16, 32 px | " +
-                 summarize([measure(*cnn_case(s)) for s in seeds]) + " |")
+                 summarize([how(*cnn_case(s)) for s in seeds]) + " |")
     for kind in ("LayerNorm", "RMSNorm"):
         for spread in (0.1, 0.5, 1.0):
             lines.append(f"| block, {kind}, σ_γ = {spread} | " + summarize(
-                [measure(*block_case(kind, spread, s)) for s in seeds]) + " |")
+                [how(*block_case(kind, spread, s)) for s in seeds]) + " |")
     head = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
             f"jax {jax.__version__} ({jax.default_backend()}), {a.seeds} seeds "
             "(median, range).\n\n")
