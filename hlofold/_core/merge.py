@@ -85,8 +85,105 @@ class Term:
         w = self.window.describe()
         return {"conv": f"{w} conv" + (f" g{self.window.groups}"
                                        if self.window.groups != 1 else ""),
-                "identity": "identity", "pool": f"{w} avg pool",
-                "pair": f"1×1→{w} conv"}[self.kind]
+                "identity": "identity", "pool": f"{w} avg pool"}[self.kind]
+
+
+@dataclasses.dataclass
+class Leaf:
+    """A term of a sum as an adapter read it: ``kind`` conv/pool/identity (or, after
+    :func:`group_leaves`, pair/shared/nonlinear; "guarded": a folded site's run-time guard)
+    on input ``x``; ``leaf`` the sum's operand; ``base`` its conv/pool op; ``chain`` the
+    affine ops after it, ``(op, operand position)`` outermost first; ``first`` a 1×1 conv
+    in front of the base (a pair); ``alt`` another reading of an identity leaf: ``(x', op)``,
+    a nonlinearity on a branch of ``x'``."""
+
+    kind: str
+    x: Any
+    leaf: Any
+    base: Any = None
+    chain: list = dataclasses.field(default_factory=list)
+    first: "Leaf | None" = None
+    steps: list = dataclasses.field(default_factory=list)     # the adapter's, base outwards
+    alt: tuple | None = None
+
+
+def group_leaves(leaves: Sequence["Leaf | None"], single) -> list[list[int]]:
+    """The candidate merges of one sum: indices of ``leaves`` (None: not a branch) reading
+    one input, with a convolution among them. On the way: a conv/pool whose value has other
+    readers (``single(leaf)`` false) becomes "shared"; a 1×1 → k×k pair is read as one
+    branch where its input is another branch's; an identity on its own becomes "nonlinear"
+    where its other reading lands on another branch's input."""
+    for lf in leaves:
+        if lf is not None and lf.kind in ("conv", "pool") and not single(lf.leaf):
+            lf.kind, lf.first = "shared", None
+    plain = [lf.x for lf in leaves if lf is not None and lf.first is None]
+    for lf in leaves:
+        if lf is not None and lf.first is not None and any(lf.first.x == x for x in plain):
+            lf.x, lf.kind = lf.first.x, "pair"
+    groups: list[list[int]] = []
+    for k, lf in enumerate(leaves):
+        if lf is not None:
+            g = next((g for g in groups if leaves[g[0]].x == lf.x), None)
+            groups.append([k]) if g is None else g.append(k)
+    for k, lf in enumerate(leaves):
+        if lf is None or lf.alt is None:
+            continue
+        mine = next(g for g in groups if k in g)
+        other = next((g for g in groups if leaves[g[0]].x == lf.alt[0]), None)
+        if len(mine) == 1 and other is not None:
+            groups.remove(mine)
+            lf.kind, lf.x, lf.base = "nonlinear", *lf.alt
+            other.append(k)
+    return [g for g in groups if len(g) >= 2 and
+            any(leaves[k].kind in ("conv", "pair", "guarded") for k in g)]
+
+
+# branches read as such that do not merge (both adapters; "guarded" is each adapter's own)
+NOT_MERGED = {
+    "shared": Reason("branches", "a branch's value is read elsewhere too (merged, its "
+                     "convolution would run twice)"),
+    "nonlinear": Reason("branches", "a nonlinearity on a branch"),
+}
+
+
+def leaf_label(kind: str) -> str:
+    """How a branch that is no term is named in a merge's note."""
+    return {"pair": "1×1→k×k pair", "shared": "a branch read elsewhere",
+            "nonlinear": "a nonlinear branch", "guarded": "a guarded branch"}.get(
+                kind, f"{kind} branch")
+
+
+def pool_window(dims, strides, padding, base_dilation, window_dilation, lhs_spec,
+                channels: int) -> Window | None:
+    """The window of an average pool's ``reduce_window`` (per input axis; ``lhs_spec``:
+    the input's batch, feature and spatial axes), None where it pools over the batch or
+    the features or dilates its input."""
+    nb, nf = lhs_spec[0], lhs_spec[1]
+    if any(d != 1 for d in base_dilation) or (dims[nb], dims[nf], strides[nb],
+                                               strides[nf]) != (1, 1, 1, 1) or \
+            tuple(padding[nb]) != (0, 0) or tuple(padding[nf]) != (0, 0):
+        return None
+    sp = lhs_spec[2:]
+    return depthwise_window(channels, [dims[d] for d in sp], [strides[d] for d in sp],
+                            [tuple(padding[d]) for d in sp],
+                            [window_dilation[d] for d in sp])
+
+
+def pair_structure(first: Window, second: Window, handle, conv: bool) -> "Term | Reason":
+    """The term (no values yet) of a 1×1 convolution followed by ``second`` (a conv when
+    ``conv``, else a pool): the second's taps over the first's input channels."""
+    if any(k != 1 for k in first.size + first.strides + first.lhs_dilation) or \
+            any(q != (0, 0) for q in first.padding):
+        return _reason("the first convolution of a sequential pair is not 1×1 (stride 1, "
+                       "no padding)")
+    return Term("pair", dataclasses.replace(second, groups=math.gcd(first.groups,
+                                                                    second.groups),
+                                            in_channels=first.in_channels),
+                None, handle=handle if conv else None, label=_pair_label(second, conv))
+
+
+def _pair_label(second: Window, conv: bool) -> str:
+    return f"1×1→{second.describe()} " + ("conv" if conv else "avg pool")
 
 
 def identity_kernel(channels: int, ndim: int) -> np.ndarray:
@@ -212,10 +309,9 @@ def compose(first: Term, second: Term, in_spatial: Sequence[int],
     with its affine) as one term. The first one's shift, seen through the second one's
     padding, is a per-position bias where the border reads zeros."""
     f, w = first.window, second.window
-    if any(k != 1 for k in f.size) or any(s != 1 for s in f.strides) or \
-            any(p != (0, 0) for p in f.padding) or any(d != 1 for d in f.lhs_dilation):
-        return _reason("the first convolution of a sequential pair is not 1×1 (stride 1, "
-                       "no padding)")
+    structure = pair_structure(f, w, second.handle, second.kind == "conv")
+    if isinstance(structure, Reason):
+        return structure
     if any(d != 1 for d in w.lhs_dilation):
         return _reason("an input-dilated (transposed) convolution")
     wide = (lambda a: np.asarray(a, np.float64)) if xp is np else (lambda a: a)
@@ -247,10 +343,7 @@ def compose(first: Term, second: Term, in_spatial: Sequence[int],
                     + "->o" + letters.upper())
             shift_map = xp.einsum(spec, taps, *[xp.asarray(mk, dtype=taps.dtype)
                                                 for mk in masks])
-    window = Window(w.size, w.strides, w.padding, w.rhs_dilation, w.lhs_dilation, g,
-                    f.in_channels, w.out_channels)
-    return Term("pair", window, kernel, None, shift, shift_map, second.handle,
-                f"1×1→{w.describe()} " + ("conv" if second.kind == "conv" else "avg pool"))
+    return dataclasses.replace(structure, kernel=kernel, shift=shift, shift_map=shift_map)
 
 
 def describe(terms: Sequence[Term], p: Plan, others=()) -> tuple[list[str], str]:

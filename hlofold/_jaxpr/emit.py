@@ -127,7 +127,7 @@ class SiteEmitter:
     def _template_key(self, site):
         """``_jaxpr.templates.template_key`` of a site; None also when an operand of its
         chains is known at transform time (its value is baked into the equations)."""
-        if any(self._operand_value(st.operand) is not None
+        if any(self.operand_value(st.operand) is not None
                for st in site.steps + (site.fwd.steps if site.fwd else [])
                if isinstance(st, AffineStep) and st.operand is not None):
             return None
@@ -246,7 +246,7 @@ class SiteEmitter:
                         s_in, t_in = fwd.s_known, fwd.t_known
                     else:
                         vals = [None if st.operand is None else
-                                self._operand_traced(st.operand, read, cdt)
+                                self.operand_traced(st.operand, read, cdt)
                                 for st in fwd.steps]
                         s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels,
                                                xp=xp)
@@ -261,7 +261,7 @@ class SiteEmitter:
                     s, t = site.s_known, site.t_known
                 else:
                     vals = [None if st.operand is None else
-                            self._operand_traced(st.operand, read, cdt) for st in affine]
+                            self.operand_traced(st.operand, read, cdt) for st in affine]
                     s, t = collapse(kinds(affine), vals, info.out_channels, xp=xp)
                 s = xp.asarray(s)
                 if b is not None:
@@ -367,8 +367,10 @@ class SiteEmitter:
             shape[site.end_axis] = tb.shape[0]
         return lax.broadcast_in_dim(tb, tuple(shape), dims)
 
-    def _operand_traced(self, op: ChannelOperand, read, cdt):
-        known = self._operand_value(op)
+    def operand_traced(self, op: ChannelOperand, read, cdt):
+        """A per-channel operand in the trace (``read``: atom -> traced value) in ``cdt``,
+        or its known value (float64)."""
+        known = self.operand_value(op)
         if known is not None:
             return known.astype(np.float64)
         val = read(op.source)

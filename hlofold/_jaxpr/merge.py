@@ -15,8 +15,6 @@ rounded once; weights that are inputs are merged in the graph where the caller p
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,21 +33,6 @@ _CONV, _POOL = "conv_general_dilated", "reduce_window_sum"
 # the reading: the leaf is no branch)
 NONLINEAR = frozenset({"max", "min", "tanh", "logistic", "exp", "clamp", "erf",
                        "custom_jvp_call", "abs"})
-
-
-@dataclasses.dataclass
-class _Leaf:
-    """A branch read from equations: ``kind`` conv/pool/identity/pair on input ``x``."""
-
-    kind: str
-    x: Any
-    leaf: Any                   # the tree's leaf value
-    base: Any = None            # the conv / pool equation
-    chain: list = dataclasses.field(default_factory=list)   # (eqn, pos), outermost first
-    first: "_Leaf | None" = None                            # a pair's 1×1 conv
-    steps: list = dataclasses.field(default_factory=list)   # AffineSteps, root outwards
-    # another reading of an identity leaf: a nonlinearity on a branch (x', its op)
-    alt: tuple | None = None
 
 
 def _producer(view, v):
@@ -91,24 +74,24 @@ def _walk_back(view, v):
     return v, chain
 
 
-def _read(view, leaf) -> _Leaf:
+def _read(view, leaf) -> M.Leaf:
     base_v, chain = _walk_back(view, leaf)
     e = _producer(view, base_v)
     name = e.primitive.name if e is not None else None
     if name in (_CONV, _POOL) and not (name == _CONV and view.from_root(e.invars[1])):
         if not _single(view, base_v):
-            return _Leaf("shared", e.invars[0], leaf, e, chain)
-        t = _Leaf("conv" if name == _CONV else "pool", e.invars[0], leaf, e, chain)
+            return M.Leaf("shared", e.invars[0], leaf, e, chain)
+        t = M.Leaf("conv" if name == _CONV else "pool", e.invars[0], leaf, e, chain)
         mid, chain1 = _walk_back(view, e.invars[0])
         e1 = _producer(view, mid)
         if e1 is not None and e1.primitive.name == _CONV and _single(view, mid) and \
                 _single(view, e.invars[0]) and not view.from_root(e1.invars[1]):
-            t.first = _Leaf("conv", e1.invars[0], e.invars[0], e1, chain1)
+            t.first = M.Leaf("conv", e1.invars[0], e.invars[0], e1, chain1)
         return t
     inner = _inner_conv(view, e) if e is not None else None
     if inner is not None and inner[0] == "guarded":
-        return _Leaf(inner[0], inner[1], leaf, inner[2], chain)
-    return _Leaf("identity", base_v, leaf, None, chain,
+        return M.Leaf(inner[0], inner[1], leaf, inner[2], chain)
+    return M.Leaf("identity", base_v, leaf, None, chain,
                  alt=inner[1:] if inner is not None else None)
 
 
@@ -150,16 +133,9 @@ def _window(e, lhs_spec) -> M.Window | None:
                         int(lhs[dn.lhs_spec[1]]),
                         int(e.outvars[0].aval.shape[dn.out_spec[1]]),
                         int(p["batch_group_count"]))
-    wd, st, pad = p["window_dimensions"], p["window_strides"], p["padding"]
-    nb, nf = lhs_spec[0], lhs_spec[1]
-    if any(d != 1 for d in p["base_dilation"]) or \
-            (wd[nb], wd[nf], st[nb], st[nf]) != (1, 1, 1, 1) or \
-            tuple(pad[nb]) != (0, 0) or tuple(pad[nf]) != (0, 0):
-        return None
-    sp = lhs_spec[2:]
-    return M.depthwise_window(int(e.invars[0].aval.shape[nf]), [wd[d] for d in sp],
-                              [st[d] for d in sp], [tuple(pad[d]) for d in sp],
-                              [p["window_dilation"][d] for d in sp])
+    return M.pool_window(p["window_dimensions"], p["window_strides"], p["padding"],
+                         p["base_dilation"], p["window_dilation"], lhs_spec,
+                         int(e.invars[0].aval.shape[lhs_spec[1]]))
 
 
 def _refusal(text: str) -> Reason:
@@ -167,15 +143,10 @@ def _refusal(text: str) -> Reason:
 
 
 # branches read as such that do not merge, and why
-_NOT_MERGED = {
-    "shared": _refusal("a branch's value is read elsewhere too (merged, its convolution "
-                       "would run twice)"),
-    "nonlinear": _refusal("a nonlinearity on a branch"),
-    "guarded": Reason("weights-not-known", "the branches' weights are inputs, folded in "
-                      "the graph under run-time guards; they merge where they are known "
-                      "(hlofold.fold prepares them, freeze= bakes them in) or with "
-                      "in_graph='prepared'"),
-}
+_NOT_MERGED = {**M.NOT_MERGED, "guarded": Reason(
+    "weights-not-known", "the branches' weights are inputs, folded in the graph under "
+    "run-time guards; they merge where they are known (hlofold.fold prepares them, "
+    "freeze= bakes them in) or with in_graph='prepared'")}
 
 
 def _op_name(e) -> str:
@@ -189,7 +160,7 @@ class _Group:
     """One input's branches in one sum: their structure (the core's plan) first, values
     after (on the host or in a trace)."""
 
-    def __init__(self, view, leaves: list[_Leaf]):
+    def __init__(self, view, leaves: list[M.Leaf]):
         self.view = view
         self.leaves = leaves
         target = next(lf.base for lf in leaves if lf.kind in ("conv", "pair", "guarded")
@@ -200,7 +171,7 @@ class _Group:
         self.shape = tuple(target.outvars[0].aval.shape)
         self.channels = int(self.shape[self.axis])
 
-    def structure(self, lf: _Leaf) -> M.Term | Reason:
+    def structure(self, lf: M.Leaf) -> M.Term | Reason:
         """The term of a leaf without values (``kernel`` None), or why it is none."""
         if lf.kind in _NOT_MERGED:
             why = _NOT_MERGED[lf.kind]
@@ -233,31 +204,22 @@ class _Group:
         w1 = _window(lf.first.base, dn.lhs_spec)
         if w1 is None:
             return _refusal("the first convolution of a pair has another layout")
-        # the composed window: the second's taps over the first's input channels
-        return M.Term("pair", dataclasses.replace(
-            w, groups=math.gcd(w1.groups, w.groups), in_channels=w1.in_channels),
-            None, handle=base if base.primitive.name == _CONV else None,
-            label=f"1×1→{w.describe()} " + ("conv" if base.primitive.name == _CONV
-                                            else "avg pool")) \
-            if all(k == 1 for k in w1.size + w1.strides + w1.lhs_dilation) and \
-            all(q == (0, 0) for q in w1.padding) else \
-            _refusal("the first convolution of a sequential pair is not 1×1 (stride 1, no "
-                     "padding)")
+        return M.pair_structure(w1, w, base, base.primitive.name == _CONV)
 
     @staticmethod
-    def kernels(lf: _Leaf) -> list:
+    def kernels(lf: M.Leaf) -> list:
         """The kernels the term of ``lf`` reads."""
         return [p.base.invars[1] for p in [lf] + ([lf.first] if lf.kind == "pair" else [])
                 if p.base is not None and p.base.primitive.name == _CONV]
 
-    def needs(self, lf: _Leaf) -> list:
+    def needs(self, lf: M.Leaf) -> list:
         """The atoms whose values the term of ``lf`` is made of."""
         parts = [lf] + ([lf.first] if lf.kind == "pair" else [])
         return [a for a in [st.operand.source for p in parts for st in p.steps
                             if st.operand is not None]
                 + self.kernels(lf) if isinstance(a, C.Var)]
 
-    def term(self, lf: _Leaf, s: M.Term, get, xp) -> M.Term | Reason:
+    def term(self, lf: M.Leaf, s: M.Term, get, xp) -> M.Term | Reason:
         """The term with values: ``get(atom)`` a known value (host) or a traced one."""
         c = self.channels
         t = dataclasses.replace(s)
@@ -273,10 +235,10 @@ class _Group:
                                               for st in lf.steps], c, xp)
         return t
 
-    def _pair(self, lf: _Leaf, get, xp) -> M.Term | Reason:
+    def _pair(self, lf: M.Leaf, get, xp) -> M.Term | Reason:
         dn = self.dn
 
-        def part(p: _Leaf, kind: str, channels: int) -> M.Term:
+        def part(p: M.Leaf, kind: str, channels: int) -> M.Term:
             w = _window(p.base, dn.lhs_spec)
             k = (_canonical(get(p.base.invars[1]), p.base) if p.base.primitive.name == _CONV
                  else np.ones((w.out_channels, 1) + w.size))
@@ -350,27 +312,9 @@ def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write=True)
     atoms = _tree_leaves(view, top)
     leaves = [_read(view, a) if isinstance(a, C.Var) and tuple(a.aval.shape) == shape
               else None for a in atoms]
-    for l in leaves:            # a branch whose value is read elsewhere too stays
-        if l is not None and l.kind in ("conv", "pool") and not _single(view, l.leaf):
-            l.kind, l.first = "shared", None
-    plain = {l.x for l in leaves if l is not None and l.first is None}
-    for l in leaves:            # a pair is read as one where its input is another branch's
-        if l is not None and l.first is not None and l.first.x in plain:
-            l.x, l.kind = l.first.x, "pair"
-    groups: dict = {}
-    for k, l in enumerate(leaves):
-        if l is not None:
-            groups.setdefault(l.x, []).append(k)
-    for l in leaves:      # an identity on its own may be a nonlinearity on another's branch
-        if l is not None and l.alt is not None and len(groups[l.x]) == 1 and l.alt[0] in groups:
-            del groups[l.x]
-            l.kind, l.x, l.base = "nonlinear", *l.alt
-            groups[l.x].append(leaves.index(l))
+    groups = M.group_leaves(leaves, lambda v: _single(view, v))
     merges, taken = [], set()
-    for ks in groups.values():
-        if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded")
-                                  for k in ks):
-            continue
+    for ks in groups:
         g = _Group(view, [leaves[k] for k in ks])
         # the sum's per-channel biases join the first merge's bias
         biases = {} if merges else {k: op for k, a in enumerate(atoms) if k not in ks and (

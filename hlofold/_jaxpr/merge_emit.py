@@ -48,14 +48,10 @@ def _names(view, atoms) -> list[str]:
 
 
 def _host_get(view):
+    """``atom or ChannelOperand -> float64 value`` of known values (the scope's readers)."""
     def get(a):
         if isinstance(a, ChannelOperand):
-            val = view.value(a.source)
-            arr = np.asarray(val)
-            for dt in a.casts:
-                arr = arr.astype(np.dtype(dt))
-            arr = arr.astype(np.float64)
-            return arr.reshape(-1) if a.source_axis is not None else arr.reshape(())
+            return np.asarray(view.operand_value(a), np.float64)
         return np.asarray(view.value(a), np.float64)
     return get
 
@@ -80,7 +76,7 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
         s for s in structs if not isinstance(s, M.Term))
     if isinstance(p, Reason):
         _record(view, g.target, g, path, sites, REFUSED, reason=p,
-                absorbed=[s.describe() if isinstance(s, M.Term) else f"{lf.kind} branch"
+                absorbed=[s.describe() if isinstance(s, M.Term) else M.leaf_label(lf.kind)
                           for s, lf in zip(structs, g.leaves)])
         return None
     members = {j: g.leaves[ok[j]] for j in p.members}
@@ -91,7 +87,7 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
     kernels = [k for lf in members.values() for k in g.kernels(lf)]
     target = terms[p.target].handle
     tw = terms[p.target].window
-    absorbed, note = M.describe(terms, p, [(f"a {lf.kind} branch", st) for st, lf in zip(
+    absorbed, note = M.describe(terms, p, [(M.leaf_label(lf.kind), st) for st, lf in zip(
         structs, g.leaves) if not isinstance(st, M.Term)])
     kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]
                                                + [b.source for b in biases]),
@@ -166,13 +162,11 @@ def _traced_values(m: Merge, read):
     kd = np.dtype(m.target.invars[1].aval.dtype)
     cdt = np.float64 if kd.itemsize > 4 and jax.config.jax_enable_x64 else np.float32
 
+    view = m.group.view
+
     def get(a):
         if isinstance(a, ChannelOperand):
-            v = a.source.val if isinstance(a.source, C.Literal) else read(a.source)
-            for dt in a.casts:
-                v = cast(jnp.asarray(v), dt)
-            v = jnp.reshape(jnp.asarray(v), (a.size,) if a.source_axis is not None else ())
-            return cast(v, cdt)
+            return view.operand_traced(a, read, cdt)
         return cast(read(a), cdt)
 
     g, p = m.group, m.plan

@@ -141,7 +141,7 @@ class SitePlanner(ForwardPlanner):
         # Everything that is known at transform time is computed now, in float64.
         k_val = None if kfa else self.value(kernel)
         k64 = None if k_val is None else np.asarray(k_val)      # (rounded in float64 later)
-        op_vals = [None if s.operand is None else self._operand_value(s.operand) for s in affine]
+        op_vals = [None if s.operand is None else self.operand_value(s.operand) for s in affine]
         s_vec = t_vec = None
         if all(v is not None for s, v in zip(affine, op_vals) if s.operand is not None):
             s_vec, t_vec = collapse(kinds(affine), op_vals, info.out_channels)
@@ -243,7 +243,7 @@ class SitePlanner(ForwardPlanner):
     def _check_forward(self, fwd: Forward, info, kd, hint, all_known: bool) -> bool:
         """The forward fold's own rules (``_core.decide.forward_refusal``), before the shared
         decision; ``fwd.s_known``/``t_known`` set when known. False: refused."""
-        vals = [None if s.operand is None else self._operand_value(s.operand)
+        vals = [None if s.operand is None else self.operand_value(s.operand)
                 for s in fwd.steps]
         known = all(v is not None for s, v in zip(fwd.steps, vals) if s.operand is not None)
         s_in = t_in = None
@@ -287,7 +287,8 @@ class SitePlanner(ForwardPlanner):
             rec.status, rec.reason, rec.rescale, rec.guarded = REFUSED, reason, None, False
         return False
 
-    def _operand_value(self, op: ChannelOperand):
+    def operand_value(self, op: ChannelOperand):
+        """A per-channel operand's value (vector or scalar, its casts applied), if known."""
         val = self.value(op.source)
         if val is None:
             return None

@@ -12,8 +12,6 @@ reason (``weights-not-known``).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from .. import _compat as C
@@ -34,18 +32,6 @@ _AFFINE = frozenset(BINARY) | {"stablehlo.negate", _BN}
 NONLINEAR = frozenset({"stablehlo.maximum", "stablehlo.minimum", "stablehlo.tanh",
                        "stablehlo.logistic", "stablehlo.exponential", "stablehlo.clamp",
                        "stablehlo.abs"})
-
-
-@dataclasses.dataclass
-class _Leaf:
-    kind: str
-    x: object
-    leaf: object
-    base: object = None
-    chain: list = dataclasses.field(default_factory=list)   # (op, pos), outermost first
-    first: "_Leaf | None" = None
-    steps: list = dataclasses.field(default_factory=list)
-    alt: tuple | None = None      # an identity's other reading: a nonlinearity on a branch
 
 
 def single(v) -> bool:
@@ -87,19 +73,19 @@ def _is_pool(op, ev) -> bool:
         not np.any(init)
 
 
-def read(v, ev) -> _Leaf:
+def read(v, ev) -> M.Leaf:
     base_v, chain = walk_back(v)
     op = owner_op(base_v)
     name = op_name(op) if op is not None else None
     if name == CONV or (name == _POOL and _is_pool(op, ev)):
         if not single(base_v):
-            return _Leaf("shared", op.operands[0], v, op, chain)
-        t = _Leaf("conv" if name == CONV else "pool", op.operands[0], v, op, chain)
+            return M.Leaf("shared", op.operands[0], v, op, chain)
+        t = M.Leaf("conv" if name == CONV else "pool", op.operands[0], v, op, chain)
         mid, chain1 = walk_back(op.operands[0])
         o1 = owner_op(mid)
         if o1 is not None and op_name(o1) == CONV and single(mid) and \
                 single(op.operands[0]):
-            t.first = _Leaf("conv", o1.operands[0], op.operands[0], o1, chain1)
+            t.first = M.Leaf("conv", o1.operands[0], op.operands[0], o1, chain1)
         return t
     if op is not None and marked(op, GUARD):      # a folded site's run-time guard
         inside, convs = set(), []
@@ -112,7 +98,7 @@ def read(v, ev) -> _Leaf:
                         convs.append(inner)
         for inner in convs:
             if inner.operands[0] not in inside:
-                return _Leaf("guarded", inner.operands[0], v, inner, chain)
+                return M.Leaf("guarded", inner.operands[0], v, inner, chain)
     if op is not None and len(op.results) == 1 and name in NONLINEAR:
         shape = shape_of(op.results[0])
         acts = [o for o in op.operands if shape_of(o) == shape and not _param_like(o, shape)]
@@ -120,8 +106,8 @@ def read(v, ev) -> _Leaf:
             u, _ = walk_back(acts[0])
             c = owner_op(u)
             if c is not None and op_name(c) == CONV:
-                return _Leaf("identity", base_v, v, None, chain, alt=(c.operands[0], op))
-    return _Leaf("identity", base_v, v, None, chain)
+                return M.Leaf("identity", base_v, v, None, chain, alt=(c.operands[0], op))
+    return M.Leaf("identity", base_v, v, None, chain)
 
 
 def specs(op):
@@ -158,26 +144,15 @@ def window(op, lhs_spec) -> M.Window | None:
     st = op_ints(op, "window_strides", [1] * r)
     pad = op_ints(op, "padding", [0] * (2 * r))
     pad = list(zip(pad[0::2], pad[1::2]))
-    nb, nf = lhs_spec[0], lhs_spec[1]
-    if any(d != 1 for d in op_ints(op, "base_dilations", [1] * r)) or \
-            (wd[nb], wd[nf], st[nb], st[nf]) != (1, 1, 1, 1) or \
-            pad[nb] != (0, 0) or pad[nf] != (0, 0):
-        return None
-    sp = lhs_spec[2:]
-    wdil = op_ints(op, "window_dilations", [1] * r)
-    return M.depthwise_window(int(shape_of(op.operands[0])[nf]), [wd[d] for d in sp],
-                              [st[d] for d in sp], [pad[d] for d in sp],
-                              [wdil[d] for d in sp])
+    return M.pool_window(wd, st, pad, op_ints(op, "base_dilations", [1] * r),
+                         op_ints(op, "window_dilations", [1] * r), lhs_spec,
+                         int(shape_of(op.operands[0])[lhs_spec[1]]))
 
 
-NOT_MERGED = {
-    "shared": Reason("branches", "a branch's value is read elsewhere too (merged, its "
-                     "convolution would run twice)"),
-    "nonlinear": Reason("branches", "a nonlinearity on a branch"),
-    "guarded": Reason("weights-not-known", "the branches' weights are module arguments, "
-                      "folded in the graph under run-time guards; they merge with their "
-                      "values (fold_stablehlo(..., params=), hlofold fold --params)"),
-}
+NOT_MERGED = {**M.NOT_MERGED, "guarded": Reason(
+    "weights-not-known", "the branches' weights are module arguments, folded in the graph "
+    "under run-time guards; they merge with their values (fold_stablehlo(..., params=), "
+    "hlofold fold --params)")}
 WEIGHTS_ARGS = Reason("weights-not-known", "the branches' weights are module arguments; they merge "
                "with their values (fold_stablehlo(..., params=), hlofold fold --params)")
 

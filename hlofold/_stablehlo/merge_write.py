@@ -4,7 +4,6 @@ and the merged ``convolution + bias`` takes the sum's place."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -92,12 +91,12 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
         p = WEIGHTS_ARGS
     if isinstance(p, Reason):
         _record(target, fname, c, sites, REFUSED, reason=p, absorbed=[
-            s.describe() if isinstance(s, M.Term) else _label(lf)
+            s.describe() if isinstance(s, M.Term) else M.leaf_label(lf.kind)
             for s, lf in zip(structs, leaves)])
         return None
     tw = terms[p.target].window
     tgt = terms[p.target].handle
-    absorbed, note = M.describe(terms, p, [(_label(lf), st) for st, lf in zip(
+    absorbed, note = M.describe(terms, p, [(M.leaf_label(lf.kind), st) for st, lf in zip(
         structs, leaves) if not isinstance(st, M.Term)])
     if unknown:
         members = {j: leaves[ok[j]] for j in p.members}
@@ -123,13 +122,6 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
             groups=tw.groups)
     x = leaves[0].x
     return Merged(x, tgt, tw.groups, kernel, shift, smap), [ok[j] for j in p.members]
-
-
-def _label(lf) -> str:
-    """How a branch that is no term is named in a merge's note."""
-    return {"pair": "1×1→k×k pair", "shared": "a branch read elsewhere",
-            "nonlinear": "a nonlinear branch", "guarded": "a guarded branch"}.get(
-                lf.kind, f"{lf.kind} branch")
 
 
 def _staged(tgt, terms, p, members, axis, c, vals):
@@ -212,13 +204,12 @@ def _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals):
     if lf.kind == "pair":
         w1 = window(lf.first.base, ls)
         steps1 = _steps(lf.first.chain, specs(lf.first.base)[2][1])
-        if w1 is None or steps1 is None or any(k != 1 for k in w1.size):
-            return Reason("branches", "the first convolution of a sequential pair is not a "
-                          "1×1 convolution of the same layout"), None
-        label = f"1×1→{w.describe()} " + ("conv" if handle is not None else "avg pool")
-        s = M.Term("pair", dataclasses.replace(w, groups=math.gcd(w1.groups, w.groups),
-                                               in_channels=w1.in_channels),
-                   None, handle=handle, label=label)
+        if w1 is None or steps1 is None:
+            return Reason("branches", "the first convolution of a pair has another layout "
+                          "or arithmetic that is not per channel"), None
+        s = M.pair_structure(w1, w, lf.base, handle is not None)
+        if isinstance(s, Reason):
+            return s, None
         m = int(shape_of(lf.first.base.results[0])[specs(lf.first.base)[2][1]])
         aff1 = _affine(steps1, m, vals)
         k1 = _kernel(lf.first.base, ev)
@@ -342,34 +333,9 @@ def _merge_tree(top, fname, ev, vals, sites, staged=False) -> None:
     shape = shape_of(top.results[0])
     atoms = _tree_leaves(top)
     leaves = [read(a, ev) if shape_of(a) == shape else None for a in atoms]
-    for lf in leaves:
-        if lf is not None and lf.kind in ("conv", "pool") and not single(lf.leaf):
-            lf.kind, lf.first = "shared", None
-    plain = [lf.x for lf in leaves if lf is not None and lf.first is None]
-    for lf in leaves:
-        if lf is not None and lf.first is not None and any(lf.first.x == x for x in plain):
-            lf.x, lf.kind = lf.first.x, "pair"
-    groups: list[list[int]] = []
-    for k, lf in enumerate(leaves):
-        if lf is None:
-            continue
-        g = next((g for g in groups if leaves[g[0]].x == lf.x), None)
-        if g is None:
-            groups.append([k])
-        else:
-            g.append(k)
-    for k, lf in enumerate(leaves):  # an identity on its own: a nonlinearity on a branch?
-        g = next((g for g in groups if k in g), None)
-        other = None if lf is None or lf.alt is None else next(
-            (o for o in groups if leaves[o[0]].x == lf.alt[0]), None)
-        if g is not None and len(g) == 1 and other is not None:
-            groups.remove(g)
-            lf.kind, lf.x, lf.base = "nonlinear", *lf.alt
-            other.append(k)
+    groups = M.group_leaves(leaves, single)
     done = []
     for ks in groups:
-        if len(ks) < 2 or not any(leaves[k].kind in ("conv", "pair", "guarded") for k in ks):
-            continue
         with ir.InsertionPoint(top):           # (a staged merge's ops go before the sum)
             res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites, staged)
         if res is not None:
