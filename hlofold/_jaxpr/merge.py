@@ -24,7 +24,7 @@ from .._core import merge as M
 from .._core.algebra import collapse, np64
 from .._core.chain_rules import Refusal
 from .._core.reasons import Reason
-from .merge_emit import merge_group, splice
+from .merge_emit import drop_unreached, merge_group, splice, unreached_keys
 from .emit import is_guard
 from .steps import AFFINE_STEPS, AffineStep, affine_step, resolve_operand
 
@@ -276,12 +276,14 @@ def merge_scope(view, in_graph: str, path: str, sites: list,
     eqns = view.jaxpr.eqns
     replaced: dict[int, list] = {}
     constvars, consts = list(view.jaxpr.constvars), list(view.closed.consts)
+    taken: set = set()           # the not-reached norms merges took
     for i, e in enumerate(eqns):
         if e.primitive.name != "add" or not _is_top(view, e):
             continue
-        new = _merge_tree(view, e, in_graph, path, sites, constvars, consts, write)
+        new = _merge_tree(view, e, in_graph, path, sites, constvars, consts, write, taken)
         if new is not None:
             replaced[i] = new
+    drop_unreached(sites, path, taken)
     if not replaced:
         return None
     out = []
@@ -307,7 +309,7 @@ def _tree_leaves(view, top) -> list:
     return out
 
 
-def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write=True):
+def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write, unreached):
     shape = tuple(top.outvars[0].aval.shape)
     atoms = _tree_leaves(view, top)
     leaves = [_read(view, a) if isinstance(a, C.Var) and tuple(a.aval.shape) == shape
@@ -322,6 +324,7 @@ def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write=True)
         m = merge_group(view, g, in_graph, path, sites, write, list(biases.values()))
         if m is not None:
             merges.append(m)
+            unreached.update(unreached_keys(m.members.values()))
             taken.update(k for k in ks if any(leaves[k] is lf for lf in m.members.values()))
             taken.update(k for k, op in biases.items() if op in m.biases)
     if not merges:

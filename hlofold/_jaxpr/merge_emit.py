@@ -117,7 +117,6 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
         m.shift, m.shift_map = M.merged_shift(m.terms, p, np)
         for b in b_known:
             m.shift = get(b) if m.shift is None else m.shift + get(b)
-        _taken_unreached(sites, path, members.values())
         _record(view, target, g, path, sites, MERGED, note=note, rescale="constant",
                 groups=tw.groups, **kw)
         return m
@@ -129,20 +128,25 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
         return None
     m.biases = list(biases)
     m.needs = needs + [b.source for b in biases if isinstance(b.source, C.Var)]
-    _taken_unreached(sites, path, members.values())
     _record(view, target, g, path, sites, MERGED, note=note, rescale="in-graph",
             groups=tw.groups, **kw)
     return m
 
 
-def _taken_unreached(sites: list, path: str, leaves) -> None:
-    """Drop the not-reached records of normalizations a merge took (an identity branch's
-    BatchNorm, a pool's): they are folded into the merged convolution now."""
-    keys = {(C.user_location(e), C.name_stack(e)) for lf in leaves
+def unreached_keys(leaves) -> set:
+    """Where the normalizations a merge took sit (an identity branch's BatchNorm, a pool's),
+    as their not-reached records name them."""
+    return {(C.user_location(e), C.name_stack(e)) for lf in leaves
             for part in (lf, lf.first) if part is not None for e, _ in part.chain}
-    sites[:] = [s for s in sites if not (
-        s.status == NOT_REACHED and s.scope == path and
-        ((s.file, s.line, s.function), s.name_stack) in keys)]
+
+
+def drop_unreached(sites: list, path: str, keys: set) -> None:
+    """Drop the not-reached records at ``keys`` (folded into merged convolutions now):
+    once per scope, after its merges."""
+    if keys:
+        sites[:] = [s for s in sites if not (
+            s.status == NOT_REACHED and s.scope == path and
+            ((s.file, s.line, s.function), s.name_stack) in keys)]
 
 
 def _record(view, eqn, g, path, sites, status, groups=None, **kw) -> None:

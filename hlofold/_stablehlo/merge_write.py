@@ -104,7 +104,6 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
         if isinstance(got, Reason):
             _record(target, fname, c, sites, REFUSED, reason=got, absorbed=absorbed)
             return None
-        _drop_unreached(sites, fname, list(members.values()))
         _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed,
                 rescale="in-graph", groups=tw.groups)
         return Merged(leaves[0].x, tgt, tw.groups, *got, None), [ok[j] for j in p.members]
@@ -117,7 +116,6 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
         _record(target, fname, c, sites, REFUSED, reason=why, absorbed=absorbed)
         return None
     shift, smap = M.merged_shift(full, p, np)
-    _drop_unreached(sites, fname, [leaves[ok[j]] for j in p.members])
     _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed, rescale="constant",
             groups=tw.groups)
     x = leaves[0].x
@@ -233,11 +231,13 @@ def _kernel(op, ev):
     return None if k is None else np.transpose(np.asarray(k, np.float64), specs(op)[1])
 
 
-def _drop_unreached(sites, fname, leaves) -> None:
-    keys = {location(op) for lf in leaves for part in (lf, lf.first) if part is not None
-            for op, _ in part.chain}
-    sites[:] = [s for s in sites if not (s.status == NOT_REACHED and s.scope == f"@{fname}"
-                                         and (s.file, s.line, s.name_stack) in keys)]
+def _drop_unreached(sites, taken: dict) -> None:
+    """Drop the not-reached records of the norms merges took (``taken``: function name ->
+    their locations), once per module."""
+    if any(taken.values()):
+        sites[:] = [s for s in sites if not (
+            s.status == NOT_REACHED and s.scope.startswith("@") and
+            (s.file, s.line, s.name_stack) in taken.get(s.scope[1:], ()))]
 
 
 def _record(op, fname, c, sites, status, groups=None, **kw) -> None:
@@ -305,12 +305,14 @@ def merge_module(module, fname_ops, sites: list, staged: bool = False) -> None:
     argument weights in the graph, unguarded (``split=``)."""
     ev = Evaluator(module)
     vals = _Values(ev)
+    taken: dict = {}
     for fname, fop in fname_ops.items():
         if not fop.regions[0].blocks:
             continue
         for op in list(fop.regions[0].blocks[0].operations):
             if op_name(op) == "stablehlo.add" and _is_top(op):
-                _merge_tree(op, fname, ev, vals, sites, staged)
+                _merge_tree(op, fname, ev, vals, sites, staged, taken.setdefault(fname, set()))
+    _drop_unreached(sites, taken)
 
 
 def _is_top(op) -> bool:
@@ -329,7 +331,7 @@ def _tree_leaves(op) -> list:
     return out
 
 
-def _merge_tree(top, fname, ev, vals, sites, staged=False) -> None:
+def _merge_tree(top, fname, ev, vals, sites, staged, unreached: set) -> None:
     shape = shape_of(top.results[0])
     atoms = _tree_leaves(top)
     leaves = [read(a, ev) if shape_of(a) == shape else None for a in atoms]
@@ -340,6 +342,9 @@ def _merge_tree(top, fname, ev, vals, sites, staged=False) -> None:
             res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites, staged)
         if res is not None:
             done.append((res[0], [ks[j] for j in res[1]]))
+            unreached.update(location(op) for k in done[-1][1]
+                             for part in (leaves[k], leaves[k].first) if part is not None
+                             for op, _ in part.chain)
     if done:
         taken = {k for _, ks in done for k in ks}
         m = done[0][0]                    # the sum's known per-channel biases join its bias
