@@ -98,11 +98,13 @@ _EXPORTED_FIELDS = ("in_tree", "in_avals", "in_shardings_hlo", "module_kept_var_
                     "mlir_module_serialized")
 
 
-def exported_with_inputs(exp, kept, new_avals, module_bytes, new_from=None):
+def exported_with_inputs(exp, kept, new_avals, module_bytes, new_from=None, used=None):
     """``exp`` (a ``jax.export.Exported``) with the module ``module_bytes`` whose inputs are
     ``exp``'s inputs ``kept`` (in order) and then new inputs of ``new_avals``: flat
     positional inputs. ``new_from[j]``: the input of ``exp`` whose sharding the new input
-    ``j`` takes (None: unsharded). Touches ``Exported``'s private sharding fields (jax 0.10)."""
+    ``j`` takes (None: unsharded). ``used``: the positions, among those inputs, of the ones
+    the module takes (``module_kept_var_idx``; default all). Touches ``Exported``'s private
+    sharding fields (jax 0.10)."""
     from .jaxpr import ShapedArray
     names = {f.name for f in dataclasses.fields(exp)}
     if not set(_EXPORTED_FIELDS) <= names:
@@ -116,7 +118,7 @@ def exported_with_inputs(exp, kept, new_avals, module_bytes, new_from=None):
         in_tree=jax.tree_util.tree_structure((tuple(range(len(avals))), {})),
         in_avals=tuple(avals),
         in_shardings_hlo=tuple(exp.in_shardings_hlo[i] for i in kept) + extra,
-        module_kept_var_idx=tuple(range(len(avals))),
+        module_kept_var_idx=tuple(range(len(avals))) if used is None else tuple(used),
         mlir_module_serialized=module_bytes)
     named = getattr(exp, "_in_named_shardings", None)
     if named is not None:

@@ -272,26 +272,50 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True):
 
 
 def _fold_with_params(art: Artifact, data, params, merge=True):
-    module, report, prepared, kept = bind_and_fold(art.module, params, merge)
-    with module.context:
-        if art.kind != EXPORT:
+    if art.kind != EXPORT:
+        module, report, prepared, _ = bind_and_fold(art.module, params, merge)
+        with module.context:
             return _write(module, art), report, prepared
-        exp = art.exported
+    exp = art.exported
+    by_arg, lead = _export_arguments(exp, params)
+    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge)
+    with module.context:
         n_module = len(main_function(module).regions[0].blocks[0].arguments)
-        if len(exp.in_avals) != len(kept) + len(params) or \
-                tuple(exp.module_kept_var_idx) != tuple(range(len(exp.in_avals))) or \
-                exp.ordered_effects or len(exp.platforms) != 1:
-            raise StableHLOError("this jax.export artifact's module arguments are not its "
-                                 "inputs one to one (unused inputs dropped, effects or several "
-                                 "platforms): fold before exporting, with hlofold.export")
-        assert len(kept) + len(prepared) == n_module
-        bound = [argument_index(k) for k in params]
-        new = C.exported_with_inputs(exp, kept, prepared, C.module_to_portable_artifact(module),
-                                     new_from=[_origin(exp, bound, v) for v in prepared])
+        assert len(kept) + len(prepared) == n_module and kept[:lead] == list(range(lead))
+        bound = sorted(argument_index(k) for k in params)
+        rest = [i for i in range(len(exp.in_avals)) if i not in bound]
+        taken = [exp.module_kept_var_idx[m - lead] for m in kept[lead:]]
+        used = [rest.index(i) for i in taken] + [len(rest) + j for j in range(len(prepared))]
+        new = C.exported_with_inputs(exp, rest, prepared, C.module_to_portable_artifact(module),
+                                     new_from=[_origin(exp, bound, v) for v in prepared],
+                                     used=used)
     prepared = [jax.device_put(v) for v in prepared]
     if isinstance(data, jax.export.Exported):
         return new, report, prepared
     return bytes(new.serialize()), report, prepared
+
+
+def _export_arguments(exp, params) -> tuple[dict, int]:
+    """``params`` keyed by an ``Exported``'s flat inputs, as ``@main`` arguments: after the
+    platform index a multi-platform module takes first, without the inputs the module
+    does not use (nothing to bind). Returns ``(by module argument, leading arguments)``."""
+    lead = 1 if len(exp.platforms) > 1 else 0
+    kept = list(exp.module_kept_var_idx)
+    if exp.ordered_effects:
+        raise StableHLOError("this jax.export artifact has ordered effects (its module takes "
+                             "tokens first): fold before exporting, with hlofold.export")
+    out = {}
+    for k, v in params.items():
+        i = argument_index(k)
+        if not 0 <= i < len(exp.in_avals):
+            raise StableHLOError(f"arg{i}: the export takes {len(exp.in_avals)} inputs")
+        a, v = exp.in_avals[i], np.asarray(v)
+        if tuple(v.shape) != tuple(a.shape) or v.dtype != np.dtype(a.dtype):
+            raise StableHLOError(f"arg{i}: {v.dtype}{list(v.shape)}, the export's input is "
+                                 f"{np.dtype(a.dtype)}{list(a.shape)}")
+        if i in kept:
+            out[kept.index(i) + lead] = v
+    return out, lead
 
 
 def _origin(exp, bound: list[int], value) -> int | None:

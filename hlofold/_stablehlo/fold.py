@@ -39,6 +39,7 @@ from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
 from .values import HloValues
 from .emit import SiteWriter
 from .merge_write import merge_module
+from .platforms import inline_uniform_cases
 from .._core.patterns import bias_map
 from .._core.reasons import Reason
 from .._core.report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
@@ -288,6 +289,7 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
     guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
     the run-time guard, the folded kernels and biases marked ``PREPARED`` for the
     caller to check (see :mod:`hlofold._stablehlo.split`)."""
+    inline_uniform_cases(module)     # a multi-platform module's per-platform copies
     with gc_paused():
         folder = _Pass(module, in_graph, guard)
         report = folder.run()

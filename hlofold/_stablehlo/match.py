@@ -348,9 +348,10 @@ def _call(chain: HloChain, op, pos, v, axis):
 def _branch_return(chain: HloChain, op, pos, v, axis):
     if op_name(op.parent) not in ("stablehlo.case", "stablehlo.if"):
         return "chain ends at stablehlo.return"
-    return (f"the root is inside a {op_name(op.parent)} branch (a multi-platform export "
-            "lowers each convolution per platform); not followed out of the branch — export "
-            "for one platform, or fold before exporting (hlofold.export)")
+    return (f"the root is inside a {op_name(op.parent)} branch whose branches differ (a "
+            "case with the same branches, as a multi-platform export lowers each convolution, "
+            "is inlined first); not followed out of the branch — export for one platform, or "
+            "fold before exporting (hlofold.export)")
 
 
 # what each op does to a chain that reaches it (others end the chain)

@@ -39,8 +39,17 @@ def single(v) -> bool:
     return len(u) == 1 and op_name(u[0].owner) != "func.return"
 
 
+_SHAPE_STEPS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                          "stablehlo.convert", "stablehlo.dynamic_broadcast_in_dim"})
+
+
 def _param_like(v, shape) -> bool:
-    return not shape_of(v) or any(
+    own = shape_of(v)
+    if sum(d != 1 for d in own) >= 2:       # no shape op to walk back through: it varies
+        op = owner_op(v)                    # along two axes (``resolve``'s answer, cheaply)
+        if op is None or op_name(op) not in _SHAPE_STEPS:
+            return False
+    return not own or any(
         not isinstance(resolve(v, shape, ax, explain=False), Refusal)
         for ax in range(len(shape)) if shape[ax] != 1)
 
