@@ -20,7 +20,7 @@ from .ir import StableHLOError
 from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
-from .weights import argument_index, bind_and_fold
+from .weights import argument_index, bind_and_fold, export_arguments
 
 ir, stablehlo, _ = C.mlir()
 
@@ -277,7 +277,7 @@ def _fold_with_params(art: Artifact, data, params, merge=True):
         with module.context:
             return _write(module, art), report, prepared
     exp = art.exported
-    by_arg, lead = _export_arguments(exp, params)
+    by_arg, lead = export_arguments(exp, params)
     module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge)
     with module.context:
         n_module = len(main_function(module).regions[0].blocks[0].arguments)
@@ -293,29 +293,6 @@ def _fold_with_params(art: Artifact, data, params, merge=True):
     if isinstance(data, jax.export.Exported):
         return new, report, prepared
     return bytes(new.serialize()), report, prepared
-
-
-def _export_arguments(exp, params) -> tuple[dict, int]:
-    """``params`` keyed by an ``Exported``'s flat inputs, as ``@main`` arguments: after the
-    platform index a multi-platform module takes first, without the inputs the module
-    does not use (nothing to bind). Returns ``(by module argument, leading arguments)``."""
-    lead = 1 if len(exp.platforms) > 1 else 0
-    kept = list(exp.module_kept_var_idx)
-    if exp.ordered_effects:
-        raise StableHLOError("this jax.export artifact has ordered effects (its module takes "
-                             "tokens first): fold before exporting, with hlofold.export")
-    out = {}
-    for k, v in params.items():
-        i = argument_index(k)
-        if not 0 <= i < len(exp.in_avals):
-            raise StableHLOError(f"arg{i}: the export takes {len(exp.in_avals)} inputs")
-        a, v = exp.in_avals[i], np.asarray(v)
-        if tuple(v.shape) != tuple(a.shape) or v.dtype != np.dtype(a.dtype):
-            raise StableHLOError(f"arg{i}: {v.dtype}{list(v.shape)}, the export's input is "
-                                 f"{np.dtype(a.dtype)}{list(a.shape)}")
-        if i in kept:
-            out[kept.index(i) + lead] = v
-    return out, lead
 
 
 def _origin(exp, bound: list[int], value) -> int | None:

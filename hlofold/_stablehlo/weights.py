@@ -72,6 +72,29 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
     return module, report, prepared, kept
 
 
+def export_arguments(exp, params) -> tuple[dict, int]:
+    """``params`` keyed by an ``Exported``'s flat inputs, as ``@main`` arguments: after the
+    platform index a multi-platform module takes first, without the inputs the module
+    does not use (nothing to bind). Returns ``(by module argument, leading arguments)``."""
+    lead = 1 if len(exp.platforms) > 1 else 0
+    kept = list(exp.module_kept_var_idx)
+    if exp.ordered_effects:
+        raise StableHLOError("this jax.export artifact has ordered effects (its module takes "
+                             "tokens first): fold before exporting, with hlofold.export")
+    out = {}
+    for k, v in params.items():
+        i = argument_index(k)
+        if not 0 <= i < len(exp.in_avals):
+            raise StableHLOError(f"arg{i}: the export takes {len(exp.in_avals)} inputs")
+        a, v = exp.in_avals[i], np.asarray(v)
+        if tuple(v.shape) != tuple(a.shape) or v.dtype != np.dtype(a.dtype):
+            raise StableHLOError(f"arg{i}: {v.dtype}{list(v.shape)}, the export's input is "
+                                 f"{np.dtype(a.dtype)}{list(a.shape)}")
+        if i in kept:
+            out[kept.index(i) + lead] = v
+    return out, lead
+
+
 def _check_value(i: int, v: np.ndarray, arg_type, n: int) -> None:
     if arg_type is None:
         raise StableHLOError(f"arg{i}: the module's @main takes {n} arguments")
