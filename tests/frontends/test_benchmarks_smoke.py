@@ -160,3 +160,23 @@ def test_branches_quick(tmp_path):
     for r in res["timm"]:
         assert r["convs"]["folded"] <= r["convs"]["timm deploy"] < r["convs"]["original"]
     assert "fold/deploy" in (tmp_path / "branches_cpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_script_quick_on_the_cpu(tmp_path):
+    """``python -m benchmarks.gpu PART --quick`` (the script a lent GPU runs) works here:
+    every entry point runs and matches ``jax.jit``, and the StableHLO rows time the folded
+    export next to the one as given, as called and under ``jax.jit``."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for part in ("env", "entry", "decoder"):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", part, "--quick", "--out",
+                               str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "env.json").read_text())["disabled"] == {}
+    entry = json.loads((tmp_path / "entry.json").read_text())["entry"]
+    assert len(entry) == 9 and all(r["ok"] and r["max_abs_diff"] < 1e-4 for r in entry.values()), entry
+    (row,) = json.loads((tmp_path / "decoder.json").read_text())["decoder"]
+    assert set(row["steady_ms"]) == {"original", "folded", "jit original", "jit folded"}
+    assert row["folded"] > 0 and row["max_abs_diff"] <= 1e-4 * row["max_abs_ref"]
