@@ -132,7 +132,9 @@ class Folded(FoldedViews):
                 fun, static_argnums=static_argnums, static_argnames=static_argnames)
         self._fun = fun
         self._py = ji[0] if ji else fun
-        self.signature = Signature(fun, self._py)
+        # compiler_options hold at the top level only: every program compiled here takes them
+        self._options = (ji[5] or None) if ji else None
+        self.signature = Signature(self._py if self._options else fun, self._py)
         sa = set(as_tuple(static_argnums)) | set(ji[1] if ji else ())
         sn = set(as_tuple(static_argnames)) | set(ji[2] if ji else ())
         self._static = self.signature.names(sa | sn, "static")
@@ -226,7 +228,7 @@ class Folded(FoldedViews):
         donated = tuple(i for i, (p, _) in enumerate(leaves_p)
                         if p and getattr(p[0], "key", None) in self._donate)
         # one trace, as jax.jit's: the program runs as this jit where nothing folds
-        plain = jax.jit(flat_fun, donate_argnums=donated)
+        plain = jax.jit(flat_fun, donate_argnums=donated, compiler_options=self._options)
         traced = plain.trace(*[trace_struct(l) for l in leaves])
         closed, out_tree = traced.jaxpr, out_trees[-1]
         frz_p, _ = jax.tree_util.tree_flatten_with_path(frozen)
@@ -236,8 +238,7 @@ class Folded(FoldedViews):
         # parameters); they are folded per value on the host (_prepare).
         folded, found = fold_jaxpr(closed, invar_names=names, const_names=const_names,
                                    float32_kernels=self._float32_kernels, in_graph="never",
-                                   merge=self._merge,
-                                   cost=self._cost)
+                                   merge=self._merge, cost=self._cost)
         needed = set()
         for s in found.sites:
             if reason_kind(s.reason) == "weights-not-known":
@@ -246,12 +247,13 @@ class Folded(FoldedViews):
         known_idx = [i for i, n in enumerate(names) if n in needed]
         unknown_idx = [i for i in range(len(names)) if i not in set(known_idx)]
         prog = Program(key, closed, names, const_names, out_tree, known_idx, unknown_idx,
-                        Executables([j for j, i in enumerate(unknown_idx) if i in donated]),
+                        Executables([j for j, i in enumerate(unknown_idx) if i in donated],
+                                    self._options),
                         frozen_refs=tuple(frz_leaves),
                         frozen_copies=tuple((i, np.array(x, copy=True))
                                             for i, x in enumerate(frz_leaves)
                                             if isinstance(x, np.ndarray)),
-                        donated=donated)
+                        donated=donated, options=self._options)
         prog.variants["never"] = (folded, found)    # what traced calls run by default
         if not known_idx and not C.in_manual_context():
             # nothing to prepare per value: that fold is the final one (inside shard_map its
@@ -286,14 +288,12 @@ class Folded(FoldedViews):
             if not manual and (self._prepare == "device" or
                                (self._prepare == "auto" and on_device(known))):
                 entry = device_entry(prog, known, float32_kernels=self._float32_kernels,
-                                     merge=self._merge,
-                                     cost=self._cost is not None)
+                                     merge=self._merge, cost=self._cost is not None)
             else:
                 folding = fold_with_values(prog.original, prog.leaf_names, prog.const_names,
                                            prog.known_idx, known,
                                            float32_kernels=self._float32_kernels,
-                                           merge=self._merge,
-                                           cost=self._cost is not None)
+                                           merge=self._merge, cost=self._cost is not None)
                 entry = (folding, prog.executables.get(folding),
                          list(folding.hoisted) if manual else place(folding.hoisted, known))
             if (count or c is None) and not manual:

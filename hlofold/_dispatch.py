@@ -208,6 +208,7 @@ class Program:
     frozen_refs: tuple = ()        # keeps frozen arrays alive so their ids stay unique
     frozen_copies: tuple = ()      # (index, copy) of frozen NumPy arrays: checked every call
     donated: tuple = ()            # flat input positions donated (from a jitted input)
+    options: dict | None = None    # the jitted function's compiler_options: every program
     unfolded: Callable | None = None  # the original program (fail-closed fallback, churn)
     reference: Callable | None = None  # the original program without donation (verify)
     cached: tuple | None = None    # (known leaves, Folding, apply executable, device values)
@@ -222,7 +223,8 @@ class Program:
     def original_fn(self) -> Callable:
         """The original program, compiled (fallbacks: verify, churn, a changed JAX)."""
         if self.unfolded is None:
-            self.unfolded = jax.jit(C.jaxpr_as_fun(self.original), donate_argnums=self.donated)
+            self.unfolded = jax.jit(C.jaxpr_as_fun(self.original), donate_argnums=self.donated,
+                                    compiler_options=self.options)
         return self.unfolded
 
     def reference_fn(self) -> Callable:
@@ -230,7 +232,8 @@ class Program:
         if not self.donated:
             return self.original_fn()
         if self.reference is None:
-            self.reference = jax.jit(C.jaxpr_as_fun(self.original))
+            self.reference = jax.jit(C.jaxpr_as_fun(self.original),
+                                     compiler_options=self.options)
         return self.reference
 
     def running(self) -> str | None:

@@ -95,8 +95,9 @@ def hoist(closed: C.ClosedJaxpr) -> tuple[C.ClosedJaxpr, list]:
 class Executables:
     """Compiled apply programs of one input signature, one per fold structure."""
 
-    def __init__(self, donated_per_call: Sequence[int]):
+    def __init__(self, donated_per_call: Sequence[int], options: dict | None = None):
         self._donated = tuple(donated_per_call)
+        self._options = options         # the user's jit's compiler_options
         self._entries: list[tuple[Folding, Callable]] = []
 
     def get(self, folding: Folding) -> Callable:
@@ -105,7 +106,8 @@ class Executables:
                 return fn
         n = len(folding.hoisted)
         fn = jax.jit(C.jaxpr_as_fun(folding.apply),
-                     donate_argnums=tuple(n + k for k in self._donated))
+                     donate_argnums=tuple(n + k for k in self._donated),
+                     compiler_options=self._options)
         if len(self._entries) >= 8:
             self._entries.pop(0)
         self._entries.append((folding, fn))
@@ -194,7 +196,7 @@ class DevicePrepare:
 
 def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Sequence,
                    known_idx: Sequence[int], *, float32_kernels: bool,
-                   cost: bool, merge: bool = True) -> DevicePrepare:
+                   cost: bool, merge: bool = True, options: dict | None = None) -> DevicePrepare:
     """The :class:`DevicePrepare` of ``closed`` whose inputs ``known_idx`` are parameters."""
     import jax.numpy as jnp
     folded, report = fold_jaxpr(closed, invar_names=names, const_names=const_names,
@@ -220,7 +222,7 @@ def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Seq
                 ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(r)))
         return list(res), ok
     return DevicePrepare(Folding(report, folded, unknown_j, []), jax.jit(prepare),
-                         jax.jit(C.jaxpr_as_fun(unknown_j)))
+                         jax.jit(C.jaxpr_as_fun(unknown_j), compiler_options=options))
 
 
 def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,
@@ -232,7 +234,7 @@ def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,
     if prog.device is None:
         prog.device = device_prepare(prog.original, prog.leaf_names, prog.const_names,
                                      prog.known_idx, float32_kernels=float32_kernels,
-                                     cost=cost, merge=merge)
+                                     cost=cost, merge=merge, options=prog.options)
     dp = prog.device
     residuals, ok = dp.prepare(*known)
     if bool(ok):
@@ -247,5 +249,6 @@ def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,
         for i, a in zip(order, args):
             leaves[i] = a
         return C.jaxpr_as_fun(prog.original)(*leaves)
-    return Folding(FoldReport([]), prog.original, prog.original, []), jax.jit(original), \
+    return Folding(FoldReport([]), prog.original, prog.original, []), jax.jit(
+        original, compiler_options=prog.options), \
         list(known)

@@ -209,9 +209,10 @@ def partial_eval(closed: ClosedJaxpr, unknowns: Sequence[bool],
 
 
 def jit_info(fun: Callable) -> tuple[Callable, tuple[int, ...], tuple[str, ...],
-                                     tuple[int, ...], tuple[str, ...]] | None:
+                                     tuple[int, ...], tuple[str, ...], dict] | None:
     """For a ``jax.jit``-wrapped function: (wrapped python function, static_argnums,
-    static_argnames, donate_argnums, donate_argnames). ``None`` for anything else; a
+    static_argnames, donate_argnums, donate_argnames, compiler_options). ``None`` for
+    anything else; a
     :class:`CompatError` for a jitted function whose settings cannot be read."""
     info = getattr(fun, "_jit_info", None)
     inner = getattr(fun, "_fun", None)
@@ -222,7 +223,8 @@ def jit_info(fun: Callable) -> tuple[Callable, tuple[int, ...], tuple[str, ...],
     try:
         return (inner, tuple(info.static_argnums or ()), tuple(info.static_argnames or ()),
                 tuple(getattr(info, "donate_argnums", None) or ()),
-                tuple(getattr(info, "donate_argnames", None) or ()))
+                tuple(getattr(info, "donate_argnames", None) or ()),
+                dict(getattr(info, "compiler_options_kvs", None) or ()))
     except (AttributeError, TypeError):
         raise CompatError("jax.jit's settings (_jit_info.static_argnums, ...)",
                           "jaxpr") from None
