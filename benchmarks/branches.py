@@ -35,6 +35,7 @@ from . import repmodels as R
 from .common import code_info, machine_info, machine_line, now, summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 OUT = os.path.join(HERE, os.pardir, "docs", "benchmarks")
 DATA = os.path.join(HERE, os.pardir, "tests", "testdata", "stablehlo")
 
@@ -60,8 +61,13 @@ def flax_part(arch: str, batch: int, size: int, rounds: int, calls: int) -> dict
     dapply, w, _ = R.make_deploy(arch, size=size, batch=batch)
     folded = hlofold.fold(apply)
     fns = {"jit": jax.jit(apply), "fold": folded, "deploy": jax.jit(dapply),
-           "under jit": jax.jit(lambda v, x: folded(v, x))}
-    args = {"jit": (v, x), "fold": (v, x), "deploy": (w, x), "under jit": (v, x)}
+           "under jit": jax.jit(lambda v, x: folded(v, x)),
+           # XLA:CPU's YNNPACK fusion off for one program (a jit's compiler_options, which
+           # hlofold.fold keeps): the same choice for doing nothing, the fold and the deploy form
+           "jit, no YNN": jax.jit(apply, compiler_options=NO_YNN),
+           "fold, no YNN": hlofold.fold(jax.jit(apply, compiler_options=NO_YNN)),
+           "deploy, no YNN": jax.jit(dapply, compiler_options=NO_YNN)}
+    args = {k: (w, x) if k.startswith("deploy") else (v, x) for k in fns}
     res = _steady(fns, args, rounds, calls)
     rep = folded.report(v, x)
     prog = folded.jaxpr(v, x)
@@ -117,8 +123,11 @@ def timm_part(arch: str, rounds: int, calls: int) -> dict:
     fold_s = now() - t0
     orig, new = module_callable(text), module_callable(apply)
     prepared = [jax.device_put(p) for p in prepared]
-    res = _steady({"original": orig, "folded": new},
-                  {"original": full, "folded": [jax.device_put(x), *prepared]}, rounds, calls)
+    res = _steady({"original": orig, "folded": new, "jit original": jax.jit(orig),
+                   "jit folded": jax.jit(new)},
+                  {"original": full, "folded": [jax.device_put(x), *prepared],
+                   "jit original": full, "jit folded": [jax.device_put(x), *prepared]},
+                  rounds, calls)
     return {"arch": arch, "steady_ms": res, "fold_stablehlo_s": fold_s,
             "convs": {"original": text.count("stablehlo.convolution"),
                       "folded": str(apply).count("stablehlo.convolution"),
@@ -134,8 +143,15 @@ def markdown(res: dict) -> str:
              "| net | batch | convs train → fold (deploy) | jit | fold | deploy | under jit | "
              "fold/jit | fold/deploy | under jit/jit |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
+    ynn: list[str] = []
     for r in res["flax"]:
         s = r["steady_ms"]
+        if "fold, no YNN" in s:
+            ynn.append(f"| {r['arch']} | {r['batch']} | {fmt(s['jit, no YNN'])} | "
+                       f"{fmt(s['fold, no YNN'])} | {fmt(s['deploy, no YNN'])} | "
+                       f"{s['fold, no YNN']['median'] / s['jit']['median']:.3f} | "
+                       f"{s['fold, no YNN']['median'] / s['jit, no YNN']['median']:.3f} | "
+                       f"{s['fold, no YNN']['median'] / s['deploy, no YNN']['median']:.3f} |")
         lines.append(
             f"| {r['arch']} ({r['size']} px) | {r['batch']} | {r['convs']['train']} → "
             f"{r['convs']['fold']} ({r['convs']['deploy']}) | {fmt(s['jit'])} | "
@@ -143,6 +159,13 @@ def markdown(res: dict) -> str:
             f"{s['fold']['median'] / s['jit']['median']:.3f} | "
             f"{s['fold']['median'] / s['deploy']['median']:.3f} | "
             f"{s['under jit']['median'] / s['jit']['median']:.3f} |")
+    if ynn:
+        lines += ["", "The same nets with XLA:CPU's YNNPACK fusion off for that one program "
+                  "(`jax.jit(apply, compiler_options={\"xla_cpu_experimental_ynn_fusion_type\": "
+                  "\"\"})`, which `hlofold.fold` keeps), ms per call:", "",
+                  "| net | batch | jit, no YNN | fold, no YNN | deploy, no YNN | "
+                  "fold no YNN / jit (default) | / jit no YNN | / deploy no YNN |",
+                  "|---|---|---|---|---|---|---|---|", *ynn]
     if res.get("first"):
         lines += ["", "First call (trace, fold, compile, run; fresh processes), ms: median "
                   "(min–max)", "", "| net | batch | jit | fold | fold/jit |", "|---|---|---|---|---|"]
@@ -154,13 +177,17 @@ def markdown(res: dict) -> str:
         lines += ["", "timm's train-time modules exported by PyTorch/XLA (1×3×32×32), "
                   "`fold_stablehlo(params=)`, ms per call", "",
                   "| module | convs original → folded (timm deploy) | original | folded | "
-                  "folded/original | fold_stablehlo s |", "|---|---|---|---|---|---|"]
+                  "folded/original | under `jax.jit`: original | folded | folded/original | "
+                  "fold_stablehlo s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in res["timm"]:
             s = r["steady_ms"]
             lines.append(f"| {r['arch']} | {r['convs']['original']} → {r['convs']['folded']} "
                          f"({r['convs']['timm deploy']}) | {fmt(s['original'])} | "
                          f"{fmt(s['folded'])} | "
                          f"{s['folded']['median'] / s['original']['median']:.3f} | "
+                         + (f"{fmt(s['jit original'])} | {fmt(s['jit folded'])} | "
+                            f"{s['jit folded']['median'] / s['jit original']['median']:.3f} | "
+                            if "jit folded" in s else "| | | ") +
                          f"{r['fold_stablehlo_s']:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -9,7 +9,9 @@ decide are here, once:
 
 * a chain value has exactly one reader (else the site is refused: folding would change the
   other readers); a program output ends the chain;
-* an absorbed operand is not computed from an activation (a residual, a gate);
+* an absorbed operand is not computed from an activation (a residual, a gate); an op
+  whose other operand is an activation and that cannot be absorbed ends the chain without
+  refusing it (nothing per-channel was there to fold);
 * a refusal about an axis of the root's output says what that axis is;
 * a cast to a narrower float type ends the chain (``_core.rules.narrowing_cast``): it
   rounds, so what follows is not an affine image of the root's output — unless nothing was
@@ -35,6 +37,9 @@ FROM_ACTIVATION = Reason("operand-from-activation", "operand is computed from a 
 KERNEL_FROM_ACTIVATION = Reason("kernel-from-activation", "the kernel (rhs) is computed from a "
                                 "convolution/dot output (an activation, e.g. attention), not "
                                 "from parameters")
+JOINS_ACTIVATION = Reason("chain-end", "the chain ends where it meets another activation (a "
+                          "residual, a gate, a product of activations): nothing per-channel "
+                          "to fold there")
 CANONICAL_BIAS = Reason("canonical", "already conv + per-channel bias")
 UNUSED = Reason("chain-end", "value is unused")
 
@@ -88,6 +93,10 @@ class ChainIR(Protocol):
     def from_root(self, value) -> bool:
         """Whether ``value`` is computed from a root's output (an activation)."""
 
+    def joins_activation(self, op, pos: int, value) -> bool:
+        """Whether ``op`` combines ``value`` (its operand ``pos``) with another activation:
+        computed from a root's output or from the inputs ``value`` is computed from."""
+
     def explain_axis(self, axis: int) -> str:
         """What axis ``axis`` of the root's output is (batch, spatial, feature)."""
 
@@ -131,6 +140,10 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
         got = ir.step(op, pos, v, axis)
         if got is AGAIN:
             continue
+        if isinstance(got, Refusal) and got.kind == "feature-axis" and \
+                ir.joins_activation(op, pos, v):
+            stop = JOINS_ACTIVATION.after(f"{ir.name(op)}: ")    # not a refusal: nothing
+            break                                              # to fold was there
         if isinstance(got, Refusal):
             stop, refusal = got.reason, True
             if got.axis is not None and (v == root_value):
@@ -141,8 +154,8 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
             break
         if isinstance(got, Absorb):
             if got.source is not None and ir.from_root(got.source):
-                stop, refusal = FROM_ACTIVATION.after(f"{ir.name(op)}: "), True
-                break
+                stop = FROM_ACTIVATION.after(f"{ir.name(op)}: ")   # a gate: the chain's
+                break                                              # end, not a refusal
             steps.append(got.step)
             committed, committed_axis = len(steps), axis
         else:

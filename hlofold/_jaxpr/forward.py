@@ -182,7 +182,7 @@ class ForwardPlanner:
                     stack.append(w)
         return seen
 
-    def _is_activation(self, operand, chain_value) -> bool:
+    def is_activation(self, operand, chain_value) -> bool:
         """Whether ``operand`` is computed from the activations: from a root's output, or
         from a program input the chain value is computed from too (a statistic of the
         token, e.g. its variance). Constants link nothing. No bound: two sweeps over the
@@ -246,7 +246,7 @@ class JaxprForwardIR:
         return self.p.value(value) is not None
 
     def is_activation(self, source, chain_value) -> bool:
-        return self.p._is_activation(source, chain_value)
+        return self.p.is_activation(source, chain_value)
 
     def consumers_refusal(self, value, top, axis: int):
         return self.p._consumers_refusal(value, top, axis)

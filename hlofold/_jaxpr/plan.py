@@ -327,6 +327,10 @@ class JaxprChain:
     def from_root(self, v) -> bool:
         return self.scope.from_root(v)
 
+    def joins_activation(self, eqn, pos, v) -> bool:
+        return any(self.scope.is_activation(o, v) for k, o in enumerate(eqn.invars)
+                   if k != pos)
+
     def explain_axis(self, axis: int) -> str:
         return self.pattern.explain_axis(self.root, axis)
 

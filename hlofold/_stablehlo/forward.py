@@ -280,7 +280,7 @@ class HloForwardPlanner:
                     stack.append(w)
         return seen
 
-    def _is_activation(self, operand, chain_value) -> bool:
+    def is_activation(self, operand, chain_value) -> bool:
         """Whether ``operand`` is computed from the activations: from a root's output, or
         from an argument the chain value is computed from too (a statistic of the token).
         Constants link nothing. No bound: each op's sources are found once."""
@@ -366,7 +366,7 @@ class HloForwardIR:
         return self.p.eval(value) is not None
 
     def is_activation(self, source, chain_value) -> bool:
-        return self.p._is_activation(source, chain_value)
+        return self.p.is_activation(source, chain_value)
 
     def consumers_refusal(self, value, top, axis: int):
         return self.p._consumers_refusal(value, top, axis)

@@ -291,6 +291,10 @@ class HloChain:
     def from_root(self, v) -> bool:
         return owner_op(v) is not None and self.walker._from_root(v)
 
+    def joins_activation(self, op, pos, v) -> bool:
+        return any(self.walker.is_activation(o, v) for k, o in enumerate(op.operands)
+                   if k != pos)
+
     def explain_axis(self, axis: int) -> str:
         return axis_role(self.root, axis)
 

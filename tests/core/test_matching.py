@@ -263,6 +263,9 @@ class _ToyIR:
     def from_root(self, v):
         return v in self.activations
 
+    def joins_activation(self, op, pos, v):
+        return op.startswith("residual")
+
     def explain_axis(self, axis):
         return f"role{axis}"
 
@@ -276,7 +279,7 @@ def _toy_rules(op, axis):
         return Absorb((kind, op), "act")
     if kind == "transpose":
         return Pass(("transpose", op), axis + 1)
-    if kind == "bad":
+    if kind in ("bad", "residual"):
         return Refusal("bad operand", 0)
     return f"chain ends at {kind}"
 
@@ -308,7 +311,19 @@ def test_walk_stops_at_an_output_unused_value_and_activation_operands():
     assert len(ret.steps) == 1
     assert walk(_ToyIR(["root"], _toy_rules), "root", 0).stop == UNUSED
     gate = walk(_ToyIR(["root", "gate#1"], _toy_rules, activations={"act"}), "root", 0)
-    assert gate.refusal and gate.stop == f"gate#1: {FROM_ACTIVATION}" and gate.steps == []
+    assert not gate.refusal and gate.stop == f"gate#1: {FROM_ACTIVATION}" and gate.steps == []
+
+
+def test_walk_ends_without_refusing_where_the_chain_meets_another_activation():
+    """A residual add (an operand that is not per channel, from the activations) ends the
+    chain: nothing per-channel was there, so it is no refusal (issue 39 item 4)."""
+    from hlofold._core.chain import JOINS_ACTIVATION, walk
+    res = walk(_ToyIR(["root", "residual#1"], _toy_rules), "root", 0)
+    assert not res.refusal and res.stop == f"residual#1: {JOINS_ACTIVATION}" and not res.steps
+    after = walk(_ToyIR(["root", "mul#1", "residual#1"], _toy_rules), "root", 0)
+    assert after.steps == [("mul", "mul#1")] and not after.refusal
+    bad = walk(_ToyIR(["root", "bad#1"], _toy_rules), "root", 0)     # a weight: refused
+    assert bad.refusal
 
 
 def test_walk_explains_an_axis_of_the_root_output_only():

@@ -82,7 +82,8 @@ def test_a_helper_that_also_returns_its_input_is_not_entered():
 
 def test_a_chain_refused_inside_the_helper_leaves_the_program_as_it_was():
     """Inlined on trial: the body adds an activation (a residual), nothing folds, and the
-    program returned is the original, the call still there."""
+    program returned is the original, the call still there. Each chain ends where it meets
+    the other activation: nothing to fold, not a refusal (issue 39 item 4)."""
     @jax.jit
     def add_residual(y, r):
         return y + r
@@ -95,7 +96,8 @@ def test_a_chain_refused_inside_the_helper_leaves_the_program_as_it_was():
     assert same == {"jaxpr": True, "stablehlo": True}, same
     kinds = {path: sorted(reason_kind(s.reason) for s in rep.sites)
              for path, rep, _, _ in results}
-    assert kinds["jaxpr"] == kinds["stablehlo"] == ["feature-axis"] * 2, kinds
+    assert kinds["jaxpr"] == kinds["stablehlo"] == ["chain-end"] * 2, kinds
+    assert all(rep.num_refused == 0 for _, rep, _, _ in results)
 
 
 def test_a_call_with_shardings_is_not_inlined():

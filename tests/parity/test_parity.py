@@ -488,3 +488,39 @@ def test_a_dot_read_with_its_lhs_as_the_weight_is_tried_for_a_weight_only(lhs):
         kinds.append([(x.status, reason_kind(x.reason) if x.reason else None)
                       for x in rep.sites])
     assert kinds[0] == kinds[1], kinds
+
+
+# ------------------------------------------------------------------ counts mean what they say
+
+
+@pytest.mark.parametrize("meet", ["residual", "gate", "product", "input residual"])
+def test_a_chain_meeting_another_activation_is_not_a_refusal(meet):
+    """Issue 39 item 4: a conv whose output meets another activation with nothing folded
+    before (a residual add, an SE-style gate, a product with another branch) was counted
+    "refused" (an operand that is not per channel); nothing was there to fold. Now the chain
+    ends there, on both paths, with the same words: no site refused, none folded, and a BN
+    before such an add still folds."""
+    x = RNG.standard_normal((2, 5, 5, 4)).astype(np.float32)
+    k, k2 = (RNG.standard_normal((3, 3, 4, 4)).astype(np.float32) for _ in range(2))
+    s = RNG.uniform(0.5, 2, 4).astype(np.float32)
+
+    def f(x, bn):
+        y = conv(x, k) * s if bn else conv(x, k)
+        z = jnp.tanh(conv(jnp.tanh(x), k2))  # (another input: a nonlinear branch of x
+        #                                       itself is a refused merge, issue 38)
+        if meet == "residual":
+            return y + z
+        if meet == "gate":
+            return y * jax.nn.sigmoid(jnp.mean(z, axis=(1, 2), keepdims=True))
+        if meet == "product":
+            return y * z
+        return y + x * x               # (not x itself: conv + x would merge into one conv)
+    for bn in (False, True):
+        results, ref = both_paths(lambda x: f(x, bn), x)
+        for path, rep, out in results:
+            assert rep.num_refused == 0, (path, str(rep))
+            assert rep.num_folded == int(bn), (path, str(rep))
+            ends = [s for s in rep.sites if s.status == "no-pattern" and s.reason and
+                    ("meets another activation" in s.reason or "a residual or a gate" in s.reason)]
+            assert len(ends) == (0 if bn else 1), (path, str(rep))
+            assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref)), path

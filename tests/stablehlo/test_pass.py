@@ -213,7 +213,7 @@ def test_huge_module_folds_in_bounded_time():
     assert report.num_folded == 2000
     assert elapsed < 30, f"{elapsed:.1f} s for 10k ops"     # measured here: 1.6-1.9 s
     # every residual add stops its chain, with the reason named
-    assert all("stablehlo.add: operand varies along axis" in s.note
+    assert all("stablehlo.add: the chain ends where it meets another activation" in s.note
                for s in report.folded)
 
 
