@@ -143,6 +143,19 @@ def forward_refusal(*, kernel_dtype, step_dtypes: Sequence, hint: str, bias_map:
     return why or None
 
 
+MULTI_OUTPUT_SHIFT = Reason(
+    "root", "a shift in front of a projection with several output dimensions (a multi-head "
+    "(d, heads, head_dim) kernel) would add a bias over all of them, which is not written; "
+    "only a scale (RMSNorm's γ) folds forward into it")
+
+
+def multi_output_shift(shift: bool, free_dims: int) -> Reason | None:
+    """The forward fold into a dot whose weight has ``free_dims`` output dimensions: a scale
+    folds along the contracted axis whatever they are; a shift would need a bias over all
+    of them (refused with :data:`MULTI_OUTPUT_SHIFT`)."""
+    return MULTI_OUTPUT_SHIFT if shift and free_dims > 1 else None
+
+
 def forward_consumers_refusal(n: int, at_top: bool, output_of: Optional[str],
                               readers: Iterable[tuple]) -> Optional[str]:
     """The consumers rule of a chain in front of a root, for both paths: a value ``n`` ops

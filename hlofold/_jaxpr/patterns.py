@@ -68,6 +68,10 @@ class ConvAffinePattern:
         dn = eqn.params["dimension_numbers"]
         return dn.lhs_spec[1], dn.rhs_spec[1]
 
+    def output_dims(self, eqn: C.JaxprEqn, kernel_index: int) -> int:
+        """A convolution kernel has one output-feature dimension."""
+        return 1
+
     def batch_axis(self, eqn: C.JaxprEqn) -> int:
         return eqn.params["dimension_numbers"].out_spec[0]
 
@@ -112,9 +116,13 @@ class DotAffinePattern:
         layout = dot_layout(lhs.shape, rhs.shape, out.shape)
         if not (is_float(rhs.dtype) and is_float(out.dtype)):
             return Refusal(f"integer dot ({rhs.dtype} rhs, {out.dtype} output)", kind="not-float")
-        if len(rhs_free) != 1:
+        if len(rhs_free) != 1 and (not rhs_free or len(lhs_free) == 1):
+            # (one free lhs dimension: the weight is the lhs, ``alternatives``)
             return Refusal(f"the rhs has {len(rhs_free)} free dimensions; one output-feature "
                            "dimension is needed to rescale", kind="root")
+        # several free dimensions on both sides (x (b, t, d) · W (d, heads, head_dim), a
+        # multi-head projection): the rhs's first is the output feature the chain rescales
+        # along; a forward scale (along the contracted axis) needs none of them
         return RootInfo(channel_axis=len(lb) + len(lhs_free), kernel_index=1,
                         kernel_axis=rhs_free[0], layout=layout,
                         in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
@@ -137,6 +145,11 @@ class DotAffinePattern:
     def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         return dot_axis_role(axis, len(lb), len(lhs_free))
+
+    def output_dims(self, eqn: C.JaxprEqn, kernel_index: int) -> int:
+        """How many output (free) dimensions the weight operand has."""
+        lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
+        return len(rhs_free if kernel_index == 1 else lhs_free)
 
     def input_feature_axis(self, eqn: C.JaxprEqn, act: int = 0) -> int | None:
         """The contracted (input-feature) axis of operand ``act``, if there is one."""

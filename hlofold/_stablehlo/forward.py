@@ -27,13 +27,13 @@ from .. import _compat as C
 from .._core.algebra import has_shift
 from .._core.chain import Absorb
 from .._core.chain_rules import Refusal
-from .._core.decide import forward_consumers_refusal, forward_note
+from .._core.decide import forward_consumers_refusal, forward_note, multi_output_shift
 from .._core.forward_walk import walk_forward
 from .build import GUARD, marked
 from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, is_float, location, op_name, owner_op,
                  parent_of, readers, same_block, shape_of)
 from .match import HLO_STEPS
-from .patterns import Step, dot_dims, resolve
+from .patterns import Step, dot_dims, output_dims, resolve
 from .._core.patterns import border_masks
 from .._core.reasons import Reason
 from .._core.report import FOLDED, REFUSED, FoldSite
@@ -174,7 +174,8 @@ class HloForwardPlanner:
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         ic = input_channel(root, act)
         masks = conv_masks(root) if has_shift(steps) else None
-        why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None)
+        why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None) or \
+            multi_output_shift(has_shift(steps), output_dims(root, info[1]))
         if why is None and masks is not None:
             batch = stablehlo.ConvDimensionNumbers(
                 root.attributes["dimension_numbers"]).output_batch_dimension

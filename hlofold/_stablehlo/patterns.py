@@ -240,10 +240,22 @@ def root_info(op):
     lb, lc, rb, rc = dot_dims(op)
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     rfree = [d for d in range(len(rhs)) if d not in rb + rc]
-    if len(rfree) != 1:
+    if len(rfree) != 1 and (not rfree or len(lfree) == 1):
         return Reason("root", f"the rhs has {len(rfree)} free dimensions")
+    # several free dimensions on both sides (a multi-head projection): the rhs's first is
+    # the output feature the chain rescales along, as on jaxprs
+    # (``_jaxpr.patterns.DotAffinePattern``)
     return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
             math.prod(lhs[d] for d in lc), 1)
+
+
+def output_dims(op, kernel_index: int) -> int:
+    """How many output (free) dimensions the weight operand of a root has (1 for a conv)."""
+    if op_name(op) not in DOTS:
+        return 1
+    lb, lc, rb, rc = dot_dims(op)
+    own = (rb, rc) if kernel_index == 1 else (lb, lc)
+    return len(root_shapes(op)[kernel_index]) - len(own[0]) - len(own[1])
 
 
 def dot_dims(op) -> tuple[tuple[int, ...], ...]:

@@ -156,7 +156,8 @@ def test_branches_quick(tmp_path):
         (a, b) for a in ("repvgg_a0", "mobileone_s0") for b in (1, 8)}
     for r in res["flax"]:
         assert r["convs"]["fold"] == r["convs"]["deploy"] < r["convs"]["train"], r
-        assert set(r["steady_ms"]) == {"jit", "fold", "deploy", "under jit"}
+        assert set(r["steady_ms"]) == {"jit", "fold", "deploy", "under jit", "jit, no YNN",
+                                       "fold, no YNN", "deploy, no YNN"}
     for r in res["timm"]:
         assert r["convs"]["folded"] <= r["convs"]["timm deploy"] < r["convs"]["original"]
     assert "fold/deploy" in (tmp_path / "branches_cpu.md").read_text()

@@ -21,7 +21,7 @@ from hlofold._stablehlo.artifacts import module_callable
 from hlofold._core.reasons import reason_kind
 from tests.helpers import (assert_close, assert_nothing_left_behind, fold_both, fold_checked,
                            fold_jaxpr_checked, max_err, walk_eqns)
-from tests.helpers.blocks import D, F, RNG, X, attention, decoder, flax_linen_block, perturb
+from tests.helpers.blocks import D, F, H, RNG, X, attention, decoder, flax_linen_block, perturb
 
 def check_block(f, params, *, folds, freeze=True, written=None):
     """Both ways hlofold is called: params as inputs (the cost rule leaves every norm site:
@@ -265,3 +265,82 @@ def test_fold_report_names_each_norm_site():
     assert norms == sorted(["p['layers'][0]['n1']"] * 3 + ["p['layers'][0]['n2']"] * 2 +
                            ["p['final']"]), str(rep)
     assert all(s.file.endswith("blocks.py") and s.line for s in rep.folded)
+
+
+# ---------------------------------------------------------------- multi-head projections
+
+
+def _multi_head_attention(q, k, v):
+    """q, k, v: (batch, tokens, heads, head_dim), as DenseGeneral/EinsumDense give them."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+def test_flax_dense_general_multi_head():
+    """Issue 39 item 2: ``nn.DenseGeneral`` q/k/v with (d, heads, head_dim) kernels (MaxText's
+    and keras_hub's layout). RMSNorm's γ was never folded (the root was refused: "the rhs has
+    2 free dimensions"); it folds forward along the contracted axis into each kernel, on both
+    paths, written back into the tree."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.RMSNorm()(x)
+            q, k, v = (nn.DenseGeneral((H, D // H), use_bias=False)(h) for _ in range(3))
+            x = x + nn.DenseGeneral(D, axis=(-2, -1))(_multi_head_attention(q, k, v))
+            h = nn.RMSNorm()(x)
+            return x + nn.Dense(D)(jax.nn.silu(nn.Dense(F)(h)) * nn.Dense(F)(h))
+
+    m = Block()
+    params = perturb(m.init(jax.random.key(0), X))
+    rep = check_block(m.apply, params, folds=5)
+    heads = [s for s in rep.folded if "DenseGeneral" in (s.kernel or "")]
+    assert len(heads) == 3 and all("RMSNorm_0" in " ".join(s.params) for s in heads), str(rep)
+    wb = hlofold.fold_params(m.apply, params, X)
+    kernels = {c.kernel for c in wb.changes}
+    assert sum("DenseGeneral" in k for k in kernels) == 3, str(wb)
+
+
+def test_keras_einsum_dense_multi_head():
+    import keras
+    from keras import layers, ops
+
+    inp = keras.Input((5, D))
+    h = layers.RMSNormalization()(inp)
+    q, k, v = (layers.EinsumDense("btd,dhk->bthk", (None, H, D // H))(h) for _ in range(3))
+    a = layers.Lambda(lambda t: _multi_head_attention(*t))([q, k, v])
+    x = inp + layers.EinsumDense("bthk,hkd->btd", (None, D))(a)
+    h = layers.RMSNormalization()(x)
+    y = x + layers.Dense(D)(ops.silu(layers.Dense(F)(h)) * layers.Dense(F)(h))
+    model = keras.Model(inp, y)
+    for w in model.weights:
+        w.assign(perturb(np.asarray(w.value)))
+    weights = [w.value for w in model.trainable_variables]
+    check_block(lambda w, x: model.stateless_call(w, [], x)[0], weights, folds=5)
+
+
+def test_a_shift_in_front_of_a_multi_head_projection_is_refused_on_both_paths():
+    """LayerNorm's β in front of a (d, heads, head_dim) kernel would be a bias over both
+    output dimensions, which is not written: the site is refused, with the same reason on
+    both paths, and nothing changes (a per-(head, head_dim) affine after the projection is
+    refused by the per-channel rule: it varies along two output axes)."""
+    rng = np.random.default_rng(3)
+    g, b = (jnp.asarray(1 + 0.3 * rng.standard_normal(D), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal((D, H, D // H)), jnp.float32)
+    s = jnp.asarray(rng.uniform(0.5, 1.5, (H, D // H)), jnp.float32)
+
+    def ln(x):
+        m, var = jnp.mean(x, -1, keepdims=True), jnp.var(x, -1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(var + 1e-6) * g + b
+
+    for f, kind in [(lambda x: jnp.einsum("btd,dhk->bthk", ln(x), w), "root"),
+                    (lambda x: jnp.einsum("btd,dhk->bthk", x, w) * s, "feature-axis")]:
+        results, ref, same = fold_both(f, X)
+        assert same == {"jaxpr": True, "stablehlo": True}, same      # the program as given
+        for path, rep, out, _ in results:
+            assert rep.num_folded == 0 and rep.num_refused == 1, (path, str(rep))
+            assert [reason_kind(r.reason) for r in rep.refused] == [kind], (path, str(rep))
+            if kind == "root":
+                assert "several output dimensions" in rep.refused[0].reason
+            assert max_err(ref, out) <= 1e-5 * float(np.max(np.abs(ref)))
