@@ -170,3 +170,20 @@ def fold_both(f, *args, jaxpr_mode="guarded", in_graph=True, run=True):
     unchanged = {"jaxpr": new is closed,
                  "stablehlo": str(parse_module(folded)) == str(parse_module(text))}
     return outs, ref, unchanged
+
+
+def flat_resnet(seed: int = 3):
+    """``(f, params, leaves, x)``: the example ResNet-10 (width 8) as a function of its flat
+    parameter leaves then the image (``f(*leaves, x)``), as ``jax.export`` of a model with
+    weight arguments sees it."""
+    import jax
+    import jax.numpy as jnp
+
+    from hlofold import examples
+    P = examples.init_resnet(10, width=8, seed=seed)
+    leaves, tree = jax.tree.flatten(P)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 16, 3)), jnp.float32)
+
+    def f(*a):
+        return examples.resnet_apply(jax.tree.unflatten(tree, a[:-1]), a[-1])
+    return f, P, leaves, x

@@ -15,18 +15,13 @@ import pytest
 import hlofold
 from hlofold import examples
 from hlofold._stablehlo.artifacts import module_callable
+from tests.helpers import flat_resnet
 
 PLATFORMS = [["cpu"], ["cpu", "cuda"], ["cuda", "tpu", "cpu"]]
 
 
 def _resnet():
-    P = examples.init_resnet(10, width=8, seed=3)
-    leaves, tree = jax.tree.flatten(P)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 16, 3)), jnp.float32)
-
-    def f(*a):
-        return examples.resnet_apply(jax.tree.unflatten(tree, a[:-1]), a[-1])
-    return f, P, leaves, x
+    return flat_resnet()
 
 
 def _err(ref, out) -> float:

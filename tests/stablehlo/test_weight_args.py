@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hlofold
-from tests.helpers import DATA
+from tests.helpers import DATA, flat_resnet
 from hlofold import examples
 from hlofold._stablehlo.artifacts import input_specs, module_callable
 
@@ -98,12 +98,7 @@ def test_bad_weights_are_named(params, match):
 
 
 def test_jax_export_with_weight_arguments():
-    P = examples.init_resnet(10, width=8, seed=3)
-    leaves, tree = jax.tree.flatten(P)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 16, 3)), jnp.float32)
-
-    def f(*a):
-        return examples.resnet_apply(jax.tree.unflatten(tree, a[:-1]), a[-1])
+    f, P, leaves, x = flat_resnet()
     exp = jax.export.export(jax.jit(f))(*leaves, x)
     params = {f"arg{i}": np.asarray(l) for i, l in enumerate(leaves)}
     new, rep, prepared = hlofold.fold_stablehlo(exp, params=params)
