@@ -32,28 +32,12 @@ import numpy as np
 import hlofold
 
 from . import repmodels as R
-from .common import code_info, machine_info, machine_line, now, summary
+from .common import code_info, machine_info, machine_line, now, steady, summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 OUT = os.path.join(HERE, os.pardir, "docs", "benchmarks")
 DATA = os.path.join(HERE, os.pardir, "tests", "testdata", "stablehlo")
-
-
-def _steady(fns: dict, args: dict, rounds: int, calls: int) -> dict:
-    for name, fn in fns.items():                  # compiled and warm
-        jax.block_until_ready(fn(*args[name]))
-        jax.block_until_ready(fn(*args[name]))
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            a = args[name]
-            t0 = now()
-            for _ in range(calls):
-                out = fn(*a)
-            jax.block_until_ready(out)
-            times[name].append((now() - t0) / calls * 1e3)
-    return {name: summary(ts) for name, ts in times.items()}
 
 
 def flax_part(arch: str, batch: int, size: int, rounds: int, calls: int) -> dict:
@@ -68,7 +52,7 @@ def flax_part(arch: str, batch: int, size: int, rounds: int, calls: int) -> dict
            "fold, no YNN": hlofold.fold(jax.jit(apply, compiler_options=NO_YNN)),
            "deploy, no YNN": jax.jit(dapply, compiler_options=NO_YNN)}
     args = {k: (w, x) if k.startswith("deploy") else (v, x) for k in fns}
-    res = _steady(fns, args, rounds, calls)
+    res = steady(fns, args, rounds, calls)
     rep = folded.report(v, x)
     prog = folded.jaxpr(v, x)
     return {"arch": arch, "batch": batch, "size": size, "steady_ms": res,
@@ -123,7 +107,7 @@ def timm_part(arch: str, rounds: int, calls: int) -> dict:
     fold_s = now() - t0
     orig, new = module_callable(text), module_callable(apply)
     prepared = [jax.device_put(p) for p in prepared]
-    res = _steady({"original": orig, "folded": new, "jit original": jax.jit(orig),
+    res = steady({"original": orig, "folded": new, "jit original": jax.jit(orig),
                    "jit folded": jax.jit(new)},
                   {"original": full, "folded": [jax.device_put(x), *prepared],
                    "jit original": full, "jit folded": [jax.device_put(x), *prepared]},

@@ -32,6 +32,24 @@ def summary(xs) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def steady(fns: dict, args: dict, rounds: int, calls: int) -> dict:
+    """Steady calls of each ``fns[name](*args[name])`` (compiled and warm first), in
+    interleaved rounds of ``calls`` calls: ms per call, a :func:`summary` per name."""
+    for name, fn in fns.items():                  # compiled and warm
+        jax.block_until_ready(fn(*args[name]))
+        jax.block_until_ready(fn(*args[name]))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            a = args[name]
+            t0 = now()
+            for _ in range(calls):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            times[name].append((now() - t0) / calls * 1e3)
+    return {name: summary(ts) for name, ts in times.items()}
+
+
 def loadavg():
     try:
         return float(open("/proc/loadavg").read().split()[0])

@@ -24,20 +24,13 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 import numpy as np
 
+from hlofold._stablehlo.artifacts import module_callable
 
-def now() -> float:
-    return time.perf_counter()
-
-
-def summary(xs) -> dict:
-    xs = sorted(xs)
-    return {"median": float(np.median(xs)), "min": float(xs[0]), "max": float(xs[-1]),
-            "n": len(xs)}
+from .common import now, steady
 
 
 def maxdiff(a, b) -> float:
@@ -144,17 +137,11 @@ def entry_part(quick: bool) -> dict:
         leaves = jax.tree_util.tree_leaves(v)
         params = {i: np.asarray(a) for i, a in enumerate(leaves)}
         new, rep, prepared = hlofold.fold_stablehlo(exported, params=params)
-        out = _call_flat(new, [x, *prepared])
+        out = module_callable(new)(x, *prepared)
         return out, {"folded": rep.num_folded, "merged": len(getattr(rep, "merged", [])),
                      "convs": new.mlir_module().count("stablehlo.convolution")}
     check("fold_stablehlo(Exported, params=)", shlo_params)
     return {"entry": rows}
-
-
-def _call_flat(exp, leaves):
-    import jax
-    a, kw = jax.tree_util.tree_unflatten(exp.in_tree, leaves)
-    return exp.call(*a, **kw)
 
 
 def _models(quick: bool):
@@ -176,22 +163,7 @@ def _models(quick: bool):
     return out, image
 
 
-def _steady(fns, args, rounds, calls):
-    import jax
-    for name, fn in fns.items():
-        jax.block_until_ready(fn(*args[name]))
-    times = {n: [] for n in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = now()
-            for _ in range(calls):
-                out = fn(*args[name])
-            jax.block_until_ready(out)
-            times[name].append((now() - t0) / calls * 1e3)
-    return {n: summary(t) for n, t in times.items()}
-
-
-def _hlo_case(name, apply, v, x, rounds, calls, platform) -> dict:
+def _hlo_case(name, apply, v, x, rounds, calls) -> dict:
     """One model through jax.export → fold_stablehlo(params=) → run, next to the export."""
     import jax
     import hlofold
@@ -206,10 +178,11 @@ def _hlo_case(name, apply, v, x, rounds, calls, platform) -> dict:
     orig_args = [*leaves, x]
     new_args = [x, *prepared]
     t0 = now()
-    ref = jax.block_until_ready(_call_flat(exported, orig_args))
+    run_o, run_n = module_callable(exported), module_callable(new)     # flat inputs
+    ref = jax.block_until_ready(run_o(*orig_args))
     first_orig = now() - t0
     t0 = now()
-    got = jax.block_until_ready(_call_flat(new, new_args))
+    got = jax.block_until_ready(run_n(*new_args))
     first_new = now() - t0
     res = {"model": name, "batch": int(x.shape[0]), "export_s": export_s,
            "fold_stablehlo_s": fold_s, "first_call_s": {"original": first_orig,
@@ -225,20 +198,16 @@ def _hlo_case(name, apply, v, x, rounds, calls, platform) -> dict:
     # ``Exported.call`` un-jitted pays Python dispatch per argument (~17 µs each on the
     # project's CPU VM: the original passes every weight, the folded module its prepared
     # ones), so both are timed as called and under ``jax.jit`` (the compute)
-    run_o = lambda *a: _call_flat(exported, list(a))          # noqa: E731
-    run_n = lambda *a: _call_flat(new, list(a))               # noqa: E731
-    res["steady_ms"] = _steady({"original": run_o, "folded": run_n,
-                                "jit original": jax.jit(run_o), "jit folded": jax.jit(run_n)},
-                               {"original": orig_args, "folded": new_args,
-                                "jit original": orig_args, "jit folded": new_args},
-                               rounds, calls)
+    res["steady_ms"] = steady({"original": run_o, "folded": run_n,
+                               "jit original": jax.jit(run_o), "jit folded": jax.jit(run_n)},
+                              {"original": orig_args, "folded": new_args,
+                               "jit original": orig_args, "jit folded": new_args},
+                              rounds, calls)
     res["arguments"] = {"original": len(orig_args), "folded": len(new_args)}
     return res
 
 
 def hlo_part(quick: bool) -> dict:
-    import jax
-    platform = jax.devices()[0].platform
     models, image = _models(quick)
     batches = (1, 8) if quick else tuple(int(b) for b in os.environ.get(
         "HLOFOLD_GPU_BATCHES", "1,8,32").split(","))
@@ -247,7 +216,7 @@ def hlo_part(quick: bool) -> dict:
     for name, apply, v, size in models:
         for b in batches:
             try:
-                rows.append(_hlo_case(name, apply, v, image(b, size), rounds, calls, platform))
+                rows.append(_hlo_case(name, apply, v, image(b, size), rounds, calls))
             except Exception as e:                  # noqa: BLE001
                 rows.append({"model": name, "batch": b,
                              "error": f"{type(e).__name__}: {e}"[:600],
@@ -260,7 +229,6 @@ def hlo_part(quick: bool) -> dict:
 
 
 def decoder_part(quick: bool) -> dict:
-    import jax
     import jax.numpy as jnp
     from hlofold.examples import decoder_apply, init_decoder
     kw = dict(layers=2, d=128, vocab=512) if quick else dict(layers=8, d=2048, ffn=5632,
@@ -272,8 +240,7 @@ def decoder_part(quick: bool) -> dict:
                              jnp.int32)
         try:
             rows.append(_hlo_case(f"decoder d={kw['d']} L={kw['layers']}", decoder_apply,
-                                  params, tokens, 3 if quick else 9, 3 if quick else 10,
-                                  jax.devices()[0].platform))
+                                  params, tokens, 3 if quick else 9, 3 if quick else 10))
         except Exception as e:                      # noqa: BLE001
             rows.append({"model": "decoder", "batch": b, "tokens": t,
                          "error": f"{type(e).__name__}: {e}"[:600],
