@@ -21,7 +21,7 @@ from .._core.reasons import Reason
 from .build import GUARD, marked
 from .forward import op_ints
 from .ir import BINARY, op_name, owner_op, shape_of
-from .patterns import resolve
+from .patterns import SHAPE_STEPS, resolve
 
 ir, stablehlo, _ = C.mlir()
 
@@ -39,15 +39,11 @@ def single(v) -> bool:
     return len(u) == 1 and op_name(u[0].owner) != "func.return"
 
 
-_SHAPE_STEPS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
-                          "stablehlo.convert", "stablehlo.dynamic_broadcast_in_dim"})
-
-
 def _param_like(v, shape) -> bool:
     own = shape_of(v)
     if sum(d != 1 for d in own) >= 2:       # no shape op to walk back through: it varies
         op = owner_op(v)                    # along two axes (``resolve``'s answer, cheaply)
-        if op is None or op_name(op) not in _SHAPE_STEPS:
+        if op is None or op_name(op) not in SHAPE_STEPS:
             return False
     return not own or any(
         not isinstance(resolve(v, shape, ax, explain=False), Refusal)

@@ -176,15 +176,20 @@ def entering_value(arg, calls):
     return None
 
 
+# the ops :func:`resolve` walks back through (broadcasts, reshapes, float casts): a value
+# produced by anything else, varying along two axes, is not per channel
+SHAPE_STEPS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert",
+                         "stablehlo.dynamic_broadcast_in_dim"})
+
+
 def resolve(value, out_shape, axis, explain: bool = True) -> Operand | Refusal:
     """Trace ``value`` back to a source varying only along ``axis`` of ``out_shape``: the
     shared rule :func:`~hlofold._core.chain_rules.resolve_channel_operand` on StableHLO
     (``explain=False``: a refusal without its words, for callers that only ask)."""
     def step_of(v):
         op = owner_op(v)
-        if op is None:
+        if op is None or (name := op_name(op)) not in SHAPE_STEPS:
             return None
-        name = op_name(op)
         if name == "stablehlo.broadcast_in_dim":
             return "broadcast_in_dim", op.operands[0], int_dims(
                 op.attributes["broadcast_dimensions"])

@@ -12,6 +12,8 @@ branches differ stay as they are, and what they hold is not folded.
 """
 from __future__ import annotations
 
+from collections import deque
+
 from .. import _compat as C
 from .ir import op_name
 
@@ -34,12 +36,12 @@ def inline_uniform_cases(module) -> int:
 
 def _block(block) -> int:
     count = 0
-    todo = list(block.operations)
+    todo = deque(block.operations)
     while todo:
-        op = todo.pop(0)
+        op = todo.popleft()
         if op_name(op) == CASE and len(op.regions) > 1 and all(
                 _same_region(op.regions[0], r) for r in op.regions[1:]):
-            todo[:0] = _inline(op)          # the moved ops are looked at in turn
+            todo.extendleft(reversed(_inline(op)))     # the moved ops are looked at in turn
             count += 1
             continue
         for region in op.regions:
