@@ -46,8 +46,28 @@ class Folding:
         if self._structure is None:
             self._structure = (str(self.apply.jaxpr),
                                tuple((np.dtype(_dtype(c)).str, np.asarray(c).tobytes())
-                                     for c in self.apply.consts))
+                                     for c in list(self.apply.consts) + nested_consts(self.apply)))
         return self._structure
+
+
+def nested_consts(closed) -> list:
+    """The constants held inside the nested jaxprs of ``closed`` (a body whose constants
+    could not be hoisted: a ``custom_jvp`` call's): they are part of the program, which the
+    printed jaxpr does not show."""
+    out, stack, seen = [], [closed.jaxpr], set()
+    while stack:
+        j = stack.pop()
+        for eqn in j.eqns:
+            for v in eqn.params.values():
+                for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(x, C.ClosedJaxpr) and id(x) not in seen:
+                        seen.add(id(x))
+                        out.extend(x.consts)
+                        stack.append(x.jaxpr)
+                    elif isinstance(x, C.Jaxpr) and id(x) not in seen:
+                        seen.add(id(x))
+                        stack.append(x)
+    return out
 
 
 def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Sequence,

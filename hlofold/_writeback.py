@@ -29,7 +29,7 @@ from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
 from ._core.reasons import Reason
-from ._core.report import REFUSED, FoldReport, FoldSite
+from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import tolerance_profile
 
@@ -141,6 +141,15 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
                 None if bias is None else paths[bias],
                 sorted({paths[i] for i in identity} - {paths[kernel]} -
                        ({paths[bias]} if bias is not None else set()))))
+    stacked, stack_changes = _write_stacks(scope, closed.jaxpr.invars[:n], paths)
+    changes += stack_changes
+    writer.assign.update(stacked)
+    written = {id(c.site) for c in changes}
+    for s in scope.sites:          # folded in a nested body fold_params does not write
+        if s.status == FOLDED and id(s) not in written:
+            s.status, s.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + (
+                f"the site is inside {s.scope}; fold_params writes the program's top level "
+                f"and scanned layer stacks (hlofold.fold folds it in the program)"))
     if {"add", "conv_general_dilated"} <= {e.primitive.name for e in closed.jaxpr.eqns}:
         # sums of parallel branches: merged in programs only (each branch's BN is written)
         merge_scope(scope, "never", "top", scope.sites, write=False)
@@ -153,6 +162,62 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     del run
     _release_freed()
     return out
+
+
+def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
+    """Each scanned stack folded per layer (``scope.stacks``) written back into its stacked
+    leaves: every layer's body solved as a layer of its own, the per-layer values stacked.
+    A group is written only where it is written in every layer, and a stacked leaf only
+    where it is read by that scan alone. Returns ``(leaf index -> new stacked value,
+    changes)``; refused sites say why."""
+    top = {v: i for i, v in enumerate(leaf_vars)}
+    assign, changes = {}, []
+    for eqn, layers in scope.stacks:
+        nc, ncarry, _ = C.scan_layout(eqn)
+        at = next(j for j, e in enumerate(scope.jaxpr.eqns) if e is eqn)
+        pos = [k for k, a in enumerate(eqn.invars) if k >= nc + ncarry and a in top
+               and scope.uses.get(a) == [(at, k)] and not scope.out_uses.get(a)]
+
+        def write(only=None):
+            out = []
+            for ls in layers:
+                w = Writer(ls, [ls.jaxpr.invars[k] for k in pos], {})
+                got = [w.group(g) if only is None or g_i in only else None
+                       for g_i, g in enumerate(_groups(ls))]
+                out.append((w, got))
+            return out
+        first = write()
+        groups0 = _groups(layers[0])
+        ok = {g for g in range(len(groups0))
+              if all(not isinstance(got[g], str) for _, got in first)}
+        per_layer = write(ok) if len(ok) < len(groups0) else first
+        if any(isinstance(got[g], str) for _, got in per_layer for g in ok) or \
+                len({tuple(sorted(w.assign)) for w, _ in per_layer}) > 1:
+            why = "its layers do not write back alike"
+            ok = set()
+        else:
+            why = None
+        for g, group in enumerate(groups0):
+            if g not in ok:
+                reason = why or next(got[g] for _, got in first if isinstance(got[g], str))
+                for site in group:
+                    for r in (site.record, site.fwd and site.fwd.record):
+                        if r is not None:
+                            r.status = REFUSED
+                            r.reason = Reason("not-written", _NOT_WRITTEN + reason)
+                continue
+            for site, (kernel, bias, identity) in zip(group, per_layer[0][1][g]):
+                leaf = lambda j: paths[top[eqn.invars[pos[j]]]]      # noqa: E731
+                changes.append(ParamChange(
+                    site.record or site.fwd.record, leaf(kernel),
+                    None if bias is None else leaf(bias),
+                    sorted({leaf(j) for j in identity} - {leaf(kernel)} -
+                           ({leaf(bias)} if bias is not None else set()))))
+        if ok:
+            for j in per_layer[0][0].assign:
+                assign[top[eqn.invars[pos[j]]]] = np.stack(
+                    [np.asarray(w.assign[j]) for w, _ in per_layer])
+    return assign, changes
 
 
 def _release_freed() -> None:

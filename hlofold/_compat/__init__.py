@@ -23,9 +23,9 @@ from .jaxpr import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, add_eqn
                     is_tracer, jaxpr_as_fun, jaxpr_of, jit_info, name_stack, new_var,
                     partial_eval, rebase_source, shape_struct, source_of, stage_cond, trace,
                     user_location, varying_axes)
-from .params import (JIT_NAMES, call_body, cond_branches, inlinable_call, remat_body,
-                     scan_body, while_body, with_cond_branches, with_remat_body,
-                     with_scan_body, with_while_body)
+from .params import (JIT_NAMES, call_body, with_call_consts, cond_branches, inlinable_call, remat_body,
+                     scan_body, scan_layout, while_body, with_cond_branches, with_remat_body,
+                     with_scan_body, with_scan_operands, scan_linear, with_while_body)
 from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, location_view, mlir, mlir_context,
                    module_to_portable_artifact)
 
@@ -38,8 +38,9 @@ __all__ = [
     "is_tracer", "jaxpr_as_fun", "jaxpr_of", "jit_info", "name_stack", "new_var",
     "partial_eval", "rebase_source", "shape_struct", "source_of", "stage_cond", "trace",
     "user_location", "varying_axes",
-    "JIT_NAMES", "call_body", "cond_branches", "inlinable_call", "remat_body", "scan_body",
-    "while_body", "with_cond_branches", "with_remat_body", "with_scan_body", "with_while_body",
+    "JIT_NAMES", "call_body", "with_call_consts", "cond_branches", "inlinable_call", "remat_body", "scan_body",
+    "scan_layout", "while_body", "with_cond_branches", "with_remat_body", "with_scan_body", "with_scan_operands", "scan_linear",
+    "with_while_body",
     "bfloat16", "exported_input_shardings", "exported_with_inputs", "location_view", "mlir", "mlir_context",
     "module_to_portable_artifact",
 ]

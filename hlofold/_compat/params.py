@@ -35,6 +35,26 @@ def call_body(eqn) -> tuple[str, Any]:
     return key, (sub if isinstance(sub, ClosedJaxpr) else None)
 
 
+def with_call_consts(eqn, body: ClosedJaxpr, added: int) -> dict | None:
+    """The parameters of a jit/pjit/closed_call ``eqn`` whose body (``body``) takes
+    ``added`` new leading inputs (constants hoisted out of it: unsharded, not donated, any
+    layout); None for a call whose parameters this cannot extend (custom_jvp/vjp calls)."""
+    p, name = eqn.params, eqn.primitive.name
+    if name in ("closed_call", "core_call"):
+        return {**p, "call_jaxpr": body}
+    if name not in JIT_NAMES or not all(isinstance(p.get(k), tuple) for k in
+                                        ("in_shardings", "in_layouts", "donated_invars")):
+        return None
+    unspecified = [x for x in p["in_shardings"] + tuple(p.get("out_shardings", ()))
+                   if type(x).__name__ == "UnspecifiedValue"]
+    if not unspecified:              # no instance of "any sharding" to copy
+        return None
+    return {**p, "jaxpr": body,
+            "in_shardings": (unspecified[0],) * added + p["in_shardings"],
+            "in_layouts": (None,) * added + p["in_layouts"],
+            "donated_invars": (False,) * added + p["donated_invars"]}
+
+
 def inlinable_call(eqn) -> bool:
     """A jit/pjit/closed_call whose parameters say nothing but its body: no shardings,
     layouts, donations or compiler options, which inlining the body would drop."""
@@ -79,11 +99,32 @@ def scan_body(eqn) -> tuple[ClosedJaxpr, int]:
     return p["jaxpr"], int(p["num_consts"])
 
 
+def scan_layout(eqn) -> tuple[int, int, int]:
+    """``(constant operands, carried operands, length)`` of a ``scan``; the rest of its
+    operands are the scanned ones (sliced along axis 0, one slice per iteration)."""
+    p = _expect(eqn, {"jaxpr": ClosedJaxpr, "num_consts": int, "num_carry": int,
+                      "length": int})
+    return int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+
+
 def with_scan_body(params: dict, body: ClosedJaxpr, added_consts: int) -> dict:
     """``params`` with ``body`` taking ``added_consts`` new leading constants."""
-    new = {**params, "jaxpr": body, "num_consts": params["num_consts"] + added_consts}
+    return with_scan_operands(params, body, added_consts + params["num_consts"],
+                              [False] * added_consts + list(scan_linear(params)))
+
+
+def scan_linear(params: dict) -> tuple:
+    """Which operands of a ``scan`` are linear (all False where JAX does not say)."""
+    return tuple(params.get("linear", ()))
+
+
+def with_scan_operands(params: dict, body: ClosedJaxpr, num_consts: int, linear) -> dict:
+    """``params`` of a ``scan`` whose operands were rebuilt: ``body`` taking ``num_consts``
+    constants, the carry as before, then the scanned operands; ``linear`` one flag per
+    operand."""
+    new = {**params, "jaxpr": body, "num_consts": num_consts}
     if "linear" in params:
-        new["linear"] = (False,) * added_consts + tuple(params["linear"])
+        new["linear"] = tuple(linear)
     return new
 
 

@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "unreached": "a per-channel scale no root reaches",
     "not-written": "fold_params cannot write the fold back",
     "branches": "parallel branches that cannot merge into one convolution",
+    "stack-layers-differ": "the layers of a scanned stack do not fold alike",
     "internal": "hlofold failed to rewrite the program",
 }
 

@@ -40,6 +40,7 @@ class FoldSite:
     reason: str | None = None         # why not folded
     note: str | None = None           # for folded sites: where and why the chain stopped
     cost: dict | None = None          # the cost rule's figures (_core.cost.SiteCost), where asked
+    layers: int | None = None         # in a scanned layer stack: its length (one record, every layer)
 
     @property
     def location(self) -> str:
@@ -176,7 +177,7 @@ def _table(sites: list[FoldSite]) -> str:
             note = f"({shared[s.reason]})"
         else:
             note = _clip(s.reason or _compact(s.params) or (s.note or ""), _WIDTH["note"], False)
-        rows.append((str(i), s.status, _short(s.primitive),
+        rows.append((str(i), s.status, _short(s.primitive) + (f"×{s.layers}" if s.layers else ""),
                      _clip(s.layout, _WIDTH["layout"], False), ch, "·".join(s.absorbed),
                      (s.rescale or "") + ("+guard" if s.guarded else ""),
                      _clip(layer_name(s), _WIDTH["layer"]), _clip(loc, _WIDTH["location"]),

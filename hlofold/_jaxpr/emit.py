@@ -74,9 +74,15 @@ class SiteEmitter:
             if i in site_eqns:
                 eqns.extend(site_eqns[i])
             elif i in self.new_eqn:
-                params, at, extra = self.new_eqn[i]
-                ins = list(eqn.invars)
-                ins[at:at] = [new_const(c) for c in extra]
+                new = self.new_eqn[i]
+                if len(new) == 2:        # (params, operands): an outer atom or a value each
+                    params, ops = new
+                    ins = [o if isinstance(o, (C.Var, C.Literal)) else new_const(o.value)
+                           for o in ops]
+                else:                    # (params, at, values): values inserted at ``at``
+                    params, at, extra = new
+                    ins = list(eqn.invars)
+                    ins[at:at] = [new_const(c) for c in extra]
                 eqns.append(eqn.replace(params=params, invars=ins))
             else:
                 eqns.append(eqn)

@@ -125,12 +125,13 @@ def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str]
     """Plan the top scope of ``closed`` without rewriting it, its inputs bound to ``known``
     (None: not known; with ``in_graph="prepared"`` a site whose kernel is not known still
     folds, its scale known). Returns the scope: ``sites`` (report records),
-    ``site_at_end`` (the folded sites' plans), ``producer``, ``uses``, ``value``."""
+    ``site_at_end`` (the folded sites' plans), ``producer``, ``uses``, ``value``, and
+    ``stacks``: each scanned stack folded per layer, ``(scan equation, layer scopes)``."""
     sites: list[FoldSite] = []
     scope = _Scope(closed, known_in=[_const(k) for k in known],
                    names_in=[_const(frozenset({n})) for n in names],
                    const_names=[None] * len(closed.consts), path="top", sites=sites,
-                   opts=_Options(in_graph=in_graph))
+                   opts=_Options(in_graph=in_graph, keep_stacks=True))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scope.plan()
     return scope
@@ -145,6 +146,7 @@ class _Options:
     in_graph: str = "guarded"
     cost: frozenset | None = None     # hlofold.fold's cost rule (names of prepared constants)
     merge: bool = True                # parallel branches merged (_jaxpr.merge)
+    keep_stacks: bool = False         # keep each folded stack's per-layer scopes (fold_params)
     # what this JAX changed that kept the fold out of part of the program (filled on the way)
     compat: list = dataclasses.field(default_factory=list, compare=False, hash=False)
 
@@ -210,6 +212,8 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         self.new_eqn: dict[int, tuple[dict, Callable]] = {}
         # calls (jit/pjit) a chain continues into: inlined, then the scope is planned again
         self.calls_reached: set[int] = set()
+        # scanned stacks folded per layer, with opts.keep_stacks: (scan eqn, layer scopes)
+        self.stacks: list[tuple[Any, list]] = []
 
     def fold(self) -> C.ClosedJaxpr:
         first = len(self.sites)
@@ -267,7 +271,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                     changed |= self._plan_site(i, eqn, pattern)
             elif is_guard(eqn):         # an already folded site: reported, never changed
                 branch = C.cond_branches(eqn)[1]
-                self._child(branch, eqn.invars[1:], [False] * len(branch.jaxpr.invars),
+                self.child(branch, eqn.invars[1:], [False] * len(branch.jaxpr.invars),
                             "guard")
             elif contains_root(eqn):       # nested jaxprs without a root are left as they are
                 changed |= self._plan_nested(i, eqn)
@@ -338,15 +342,27 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
 
     # ---- nested jaxprs
 
-    def _child(self, sub: C.ClosedJaxpr, outer: Sequence[Any], known_mask: Sequence[bool],
-               label: str) -> C.ClosedJaxpr:
+    def child(self, sub: C.ClosedJaxpr, outer: Sequence[Any], known_mask: Sequence[bool],
+              label: str, values: Sequence[Any] | None = None,
+              sites: list | None = None, scopes: list | None = None) -> C.ClosedJaxpr:
+        """``sub`` (a nested jaxpr whose inputs are the ``outer`` atoms of this scope)
+        folded: the inputs ``known_mask`` says are followed in with their values here, and
+        ``values[k]`` (where given, not None) is input ``k``'s value instead (a scanned
+        stack's slice for one layer). Records go to ``sites`` (default: this scope's); the
+        nested scope is appended to ``scopes`` where given."""
         known_in, names_in, sources_in = [], [], []
-        for atom, k in zip(outer, known_mask):
-            known_in.append((lambda a=atom: self.value(a)) if k else NONE)
+        for k, (atom, kn) in enumerate(zip(outer, known_mask)):
+            if values is not None and values[k] is not None:
+                known_in.append(_const(values[k]))
+            else:
+                known_in.append((lambda a=atom: self.value(a)) if kn else NONE)
             names_in.append(lambda a=atom: self.names(a))
             sources_in.append(lambda a=atom: self.sources(a))
         child = _Scope(sub, known_in, names_in, [None] * len(sub.consts),
-                       f"{self.path}/{label}", self.sites, self.opts, sources_in)
+                       f"{self.path}/{label}", self.sites if sites is None else sites,
+                       self.opts, sources_in)
+        if scopes is not None:
+            scopes.append(child)
         return child.fold()
 
     def _plan_nested(self, i, eqn) -> bool:
@@ -354,7 +370,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         prim, params = eqn.primitive.name, eqn.params
         label = f"{prim}({params['name']})" if isinstance(params.get("name"), str) else prim
         try:
-            new = NESTED_RULES.get(prim, other_rule)(self._child, eqn, label)
+            new = NESTED_RULES.get(prim, other_rule)(self, eqn, label)
         except C.CompatError as e:    # its parameters are not what hlofold reads: left
             why = f"{e}; the {prim} at {self.path} is left as it is"
             if why not in self.opts.compat:

@@ -1,49 +1,67 @@
 """Folding inside nested jaxprs: one rule per higher-order primitive.
 
-``NESTED_RULES[primitive name](child, eqn, label)`` folds the jaxprs ``eqn`` carries and says
+``NESTED_RULES[primitive name](scope, eqn, label)`` folds the jaxprs ``eqn`` carries and says
 how to rebuild it: ``None`` when nothing changed, else ``(params, at, consts)`` — the new
 parameters, and constants (hoisted out of the folded bodies) to insert as new inputs at
-position ``at``. ``child(closed, outer, known_mask, label)`` folds one nested jaxpr whose
-inputs are the ``outer`` atoms (``known_mask``: which are followed in as known values). A
-primitive without an entry gets :func:`other_rule`: every closed jaxpr in its parameters is
-folded with nothing known. Every read of an equation's parameters goes through ``_compat``.
+position ``at`` — or ``(params, operands)``, every operand given: an outer atom, or a
+:class:`NewValue` (a scanned stack's folded kernels, its unused operands dropped). ``scope.child(closed, outer, known_mask, label)`` folds
+one nested jaxpr whose inputs are the ``outer`` atoms (``known_mask``: which are followed in
+as known values; ``values=``: values given instead, ``sites=``: where its records go);
+``scope.value(atom)`` is an outer atom's value when known. A primitive without an entry gets
+:func:`other_rule`: every closed jaxpr in its parameters is folded with nothing known. Every
+read of an equation's parameters goes through ``_compat``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
 from .. import _compat as C
 from .patterns import PATTERNS
+from .._core.stacks import mark_layers
 
-Rule = Callable[[Callable, Any, str], "tuple[dict, int, list] | None"]
+Rule = Callable[[Any, Any, str], "tuple | None"]
 
 
-def call_rule(child, eqn, label):
+class NewValue(NamedTuple):
+    """An operand of a rebuilt equation that is a new constant of the outer scope."""
+    value: Any
+
+
+def call_rule(scope, eqn, label):
     """jit/pjit, closed_call, custom_jvp/vjp calls: the body sees the call's operands."""
     key, sub = C.call_body(eqn)
     if sub is None:
         return None
-    new = child(sub, eqn.invars, [True] * len(eqn.invars), label)
-    return None if new is sub else ({**eqn.params, key: new}, 0, [])
+    new = scope.child(sub, eqn.invars, [True] * len(eqn.invars), label)
+    if new is sub:
+        return None
+    consts = list(new.consts)
+    if consts:       # hoisted, as the other rules do: new parameter values, same program
+        body = with_leading_consts(new, 0, len(consts), [_struct(c) for c in consts],
+                                   [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+        params = C.with_call_consts(eqn, body, len(consts))
+        if params is not None:
+            return params, 0, consts
+    return {**eqn.params, key: new}, 0, []       # (its constants stay in its body)
 
 
-def remat_rule(child, eqn, label):
+def remat_rule(scope, eqn, label):
     sub = C.ClosedJaxpr(C.remat_body(eqn), ())
-    new = child(sub, eqn.invars, [True] * len(eqn.invars), label)
+    new = scope.child(sub, eqn.invars, [True] * len(eqn.invars), label)
     if new is sub:
         return None
     open_j, consts = C.hoist_consts(new)
     return C.with_remat_body(eqn.params, open_j), 0, consts
 
 
-def cond_rule(child, eqn, label):
+def cond_rule(scope, eqn, label):
     """Each branch folded; their hoisted constants become leading operands of all."""
     ops = eqn.invars[1:]
     branches = C.cond_branches(eqn)
-    news = [child(b, ops, [True] * len(ops), f"cond[{k}]") for k, b in enumerate(branches)]
+    news = [scope.child(b, ops, [True] * len(ops), f"cond[{k}]") for k, b in enumerate(branches)]
     if all(n is b for n, b in zip(news, branches)):
         return None
     all_consts = [c for n in news for c in n.consts]
@@ -55,10 +73,20 @@ def cond_rule(child, eqn, label):
     return C.with_cond_branches(eqn.params, new_branches), 1, all_consts
 
 
-def scan_rule(child, eqn, label):
-    """The body, with the scan's constants followed in as known (the carry is not)."""
+def scan_rule(scope, eqn, label):
+    """The body, with the scan's constants followed in as known (the carry is not); where
+    scanned operands (stacked parameters) are known too, one fold per layer, restacked
+    (:func:`stacked_scan`)."""
     sub, nc = C.scan_body(eqn)
-    new = child(sub, eqn.invars, [k < nc for k in range(len(eqn.invars))], label)
+    mask = [k < nc for k in range(len(eqn.invars))]
+    from .stacks import stacked_scan         # (it builds NewValues)
+    stacked = stacked_scan(scope, eqn, label)
+    if stacked is not None:      # () : handled, the scan stays as it is
+        return stacked or None
+    recs: list = []
+    new = scope.child(sub, eqn.invars, mask, label, sites=recs)
+    # one record per site of the body, for every layer
+    scope.sites.extend(mark_layers(recs, C.scan_layout(eqn)[2]))
     if new is sub:
         return None
     consts = list(new.consts)
@@ -67,11 +95,11 @@ def scan_rule(child, eqn, label):
     return C.with_scan_body(eqn.params, body, len(consts)), 0, consts
 
 
-def while_rule(child, eqn, label):
+def while_rule(scope, eqn, label):
     """The body (not the condition), with its constants followed in as known."""
     sub, cn, bn = C.while_body(eqn)
     body_outer = eqn.invars[cn:]
-    new = child(sub, body_outer, [k < bn for k in range(len(body_outer))], label)
+    new = scope.child(sub, body_outer, [k < bn for k in range(len(body_outer))], label)
     if new is sub:
         return None
     consts = list(new.consts)
@@ -80,12 +108,12 @@ def while_rule(child, eqn, label):
     return C.with_while_body(eqn.params, body, len(consts)), cn, consts
 
 
-def other_rule(child, eqn, label):
+def other_rule(scope, eqn, label):
     """Any other primitive carrying closed jaxprs: fold inside with nothing known."""
     new_params, changed = dict(eqn.params), False
     for key, val in eqn.params.items():
         if isinstance(val, C.ClosedJaxpr):
-            new = child(val, [None] * len(val.jaxpr.invars), [False] * len(val.jaxpr.invars),
+            new = scope.child(val, [None] * len(val.jaxpr.invars), [False] * len(val.jaxpr.invars),
                         f"{label}.{key}")
             if new is not val:
                 new_params[key], changed = new, True

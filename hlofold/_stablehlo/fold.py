@@ -32,6 +32,7 @@ from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .facts import op_facts
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
+                 parent_of,
                  shape_of, type_name)
 from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
@@ -56,6 +57,31 @@ WEIGHTS_ARE_ARGUMENTS = Reason(
     "call, costing more than the BatchNorm it removes; fold with the weight values "
     "(fold_stablehlo(..., params=), hlofold fold --params) or in the graph (in_graph=True, "
     "--in-graph)")
+
+# the same, for a site in a loop body (a scanned layer stack: the weights are values the
+# ``stablehlo.while`` carries, one slice read per iteration)
+WEIGHTS_IN_LOOP = Reason(
+    "weights-not-known",
+    "the weights reach this site through a stablehlo.while (a scanned layer stack, one slice "
+    "read per iteration), whose per-iteration values this path does not read, so K·s would "
+    "be recomputed (and range-checked) on every iteration of every call; fold the jaxpr "
+    "before exporting (hlofold.fold, hlofold.export and fold_jaxpr fold a scanned stack "
+    "per layer) or fold in the graph (in_graph=True, --in-graph)")
+
+
+def in_loop(op, calls: dict, seen: frozenset = frozenset()) -> bool:
+    """Whether ``op`` runs in the body of a ``stablehlo.while`` (at any depth, or in a
+    function called there; ``calls``: the module's :func:`call_sites`)."""
+    p = parent_of(op)
+    while p is not None:
+        if p.name == "stablehlo.while":
+            return True
+        if p.name == "func.func":
+            name = ir.StringAttr(p.attributes["sym_name"]).value
+            return name not in seen and any(in_loop(c, calls, seen | {name})
+                                            for c in calls.get(name, ()))
+        p = parent_of(p)
+    return False
 
 
 class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
@@ -229,7 +255,9 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         math = [float_dtype(elem_type(v.results[0])) for v in [root] + [st.op for st in real]]
         dec = decide(kernel_dtype=kd, math_dtypes=[d for d in math if d is not None]
                      if backward else [], s=s_vec, kernel=k_np if s_vec is not None else None,
-                     kernel_axis=kaxis, not_now=WEIGHTS_ARE_ARGUMENTS, in_graph=policy,
+                     kernel_axis=kaxis, in_graph=policy,
+                     not_now=WEIGHTS_IN_LOOP if in_loop(root, self.eval.calls)
+                     else WEIGHTS_ARE_ARGUMENTS,
                      kernel_from_activation=kfa,
                      scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None),
                      subnormal=self.flushes([kernel], real + (fwd.steps if fwd else [])),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import hlofold
@@ -141,3 +142,38 @@ def test_underflow_is_found_past_the_first_block_and_kernel_zeros_are_not_underf
     assert rep.num_folded == 1, str(rep)
     assert "mul" not in primitives(new)
     assert_close(f(x), C.jaxpr_as_fun(new)(x)[0])
+
+
+@pytest.mark.parametrize("wrap", ["jit", "custom_jvp"])
+def test_new_parameter_values_refold_a_site_inside_a_nested_call(wrap):
+    """A site folded inside a nested call (an inner ``jax.jit``, a ``custom_jvp``) whose chain
+    stays inside it: its folded kernel was a constant of the call's body, which the apply
+    program's structure key did not see — a second parameter set ran the first one's folded
+    kernel (max|Δ| 4.0). Now a jit body's constants are hoisted (same program, new values)
+    and any body's constants are part of the key."""
+    def block(p, x):
+        y = lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.tanh(y * p["s"])
+    if wrap == "jit":
+        inner = jax.jit(block)
+    else:
+        inner = jax.custom_jvp(block)
+        inner.defjvp(lambda primals, tangents: (inner(*primals), tangents[1]))
+
+    def f(p, x):
+        return inner(p, x) * 2
+
+    def params(seed):
+        r = np.random.default_rng(seed)
+        return {"k": jnp.asarray(r.standard_normal((3, 3, 4, 4)), jnp.float32),
+                "s": jnp.asarray(r.uniform(0.5, 2, (4,)), jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 5, 4)), jnp.float32)
+    ff = hlofold.fold(jax.jit(f), fold_costly=True)
+    for seed in (1, 2, 1, 3):
+        p = params(seed)
+        assert_close(f(p, x), ff(p, x))
+    assert ff.report(p, x).num_folded == 1
+    if wrap == "jit":      # one apply program for every parameter set
+        prog = next(iter(ff._programs.values()))
+        assert len(prog.executables._entries) == 1

@@ -1,0 +1,79 @@
+"""Scanned layer stacks: one fold per layer, restacked (the rule both adapters call).
+
+A stack of layers run by a loop (``lax.scan`` over stacked parameters: ``flax.linen.scan``,
+``nnx.scan``, MaxText; a StableHLO ``while`` reading them through ``dynamic_slice``) runs
+one body ``L`` times, layer ``l`` reading slice ``l`` of each stacked parameter. Where those
+parameters are known, each adapter folds the body once per layer with its slices known
+(``K_l ⊙ s_l``, ``t_l``: the same rules and safety checks as an unrolled layer) and hands the
+results here:
+
+* the stack folds only when **every layer folds alike**: the same folded body up to the
+  values of its constants (one site refused in one layer — σ² = 0 with ε = 0 — makes the
+  bodies differ, and the stack is left as the loop it was, with that reason);
+* a constant equal in every layer stays one loop-invariant operand; the others are stacked
+  along a new leading axis and become per-iteration operands of the loop (the folded
+  kernels and biases: one prepare for the stack, the body runs conv + bias).
+
+The report has one record per site of the body, with ``layers = L``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from .reasons import Reason
+
+def layers_differ(why: str) -> Reason:
+    """Why a scanned stack's sites are left: its layers do not fold alike."""
+    return Reason("stack-layers-differ", f"the layers of this scanned stack do not fold "
+                  f"alike ({why}); the loop is left as it is: each layer would need a body "
+                  f"of its own")
+
+
+@dataclasses.dataclass
+class Stacked:
+    """Where each constant of the folded body goes: ``shared[j]`` (one value, loop-invariant)
+    or ``stacked[j]`` (one per layer, stacked on axis 0), by the body's constant order."""
+
+    shared: list[tuple[int, Any]]        # (constant index, value)
+    stacked: list[tuple[int, np.ndarray]]
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+
+
+def restack(keys: Sequence[Any], consts: Sequence[Sequence[Any]]) -> "Stacked | str":
+    """The stacked constants of ``L`` folded bodies (``keys[l]``: layer ``l``'s body up to
+    its constants' values; ``consts[l]``: those values), or why the layers do not fold alike."""
+    first = keys[0]
+    for l, k in enumerate(keys[1:], 1):
+        if k != first:
+            return f"layer {l} folds differently from layer 0"
+    shared, stacked = [], []
+    for j in range(len(consts[0])):
+        col = [c[j] for c in consts]
+        if all(_same(col[0], c) for c in col[1:]):
+            shared.append((j, col[0]))
+        else:
+            stacked.append((j, np.stack([np.asarray(c) for c in col])))
+    return Stacked(shared, stacked)
+
+
+def mark_layers(records: Sequence, length: int) -> list:
+    """``records`` (of a loop body's sites) marked as run ``length`` times — a stack inside a
+    stack runs its body the product of both lengths."""
+    for rec in records:
+        rec.layers = (rec.layers or 1) * length
+    return list(records)
+
+
+def layer_records(per_layer: Sequence[list], length: int) -> list:
+    """The report records of a stack folded alike: layer 0's, each marked with the stack
+    length (the other layers' records say the same of their slices)."""
+    return mark_layers(per_layer[0], length)
