@@ -62,14 +62,16 @@ def _model(cfg):
     from hlofold import examples
     p = examples.init_decoder(cfg["layers"], d=cfg["d"], ffn=cfg["ffn"], vocab=cfg["vocab"])
     tokens = jnp.asarray(np.arange(cfg["tokens"])[None] % cfg["vocab"], jnp.int32)
+    if cfg.get("scanned"):          # the MaxText layout: one scan over stacked layers
+        return examples.scanned_decoder_apply, examples.stack_decoder(p), tokens
     return examples.decoder_apply, p, tokens
 
 
-def worker(variant: str, quick: bool) -> dict:
+def worker(variant: str, quick: bool, scanned: bool = False) -> dict:
     """In a fresh process: the first call of ``variant`` and the peak memory it adds."""
     import jax
     import hlofold
-    f, p, tokens = _model(QUICK if quick else FULL)
+    f, p, tokens = _model({**(QUICK if quick else FULL), "scanned": scanned})
     jax.block_until_ready(p)
     g = jax.jit(f) if variant == "jit" else hlofold.fold(f)
     live = _live_bytes()
@@ -88,27 +90,28 @@ def worker(variant: str, quick: bool) -> dict:
     return out
 
 
-def _run_worker(variant: str, quick: bool) -> dict:
+def _run_worker(variant: str, quick: bool, scanned: bool = False) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     got = subprocess.run([sys.executable, "-m", "benchmarks.transformer", "--worker", variant]
-                         + (["--quick"] if quick else []), capture_output=True, text=True,
-                         env=env, timeout=1800)
+                         + (["--quick"] if quick else []) + (["--scanned"] if scanned else []),
+                         capture_output=True, text=True, env=env, timeout=1800)
     if got.returncode:
         raise SystemExit(f"transformer worker {variant} failed:\n{got.stderr[-3000:]}")
     return json.loads(got.stdout.strip().splitlines()[-1])
 
 
-def measure(quick: bool, rounds: int, log) -> dict:
-    """Every figure of the part (see the module docstring)."""
+def measure(quick: bool, rounds: int, log, scanned: bool = False) -> dict:
+    """Every figure of the part (see the module docstring); ``scanned``: the same decoder
+    as one ``lax.scan`` over stacked layers (``examples.scanned_decoder_apply``)."""
     import jax
     import hlofold
     from .common import ratio, summary
-    cfg = QUICK if quick else FULL
+    cfg = {**(QUICK if quick else FULL), "scanned": scanned}
     res: dict = {"config": cfg}
     firsts = {"jit": [], "fold": []}
     for r in range(rounds):
         for v in (("jit", "fold") if r % 2 == 0 else ("fold", "jit")):
-            firsts[v].append(_run_worker(v, quick))
+            firsts[v].append(_run_worker(v, quick, scanned))
             log(f"transformer first call {v}: {firsts[v][-1]['first_s']:.2f} s")
     res["first_call"] = {v: summary([w["first_s"] for w in ws]) for v, ws in firsts.items()}
     res["first_call_fold_vs_jit"] = ratio(res["first_call"]["fold"], res["first_call"]["jit"])
@@ -201,7 +204,8 @@ def markdown(t: dict) -> list[str]:
     def s(x):
         return f"{1e3 * x['median']:.1f} [{1e3 * x['min']:.1f}–{1e3 * x['max']:.1f}]"
     c, pb = t["config"], t["param_bytes"]
-    L = ["", f"## 7. Transformer: a Llama-style decoder ({c['layers']} layers, d = {c['d']}, "
+    form = "as one scan over stacked layers" if c.get("scanned") else "a Llama-style decoder"
+    L = ["", f"## 7. Transformer: {form} ({c['layers']} layers, d = {c['d']}, "
          f"{pb / 4e9:.2f} B parameters, {pb / 2 ** 30:.2f} GiB; {c['tokens']} tokens)", "",
          f"Sites under `hlofold.fold`: {t['report']} (every norm left by the cost rule: its "
          "per-token factor's pass stays).", "",
@@ -242,7 +246,32 @@ def markdown(t: dict) -> list[str]:
     return L
 
 
+def main() -> None:
+    """``python -m benchmarks.transformer --scanned [--quick] [--rounds N]``: the scanned
+    decoder's section, written to ``docs/benchmarks/scanned_decoder_cpu.{md,json}`` (the
+    unscanned one is part 7 of ``benchmarks.calls``)."""
+    import platform
+    quick = "--quick" in sys.argv
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    res = measure(quick, rounds, lambda m: print(m, flush=True), scanned=True)
+    res["machine"] = f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor()}"
+    if quick:
+        print(json.dumps(res, indent=1, default=str))
+        return
+    base = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks",
+                        "scanned_decoder_cpu")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    L = ["# The 0.54 B decoder as a scanned stack (MaxText layout), `fold(f)` vs `jax.jit(f)`",
+         "", f"Machine: {res['machine']}; `python -m benchmarks.transformer --scanned "
+         f"--rounds {rounds}`.", ""] + markdown(res)
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         print(json.dumps(worker(sys.argv[sys.argv.index("--worker") + 1],
-                                "--quick" in sys.argv)))
+                                "--quick" in sys.argv, "--scanned" in sys.argv)))
+    elif "--scanned" in sys.argv:
+        main()

@@ -28,6 +28,8 @@ from . import _compat as C
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
+from ._jaxpr.stacks import stacked_view
+from ._core.rescale import aligned_empty
 from ._core.reasons import Reason
 from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
@@ -213,10 +215,21 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
                     None if bias is None else leaf(bias),
                     sorted({leaf(j) for j in identity} - {leaf(kernel)} -
                            ({leaf(bias)} if bias is not None else set()))))
-        if ok:
-            for j in per_layer[0][0].assign:
-                assign[top[eqn.invars[pos[j]]]] = np.stack(
-                    [np.asarray(w.assign[j]) for w, _ in per_layer])
+        if ok:        # stacked layer by layer, each layer's value dropped once copied
+            for j in list(per_layer[0][0].assign):
+                out = stacked_view([w.assign[j] for w, _ in per_layer])   # the kernels
+                if out is None:
+                    first = np.asarray(per_layer[0][0].assign[j])
+                    out = aligned_empty((len(per_layer),) + first.shape, first.dtype)
+                    del first
+                    for layer, (w, _) in enumerate(per_layer):
+                        out[layer] = w.assign[j]
+                for w, _ in per_layer:
+                    del w.assign[j]
+                assign[top[eqn.invars[pos[j]]]] = out
+        for ls in layers:         # the per-layer folded kernels: no longer needed
+            for site in ls.site_at_end.values():
+                site.kernel_const = None
     return assign, changes
 
 

@@ -179,3 +179,38 @@ def decoder_apply(params: dict, tokens: jax.Array, *, head_dim: int = 64) -> jax
         h = _rms_norm(x, lp["mlp_norm"])
         x = x + (jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
     return _rms_norm(x, params["final_norm"]) @ params["head"]
+
+
+def stack_decoder(params: dict, *, head_dim: int = 64) -> dict:
+    """:func:`init_decoder`'s parameters laid out as a MaxText-style scanned stack: each
+    layer leaf stacked on a leading axis, q/k/v kernels ``(d, heads, head_dim)`` (Flax
+    ``DenseGeneral``), o ``(heads, head_dim, d)`` — for :func:`scanned_decoder_apply`."""
+    layers = params["layers"]
+    d = layers[0]["q"].shape[0]
+    heads = max(1, d // head_dim)
+    split = {"q": (d, heads, d // heads), "k": (d, heads, d // heads),
+             "v": (d, heads, d // heads), "o": (heads, d // heads, d)}
+    stacked = {n: jnp.stack([jnp.reshape(lp[n], split.get(n, lp[n].shape)) for lp in layers])
+               for n in layers[0]}
+    return {**params, "layers": stacked}
+
+
+def scanned_decoder_apply(params: dict, tokens: jax.Array) -> jax.Array:
+    """:func:`decoder_apply` as large JAX models write it: one ``lax.scan`` over the stacked
+    layers of :func:`stack_decoder` (``nn.scan``, MaxText), multi-head projections as
+    einsums over ``(d, heads, head_dim)`` kernels. The same outputs as ``decoder_apply``."""
+    x = params["embed"][tokens]
+    t = x.shape[1]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+
+    def layer(x, lp):
+        h = _rms_norm(x, lp["attn_norm"])
+        q, k, v = (jnp.einsum("btd,dhk->bthk", h, lp[n]) for n in "qkv")
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(np.float32)
+        a = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+        x = x + jnp.einsum("bqhk,hkd->bqd", jnp.einsum("bhqk,bkhd->bqhd", a, v), lp["o"])
+        h = _rms_norm(x, lp["mlp_norm"])
+        return x + (jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"], None
+
+    x, _ = lax.scan(layer, x, params["layers"])
+    return _rms_norm(x, params["final_norm"]) @ params["head"]

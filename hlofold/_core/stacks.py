@@ -48,21 +48,53 @@ def _same(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
 
 
+class Restack:
+    """The constants of ``length`` folded bodies, restacked layer by layer as they come
+    (``add``): a constant equal so far in every layer is held once, the first layer that
+    differs allocates its stack (the earlier layers' rows filled from the first one), so no
+    layer's values are held beyond its own ``add`` — the stack is the only copy."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.key: Any = None
+        self.first: list = []
+        self.stacks: dict[int, np.ndarray] = {}
+        self.layers = 0
+
+    def add(self, key: Any, consts: Sequence[Any]) -> str | None:
+        """Layer ``self.layers``'s body (``key``: it up to its constants' values), or why it
+        does not fold like layer 0."""
+        layer = self.layers
+        if layer == 0:
+            self.key, self.first = key, list(consts)
+        elif key != self.key:
+            return f"layer {layer} folds differently from layer 0"
+        else:
+            for j, c in enumerate(consts):
+                if j not in self.stacks:
+                    if _same(self.first[j], c):
+                        continue
+                    first = np.asarray(self.first[j])
+                    self.stacks[j] = np.empty((self.length,) + first.shape, first.dtype)
+                    self.stacks[j][:layer] = first
+                self.stacks[j][layer] = np.asarray(c)
+        self.layers += 1
+        return None
+
+    def result(self) -> Stacked:
+        return Stacked([(j, c) for j, c in enumerate(self.first) if j not in self.stacks],
+                       sorted(self.stacks.items()))
+
+
 def restack(keys: Sequence[Any], consts: Sequence[Sequence[Any]]) -> "Stacked | str":
     """The stacked constants of ``L`` folded bodies (``keys[l]``: layer ``l``'s body up to
     its constants' values; ``consts[l]``: those values), or why the layers do not fold alike."""
-    first = keys[0]
-    for l, k in enumerate(keys[1:], 1):
-        if k != first:
-            return f"layer {l} folds differently from layer 0"
-    shared, stacked = [], []
-    for j in range(len(consts[0])):
-        col = [c[j] for c in consts]
-        if all(_same(col[0], c) for c in col[1:]):
-            shared.append((j, col[0]))
-        else:
-            stacked.append((j, np.stack([np.asarray(c) for c in col])))
-    return Stacked(shared, stacked)
+    r = Restack(len(keys))
+    for k, c in zip(keys, consts):
+        why = r.add(k, c)
+        if why is not None:
+            return why
+    return r.result()
 
 
 def mark_layers(records: Sequence, length: int) -> list:

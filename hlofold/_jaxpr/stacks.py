@@ -17,8 +17,9 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.reasons import Reason
+from .._core.rescale import aligned_empty
 from .._core.report import REFUSED
-from .._core.stacks import layer_records, layers_differ, mark_layers, restack
+from .._core.stacks import Restack, layer_records, layers_differ, mark_layers
 from .nested import NewValue, with_leading_consts
 
 
@@ -58,29 +59,33 @@ def stacked_scan(scope, eqn, label: str) -> tuple | None:
     if not known or length < 1:
         return None
     mask = [k < nc for k in range(n)]
-    keys, consts, records, body, scopes = [], [], [], None, []
+    records, body, scopes, kernels = [], None, [], {}
+    keep = scope.opts.keep_stacks          # fold_params: the layers' scopes, no new program
+    stack = Restack(length)
     for layer in range(length):
         values: list[Any] = [None] * n
         for k, v in known.items():
             values[k] = v[layer]
         recs: list = []
         new = scope.child(sub, eqn.invars, mask, label, values=values, sites=recs,
-                          scopes=scopes if scope.opts.keep_stacks else None)
+                          scopes=scopes if keep else None)
         if layer == 0:
             if new is sub:
                 return None          # nothing folds with the slices known
             body = new
-        keys.append(_key(new))
-        consts.append(list(new.consts))
         records.append(recs)
-        if keys[-1] != keys[0]:
-            return _left(scope, eqn, label, _differs(records[0], recs, layer), length)
-    plan = restack(keys, consts)
-    if isinstance(plan, str):
-        return _left(scope, eqn, label, plan, length)
+        if keep:
+            _into_stacks(scopes[-1], kernels, layer, length)
+        why = stack.add(_key(new), [] if keep else new.consts)
+        if why is not None:
+            return _left(scope, eqn, label, _differs(records[0], recs, layer) if layer
+                         else why, length)
+        del new, values
     scope.sites.extend(layer_records(records, length))
-    if scope.opts.keep_stacks:
+    if keep:
         scope.stacks.append((eqn, scopes))
+        return ()
+    plan = stack.result()
     shared = [v for _, v in plan.shared]
     tail = [v for _, v in plan.stacked]
     n_sh, n_in = len(shared), len(sub.jaxpr.invars)
@@ -108,6 +113,34 @@ def stacked_scan(scope, eqn, label: str) -> tuple | None:
     num_consts = sum(1 for k in keep if k < n_sh + nc)
     return (C.with_scan_operands(eqn.params, body, num_consts, [linear[k] for k in keep]),
             [ops[k] for k in keep])
+
+
+def _into_stacks(layer_scope, kernels: dict, layer: int, length: int) -> None:
+    """Each folded kernel of one layer's scope moved into a stack of its own (made at
+    layer 0), the site keeping a view: fold_params then writes the stack as it is, and
+    no layer's kernel is held twice."""
+    for idx, site in enumerate(layer_scope.site_at_end[i]
+                               for i in sorted(layer_scope.site_at_end)):
+        kc = site.kernel_const
+        if not isinstance(kc, np.ndarray):
+            continue
+        buf = kernels.get(idx)
+        if buf is None and layer == 0:
+            buf = kernels[idx] = aligned_empty((length,) + kc.shape, kc.dtype)
+        if buf is not None and buf.shape[1:] == kc.shape and buf.dtype == kc.dtype:
+            buf[layer] = kc
+            site.kernel_const = buf[layer]
+
+
+def stacked_view(values: list) -> np.ndarray | None:
+    """The stack ``values`` (one per layer) are consecutive views of, if they are."""
+    base = getattr(values[0], "base", None)
+    if not isinstance(base, np.ndarray) or base.shape != (len(values),) + values[0].shape:
+        return None
+    ok = all(isinstance(v, np.ndarray) and v.base is base and
+             v.__array_interface__["data"][0] == base[k].__array_interface__["data"][0]
+             and v.strides == base[k].strides for k, v in enumerate(values))
+    return base if ok else None
 
 
 def _left(scope, eqn, label, why: str, length: int):
