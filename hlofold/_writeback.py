@@ -28,7 +28,7 @@ from . import _compat as C
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
-from ._jaxpr.stacks import stacked_view
+from ._core.stacks import stacked_view
 from ._core.rescale import aligned_empty
 from ._core.reasons import Reason
 from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite

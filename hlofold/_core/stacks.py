@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .reasons import Reason
+from .rescale import aligned_empty
 
 def layers_differ(why: str) -> Reason:
     """Why a scanned stack's sites are left: its layers do not fold alike."""
@@ -75,7 +76,7 @@ class Restack:
                     if _same(self.first[j], c):
                         continue
                     first = np.asarray(self.first[j])
-                    self.stacks[j] = np.empty((self.length,) + first.shape, first.dtype)
+                    self.stacks[j] = aligned_empty((self.length,) + first.shape, first.dtype)
                     self.stacks[j][:layer] = first
                 self.stacks[j][layer] = np.asarray(c)
         self.layers += 1
@@ -86,15 +87,22 @@ class Restack:
                        sorted(self.stacks.items()))
 
 
-def restack(keys: Sequence[Any], consts: Sequence[Sequence[Any]]) -> "Stacked | str":
-    """The stacked constants of ``L`` folded bodies (``keys[l]``: layer ``l``'s body up to
-    its constants' values; ``consts[l]``: those values), or why the layers do not fold alike."""
-    r = Restack(len(keys))
-    for k, c in zip(keys, consts):
-        why = r.add(k, c)
-        if why is not None:
-            return why
-    return r.result()
+def stacked_view(values: Sequence[Any]) -> np.ndarray | None:
+    """One array holding ``values`` (one per layer) as its rows, where they already are
+    consecutive rows of one buffer (views of one allocation, same shape, dtype and strides,
+    each starting where the previous ends): the stack without a copy. None otherwise."""
+    first = values[0]
+    if not isinstance(first, np.ndarray) or first.base is None or \
+            not first.flags.c_contiguous:
+        return None
+    start, size = first.__array_interface__["data"][0], first.nbytes
+    for k, v in enumerate(values):
+        if not (isinstance(v, np.ndarray) and v.base is first.base and v.shape == first.shape
+                and v.dtype == first.dtype and v.flags.c_contiguous and
+                v.__array_interface__["data"][0] == start + k * size):
+            return None
+    return np.lib.stride_tricks.as_strided(first, (len(values),) + first.shape,
+                                           (size,) + first.strides, writeable=False)
 
 
 def mark_layers(records: Sequence, length: int) -> list:

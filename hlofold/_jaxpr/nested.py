@@ -4,7 +4,8 @@
 how to rebuild it: ``None`` when nothing changed, else ``(params, at, consts)`` — the new
 parameters, and constants (hoisted out of the folded bodies) to insert as new inputs at
 position ``at`` — or ``(params, operands)``, every operand given: an outer atom, or a
-:class:`NewValue` (a scanned stack's folded kernels, its unused operands dropped). ``scope.child(closed, outer, known_mask, label)`` folds
+:class:`~hlofold._jaxpr.stacks.NewValue` (a scanned stack's folded kernels, its unused
+operands dropped). ``scope.child(closed, outer, known_mask, label)`` folds
 one nested jaxpr whose inputs are the ``outer`` atoms (``known_mask``: which are followed in
 as known values; ``values=``: values given instead, ``sites=``: where its records go);
 ``scope.value(atom)`` is an outer atom's value when known. A primitive without an entry gets
@@ -13,21 +14,19 @@ read of an equation's parameters goes through ``_compat``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from .. import _compat as C
 from .patterns import PATTERNS
-from .._core.stacks import mark_layers
+from .._core.reasons import reason_kind
+from .._core.report import REFUSED
+from .._core.stacks import layers_differ, mark_layers
+from .stacks import NewValue, stacked_scan
 
 Rule = Callable[[Any, Any, str], "tuple | None"]
-
-
-class NewValue(NamedTuple):
-    """An operand of a rebuilt equation that is a new constant of the outer scope."""
-    value: Any
 
 
 def call_rule(scope, eqn, label):
@@ -38,10 +37,8 @@ def call_rule(scope, eqn, label):
     new = scope.child(sub, eqn.invars, [True] * len(eqn.invars), label)
     if new is sub:
         return None
-    consts = list(new.consts)
+    body, consts = leading_consts(new)
     if consts:       # hoisted, as the other rules do: new parameter values, same program
-        body = with_leading_consts(new, 0, len(consts), [_struct(c) for c in consts],
-                                   [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
         params = C.with_call_consts(eqn, body, len(consts))
         if params is not None:
             return params, 0, consts
@@ -76,22 +73,24 @@ def cond_rule(scope, eqn, label):
 def scan_rule(scope, eqn, label):
     """The body, with the scan's constants followed in as known (the carry is not); where
     scanned operands (stacked parameters) are known too, one fold per layer, restacked
-    (:func:`stacked_scan`)."""
+    (:func:`~hlofold._jaxpr.stacks.stacked_scan`)."""
     sub, nc = C.scan_body(eqn)
-    mask = [k < nc for k in range(len(eqn.invars))]
-    from .stacks import stacked_scan         # (it builds NewValues)
     stacked = stacked_scan(scope, eqn, label)
-    if stacked is not None:      # () : handled, the scan stays as it is
+    if isinstance(stacked, tuple):   # rebuilt, or () : planned for fold_params, unchanged
         return stacked or None
     recs: list = []
-    new = scope.child(sub, eqn.invars, mask, label, sites=recs)
-    # one record per site of the body, for every layer
-    scope.sites.extend(mark_layers(recs, C.scan_layout(eqn)[2]))
+    new = scope.child(sub, eqn.invars, [k < nc for k in range(len(eqn.invars))], label,
+                      sites=recs)
+    # one record per site of the body, for every layer; where the layers did not fold
+    # alike (``stacked``: why), a site left for its unknown weights says that instead
+    for rec in mark_layers(recs, C.scan_layout(eqn)[2]):
+        if stacked is not None and rec.status == REFUSED and \
+                reason_kind(rec.reason) == "weights-not-known":
+            rec.reason = layers_differ(stacked)
+    scope.sites.extend(recs)
     if new is sub:
         return None
-    consts = list(new.consts)
-    body = with_leading_consts(new, 0, len(consts), [_struct(c) for c in consts],
-                               [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+    body, consts = leading_consts(new)
     return C.with_scan_body(eqn.params, body, len(consts)), 0, consts
 
 
@@ -102,9 +101,7 @@ def while_rule(scope, eqn, label):
     new = scope.child(sub, body_outer, [k < bn for k in range(len(body_outer))], label)
     if new is sub:
         return None
-    consts = list(new.consts)
-    body = with_leading_consts(new, 0, len(consts), [_struct(c) for c in consts],
-                               [C.shape_struct(v.aval) for v in sub.jaxpr.invars])
+    body, consts = leading_consts(new)
     return C.with_while_body(eqn.params, body, len(consts)), cn, consts
 
 
@@ -167,6 +164,13 @@ def contains_root(eqn) -> bool:
 
 
 _ROOT_CACHE: dict[int, tuple[Any, bool]] = {}
+
+
+def leading_consts(closed: C.ClosedJaxpr) -> tuple[C.ClosedJaxpr, list]:
+    """``closed`` as a constant-free jaxpr taking its constants as leading inputs, and
+    their values (no retrace)."""
+    jaxpr, consts = C.hoist_consts(closed)
+    return C.ClosedJaxpr(jaxpr, ()), consts
 
 
 def with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in_avals):
