@@ -255,3 +255,35 @@ def test_the_stablehlo_path_says_what_is_true_of_a_stack():
     assert "hlofold.fold" in site.reason
     _, rep = hlofold.fold_stablehlo(text, in_graph=True)
     assert rep.num_folded == 1 and rep.folded[0].guarded
+
+
+def test_one_folded_stack_called_from_many_threads():
+    """Threads calling one folded function with two parameter sets (each prepares its own
+    stack, the apply program is shared) get their own set's outputs."""
+    from concurrent.futures import ThreadPoolExecutor
+    f = jax.jit(CNN.apply)
+    ff = hlofold.fold(f)
+    sets = [CNN_VARS, _perturbed(CNN_VARS, seed=11)]
+    refs = [np.asarray(f(p, X)) for p in sets]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: (i % 2, np.asarray(ff(sets[i % 2], X))), range(32)))
+    for k, out in outs:
+        assert_close(refs[k], out)
+    assert ff.report(sets[1], X).folded[0].layers == 4
+
+
+def test_a_bfloat16_stack_folds_within_the_originals_error():
+    """bf16 kernels and statistics: each layer's K ⊙ s is computed on the host and rounded
+    once to bf16, as for an unrolled layer; against a float32 reference the folded stack
+    errs no more than the bf16 original (here 0.10 vs 0.16 of an output scale of 18)."""
+    f, params32, x32 = _hand_stack()
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params32)
+    x = x32.astype(jnp.bfloat16)
+    ff = hlofold.fold(jax.jit(f))
+    (site,) = ff.report(params, x).folded
+    assert site.layers == 3 and site.dtype == "bfloat16"
+    ref = np.asarray(jax.jit(f)(jax.tree.map(lambda a: a.astype(jnp.float32), params),
+                                x.astype(jnp.float32)))
+    err_orig = np.max(np.abs(np.asarray(jax.jit(f)(params, x), np.float32) - ref))
+    err_fold = np.max(np.abs(np.asarray(ff(params, x), np.float32) - ref))
+    assert err_fold <= 1.5 * err_orig, (err_fold, err_orig)
