@@ -244,7 +244,8 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                       [self.name_thunks.get(v, _const(frozenset())) for v in ins],
                       [named.get(v) for v in closed.jaxpr.constvars], self.path, self.sites,
                       self.opts, [self.source_thunks.get(v, _const(0)) for v in ins])
-        new = merge_scope(view, self.opts.in_graph, self.path, self.sites)
+        new = merge_scope(view, self.opts.in_graph, self.path, self.sites,  # fold_params:
+                          write=not self.opts.keep_stacks)                   # not written
         return closed if new is None else _dce(new)
 
     def plan(self) -> bool:
@@ -347,9 +348,8 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
               sites: list | None = None, scopes: list | None = None) -> C.ClosedJaxpr:
         """``sub`` (a nested jaxpr whose inputs are the ``outer`` atoms of this scope)
         folded: the inputs ``known_mask`` says are followed in with their values here, and
-        ``values[k]`` (where given, not None) is input ``k``'s value instead (a scanned
-        stack's slice for one layer). Records go to ``sites`` (default: this scope's); the
-        nested scope is appended to ``scopes`` where given."""
+        ``values[k]`` (given, not None) is input ``k``'s value instead (a stack's slice for
+        one layer). Records go to ``sites`` (default: this scope's), the scope to ``scopes``."""
         known_in, names_in, sources_in = [], [], []
         for k, (atom, kn) in enumerate(zip(outer, known_mask)):
             if values is not None and values[k] is not None:

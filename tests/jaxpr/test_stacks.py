@@ -287,3 +287,43 @@ def test_a_bfloat16_stack_folds_within_the_originals_error():
     err_orig = np.max(np.abs(np.asarray(jax.jit(f)(params, x), np.float32) - ref))
     err_fold = np.max(np.abs(np.asarray(ff(params, x), np.float32) - ref))
     assert err_fold <= 1.5 * err_orig, (err_fold, err_orig)
+
+
+def test_summed_branches_in_a_stack_merge_per_layer():
+    """A RepVGG block (3×3 conv+BN, 1×1 conv+BN, identity) as the body of a scanned stack:
+    each layer's branches merge into one 3×3 conv, restacked; fold_params writes each
+    branch's BN and says the merge is not written."""
+    rng = np.random.default_rng(0)
+    L, C = 3, 8
+
+    def bn():
+        return {"m": jnp.asarray(rng.standard_normal((L, C)), jnp.float32),
+                "v": jnp.asarray(rng.uniform(.5, 2, (L, C)), jnp.float32),
+                "g": jnp.asarray(rng.uniform(.5, 2, (L, C)), jnp.float32),
+                "b": jnp.asarray(rng.standard_normal((L, C)), jnp.float32)}
+    p = {"k3": jnp.asarray(rng.standard_normal((L, 3, 3, C, C)) * .2, jnp.float32),
+         "k1": jnp.asarray(rng.standard_normal((L, 1, 1, C, C)) * .2, jnp.float32),
+         "bn3": bn(), "bn1": bn()}
+
+    def norm(y, s):
+        return (y - s["m"]) * lax.rsqrt(s["v"] + 1e-5) * s["g"] + s["b"]
+
+    def f(p, x):
+        def body(h, q):
+            def conv(k, pad):
+                return lax.conv_general_dilated(h, k, (1, 1), pad,
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jax.nn.relu(norm(conv(q["k3"], "SAME"), q["bn3"]) +
+                               norm(conv(q["k1"], "VALID"), q["bn1"]) + h), None
+        return lax.scan(body, x, p)[0]
+    x = jnp.asarray(rng.standard_normal((2, 6, 6, C)), jnp.float32)
+    ff, rep, _, _ = fold_checked(jax.jit(f), p, x, folds=2)
+    (merge,) = rep.merged
+    assert merge.layers == 3 and "3 branches" in merge.note, str(rep)
+    body = primitives(scans(ff.jaxpr(p, x))[0].params["jaxpr"])
+    assert body.count("conv_general_dilated") == 1 and "mul" not in body, body
+    wb = hlofold.fold_params(f, p, x)
+    assert len(wb.changes) == 2
+    (kept,) = wb.report.refused
+    assert reason_kind(kept.reason) == "not-written" and "merge" in kept.reason
+    assert_close(f(p, x), f(wb.params, x))
