@@ -34,8 +34,7 @@ from ._dispatch import (CHURN_LIMIT, MISS, Fast, Program, as_tuple, check_not_de
                         trace_struct, verify_outputs)
 from ._jaxpr.fold import fold_jaxpr
 from ._core.reasons import reason_kind
-from ._prepare import (Executables, device_entry, fold_with_values, folding_of, on_device,
-                       place)
+from ._prepare import Executables, device_entry, fold_with_values, folding_of, on_device, place
 from ._core.report import FoldReport
 from ._signature import Signature
 from ._views import FoldedViews
@@ -250,9 +249,8 @@ class Folded(FoldedViews):
                         Executables([j for j, i in enumerate(unknown_idx) if i in donated],
                                     self._options),
                         frozen_refs=tuple(frz_leaves),
-                        frozen_copies=tuple((i, np.array(x, copy=True))
-                                            for i, x in enumerate(frz_leaves)
-                                            if isinstance(x, np.ndarray)),
+                        frozen_copies=tuple((i, np.array(x, copy=True)) for i, x in
+                                            enumerate(frz_leaves) if isinstance(x, np.ndarray)),
                         donated=donated, options=self._options)
         prog.variants["never"] = (folded, found)    # what traced calls run by default
         if not known_idx and not C.in_manual_context():
@@ -328,13 +326,13 @@ class Folded(FoldedViews):
         """The steady-state checks of this signature for the prepared values ``entry`` this
         call ran with, or None where a call needs more than identity and type checks
         (static or changed-in-place arguments, pending verification, traced inputs)."""
-        if (self._static or prog.frozen_copies or prog.churned
-                or (self._verify and prog.verified is not True)
-                or any(C.is_tracer(x) for x in leaves)):
+        if (self._static or prog.frozen_copies or prog.churned or (self._verify and
+                prog.verified is not True) or any(C.is_tracer(x) for x in leaves)):
             return None
-        _, fn, prepared = entry
+        folding, fn, prepared = entry
         return make_fast(args, [leaves[i] for i in prog.known_idx], prog.frozen_refs,
-                         [leaves[i] for i in prog.unknown_idx], fn, prepared, prog.out_tree)
+                         [leaves[i] for i in prog.unknown_idx], fn, prepared, prog.out_tree,
+                         bool(prog.options or folding.report.compile_options))
 
     def _shape_sig(self, args, kwargs):
         return self.signature.shape_key(self.signature.bind(args, kwargs), self._static,
@@ -395,5 +393,7 @@ class Folded(FoldedViews):
                 raise
             prog.compat = f"the original program ({err})"
             return list(prog.original_fn()(*leaves)), None
-        _, fn, prepared = entry
+        folding, fn, prepared = entry
+        if tracing and (prog.options or folding.report.compile_options):
+            fn = fn.__wrapped__     # inlined: a nested jit cannot take compile options
         return list(fn(*prepared, *[leaves[i] for i in prog.unknown_idx])), entry

@@ -124,10 +124,12 @@ class Fast:
     prepared: tuple
     out_tree: Any
     single: bool                   # one output leaf, no container
+    types: tuple | None = None     # fn has compile options: per-call inputs of these types
+    # only (a traced input goes the full path, which inlines fn: a nested jit takes none)
 
 
 def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Callable,
-              prepared: Sequence, out_tree) -> Fast | None:
+              prepared: Sequence, out_tree, options: bool = False) -> Fast | None:
     """The checks a steady-state call with these arguments needs: ``known`` (parameters the
     prepared values come from) and ``frozen`` by identity, ``per_call`` inputs by type.
     None where that cannot be decided from the positional leaves (one object in two places,
@@ -152,7 +154,8 @@ def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Ca
                 tuple(x for x in fixed if isinstance(x, jax.Array)),
                 _getter([pos[id(x)] for x in per_call]), avals,
                 [leaf_key(x) for x in per_call], fn, tuple(prepared), out_tree,
-                out_tree == jax.tree_util.tree_structure(0))
+                out_tree == jax.tree_util.tree_structure(0),
+                tuple(map(type, per_call)) if options else None)
 
 
 MISS = object()
@@ -172,7 +175,8 @@ def fast_call(fast: Fast, args: tuple):
             ok = all(map(eq, map(_aval, per_call), fast.avals))
         except AttributeError:       # not a jax.Array this time
             ok = False
-    if not ok or any(map(_is_deleted, fast.arrays)):
+    if not ok or any(map(_is_deleted, fast.arrays)) or (
+            fast.types is not None and not all(map(is_, map(type, per_call), fast.types))):
         return MISS
     outs = fast.fn(*fast.prepared, *per_call)
     return outs[0] if fast.single else _unflatten(fast.out_tree, outs)

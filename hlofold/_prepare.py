@@ -112,6 +112,21 @@ def hoist(closed: C.ClosedJaxpr) -> tuple[C.ClosedJaxpr, list]:
             [c for c, m in zip(closed.consts, lift) if m])
 
 
+def compile_options(report: FoldReport, options: dict | None) -> dict | None:
+    """The compile options of a folded program: the user's jit's, and where branches were
+    merged and XLA:CPU compiles it, its YNNPACK fusion limited to single convolutions and
+    dots (``_compat.ynn_single_ops``): the merged blocks are one chain of convolutions,
+    which XLA:CPU would otherwise take as one library fusion that runs slower than doing
+    nothing (RepVGG-A0 at batch 8: 1.6x; limited: 0.85x). The report records the choice."""
+    if not report.merged or jax.default_backend() != "cpu":
+        return options
+    chosen = C.ynn_single_ops(options)
+    if chosen is None:
+        return options
+    report.compile_options = {C.YNN_FUSION: chosen[C.YNN_FUSION]}
+    return chosen
+
+
 class Executables:
     """Compiled apply programs of one input signature, one per fold structure."""
 
@@ -121,13 +136,14 @@ class Executables:
         self._entries: list[tuple[Folding, Callable]] = []
 
     def get(self, folding: Folding) -> Callable:
+        options = compile_options(folding.report, self._options)
         for f, fn in self._entries:
             if f is folding or f.structure == folding.structure:
                 return fn
         n = len(folding.hoisted)
         fn = jax.jit(C.jaxpr_as_fun(folding.apply),
                      donate_argnums=tuple(n + k for k in self._donated),
-                     compiler_options=self._options)
+                     compiler_options=options)
         if len(self._entries) >= 8:
             self._entries.pop(0)
         self._entries.append((folding, fn))
@@ -242,7 +258,8 @@ def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Seq
                 ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(r)))
         return list(res), ok
     return DevicePrepare(Folding(report, folded, unknown_j, []), jax.jit(prepare),
-                         jax.jit(C.jaxpr_as_fun(unknown_j), compiler_options=options))
+                         jax.jit(C.jaxpr_as_fun(unknown_j),
+                                 compiler_options=compile_options(report, options)))
 
 
 def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,

@@ -13,6 +13,7 @@ import jax
 
 from . import _compat as C
 from ._core.report import FoldReport
+from ._prepare import compile_options
 
 
 @dataclasses.dataclass
@@ -138,7 +139,8 @@ class FoldedViews:
         closed = self.jaxpr(*args, **kwargs)
         ins = leaves if len(closed.jaxpr.invars) == len(leaves) else \
             [leaves[i] for i in prog.unknown_idx]
-        return jax.jit(C.jaxpr_as_fun(closed)).lower(*ins)
+        options = compile_options(self._report_of(args, kwargs)[1], prog.options)
+        return jax.jit(C.jaxpr_as_fun(closed), compiler_options=options).lower(*ins)
 
     def lower_with_arguments(self, *args, **kwargs) -> jax.stages.Lowered:
         """The folded program lowered with every non-static, non-frozen leaf an argument (an

@@ -10,7 +10,8 @@ hlofold *fail closed* on a JAX it has not seen:
   switched off (:func:`disabled`), and :class:`CompatError`;
 * :mod:`.jaxpr`: jaxpr classes, evaluation, tracing, source locations;
 * :mod:`.params`: the parameters of jit, cond, scan, while and remat;
-* :mod:`.mlir`: the MLIR bindings and ``jax.export`` internals.
+* :mod:`.mlir`: the MLIR bindings and ``jax.export`` internals;
+* :mod:`.xla`: XLA compile options hlofold sets, probed on this jaxlib.
 
 Importing hlofold never fails because an internal moved: a missing one becomes a stand-in
 that raises :class:`CompatError` when used, and the front ends run the original program.
@@ -28,6 +29,7 @@ from .params import (JIT_NAMES, call_body, with_call_consts, cond_branches, inli
                      with_scan_body, with_scan_operands, scan_linear, with_while_body)
 from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, location_view, mlir, mlir_context,
                    module_to_portable_artifact)
+from .xla import YNN_FUSION, option_supported, ynn_single_ops
 
 __all__ = [
     "CHANGED", "LOOKUPS", "JAX_VERSION", "TESTED", "WINDOW", "CompatError", "as_compat",
@@ -43,4 +45,5 @@ __all__ = [
     "with_while_body",
     "bfloat16", "exported_input_shardings", "exported_with_inputs", "location_view", "mlir", "mlir_context",
     "module_to_portable_artifact",
+    "YNN_FUSION", "option_supported", "ynn_single_ops",
 ]

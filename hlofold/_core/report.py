@@ -70,6 +70,9 @@ class FoldReport:
     # what this JAX changed that kept hlofold from folding part of the program (a body it
     # could not enter, a feature switched off): hlofold._compat says which internal and how
     compat: list[str] = dataclasses.field(default_factory=list)
+    # compile options hlofold added to the user's for the program this report describes
+    # (merged branches on XLA:CPU: _prepare.compile_options)
+    compile_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -101,6 +104,7 @@ class FoldReport:
         return {"num_folded": self.num_folded, "num_refused": self.num_refused,
                 "counts": self.counts(), "precision": self.precision,
                 "running": self.running, "compat": list(self.compat),
+                "compile_options": dict(self.compile_options),
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
@@ -120,6 +124,9 @@ class FoldReport:
         for why in self.compat:
             if not (self.running and why in self.running):
                 head += f"\nNOTE: {why}"
+        for k, v in self.compile_options.items():
+            head += (f"\nNOTE: compiled with {k}={v} (merged branches make one chain of "
+                     "convolutions, which XLA:CPU would fuse whole and run slower)")
         p = self.precision
         if p and p.get("reference"):
             head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "

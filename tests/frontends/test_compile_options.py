@@ -1,0 +1,117 @@
+"""Compile options hlofold adds to the user's (issue 38 item 4).
+
+Merging a block's parallel branches leaves a chain of single-use convolutions (the deploy
+form). XLA:CPU (jaxlib 0.10) grows one YNNPACK library fusion from the final reduction up
+through such a chain, which runs slower than the train-time program (RepVGG-A0, 64 px,
+batch 8: 1.6x of ``jax.jit``). Where a fold merged branches, the program is compiled with
+the YNNPACK fusion limited to single convolutions and dots: each convolution still runs in
+YNNPACK, none is fused with another. The report says so; the user's own choice of the
+option wins; a jaxlib that does not take the option (or a JAX outside the tested window)
+compiles without it."""
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+
+import hlofold
+from hlofold import _compat as C
+from hlofold._compat import xla as X
+from tests.helpers import assert_close
+from tests.helpers.conv_bn import conv_bn, conv_bn_params
+
+repmodels = pytest.importorskip("benchmarks.repmodels")
+
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
+
+
+def convs_per_library_fusion(hlo: str) -> list[int]:
+    """Convolutions inside each YNNPACK fusion of a compiled module's text."""
+    per_comp, cur = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            cur = line.split()[0].lstrip("%")
+            per_comp[cur] = 0
+        elif cur is not None and " convolution(" in line:
+            per_comp[cur] += 1
+    return [per_comp.get(c, 0)
+            for c in re.findall(r"calls=%([\w.\-]+),[^\n]*__ynn_fusion", hlo)]
+
+
+@pytest.fixture(scope="module")
+def repvgg():
+    # large enough that XLA:CPU fuses several of the merged convolutions into one
+    apply, v, x = repmodels.make("repvgg", width=32, blocks=6, size=32, batch=8)
+    return apply, v, x, jax.jit(apply)(v, x)
+
+
+@cpu_only
+def test_merged_chain_is_not_fused_whole(repvgg):
+    apply, v, x, ref = repvgg
+    if not X.option_supported(X.YNN_FUSION, X.YNN_SINGLE_OPS):
+        pytest.skip("this jaxlib does not take the option")
+    f = hlofold.fold(apply)
+    assert_close(ref, f(v, x), depth=12)
+    rep = f.report(v, x)
+    assert len(rep.merged) == 6
+    assert rep.compile_options == {X.YNN_FUSION: X.YNN_SINGLE_OPS}
+    assert "NOTE: compiled with xla_cpu_experimental_ynn_fusion_type" in str(rep)
+    assert rep.to_dict()["compile_options"] == rep.compile_options
+    # the same program compiled with XLA's defaults fuses several convolutions into one
+    # library call (what the option avoids); with it, each convolution is its own
+    plain = jax.jit(C.jaxpr_as_fun(f.jaxpr(v, x))).lower(x).compile().as_text()
+    assert max(convs_per_library_fusion(plain)) > 1
+    ours = convs_per_library_fusion(f.lower(v, x).compile().as_text())
+    assert ours.count(1) == 6 and max(ours) == 1
+    # under an enclosing jit with the parameters closed over, the prepared program is
+    # inlined (a nested jit cannot take compile options: it raised before)
+    assert_close(ref, jax.jit(lambda x: f(v, x))(x), depth=12)
+    mine = hlofold.fold(jax.jit(apply, compiler_options={"xla_embed_ir_in_executable": True}))
+    assert_close(ref, jax.jit(lambda x: mine(v, x))(x), depth=12)
+    # the device-prepared apply and split() take it too
+    d = hlofold.fold(apply, prepare="device")
+    assert_close(ref, d(v, x), depth=12)
+    assert d.report(v, x).compile_options == rep.compile_options
+    s = f.split(v, x)
+    assert_close(ref, s.apply(s.prepare(v, x), v, x), depth=12)
+
+
+@cpu_only
+def test_no_merge_no_option():
+    p = conv_bn_params(__import__("numpy").random.default_rng(0), c=4)
+    x = jax.numpy.ones((2, 6, 6, 4))
+    f = hlofold.fold(conv_bn)
+    f(p, x)
+    rep = f.report(p, x)
+    assert rep.num_folded == 1 and not rep.merged
+    assert rep.compile_options == {} and "compiled with" not in str(rep)
+
+
+@cpu_only
+def test_the_users_choice_wins(repvgg):
+    apply, v, x, ref = repvgg
+    mine = {X.YNN_FUSION: ""}
+    f = hlofold.fold(jax.jit(apply, compiler_options=mine))
+    assert_close(ref, f(v, x), depth=12)
+    rep = f.report(v, x)
+    assert len(rep.merged) == 6 and rep.compile_options == {}
+    assert convs_per_library_fusion(f.lower(v, x).compile().as_text()) == []   # YNN off
+
+
+def test_a_jaxlib_without_the_option_compiles_without_it(repvgg, monkeypatch):
+    apply, v, x, ref = repvgg
+    assert not X.option_supported("xla_cpu_no_such_option_hlofold_probe", "1")
+    monkeypatch.setattr(X, "YNN_SINGLE_OPS", "LIBRARY_FUSION_TYPE_NO_SUCH_TYPE")
+    f = hlofold.fold(apply)
+    assert_close(ref, f(v, x), depth=12)
+    rep = f.report(v, x)
+    assert len(rep.merged) == 6 and rep.compile_options == {}
+
+
+def test_an_untested_jax_compiles_without_it(repvgg, monkeypatch):
+    apply, v, x, ref = repvgg
+    monkeypatch.setattr(X, "untested", lambda: True)
+    f = hlofold.fold(apply)
+    assert_close(ref, f(v, x), depth=12)
+    assert f.report(v, x).compile_options == {}
