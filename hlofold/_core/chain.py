@@ -8,7 +8,8 @@ a value and what one op does to the chain, through its per-op rule table; the ru
 decide are here, once:
 
 * a chain value has exactly one reader (else the site is refused: folding would change the
-  other readers); a program output ends the chain;
+  other readers — where one of them could take the chain on; readers none of which is a
+  per-channel affine op only end it); a program output ends the chain;
 * an absorbed operand is not computed from an activation (a residual, a gate); an op
   whose other operand is an activation and that cannot be absorbed ends the chain without
   refusing it (nothing per-channel was there to fold);
@@ -90,6 +91,10 @@ class ChainIR(Protocol):
         """What ``op`` (reading ``value`` at operand ``pos``) does to the chain: absorbed,
         passed, refused (a Refusal), the chain's end (a str: why), or :data:`AGAIN`."""
 
+    def peek(self, op, pos: int, value, axis: int) -> "Absorb | Pass | Refusal | str | None":
+        """What :meth:`step` would say, changing nothing (None: it would have to change the
+        program to tell, e.g. inline a call)."""
+
     def from_root(self, value) -> bool:
         """Whether ``value`` is computed from a root's output (an activation)."""
 
@@ -129,9 +134,12 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
             who = [ir.name(op) for op, _ in users] + ["output"] * n_out
             what = "the conv output" if v == root_value else \
                 f"value {ir.describe(v)} in the chain"
+            refusal = bool(steps) or any(_may_absorb(ir, op, pos, v, axis)
+                                         for op, pos in users)
             stop = Reason("consumers", f"{what} has {n} consumers ({', '.join(who)}); "
-                          "folding would change them")
-            refusal = True
+                          "folding would change them") if refusal else \
+                Reason("chain-end", f"{what} has {n} consumers ({', '.join(who)}), none of "
+                       "them a per-channel affine op: nothing to fold")
             break
         if n_out:
             stop = Reason("chain-end", f"value is an output of the {ir.program}")
@@ -171,6 +179,31 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
             axis = got.axis
         v = ir.result(op)
     return Walked(steps[:committed], committed_axis, stop, refusal)
+
+
+def _may_absorb(ir: ChainIR, op, pos: int, v, axis: int) -> bool:
+    """Whether ``op`` could take the chain on (an affine op with a per-channel operand from
+    the parameters, or one the chain passes, which an affine op may follow): then a value
+    read by several ops is a site refused, else only the chain's end."""
+    got = ir.peek(op, pos, v, axis)
+    if got is None or isinstance(got, Pass):
+        return True
+    if isinstance(got, Absorb):
+        return got.source is None or not ir.from_root(got.source)
+    if isinstance(got, Refusal):
+        return got.kind != "feature-axis"
+    return False
+
+
+def affine_after(ir: ChainIR, root_value, ndim: int) -> bool:
+    """Whether a root that cannot be read (a dot with several output dimensions, an integer
+    kernel) has an affine op after it along any of its ``ndim`` axes: then its site is
+    refused, else there was nothing to fold (``no-pattern``), the same on both paths."""
+    for axis in range(ndim):
+        w = walk(ir, root_value, axis)
+        if w.steps or (w.refusal and getattr(w.stop, "kind", None) == "consumers"):
+            return True
+    return False
 
 
 def chain_kind(affine_kinds: Iterable[str]) -> str:

@@ -19,14 +19,14 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import along, collapse, forward_kernel, has_shift, kinds
-from .._core.chain import UNUSED, Absorb, Pass, chain_kind, walk
+from .._core.chain import UNUSED, Absorb, Pass, affine_after, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .._core.chain_rules import ChannelOperand, Refusal
 from .steps import AFFINE_STEPS, PASS_STEPS, AffineStep, PassStep, affine_step, pass_step
 from .forward import Forward, ForwardPlanner, elems
 from .._core.patterns import RootInfo
 from .._core.cost import SiteCost, cost_refusal
-from .._core.report import CANONICAL, FOLDED, LEFT, REFUSED, FoldSite
+from .._core.report import CANONICAL, FOLDED, LEFT, NO_PATTERN, REFUSED, FoldSite
 from .._core.reasons import Reason
 from .._core.rules import WEIGHT_CONE, weight_like
 
@@ -96,7 +96,9 @@ class SitePlanner(ForwardPlanner):
             if folds:
                 break
         if chosen is None:
-            self._record(eqn, pattern, None, REFUSED, reason=first.reason)
+            self._record(eqn, pattern, None, REFUSED if affine_after(
+                JaxprChain(self, eqn, pattern), eqn.outvars[0], eqn.outvars[0].aval.ndim)
+                else NO_PATTERN, reason=first.reason)
             return False
         info, w = chosen
         steps, end_axis, stop, stop_is_refusal = w.steps, w.axis, w.stop, w.refusal
@@ -323,6 +325,10 @@ class JaxprChain:
     def step(self, eqn, pos, v, axis):
         rule = JAXPR_STEPS.get(eqn.primitive.name)
         return rule(self, eqn, pos, axis) if rule else f"chain ends at {eqn.primitive.name}"
+
+    def peek(self, eqn, pos, v, axis):
+        rule = JAXPR_STEPS.get(eqn.primitive.name)
+        return None if rule is _call_rule else rule(self, eqn, pos, axis) if rule else "end"
 
     def from_root(self, v) -> bool:
         return self.scope.from_root(v)

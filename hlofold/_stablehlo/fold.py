@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import along, collapse, forward_kernel, per_channel
-from .._core.chain import UNUSED, chain_kind, walk
+from .._core.chain import UNUSED, affine_after, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .facts import op_facts
@@ -43,7 +43,7 @@ from .merge_write import merge_module
 from .platforms import inline_uniform_cases
 from .._core.patterns import bias_map
 from .._core.reasons import Reason
-from .._core.report import CANONICAL, FOLDED, REFUSED, FoldReport, FoldSite
+from .._core.report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -176,9 +176,11 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         first = root_info(root)
         cands = [c for c in (first, lhs_root_info(root)) if c is not None and
                  not isinstance(c, str)]
+        nothing = lambda: self._record(root, fname, REFUSED if affine_after(   # noqa: E731
+            HloChain(self, root, fname), root.results[0], len(root_shapes(root)[2]))
+            else NO_PATTERN, reason=first)
         if not cands:
-            self._record(root, fname, REFUSED, reason=first)
-            return
+            return nothing()
         if not is_float(root.results[0]):
             self._record(root, fname, REFUSED, reason=Reason("not-float", "not a float root"))
             return
@@ -197,8 +199,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             if folds:
                 break
         if chosen is None:
-            self._record(root, fname, REFUSED, reason=first)
-            return
+            return nothing()
         info, w = chosen
         steps, stop, refusal = w.steps, w.stop, w.refusal
         out_axis, kidx, kaxis = info[:3]

@@ -288,6 +288,11 @@ class HloChain:
         rule = HLO_STEPS.get(op_name(op))
         return rule(self, op, pos, v, axis) if rule else f"chain ends at {op_name(op)}"
 
+    def peek(self, op, pos, v, axis):
+        rule = HLO_STEPS.get(op_name(op))
+        return None if rule in (_call, _branch_return) else \
+            rule(self, op, pos, v, axis) if rule else "end"
+
     def from_root(self, v) -> bool:
         return owner_op(v) is not None and self.walker._from_root(v)
 

@@ -1,0 +1,98 @@
+"""Counts mean what they say, the same on both paths (issue 39 item 4).
+
+A site is ``refused`` only where an affine op was there to fold. Found running keras_hub's
+Llama, Mistral, Gemma and Qwen (``benchmarks/keras_hub_models.py``): a projection whose output
+feeds rotary embedding (``split`` and a product with the position's cos/sin) and the rotary
+frequencies' own ``einsum`` (read by two ``stack`` ops) were counted refused, "folding would
+change them", with nothing per-channel after them; the attention's ``scores · v``, whose rhs
+has two free dimensions, was refused with nothing after it at all. Now both paths say
+``no-pattern`` with the reason, and ``refused`` where a per-channel affine op does follow
+(one of several readers; along a second output axis)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+from hlofold._core.reasons import reason_kind
+
+H, K, D = 4, 8, 32
+rng = np.random.default_rng(0)
+W = jnp.asarray(rng.standard_normal((D, H, K)) * 0.2, jnp.float32)
+W2 = jnp.asarray(rng.standard_normal((D, 16)) * 0.2, jnp.float32)
+G = jnp.asarray(1 + 0.3 * rng.standard_normal(16), jnp.float32)
+GHK = jnp.asarray(1 + 0.3 * rng.standard_normal((H, K)), jnp.float32)
+X = jnp.asarray(rng.standard_normal((2, 6, D)), jnp.float32)
+
+
+def rotary(x):
+    """A projection read by rotary embedding: split in halves, a product with cos/sin."""
+    q = jnp.einsum("btd,dhk->bthk", x, W)
+    t = jnp.arange(x.shape[1], dtype=jnp.float32)[None, :, None, None]
+    cos, sin = jnp.cos(t * 0.1), jnp.sin(t * 0.1)
+    a, b = jnp.split(q, 2, axis=-1)
+    return q * cos + jnp.concatenate([-b, a], axis=-1) * sin
+
+
+def frequencies(x):
+    """The rotary frequencies' einsum, read twice (keras_hub's ``bi,j->bij`` then stack)."""
+    pos = jnp.arange(x.shape[1], dtype=jnp.float32)[None, :]
+    inv = 1.0 / (10000 ** (jnp.arange(0, 8, 2, dtype=jnp.float32) / 8))
+    f = jnp.einsum("bi,j->bij", pos, inv)
+    return x[..., :8] * jnp.stack([jnp.cos(f), jnp.sin(f)], -1).reshape(1, x.shape[1], 8)
+
+
+def attention_out(x):
+    """``scores · v``: the rhs (v, from the activations) has two free dimensions."""
+    v = jnp.einsum("btd,dhk->bthk", x, W)
+    s = jax.nn.softmax(jnp.einsum("btd,bsd->bts", x, x), -1)
+    return jnp.einsum("bts,bshk->bthk", s, v)
+
+
+def scaled_after_two_readers(x):
+    """A projection read by a per-channel scale and returned as well: a refusal."""
+    y = x @ W2
+    return y * G, y
+
+
+def multi_output_then_scale(x):
+    """``x (d) · W (d, h, k)`` scaled per (head, head_dim): an affine op is there, not per
+    one feature axis (a backward fold along two output axes is not done): a refusal."""
+    return jnp.einsum("d,dhk->hk", x[0, 0], W) * GHK
+
+
+def both(f):
+    closed = jax.make_jaxpr(f)(X)
+    _, rep = hlofold.fold_jaxpr(closed)
+    text = jax.jit(f).lower(X).as_text()
+    _, srep = hlofold.fold_stablehlo(text)
+    return rep, srep
+
+
+def statuses(report, prefix):
+    return sorted(s.status for s in report.sites if s.pattern.startswith(prefix))
+
+
+@pytest.mark.parametrize("f", [rotary, frequencies, attention_out], ids=lambda f: f.__name__)
+def test_nothing_per_channel_after_a_root_is_no_pattern(f):
+    rep, srep = both(f)
+    for r, prefix in ((rep, "dot_affine"), (srep, "stablehlo_dot")):
+        assert "refused" not in statuses(r, prefix), r
+        assert r.num_folded == 0
+    assert statuses(rep, "dot_affine") == statuses(srep, "stablehlo_dot")
+    if f is rotary:
+        (site,) = [s for s in rep.sites if s.pattern == "dot_affine"]
+        assert "none of them a per-channel affine op" in site.reason
+
+
+@pytest.mark.parametrize("f", [scaled_after_two_readers, multi_output_then_scale],
+                         ids=lambda f: f.__name__)
+def test_an_affine_op_there_is_a_refusal_on_both_paths(f):
+    rep, srep = both(f)
+    for r, prefix in ((rep, "dot_affine"), (srep, "stablehlo_dot")):
+        assert statuses(r, prefix) == ["refused"], r
+        assert r.num_folded == 0
+    why = {reason_kind(rep.refused[0].reason), reason_kind(srep.refused[0].reason)}
+    assert why == ({"consumers"} if f is scaled_after_two_readers else {"feature-axis"})
