@@ -118,7 +118,8 @@ def run(name: str) -> dict:
                           "rel_err": float(jnp.max(jnp.abs(after - ref))) / scale}
     # StableHLO: the weights as arguments, as an exporter leaves them
     flat, tree = jax.tree.flatten(params)
-    exp = jax.export.export(jax.jit(lambda ws, x: apply(tree.unflatten(ws), x)))(flat, x)
+    exp = jax.export.export(jax.jit(lambda ws, x: apply(tree.unflatten(ws), x),
+                                    keep_unused=True))(flat, x)
     text = exp.mlir_module()
     n_x = len(jax.tree.leaves(x))
     ws = {f"arg{i}": np.asarray(w) for i, w in enumerate(flat)}
@@ -156,7 +157,8 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    names = (argv if argv is not None else sys.argv[1:]) or list(DECODERS + VISION)
+    chosen = argv if argv is not None else sys.argv[1:]
+    names = chosen or list(DECODERS + VISION)
     try:
         import keras_hub
     except ImportError:
@@ -173,7 +175,7 @@ def main(argv=None) -> dict:
             r = {"model": n, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         res["models"].append(r)
         print(json.dumps(r), flush=True)
-    if argv is None or not argv:
+    if not chosen:                  # the full run is the record
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "keras_hub_cpu.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)

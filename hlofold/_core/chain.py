@@ -181,13 +181,16 @@ def walk(ir: ChainIR, root_value, axis: int) -> Walked:
     return Walked(steps[:committed], committed_axis, stop, refusal)
 
 
-def _may_absorb(ir: ChainIR, op, pos: int, v, axis: int) -> bool:
+def _may_absorb(ir: ChainIR, op, pos: int, v, axis: int, depth: int = 8) -> bool:
     """Whether ``op`` could take the chain on (an affine op with a per-channel operand from
-    the parameters, or one the chain passes, which an affine op may follow): then a value
-    read by several ops is a site refused, else only the chain's end."""
+    the parameters, or one the chain passes that such an op reads after): then a value read
+    by several ops is a site refused, else only the chain's end."""
     got = ir.peek(op, pos, v, axis)
-    if got is None or isinstance(got, Pass):
+    if got is None or (isinstance(got, Pass) and depth == 0):
         return True
+    if isinstance(got, Pass):
+        r = ir.result(op)
+        return any(_may_absorb(ir, o, p, r, got.axis, depth - 1) for o, p in ir.uses(r)[0])
     if isinstance(got, Absorb):
         return got.source is None or not ir.from_root(got.source)
     if isinstance(got, Refusal):

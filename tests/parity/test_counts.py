@@ -41,7 +41,8 @@ def frequencies(x):
     pos = jnp.arange(x.shape[1], dtype=jnp.float32)[None, :]
     inv = 1.0 / (10000 ** (jnp.arange(0, 8, 2, dtype=jnp.float32) / 8))
     f = jnp.einsum("bi,j->bij", pos, inv)
-    return x[..., :8] * jnp.stack([jnp.cos(f), jnp.sin(f)], -1).reshape(1, x.shape[1], 8)
+    e = jnp.stack((f, f), axis=-2).reshape(1, x.shape[1], 8)   # (keras_hub's RotaryEmbedding)
+    return x[..., :8] * jnp.cos(e) + x[..., 8:16] * jnp.sin(e)
 
 
 def attention_out(x):
