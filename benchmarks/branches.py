@@ -55,8 +55,13 @@ def flax_part(arch: str, batch: int, size: int, rounds: int, calls: int) -> dict
            "fold, no YNN": hlofold.fold(jax.jit(apply, compiler_options=NO_YNN)),
            "deploy, no YNN": jax.jit(dapply, compiler_options=NO_YNN),
            # the deploy form compiled as hlofold compiles the merged program
-           "deploy, single": jax.jit(dapply, compiler_options=SINGLE)}
+           "deploy, single": jax.jit(dapply, compiler_options=SINGLE),
+           # ... and called with the train-time tree too (jax.jit flattens it, in C++): the
+           # limit for a call that takes the trained model's parameters
+           "deploy, single, train tree": jax.jit(lambda v, w, x: dapply(w, x),
+                                                 compiler_options=SINGLE)}
     args = {k: (w, x) if k.startswith("deploy") else (v, x) for k in fns}
+    args["deploy, single, train tree"] = (v, w, x)
     res = steady(fns, args, rounds, calls)
     rep = folded.report(v, x)
     prog = folded.jaxpr(v, x)
@@ -132,10 +137,11 @@ def markdown(res: dict) -> str:
              "the hand-written deploy form (goal: ≤ 1.02) compiled with XLA's defaults, "
              "`/deploy same` to the deploy form compiled with the options hlofold compiles the "
              "merged program with (`report.compile_options`: XLA:CPU's YNNPACK fusion limited to "
-             "single convolutions and dots).", "",
+             "single convolutions and dots), `/train tree` to that deploy form called with the "
+             "train-time parameter tree as well (flattened by `jax.jit`, unused).", "",
              "| net | batch | convs train → fold (deploy) | jit | fold | deploy | deploy, same "
-             "options | under jit | fold/jit | fold/deploy | fold/deploy same | under jit/jit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "options | under jit | fold/jit | fold/deploy | fold/deploy same | /train tree | "
+             "under jit/jit |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
     ynn: list[str] = []
     for r in res["flax"]:
@@ -153,6 +159,8 @@ def markdown(res: dict) -> str:
             f"{fmt(s['under jit'])} | {s['fold']['median'] / s['jit']['median']:.3f} | "
             f"{s['fold']['median'] / s['deploy']['median']:.3f} | "
             f"{s['fold']['median'] / s['deploy, single']['median']:.3f} | "
+            + (f"{s['fold']['median'] / s['deploy, single, train tree']['median']:.3f} | "
+               if "deploy, single, train tree" in s else "| ") +
             f"{s['under jit']['median'] / s['jit']['median']:.3f} |")
     if ynn:
         lines += ["", "The same nets with XLA:CPU's YNNPACK fusion off for that one program "

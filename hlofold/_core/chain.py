@@ -211,8 +211,11 @@ def affine_after(ir: ChainIR, root_value, ndim: int) -> bool:
 
 def chain_kind(affine_kinds: Iterable[str]) -> str:
     """``"none"`` (no affine op absorbed), ``"canonical"`` (one add or sub: already conv plus
-    a bias, nothing to fold) or ``"fold"``."""
-    kinds = list(affine_kinds)
+    a bias, nothing to fold) or ``"fold"``. A negation counts for nothing: folded it would
+    only move a sign XLA fuses into the next op anyway (JAX lowers ``sigmoid`` to
+    ``negate, exponential, …``: the StableHLO path would fold the negate the jaxpr's
+    ``logistic`` hides, and the two paths would count the site differently)."""
+    kinds = [k for k in affine_kinds if k != "neg"]
     if not kinds:
         return "none"
     if len(kinds) == 1 and kinds[0] in ("add", "sub"):
