@@ -35,7 +35,8 @@ from .nested import NESTED_RULES, contains_root, inline_calls, other_rule
 from .._core.decide import IN_GRAPH_POLICIES
 from .plan import Site, SitePlanner
 from .values import NONE, ScopeValues
-from .steps import AFFINE_STEPS, PASS_STEPS, AffineStep, affine_step
+from .steps import AFFINE_STEPS, PASS_STEPS, resolve_operand
+from .._core.chain_rules import Refusal
 from .patterns import PATTERNS, RootInfo
 from .._core.report import FOLDED, MERGED, NOT_REACHED, REFUSED, FoldReport, FoldSite
 from .._core.reasons import Reason
@@ -291,13 +292,12 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                 x = e.invars[pos]
                 if not isinstance(x, C.Var) or len(x.aval.shape) < 2 or not self.from_root(x):
                     continue
-                step = next((r for r in (affine_step(e, pos, a, producer)
-                                         for a in range(len(x.aval.shape))
-                                         if x.aval.shape[a] != 1)
-                             if isinstance(r, AffineStep) and r.operand is not None
-                             and r.operand.size > 1
-                             and not self.from_root(r.operand.source)), None)
-                if step is None:
+                out = tuple(e.outvars[0].aval.shape)   # (x may broadcast: a per-token factor)
+                op = next((r for r in (resolve_operand(e.invars[1 - pos], out, a, producer)
+                                       for a in range(len(out)) if out[a] != 1)
+                           if not isinstance(r, Refusal) and r.size > 1
+                           and not self.from_root(r.source)), None)
+                if op is None:
                     continue
                 after = self._before_chain(x)
                 if after in PATTERNS:        # the root's own record accounts for it
@@ -310,8 +310,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                     pattern="unreached_affine", primitive="mul", status=NOT_REACHED,
                     scope=self.path, file=file, line=line, function=fn,
                     name_stack=C.name_stack(e), dtype=str(e.outvars[0].aval.dtype),
-                    out_channels=step.operand.size,
-                    params=sorted(n for n in self.names(step.operand.source) if n),
+                    out_channels=op.size, params=sorted(n for n in self.names(op.source) if n),
                     reason=unreached_reason(after, then)))
                 break
 

@@ -97,3 +97,30 @@ def test_an_affine_op_there_is_a_refusal_on_both_paths(f):
         assert r.num_folded == 0
     why = {reason_kind(rep.refused[0].reason), reason_kind(srep.refused[0].reason)}
     assert why == ({"consumers"} if f is scaled_after_two_readers else {"feature-axis"})
+
+
+def test_a_keras_layernorm_no_root_reaches_is_named_on_both_paths():
+    """Keras's LayerNormalization computes ``rsqrt(σ²+ε)·γ`` first (a per-token factor times
+    a per-channel vector, broadcast by the ``mul`` itself on the jaxpr): the jaxpr path did
+    not see it as a per-channel scale, the StableHLO path did (keras_hub ViT's final norm)."""
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("Keras is not on its JAX backend")
+    inp = keras.Input((5, 16))
+    m = keras.Model(inp, keras.layers.LayerNormalization()(keras.layers.Dense(16)(inp)))
+    for w in m.weights:
+        if w.path.endswith("gamma"):
+            w.assign(np.linspace(0.5, 1.5, 16).astype("float32"))
+    tv = [v.value for v in m.trainable_variables]
+
+    def f(tv, x):
+        return m.stateless_call(tv, [], x)[0]
+    x = jnp.ones((2, 5, 16))
+    _, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(tv, x))
+    _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(tv, x).as_text())
+    for r in (rep, srep):
+        (nr,) = [s for s in r.sites if s.status == "not-reached"]
+        assert nr.out_channels == 16 and "after rsqrt" in nr.reason
+    assert rep.counts() == srep.counts() == {"canonical": 1, "not-reached": 1}
