@@ -291,6 +291,11 @@ def _place(target, op, step):
         return np.broadcast_to(tv, shape)
     if op.source_axis is None:
         return tv.reshape(()) if np.all(tv == tv.flat[0]) and tv.size else None
+    if op.block is not None:     # (heads, head_dim): the source holds its extents of it
+        full = tv.reshape(op.block_dims)
+        part = full[tuple(slice(0, b) for b in op.block)]
+        return part.reshape(shape) if np.array_equal(np.broadcast_to(part, full.shape),
+                                                     full) else None
     place = [1] * len(shape)
     place[op.source_axis] = tv.size
     return np.broadcast_to(tv.reshape(place), shape)

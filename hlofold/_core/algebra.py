@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .chain_rules import Block
+
 
 class np64:
     """Arithmetic on the host in float64 (all operands known at transform time)."""
@@ -159,10 +161,16 @@ def blockwise_sum(k, factor, axis: int, chunk: int = 1 << 16) -> np.ndarray:
     return np.concatenate(parts, axis=0) if axis != 0 else np.sum(parts, axis=0)
 
 
-def along(vec, axis: int, ndim: int) -> np.ndarray:
+def along(vec, axis, ndim: int) -> np.ndarray:
+    """A per-channel vector shaped to broadcast along ``axis`` (an int, or a
+    ``chain_rules.Block``: the vector's row-major reshape over the block's axes)."""
     vec = np.asarray(vec)
     if vec.ndim == 0:
         return vec
     shape = [1] * ndim
-    shape[axis] = vec.shape[0]
+    if isinstance(axis, Block):
+        for a, d in zip(axis.axes, axis.dims):
+            shape[a] = d
+    else:
+        shape[axis] = vec.shape[0]
     return vec.reshape(shape)

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from .reasons import Reason
 
@@ -57,10 +58,41 @@ class ChannelOperand:
     source_axis: int | None
     casts: tuple[Any, ...]
     size: int = 1             # the channel count (1 for a scalar-like source)
+    # channels on a Block: the source's extent along each block axis (1 where it is
+    # broadcast, e.g. a per-head scale over (heads, head_dim)); None on one channel axis
+    block: tuple | None = None
+    block_dims: tuple | None = None   # the Block's own dims (its extents when not broadcast)
 
 
-def _axis_name(axis: int) -> str:
-    return f"axis {axis}"
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Consecutive axes that carry the channels together: a multi-head projection's
+    (heads, head_dim) output features, and its kernel's. Channel ``c`` is their row-major
+    flat index; anything that takes a channel axis also takes a Block."""
+
+    axes: tuple
+    dims: tuple
+
+    @property
+    def size(self) -> int:
+        return int(math.prod(self.dims))
+
+    def __str__(self) -> str:
+        return "axes " + ", ".join(map(str, self.axes))
+
+
+def on_axis(a, axis) -> bool:
+    """Whether axis ``a`` is (one of) the channel ``axis`` (an int or a :class:`Block`)."""
+    return a in axis.axes if isinstance(axis, Block) else a == axis
+
+
+def channel_count(shape, axis) -> int:
+    """The channels along ``axis`` (an int, or a :class:`Block`) of a value of ``shape``."""
+    return axis.size if isinstance(axis, Block) else int(shape[axis])
+
+
+def _axis_name(axis) -> str:
+    return str(axis) if isinstance(axis, Block) else f"axis {axis}"
 
 
 def unit_reshape_map(old_shape, new_shape) -> dict[int, int] | None:
@@ -112,18 +144,26 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
     found: ChannelOperand | None = None
     for _ in range(64):
         cshape = shape if cur is value else tuple(shape_of(cur))
-        bad = [i for i, d in enumerate(cshape) if d != 1 and axis_map.get(i) != channel_axis]
+        bad = [i for i, d in enumerate(cshape) if d != 1 and
+               not on_axis(axis_map.get(i), channel_axis)]
         step = step_of(cur)
         kind = step[0] if step is not None else None
-        if not bad:
+        partial = not bad and _partial_block(cshape, axis_map, channel_axis)
+        if not bad and not partial:
             src_axis = next((i for i, d in enumerate(cshape)
-                             if d != 1 and axis_map.get(i) == channel_axis), None)
-            found = ChannelOperand(cur, src_axis, tuple(casts),
-                                   cshape[src_axis] if src_axis is not None else 1)
+                             if d != 1 and on_axis(axis_map.get(i), channel_axis)), None)
+            found = ChannelOperand(cur, src_axis, tuple(casts), 1 if src_axis is None else
+                                   channel_axis.size if isinstance(channel_axis, Block)
+                                   else cshape[src_axis],
+                                   *((_block_extent(cshape, axis_map, channel_axis),
+                                      channel_axis.dims) if src_axis is not None and
+                                     isinstance(channel_axis, Block) else (None, None)))
             # keep walking through shape-only ops to the smallest source (e.g. the (C,)
             # vector behind a (1, 1, 1, C) broadcast), so nothing is re-broadcast
             if kind not in ("broadcast_in_dim", "reshape", "squeeze"):
                 return found
+        elif partial:
+            first_bad = None          # the most telling: a part of the (heads, head_dim) block
         elif axis_map.get(bad[0]) is not None:
             # the deepest source seen so far is the most telling: report its axis
             first_bad = axis_map.get(bad[0])
@@ -156,12 +196,46 @@ def resolve_channel_operand(value, out_shape, channel_axis: int, step_of: Callab
         return found
     if not explain:
         return NOT_PER_CHANNEL
+    if isinstance(channel_axis, Block) and first_bad is None:
+        return Refusal(f"operand varies along only some of the output-feature {channel_axis}, "
+                       "or along them in another order")
     same = " (same size as the channels: matched by axis, not size)" if \
-        first_bad is not None and out_shape[first_bad] == out_shape[channel_axis] else ""
+        first_bad is not None and not isinstance(channel_axis, Block) and \
+        out_shape[first_bad] == out_shape[channel_axis] else ""
     where = (f"{_axis_name(first_bad)} (size {out_shape[first_bad]})" if first_bad is not None
              else "a non-feature axis")
     return Refusal(f"operand varies along {where}, not only along the output-feature "
                    f"{_axis_name(channel_axis)}{same}", first_bad)
+
+
+def _partial_block(cshape, axis_map, block) -> bool:
+    """A value varying along a Block's axes out of their order (its flat index would not
+    follow the channel index); one broadcast along some of them is fine (``block``)."""
+    if not isinstance(block, Block):
+        return False
+    mapped = [axis_map.get(i) for i, d in enumerate(cshape) if d != 1]
+    return mapped != sorted(mapped)
+
+
+def _block_extent(cshape, axis_map, block) -> tuple | None:
+    """The value's extent along each axis of ``block`` (1 where it is broadcast)."""
+    if not isinstance(block, Block):
+        return None
+    ext = {axis_map.get(i): d for i, d in enumerate(cshape) if d != 1}
+    return tuple(ext.get(a, 1) for a in block.axes)
+
+
+def block_values(op: "ChannelOperand", flat, xp=None):
+    """A Block operand's values (``flat``: its source's, row-major) as the per-channel
+    vector over the whole block (broadcast where the source is). ``xp``: None for NumPy,
+    else ``(reshape, broadcast_to)`` of the caller's IR."""
+    dims = op.block_dims
+    if op.block is None or flat is None or tuple(op.block) == tuple(dims):
+        return flat
+    if xp is None:
+        return np.broadcast_to(np.reshape(flat, op.block), dims).reshape(-1)
+    reshape, broadcast_to = xp
+    return reshape(broadcast_to(reshape(flat, op.block), dims), (int(np.prod(dims)),))
 
 
 # What resolve_channel_operand(..., explain=False) refuses with (no words are built)
@@ -180,6 +254,9 @@ def pass_axis(kind: str, src_shape, out_shape, axis: int, *, floats: bool = True
                                            kind="not-float")
     if kind == "sharding_constraint":     # replayed on the folded conv's output, same shape
         return axis
+    if isinstance(axis, Block):
+        return Refusal(f"{kind} moves the output-feature {axis} (heads, head_dim)",
+                       kind="chain-end")
     if src_shape[axis] == 1 and kind != "transpose":
         return Refusal(f"{kind} of a value whose channel axis has size 1 (ambiguous)")
     if kind == "reshape":

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .chain_rules import Refusal
+from .chain_rules import Block, Refusal
 
 
 # --------------------------------------------------------------------------- roots
@@ -135,3 +135,14 @@ def _distinct_columns(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     key = (2.0 ** np.arange(m.shape[0])) @ m           # exact: one bit per tap
     _, first, inv = np.unique(key, return_index=True, return_inverse=True)
     return m[:, first], inv.reshape(-1)
+
+
+def block_of(rhs_shape, rhs_free, out_first: int):
+    """``(output Block, kernel Block)`` of a dot whose weight has several free dimensions,
+    contiguous in it (they are then contiguous in the output, from ``out_first``), else None."""
+    free = list(rhs_free)
+    if len(free) < 2 or free != list(range(free[0], free[0] + len(free))) or \
+            not all(isinstance(rhs_shape[d], (int, np.integer)) for d in free):
+        return None
+    dims = tuple(int(rhs_shape[d]) for d in rhs_free)
+    return Block(tuple(range(out_first, out_first + len(dims))), dims), Block(tuple(rhs_free), dims)

@@ -37,6 +37,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import rescale
+from .chain_rules import on_axis
 from .reasons import Reason
 
 _F32 = jnp.finfo(np.float32)
@@ -116,7 +117,7 @@ def underflowing_channels(kp: np.ndarray, kp_cast: np.ndarray, axis: int) -> np.
         return np.zeros(0, np.int64)
     fi = jnp.finfo(kp_cast.dtype)
     eps = float(fi.eps)
-    axes = tuple(a for a in range(kp.ndim) if a != axis)
+    axes = tuple(a for a in range(kp.ndim) if not on_axis(a, axis))
     # rounding loses more than half an ulp only below the normal range: without a nonzero
     # product rounded there (the common case, one cheap pass), no channel underflows
     with np.errstate(invalid="ignore"):

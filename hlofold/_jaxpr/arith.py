@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from .._core.algebra import along, group_matrix_np, place_np
+from .._core.chain_rules import Block
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,11 +88,19 @@ def cast(x, dtype):
     return lax.convert_element_type(x, dtype)
 
 
-def along_traced(vec, axis: int, ndim: int):
+# (reshape, broadcast_to) in the graph, for _core.chain_rules.block_values
+LAX_BROADCAST = (lax.reshape, lambda v, d: lax.broadcast_in_dim(v, d, tuple(range(len(d)))))
+
+
+def along_traced(vec, axis, ndim: int):
     if isinstance(vec, np.ndarray):
         return along(vec, axis, ndim)
     if vec.ndim == 0:
         return vec
     shape = [1] * ndim
+    if isinstance(axis, Block):       # (heads, head_dim): the vector's row-major reshape
+        for a, d in zip(axis.axes, axis.dims):
+            shape[a] = d
+        return lax.broadcast_in_dim(lax.reshape(vec, axis.dims), tuple(shape), axis.axes)
     shape[axis] = vec.shape[0]
     return lax.broadcast_in_dim(vec, tuple(shape), (axis,))

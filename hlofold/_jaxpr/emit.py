@@ -1,16 +1,14 @@
 """Emission of planned jaxpr sites: the folded equations spliced into the program.
 
-Untouched equations are kept as they are (no retrace). Of a folded site only the parameter
-side is traced (``K ⊙ s``, the bias, the finiteness check of a guarded site), for all sites of
-a scope together (:meth:`SiteEmitter._traced_site_eqns`), and the traced equations split per
-site; its activation side is made of the site's own equations (:meth:`SiteEmitter.
-_spliced_eqns`: the root on the rescaled kernel, the chain's shape steps, the bias add), and
-a site whose parameters are only known at run time gets a guard: a ``cond`` that runs its
-original equations when the rescaled kernel or bias is not finite. Sites with equal plans
-(``_jaxpr.templates.template_key``) are traced once and cloned. A forward fold's per-token
-factors, a bias map and float32 kernels of a narrower conv are traced whole
-(:meth:`SiteEmitter._folded_value`).
-"""
+Untouched equations are kept (no retrace). Of a folded site only the parameter side is
+traced (``K ⊙ s``, the bias, a guarded site's finiteness check), for all sites of a scope
+together (:meth:`SiteEmitter._traced_site_eqns`), split per site; its activation side is made
+of its own equations (:meth:`SiteEmitter._spliced_eqns`: the root on the rescaled kernel, the
+chain's shape steps, the bias add); a site whose parameters are known only at run time gets a
+guard: a ``cond`` running its original equations when the rescaled kernel or bias is not
+finite. Sites with equal plans (``_jaxpr.templates.template_key``) are traced once and cloned.
+A forward fold's per-token factors, a bias map and float32 kernels of a narrower conv are
+traced whole (:meth:`SiteEmitter._folded_value`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,8 +19,9 @@ from jax import lax
 
 from .. import _compat as C
 from .._core.algebra import collapse, kinds
-from .arith import along_traced, cast, group_matrix_traced, lax_arith, place_traced, reduce_but
-from .._core.chain_rules import ChannelOperand
+from .arith import (LAX_BROADCAST, along_traced, cast, group_matrix_traced, lax_arith,
+                    place_traced, reduce_but)
+from .._core.chain_rules import Block, ChannelOperand, block_values
 from .steps import AffineStep, PassStep
 from .templates import clone_eqns, template_key
 
@@ -32,11 +31,9 @@ if TYPE_CHECKING:
 # name scope of the run-time guard of a site (a ``cond``: folded | original equations); a
 # guard is already folded, so folding again leaves it alone (idempotence)
 GUARD_SCOPE = "hlofold_guard"
-# sites of equal plans are traced once and cloned (tests turn it off to compare with a trace
-# per site)
+# sites of equal plans are traced once and cloned (tests turn it off to compare: one trace each)
 CLONE_TEMPLATES = True
-# the activation side of a site (root, shape steps, bias add, guard) is made of the site's
-# own equations rather than traced (tests turn it off to compare with the traced form)
+# a site's activation side (root, shape steps, bias add, guard): its own equations, not traced
 SPLICE_ACTIVATIONS = True
 
 
@@ -362,6 +359,8 @@ class SiteEmitter:
         but along its feature axis)."""
         end_dtype = np.dtype(site.end_var.aval.dtype)
         shape = [1] * len(site.end_var.aval.shape)
+        if isinstance(site.end_axis, Block):         # (heads, head_dim) channels
+            return along_traced(cast(t, end_dtype), site.end_axis, len(shape))
         if isinstance(t, np.ndarray):
             tb = np.asarray(t, np.float64).astype(end_dtype)
             if tb.ndim:
@@ -382,6 +381,8 @@ class SiteEmitter:
         val = read(op.source)
         for dt in op.casts:
             val = cast(val, dt)
+        if op.block is not None and op.source_axis is not None:     # (heads, head_dim)
+            val = block_values(op, val, LAX_BROADCAST)
         shape = (op.size,) if op.source_axis is not None else ()
         if tuple(val.shape) != shape:
             val = lax.reshape(val, shape)

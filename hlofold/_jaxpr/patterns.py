@@ -13,8 +13,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal, is_float
-from .._core.patterns import (RootInfo, bias_map, border_masks, conv_axis_role, conv_layout,
-                              dot_axis_role, dot_layout)
+from .._core.patterns import (RootInfo, bias_map, block_of, border_masks, conv_axis_role,
+                              conv_layout, dot_axis_role, dot_layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +121,14 @@ class DotAffinePattern:
             return Refusal(f"the rhs has {len(rhs_free)} free dimensions; one output-feature "
                            "dimension is needed to rescale", kind="root")
         # several free dimensions on both sides (x (b, t, d) · W (d, heads, head_dim), a
-        # multi-head projection): the rhs's first is the output feature the chain rescales
-        # along; a forward scale (along the contracted axis) needs none of them
+        # multi-head projection): the output features are the block of them (contiguous in
+        # the kernel: a Block; else the rhs's first only); a forward scale (along the
+        # contracted axis) needs none of them
+        block = block_of(rhs.shape, rhs_free, len(lb) + len(lhs_free))
+        if block is not None:
+            return RootInfo(channel_axis=block[0], kernel_index=1, kernel_axis=block[1],
+                            layout=layout, out_channels=block[0].size, groups=1,
+                            in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)))
         return RootInfo(channel_axis=len(lb) + len(lhs_free), kernel_index=1,
                         kernel_axis=rhs_free[0], layout=layout,
                         in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),

@@ -21,7 +21,7 @@ from .. import _compat as C
 from .._core.algebra import along, collapse, forward_kernel, has_shift, kinds
 from .._core.chain import UNUSED, Absorb, Pass, affine_after, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
-from .._core.chain_rules import ChannelOperand, Refusal
+from .._core.chain_rules import ChannelOperand, Refusal, block_values
 from .steps import AFFINE_STEPS, PASS_STEPS, AffineStep, PassStep, affine_step, pass_step
 from .forward import Forward, ForwardPlanner, elems
 from .._core.patterns import RootInfo
@@ -297,7 +297,8 @@ class SitePlanner(ForwardPlanner):
         arr = np.asarray(val)
         for dt in op.casts:
             arr = arr.astype(np.dtype(dt))
-        return arr.reshape(-1) if op.source_axis is not None else arr.reshape(())
+        return block_values(op, arr.reshape(-1)) if op.source_axis is not None else \
+            arr.reshape(())
 
 
 class JaxprChain:

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import per_channel
+from .._core.chain_rules import Block
 from .ir import numpy_to_dense, shape_of
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -79,6 +80,17 @@ def broadcast(rtype, value, dims):
     """``stablehlo.broadcast_in_dim`` of ``value`` to the type ``rtype`` (a value)."""
     return make("stablehlo.broadcast_in_dim", [rtype], [value],
                 {"broadcast_dimensions": ir.DenseI64ArrayAttr.get(dims)}).result
+
+
+def broadcast_channels(rtype, value, axis):
+    """A per-channel vector ``value`` (C,) broadcast to ``rtype`` along ``axis``: an int, or
+    a ``chain_rules.Block`` ((heads, head_dim): the vector reshaped to the block first)."""
+    if not isinstance(axis, Block):
+        return broadcast(rtype, value, [axis])
+    et = ir.RankedTensorType(value.type).element_type
+    value = make("stablehlo.reshape", [ir.RankedTensorType.get(list(axis.dims), et)],
+                 [value]).result
+    return broadcast(rtype, value, list(axis.axes))
 
 
 def marker(name: str) -> dict:

@@ -12,7 +12,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import collapse, has_shift
-from .build import GUARD, IrArith, all_finite, broadcast, is_host, make, marker
+from .._core.chain_rules import channel_count
+from .build import GUARD, IrArith, all_finite, broadcast_channels, is_host, make, marker
 from .ir import elem_type, numpy_to_dense, op_name, owner_op, remap_operands, shape_of
 from .patterns import root_shapes
 
@@ -29,7 +30,7 @@ class SiteWriter:
         folded kernel or bias is not finite."""
         out_axis, kidx, kaxis = info[:3]
         kernel = root.operands[kidx]
-        C_out = root_shapes(root)[2][out_axis]
+        C_out = channel_count(root_shapes(root)[2], out_axis)
         end_op = steps[-1].op if steps else root
         end_value = end_op.results[0]
         kdt = elem_type(kernel)
@@ -55,8 +56,8 @@ class SiteWriter:
                         t_val = xp.add(xp.mul(xp.asarray(s_val), b), xp.asarray(t_val))
                 if not _ones(s_val):                                        # (K·1 is K)
                     s_ir = self.const_or(s_val, C_out)
-                    s_b = broadcast(ir.RankedTensorType.get(shape_of(kernel), self.ct), s_ir,
-                                    [kaxis])
+                    s_b = broadcast_channels(ir.RankedTensorType.get(shape_of(kernel), self.ct),
+                                             s_ir, kaxis)
                     kc = make("stablehlo.multiply", [kc.type], [kc, s_b]).result
                 new_k = self.convert(kc, kdt)
             # no shift absorbed: t is exactly 0, and no add is written (as on a jaxpr); a
@@ -135,8 +136,7 @@ class SiteWriter:
                 y = new.results[0]
         if add_t:
             axis = steps[-1].axis if steps else info[0]
-            t_b = stablehlo.BroadcastInDimOp(out_t, t_of(),
-                                             ir.DenseI64ArrayAttr.get([axis])).result
+            t_b = broadcast_channels(out_t, t_of(), axis)
             y = stablehlo.AddOp(y, t_b).result
         if owner_op(y) is not None:
             self.claimed.add(owner_op(y).operation)

@@ -42,6 +42,7 @@ from .emit import SiteWriter
 from .merge_write import merge_module
 from .platforms import inline_uniform_cases
 from .._core.patterns import bias_map
+from .._core.chain_rules import channel_count
 from .._core.reasons import Reason
 from .._core.report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 
@@ -166,7 +167,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                        dtype=type_name(elem_type(op.results[0])), **kw)
         if not isinstance(info, str):
             rec.layout, rec.in_channels, rec.groups = info[3], info[4], info[5]
-            rec.out_channels = int(shape[info[0]])
+            rec.out_channels = channel_count(shape, info[0])
         self.sites.append(rec)
         return rec
 
@@ -221,7 +222,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 steps = []
             # else: a canonical bias after the root merges into the forward fold's bias
         kernel = root.operands[kidx]
-        C_out = root_shapes(root)[2][out_axis]
+        C_out = channel_count(root_shapes(root)[2], out_axis)
         kfa = owner_op(kernel) is not None and self._from_root(kernel)
         # (kinds, float64 operands) or None; not read for a kernel computed from an
         # activation, which decide refuses first
@@ -282,7 +283,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         """The forward fold's own rules (``_core.decide.forward_refusal``); returns ``(fwd or None
         when refused, the kernel known now or None, what it is multiplied by for s_in, the
         bias the shift adds)``."""
-        c_in, c_out = info[4], root_shapes(root)[2][info[0]]
+        c_in, c_out = info[4], channel_count(root_shapes(root)[2], info[0])
         fv = self.np_chain(fwd.steps, c_in)
         s_in = t_in = None
         if fv is not None:

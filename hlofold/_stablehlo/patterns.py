@@ -21,7 +21,7 @@ from .facts import op_fact
 from .ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
                  owner_op, shape_of)
 from .module import call_sites
-from .._core.patterns import conv_axis_role, conv_layout, dot_axis_role, dot_layout
+from .._core.patterns import block_of, conv_axis_role, conv_layout, dot_axis_role, dot_layout
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -32,6 +32,8 @@ class Operand:
     axis: int | None           # its channel axis (None: scalar-like)
     casts: tuple               # element types converted to, in order
     size: int
+    block: tuple | None = None       # on a (heads, head_dim) Block: the source's extents
+    block_dims: tuple | None = None  # ... and the block's (_core.chain_rules.block_values)
 
 
 @dataclasses.dataclass
@@ -203,7 +205,7 @@ def resolve(value, out_shape, axis, explain: bool = True) -> Operand | Refusal:
     got = resolve_channel_operand(value, out_shape, axis, step_of, shape_of, explain)
     if isinstance(got, Refusal):
         return got
-    return Operand(got.source, got.source_axis, got.casts, got.size)
+    return Operand(got.source, got.source_axis, got.casts, got.size, got.block, got.block_dims)
 
 
 def axis_role(op, axis: int) -> str:
@@ -247,9 +249,13 @@ def root_info(op):
     rfree = [d for d in range(len(rhs)) if d not in rb + rc]
     if len(rfree) != 1 and (not rfree or len(lfree) == 1):
         return Reason("root", f"the rhs has {len(rfree)} free dimensions")
-    # several free dimensions on both sides (a multi-head projection): the rhs's first is
-    # the output feature the chain rescales along, as on jaxprs
+    # several free dimensions on both sides (a multi-head projection): the block of them
+    # (contiguous in the kernel), else the rhs's first, as on jaxprs
     # (``_jaxpr.patterns.DotAffinePattern``)
+    block = block_of(rhs, rfree, len(lb) + len(lfree))
+    if block is not None:
+        return (block[0], 1, block[1], dot_layout(lhs, rhs, out),
+                math.prod(lhs[d] for d in lc), 1)
     return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
             math.prod(lhs[d] for d in lc), 1)
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import collapse, per_channel
+from .._core.chain_rules import block_values
 from .._core.rules import flushes_differently
 from .build import PREPARED, IrArith, broadcast, make, mark
 from .ir import elem_type, np_dtype, numpy_to_dense, shape_of
@@ -42,8 +43,8 @@ class HloValues:
             return None
         for et in op.casts:
             x = x.astype(np_dtype(et))
-        return np.asarray(x, np.float64).reshape(-1) if op.axis is not None else \
-            np.asarray(x, np.float64).reshape(())
+        return block_values(op, np.asarray(x, np.float64).reshape(-1)) if op.axis is not None \
+            else np.asarray(x, np.float64).reshape(())
 
     def flushes(self, values, steps) -> bool:
         """Whether the host value of one of ``values`` or of the steps' operands (a
@@ -69,6 +70,10 @@ class HloValues:
         for et in op.casts:
             v = self.convert(v, et)
         v = self.convert(v, self.ct)
+        if op.block is not None and tuple(op.block) != tuple(op.block_dims):   # broadcast
+            v = broadcast(ir.RankedTensorType.get(list(op.block_dims), self.ct), stablehlo.
+                          ReshapeOp(ir.RankedTensorType.get(list(op.block), self.ct), v).result,
+                          list(range(len(op.block))))
         flat = stablehlo.ReshapeOp(ir.RankedTensorType.get([op.size], self.ct),
                                    v).result if shape_of(v) != (op.size,) else v
         if op.size == c:

@@ -325,8 +325,7 @@ def test_keras_einsum_dense_multi_head():
 def test_a_shift_in_front_of_a_multi_head_projection_is_refused_on_both_paths():
     """LayerNorm's β in front of a (d, heads, head_dim) kernel would be a bias over both
     output dimensions, which is not written: the site is refused, with the same reason on
-    both paths, and nothing changes (a per-(head, head_dim) affine after the projection is
-    refused by the per-channel rule: it varies along two output axes)."""
+    both paths, and nothing changes."""
     rng = np.random.default_rng(3)
     g, b = (jnp.asarray(1 + 0.3 * rng.standard_normal(D), jnp.float32) for _ in range(2))
     w = jnp.asarray(rng.standard_normal((D, H, D // H)), jnp.float32)
@@ -336,8 +335,7 @@ def test_a_shift_in_front_of_a_multi_head_projection_is_refused_on_both_paths():
         m, var = jnp.mean(x, -1, keepdims=True), jnp.var(x, -1, keepdims=True)
         return (x - m) * jax.lax.rsqrt(var + 1e-6) * g + b
 
-    for f, kind in [(lambda x: jnp.einsum("btd,dhk->bthk", ln(x), w), "root"),
-                    (lambda x: jnp.einsum("btd,dhk->bthk", x, w) * s, "feature-axis")]:
+    for f, kind in [(lambda x: jnp.einsum("btd,dhk->bthk", ln(x), w), "root")]:
         results, ref, same = fold_both(f, X)
         assert same == {"jaxpr": True, "stablehlo": True}, same      # the program as given
         for path, rep, out, _ in results:
@@ -346,3 +344,45 @@ def test_a_shift_in_front_of_a_multi_head_projection_is_refused_on_both_paths():
             if kind == "root":
                 assert "several output dimensions" in rep.refused[0].reason
             assert max_err(ref, out) <= 1e-5 * float(np.max(np.abs(ref)))
+
+
+def test_a_per_head_affine_after_a_multi_head_projection_folds_on_both_paths():
+    """Issue 39 item 2: a per-(head, head_dim) scale and bias after ``x · W (d, heads,
+    head_dim)`` (``DenseGeneral``'s output features) fold backward into W and one bias over
+    the (heads, head_dim) block, on both paths (the block is the channels: ``Block``); a
+    bias alone is already canonical; a scale per head only (broadcast over head_dim) folds
+    too."""
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((D, H, D // H)) * 0.2, jnp.float32)
+    s = jnp.asarray(rng.uniform(0.5, 1.5, (H, D // H)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((H, D // H)) * 0.1, jnp.float32)
+    per_head = s[:, :1]            # (H, 1): made outside (a constant, not a slice in the graph)
+    cases = [(lambda x: jnp.einsum("btd,dhk->bthk", x, w) * s + t, "folded"),
+             (lambda x: jnp.einsum("btd,dhk->bthk", x, w) + t, "canonical"),
+             (lambda x: jnp.einsum("btd,dhk->bthk", x, w) * per_head + t, "folded")]
+    for f, status in cases:
+        results, ref, same = fold_both(f, X)
+        for path, rep, out, _ in results:
+            assert [x.status for x in rep.sites] == [status], (path, str(rep))
+            assert max_err(ref, out) <= 1e-5 * float(np.max(np.abs(ref))), path
+        assert same == {"jaxpr": status != "folded", "stablehlo": status != "folded"}, same
+
+
+def test_a_per_head_affine_writes_back_into_dense_general():
+    """``fold_params`` on Flax ``nn.DenseGeneral((heads, head_dim))`` followed by a
+    per-(head, head_dim) scale parameter: the kernel and the (heads, head_dim) bias are
+    rewritten, the scale set to ones, the unchanged model gives the same outputs."""
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.DenseGeneral((H, D // H))(x)
+            return y * self.param("s", lambda k: jnp.asarray(
+                np.random.default_rng(5).uniform(0.5, 1.5, (H, D // H)), jnp.float32))
+    m = M()
+    v = m.init(jax.random.PRNGKey(0), X)
+    res = hlofold.fold_params(m.apply, v, X)
+    assert len(res.changes) == 1, str(res)
+    assert float(jnp.max(jnp.abs(res.params["params"]["s"] - 1))) == 0.0
+    assert max_err(m.apply(v, X), m.apply(res.params, X)) <= 1e-5
