@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .chain_rules import Block
+from .chain_rules import Block, on_axis
 
 
 class np64:
@@ -138,8 +138,8 @@ def forward_kernel(k, s_in, t_in, ko: int, ki: int, groups: int, out_channels: i
     else:
         t = input_scale(t_in, ko, ki, groups, out_channels, np.ndim(k))
         taps = blockwise_sum(k, t, ki)                       # (kernel layout, ki of size 1)
-        b = (np.sum(taps, axis=tuple(a for a in range(np.ndim(k)) if a != ko))
-             if bias_map is None else bias_map(taps))
+        b = (np.sum(taps, axis=tuple(a for a in range(np.ndim(k)) if not on_axis(a, ko)))
+             .reshape(-1) if bias_map is None else bias_map(taps))
     return factor, b
 
 

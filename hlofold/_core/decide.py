@@ -144,16 +144,17 @@ def forward_refusal(*, kernel_dtype, step_dtypes: Sequence, hint: str, bias_map:
 
 
 MULTI_OUTPUT_SHIFT = Reason(
-    "root", "a shift in front of a projection with several output dimensions (a multi-head "
-    "(d, heads, head_dim) kernel) would add a bias over all of them, which is not written; "
-    "only a scale (RMSNorm's γ) folds forward into it")
+    "root", "a shift in front of a projection with several output dimensions that are not "
+    "one block (not contiguous in its kernel) would add a bias over all of them, which is "
+    "not written; only a scale (RMSNorm's γ) folds forward into it")
 
 
-def multi_output_shift(shift: bool, free_dims: int) -> Reason | None:
+def multi_output_shift(shift: bool, free_dims: int, block: bool = False) -> Reason | None:
     """The forward fold into a dot whose weight has ``free_dims`` output dimensions: a scale
-    folds along the contracted axis whatever they are; a shift would need a bias over all
-    of them (refused with :data:`MULTI_OUTPUT_SHIFT`)."""
-    return MULTI_OUTPUT_SHIFT if shift and free_dims > 1 else None
+    folds along the contracted axis whatever they are; a shift adds a bias over all of
+    them, which the root's channels carry when they are one ``Block`` (a multi-head
+    (d, heads, head_dim) kernel), else refused with :data:`MULTI_OUTPUT_SHIFT`."""
+    return MULTI_OUTPUT_SHIFT if shift and free_dims > 1 and not block else None
 
 
 def forward_consumers_refusal(n: int, at_top: bool, output_of: Optional[str],

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from .._core.algebra import along, group_matrix_np, place_np
-from .._core.chain_rules import Block
+from .._core.chain_rules import Block, on_axis
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,12 +73,22 @@ def place_traced(m, o_axis: int, i_axis: int, ndim: int):
     return lax.reshape(m, tuple(shape))
 
 
-def reduce_but(x, axis: int):
-    """Sum ``x`` over every axis but ``axis``."""
-    axes = tuple(a for a in range(x.ndim) if a != axis)
+def input_traced(vec, ko, ki: int, groups: int, out_channels: int, ndim: int):
+    """A per-input-channel vector placed on a kernel (``_core.algebra.input_scale`` in the
+    graph): along ``ki`` for one group (``ko`` may then be a Block), else each output
+    channel's group matrix."""
+    if groups == 1:
+        return along_traced(vec, ki, ndim)
+    return place_traced(group_matrix_traced(vec, out_channels, groups), ko, ki, ndim)
+
+
+def reduce_but(x, axis):
+    """Sum ``x`` over every axis but ``axis`` (a Block's: flattened to its channels)."""
+    axes = tuple(a for a in range(x.ndim) if not on_axis(a, axis))
     if isinstance(x, np.ndarray):
-        return np.sum(x, axis=axes)
-    return lax.reduce_sum(x, axes)
+        return np.sum(x, axis=axes).reshape(-1)
+    r = lax.reduce_sum(x, axes)
+    return lax.reshape(r, (axis.size,)) if isinstance(axis, Block) else r
 
 
 def cast(x, dtype):

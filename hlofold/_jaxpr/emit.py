@@ -19,8 +19,8 @@ from jax import lax
 
 from .. import _compat as C
 from .._core.algebra import collapse, kinds
-from .arith import (LAX_BROADCAST, along_traced, cast, group_matrix_traced, lax_arith,
-                    place_traced, reduce_but)
+from .arith import (LAX_BROADCAST, along_traced, cast, input_traced, lax_arith,
+                    reduce_but)
 from .._core.chain_rules import Block, ChannelOperand, block_values
 from .steps import AffineStep, PassStep
 from .templates import clone_eqns, template_key
@@ -254,12 +254,11 @@ class SiteEmitter:
                         s_in, t_in = collapse(kinds(fwd.steps), vals, info.in_channels,
                                                xp=xp)
                     nd, ko, ki = len(kernel.aval.shape), info.kernel_axis, fwd.k_in_axis
+                    g, c = fwd.groups, info.out_channels
                     if fwd.has_shift:
-                        t2 = group_matrix_traced(xp.asarray(t_in), info.out_channels,
-                                                  fwd.groups)
-                        b = reduce_but(xp.mul(kc, place_traced(t2, ko, ki, nd)), ko)
-                    s2 = group_matrix_traced(xp.asarray(s_in), info.out_channels, fwd.groups)
-                    kc = xp.mul(kc, place_traced(s2, ko, ki, nd))
+                        b = reduce_but(xp.mul(kc, input_traced(xp.asarray(t_in), ko, ki, g, c,
+                                                               nd)), ko)
+                    kc = xp.mul(kc, input_traced(xp.asarray(s_in), ko, ki, g, c, nd))
                 if site.s_known is not None:
                     s, t = site.s_known, site.t_known
                 else:

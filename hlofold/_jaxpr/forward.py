@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import has_shift
-from .._core.chain_rules import Refusal
+from .._core.chain_rules import Block, Refusal
 from .steps import AFFINE_STEPS, AffineStep, affine_step, resolve_operand
 from .._core.decide import forward_consumers_refusal, forward_note, multi_output_shift
 from .._core.forward_walk import walk_forward
@@ -95,7 +95,8 @@ class ForwardPlanner:
         absorbed = [s.eqn.primitive.name for s in steps]
         masks = pattern.border_masks(eqn) if has_shift(steps) else None
         why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None) or \
-            multi_output_shift(has_shift(steps), pattern.output_dims(eqn, info.kernel_index))
+            multi_output_shift(has_shift(steps), pattern.output_dims(eqn, info.kernel_index),
+                               isinstance(info.kernel_axis, Block))
         if why is None and masks is not None:
             why = bias_map_refusal(elems(eqn.outvars[0].aval.shape, pattern.batch_axis(eqn)),
                                    elems(v.aval.shape), self._fused_with(v))

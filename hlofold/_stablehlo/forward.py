@@ -26,7 +26,7 @@ import numpy as np
 from .. import _compat as C
 from .._core.algebra import has_shift
 from .._core.chain import Absorb
-from .._core.chain_rules import Refusal
+from .._core.chain_rules import Block, Refusal
 from .._core.decide import forward_consumers_refusal, forward_note, multi_output_shift
 from .._core.forward_walk import walk_forward
 from .build import GUARD, marked
@@ -175,7 +175,8 @@ class HloForwardPlanner:
         ic = input_channel(root, act)
         masks = conv_masks(root) if has_shift(steps) else None
         why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None) or \
-            multi_output_shift(has_shift(steps), output_dims(root, info[1]))
+            multi_output_shift(has_shift(steps), output_dims(root, info[1]),
+                               isinstance(info[2], Block))
         if why is None and masks is not None:
             batch = stablehlo.ConvDimensionNumbers(
                 root.attributes["dimension_numbers"]).output_batch_dimension

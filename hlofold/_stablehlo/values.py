@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.algebra import collapse, per_channel
-from .._core.chain_rules import block_values
+from .._core.chain_rules import block_values, channel_count, on_axis
 from .._core.rules import flushes_differently
 from .build import PREPARED, IrArith, broadcast, make, mark
 from .ir import elem_type, np_dtype, numpy_to_dense, shape_of
@@ -178,10 +178,14 @@ def _reduce_sum_but(x, axis: int, ct):
     scalar = ir.RankedTensorType.get([], ct)
     init = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
         scalar, ir.FloatAttr.get(ct, 0.0))).result
-    red = stablehlo.ReduceOp([ir.RankedTensorType.get([shape[axis]], ct)], [x], [init],
+    kept = [d for a, d in enumerate(shape) if on_axis(a, axis)]
+    red = stablehlo.ReduceOp([ir.RankedTensorType.get(kept, ct)], [x], [init],
                              ir.DenseI64ArrayAttr.get([a for a in range(len(shape))
-                                                       if a != axis]))
+                                                       if not on_axis(a, axis)]))
     body = red.body.blocks.append(scalar, scalar)
     with ir.InsertionPoint(body):
         stablehlo.ReturnOp([stablehlo.AddOp(body.arguments[0], body.arguments[1]).result])
-    return red.results[0]
+    if len(kept) == 1:
+        return red.results[0]
+    return stablehlo.ReshapeOp(ir.RankedTensorType.get([channel_count(shape, axis)], ct),
+                               red.results[0]).result    # a Block's: flattened
