@@ -64,7 +64,8 @@ def build(name: str):
     rng = np.random.default_rng(0)
     for w in bb.weights:
         path = w.path.lower()
-        if "norm" in path and len(w.shape) == 1:
+        if len(w.shape) == 1 and ("norm" in path or path.endswith((
+                "gamma", "beta", "moving_mean", "moving_variance"))):
             if "gamma" in path or "scale" in path:
                 w.assign((1.0 + 0.3 * rng.standard_normal(w.shape)).astype("float32"))
             elif "beta" in path or "bias" in path or "mean" in path:
@@ -163,13 +164,11 @@ NOTES = """What the rows say:
   gate/up), on both paths, and `fold_params` writes them (4 norm leaves set to identity of
   5: the final norm is the model's output, reached by no projection: `not-reached`).
 * **`refused`** sites are ones where an affine op *was* there: the attention scores' scale
-  (its kernel is an activation); Qwen's and ViT's per-(head, head_dim) q/k/v biases (an add
-  along two output axes: a backward fold along several output axes is not done).
-* **ViT**: the LayerNorms' β in front of q/k/v (multi-head kernels) would add a bias over
-  (heads, head_dim): refused with that reason (only γ folds forward there); the patch
-  embedding is `canonical`. The StableHLO path records the final LayerNorm's γ as
-  `not-reached` (its rsqrt form is the graph's), the jaxpr path records nothing for it: the
-  one count that differs.
+  (its kernel is an activation).
+* **Qwen, ViT**: the q/k/v biases over (heads, head_dim) are `canonical` (the projection's
+  output features are one block of axes); ViT's LayerNorms fold forward, γ and β, into q/k/v
+  (β·W joins their bias) and into the MLP; `fold_params` writes them where the layer has a
+  bias. The patch embedding is `canonical`.
 * **EfficientNet**: every BatchNorm folds; the squeeze-and-excite convolutions are conv +
   bias (`canonical`). (Before this run the StableHLO path counted two of them `folded`: JAX
   lowers `sigmoid` to `negate, exponential, …`, and folding a lone negation into the kernel
