@@ -327,9 +327,11 @@ class JaxprChain:
         rule = JAXPR_STEPS.get(eqn.primitive.name)
         return rule(self, eqn, pos, axis) if rule else f"chain ends at {eqn.primitive.name}"
 
-    def peek(self, eqn, pos, v, axis):
+    def peek(self, eqn, pos, v, axis):     # a call of any kind: it may take the chain on
         rule = JAXPR_STEPS.get(eqn.primitive.name)
-        return None if rule is _call_rule else rule(self, eqn, pos, axis) if rule else "end"
+        if rule is _call_rule or C.call_body(eqn)[1] is not None:
+            return None
+        return rule(self, eqn, pos, axis) if rule else "end"
 
     def from_root(self, v) -> bool:
         return self.scope.from_root(v)

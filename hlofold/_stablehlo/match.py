@@ -290,8 +290,9 @@ class HloChain:
 
     def peek(self, op, pos, v, axis):
         rule = HLO_STEPS.get(op_name(op))
-        return None if rule in (_call, _branch_return) else \
-            rule(self, op, pos, v, axis) if rule else "end"
+        if rule is _branch_return:     # a branch's result: an output, as on a jaxpr
+            return "end"
+        return None if rule is _call else rule(self, op, pos, v, axis) if rule else "end"
 
     def from_root(self, v) -> bool:
         return owner_op(v) is not None and self.walker._from_root(v)

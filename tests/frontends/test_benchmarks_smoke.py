@@ -157,7 +157,10 @@ def test_branches_quick(tmp_path):
     for r in res["flax"]:
         assert r["convs"]["fold"] == r["convs"]["deploy"] < r["convs"]["train"], r
         assert set(r["steady_ms"]) == {"jit", "fold", "deploy", "under jit", "jit, no YNN",
-                                       "fold, no YNN", "deploy, no YNN"}
+                                       "fold, no YNN", "deploy, no YNN", "deploy, single",
+                                       "deploy, single, train tree"}
+        assert r["compile_options"] == {"xla_cpu_experimental_ynn_fusion_type": (
+            "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT")}
     for r in res["timm"]:
         assert r["convs"]["folded"] <= r["convs"]["timm deploy"] < r["convs"]["original"]
     assert "fold/deploy" in (tmp_path / "branches_cpu.md").read_text()

@@ -66,7 +66,7 @@ class Chain:
         if self.residual:
             return False
         ops = self.ops if self.reader is None else self.ops[:self.reader]
-        aff = [o for o in ops if o.kind in AFFINE]
+        aff = [o for o in ops if o.kind in AFFINE and o.kind != "neg"]   # (a sign is no fold)
         if not aff:
             return False
         if len(aff) == 1 and aff[0].kind in ("add", "sub"):
