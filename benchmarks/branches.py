@@ -30,15 +30,15 @@ import jax
 import numpy as np
 
 import hlofold
+from hlofold._compat import xla as X
 
 from . import repmodels as R
 from .common import code_info, machine_info, machine_line, now, steady, summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
-# what hlofold compiles a merged program with on XLA:CPU (hlofold._compat.xla)
-SINGLE = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,"
-          "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+# what hlofold compiles a merged program with on XLA:CPU
+SINGLE = {X.YNN_FUSION: X.YNN_SINGLE_OPS}
 OUT = os.path.join(HERE, os.pardir, "docs", "benchmarks")
 DATA = os.path.join(HERE, os.pardir, "tests", "testdata", "stablehlo")
 
