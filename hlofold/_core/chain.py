@@ -186,13 +186,15 @@ def _may_absorb(ir: ChainIR, op, pos: int, v, axis: int, depth: int = 8) -> bool
     the parameters, or one the chain passes that such an op reads after): then a value read
     by several ops is a site refused, else only the chain's end."""
     got = ir.peek(op, pos, v, axis)
+    if isinstance(got, Absorb) and got.source is None:       # a negation: no fold alone
+        got = Pass(got.step, axis)                           # (sigmoid's negate, exp, ...)
     if got is None or (isinstance(got, Pass) and depth == 0):
         return True
     if isinstance(got, Pass):
         r = ir.result(op)
         return any(_may_absorb(ir, o, p, r, got.axis, depth - 1) for o, p in ir.uses(r)[0])
     if isinstance(got, Absorb):
-        return got.source is None or not ir.from_root(got.source)
+        return not ir.from_root(got.source)
     if isinstance(got, Refusal):
         return got.kind != "feature-axis"
     return False

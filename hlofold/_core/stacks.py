@@ -33,6 +33,22 @@ def layers_differ(why: str) -> Reason:
                   f"of its own")
 
 
+def _status(rec) -> str:
+    return rec.status + (f" ({rec.reason})" if rec.reason else "")
+
+
+def first_difference(first: Sequence, other: Sequence, layer: int) -> str:
+    """Where layer ``layer``'s records first differ from layer 0's (the words of
+    :func:`layers_differ`)."""
+    for a, b in zip(first, other):
+        if (a.status, a.reason) != (b.status, b.reason):
+            where = f"{a.file}:{a.line}" if a.file else a.scope
+            return f"at {where}, layer 0 is {_status(a)} and layer {layer} {_status(b)}"
+    if len(first) != len(other):
+        return f"layer {layer} has {len(other)} sites, layer 0 {len(first)}"
+    return f"layer {layer}'s folded body differs from layer 0's"
+
+
 @dataclasses.dataclass
 class Stacked:
     """Where each constant of the folded body goes: ``shared[j]`` (one value, loop-invariant)
@@ -46,7 +62,8 @@ def _same(a, b) -> bool:
     if a is b:
         return True
     a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+    return a.shape == b.shape and a.dtype == b.dtype and \
+        np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
 
 
 class Restack:

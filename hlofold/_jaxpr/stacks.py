@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.rescale import aligned_empty
-from .._core.stacks import Restack, layer_records
+from .._core.stacks import Restack, first_difference, layer_records
 
 
 class NewValue(NamedTuple):
@@ -28,19 +28,6 @@ class NewValue(NamedTuple):
 def _key(closed: C.ClosedJaxpr):
     """A folded body up to the values of its constants."""
     return str(closed.jaxpr), tuple(str(C.aval_of(c)) for c in closed.consts)
-
-
-def _status(rec) -> str:
-    return rec.status + (f" ({rec.reason})" if rec.reason else "")
-
-
-def _differs(first: list, other: list, layer: int) -> str:
-    """Where layer ``layer``'s records first differ from layer 0's, for the reason."""
-    for a, b in zip(first, other):
-        if (a.status, a.reason) != (b.status, b.reason):
-            where = f"{a.file}:{a.line}" if a.file else a.scope
-            return f"at {where}, layer 0 is {_status(a)} and layer {layer} {_status(b)}"
-    return f"layer {layer}'s folded body differs from layer 0's"
 
 
 def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
@@ -77,7 +64,7 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
             _into_stacks(scopes[-1], kernels, layer, length)
         why = stack.add(_key(new), [] if keep else new.consts)
         if why is not None:
-            return _differs(records[0], recs, layer)
+            return first_difference(records[0], recs, layer)
         del new, values
     scope.sites.extend(layer_records(records, length))
     if keep:

@@ -66,6 +66,7 @@ def is_host(x) -> bool:
 # which every serialization keeps, portable artifacts included, and XLA ignores):
 GUARD = "hlofold_guard"          # a site's run-time guard: already folded
 PREPARED = "hlofold_prepared"    # an unguarded folded kernel or bias (checked by split)
+STACK = "hlofold_stack"          # a loop whose body folded per layer (the pass skips it)
 _FRONTEND = "mhlo.frontend_attributes"
 
 

@@ -41,6 +41,8 @@ from .values import HloValues
 from .emit import SiteWriter
 from .merge_write import merge_module
 from .platforms import inline_uniform_cases
+from .build import STACK, unmark
+from .stacks import fold_stacks, stack_loops
 from .._core.patterns import bias_map
 from .._core.chain_rules import channel_count
 from .._core.reasons import Reason
@@ -70,28 +72,32 @@ WEIGHTS_IN_LOOP = Reason(
     "per layer) or fold in the graph (in_graph=True, --in-graph)")
 
 
-def in_loop(op, calls: dict, seen: frozenset = frozenset()) -> bool:
-    """Whether ``op`` runs in the body of a ``stablehlo.while`` (at any depth, or in a
-    function called there; ``calls``: the module's :func:`call_sites`)."""
+def enclosing_loop(op, calls: dict, seen: frozenset = frozenset()):
+    """The ``stablehlo.while`` whose body ``op`` runs in (at any depth, or in a function
+    called there; ``calls``: the module's :func:`call_sites`), or None."""
     p = parent_of(op)
     while p is not None:
         if p.name == "stablehlo.while":
-            return True
+            return p
         if p.name == "func.func":
             name = ir.StringAttr(p.attributes["sym_name"]).value
-            return name not in seen and any(in_loop(c, calls, seen | {name})
-                                            for c in calls.get(name, ()))
+            if name in seen:
+                return None
+            return next((w for c in calls.get(name, ())
+                         if (w := enclosing_loop(c, calls, seen | {name})) is not None), None)
         p = parent_of(p)
-    return False
+    return None
 
 
 class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
-    def __init__(self, module, in_graph: bool = True, guard: bool = True):
+    def __init__(self, module, in_graph: bool = True, guard: bool = True,
+                 bound: dict | None = None, left: dict | None = None):
         self.in_graph = in_graph
         self.guard = guard
         self.module = module
         self.sites: list[FoldSite] = []
-        self.eval = Evaluator(module)
+        self.eval = Evaluator(module, bound)
+        self.left = left or {}        # loops whose layers do not fold alike: (reason, length)
         # value -> its lineage: the block arguments it is computed from (bits 1...) | from a
         # root (bit 0)
         self.lineage: dict[Any, int] = {}
@@ -258,8 +264,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         dec = decide(kernel_dtype=kd, math_dtypes=[d for d in math if d is not None]
                      if backward else [], s=s_vec, kernel=k_np if s_vec is not None else None,
                      kernel_axis=kaxis, in_graph=policy,
-                     not_now=WEIGHTS_IN_LOOP if in_loop(root, self.eval.calls)
-                     else WEIGHTS_ARE_ARGUMENTS,
+                     not_now=self._not_now(root, rec, fwd),
                      kernel_from_activation=kfa,
                      scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None),
                      subnormal=self.flushes([kernel], real + (fwd.steps if fwd else [])),
@@ -278,6 +283,18 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             else:
                 t_vec = s_vec * b64 + t_vec
         self._rewrite(root, steps, real, info, fwd, dec, known, s_vec, t_vec, bmap, add_t)
+
+    def _not_now(self, root, rec, fwd) -> Reason:
+        """Why a site whose weights are not known now is not folded now: they are module
+        arguments, or a loop's per-iteration values (a stack whose layers differ: that)."""
+        loop = enclosing_loop(root, self.eval.calls)
+        if loop is None:
+            return WEIGHTS_ARE_ARGUMENTS
+        why, length = self.left.get(loop, (WEIGHTS_IN_LOOP, None))
+        for r in (rec, fwd.record if fwd is not None else None):
+            if r is not None and length:
+                r.layers = length
+        return why
 
     def _check_forward(self, root, fwd, info, kd, policy, k_np, s_known: bool):
         """The forward fold's own rules (``_core.decide.forward_refusal``); returns ``(fwd or None
@@ -313,16 +330,23 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
 
 
 def fold_module(module, in_graph: bool = True, guard: bool = True,
-                merge: bool = True) -> FoldReport:
+                merge: bool = True, bound: dict | None = None) -> FoldReport:
     """Fold ``module`` in place (call inside its context); returns the report.
     ``in_graph``: fold sites whose weights are arguments with the rescale in the graph,
     guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
     the run-time guard, the folded kernels and biases marked ``PREPARED`` for the
     caller to check (see :mod:`hlofold._stablehlo.split`)."""
     inline_uniform_cases(module)     # a multi-platform module's per-platform copies
-    with gc_paused():
-        folder = _Pass(module, in_graph, guard)
+    symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
+               for op in module.body.operations if op_name(op) == "func.func"}
+    with gc_paused():                # scanned stacks, per layer (each a module of its own)
+        stacked, left = fold_stacks(module, symbols, lambda m, given: fold_module(
+            m, in_graph, guard, merge, bound=given), bound)
+        folder = _Pass(module, in_graph, guard, bound, left)
         report = folder.run()
+        report.sites[:0] = stacked
+        for w in stack_loops(module):
+            unmark(w, STACK)
         inlined = folder.inlined
         del folder              # (its memos hold a wrapper per op: dropped while paused)
     if inlined:                 # private functions whose calls were all inlined
@@ -332,7 +356,7 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
             merge_module(module, {ir.StringAttr(op.attributes["sym_name"]).value: op
                                   for op in module.body.operations
                                   if op_name(op) == "func.func"}, report.sites,
-                         staged=in_graph and not guard)
+                         staged=in_graph and not guard, bound=bound)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover
     return report

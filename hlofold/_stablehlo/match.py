@@ -14,7 +14,7 @@ from .. import _compat as C
 from .._core.chain import AGAIN, Absorb, Pass, postorder
 from .._core.chain_rules import DIVISOR, Refusal, pass_axis
 from .facts import forget_op_facts
-from .build import GUARD, marked
+from .build import GUARD, STACK, marked
 from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, elem_type, float_dtype, is_float,
                  location, op_name, owner_op, readers, reads, remap_operands, shape_of)
 from .patterns import Step, axis_role, resolve
@@ -203,7 +203,8 @@ class ChainWalker:
                         elif name in keep:        # (names of ops hlofold never marks)
                             kept.append(op)
                     if len(op.regions):              # (nesting, not operands)
-                        self._sweep(op, roots, guarded=guarded or marked(op, GUARD))
+                        self._sweep(op, None if marked(op, STACK) else roots,
+                                    guarded=guarded or marked(op, GUARD))
                         settle(op, self._reads_of(op), root)
                     else:
                         settle(op, op.operands, root)

@@ -299,11 +299,12 @@ class _Values(HloValues):
         self.ct = ir.F32Type.get()
 
 
-def merge_module(module, fname_ops, sites: list, staged: bool = False) -> None:
+def merge_module(module, fname_ops, sites: list, staged: bool = False,
+                 bound: dict | None = None) -> None:
     """Merge the branch sums of each function (``fname_ops``: name → func op) of
     ``module`` in place, recording each merge or refusal in ``sites``; ``staged``: merge
     argument weights in the graph, unguarded (``split=``)."""
-    ev = Evaluator(module)
+    ev = Evaluator(module, bound)
     vals = _Values(ev)
     taken: dict = {}
     for fname, fop in fname_ops.items():

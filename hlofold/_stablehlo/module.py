@@ -21,7 +21,8 @@ PURE = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo
                   "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
                   "stablehlo.rsqrt", "stablehlo.sqrt", "stablehlo.convolution",
                   "stablehlo.reduce_window", "stablehlo.batch_norm_inference",
-                  "stablehlo.transpose", "stablehlo.maximum"})
+                  "stablehlo.transpose", "stablehlo.maximum", "stablehlo.dynamic_slice",
+                  "stablehlo.slice", "stablehlo.dot_general", "stablehlo.minimum"})
 
 
 _gc_lock = threading.Lock()

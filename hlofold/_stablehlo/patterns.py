@@ -60,11 +60,14 @@ class Evaluator:
     _MOVES = frozenset({"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
                         "stablehlo.broadcast_in_dim"})
 
-    def __init__(self, module=None):
+    def __init__(self, module=None, bound: dict | None = None):
         self.memo: dict[Any, np.ndarray | None] = {}
         self.flushed: set = set()
         self.module = module
         self._calls: dict | None = None
+        # block arguments whose values are given (one layer of a scanned stack: its
+        # counters and the known loop operands, ``_stablehlo.stacks``)
+        self.bound: dict = dict(bound or {})
 
     @property
     def calls(self) -> dict:
@@ -75,11 +78,15 @@ class Evaluator:
 
     def _inputs(self, value) -> list:
         """The values ``value``'s host value is computed from (none: a leaf)."""
+        if value in self.bound:
+            return []
         op = owner_op(value)
         if op is None:
             outer = entering_value(value, lambda: self.calls)
             return [] if outer is None else [outer]
         name = op_name(op)
+        if name == "stablehlo.dynamic_slice" and is_float(value):
+            return [op.operands[0]]      # (the start indices: index_value)
         if not is_float(value) or name == "stablehlo.constant" or \
                 (name not in self._UNARY and name not in self._BIN and name not in self._MOVES):
             return []
@@ -107,11 +114,15 @@ class Evaluator:
 
     def _settle(self, value, inputs: list):
         """``value``'s host value from its ``inputs``' (already in ``memo``)."""
+        if value in self.bound:
+            return self.bound[value]
         op = owner_op(value)
         ins = [self.memo[u] for u in inputs]
         if any(u in self.flushed for u in inputs):
             self.flushed.add(value)
             return None
+        if op is not None and op_name(op) == "stablehlo.dynamic_slice":
+            return self._dynamic_slice(op, ins[0])
         if op is None:
             return ins[0] if ins else None
         if not is_float(value):
@@ -149,6 +160,61 @@ class Evaluator:
         for i, d in enumerate(dims):
             exp[d] = x.shape[i]
         return np.broadcast_to(x.reshape(exp), shape).astype(dt)
+
+    def _dynamic_slice(self, op, x):
+        """``dynamic_slice`` of a known operand at start indices known now (clamped into
+        the operand, as the op defines): a view of it."""
+        if x is None:
+            return None
+        sizes = int_dims(op.attributes["slice_sizes"])
+        starts = [index_value(s, self.bound) for s in op.operands[1:]]
+        if any(s is None for s in starts):
+            return None
+        starts = [min(max(s, 0), d - n) for s, d, n in zip(starts, x.shape, sizes)]
+        return x[tuple(slice(s, s + n) for s, n in zip(starts, sizes))]
+
+
+_INT_BIN = {"stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
+            "stablehlo.multiply": lambda a, b: a * b, "stablehlo.maximum": max,
+            "stablehlo.minimum": min}
+_COMPARE = {"LT": lambda a, b: a < b, "LE": lambda a, b: a <= b, "GT": lambda a, b: a > b,
+            "GE": lambda a, b: a >= b, "EQ": lambda a, b: a == b, "NE": lambda a, b: a != b}
+
+
+def index_value(value, bound: dict, depth: int = 0) -> int | None:
+    """The value of a scalar integer (or predicate) computed from constants and ``bound``
+    block arguments (a loop counter of one layer): what ``dynamic_slice`` starts are
+    (JAX's ``x[i]`` wraps a negative index with compare/add/select). None otherwise."""
+    if value in bound:
+        return int(np.asarray(bound[value]))
+    op = owner_op(value)
+    if op is None or depth > 32 or shape_of(value) != ():
+        return None
+    name = op_name(op)
+    if name == "stablehlo.constant":
+        a = ir.DenseElementsAttr(op.attributes["value"])
+        if not str(ir.RankedTensorType(a.type).element_type).lstrip("u").startswith("i"):
+            return None
+        return int(ir.IntegerAttr(a.get_splat_value()).value) if a.is_splat else \
+            int(np.asarray(ir.DenseIntElementsAttr(a)).reshape(-1)[0])
+    args = [index_value(v, bound, depth + 1) for v in op.operands]
+    if any(a is None for a in args):
+        return None
+    if name in _INT_BIN:
+        return _INT_BIN[name](*args)
+    if name == "stablehlo.negate":
+        return -args[0]
+    if name == "stablehlo.convert" and not is_float(value):
+        return args[0]
+    if name == "stablehlo.select":
+        return args[1] if args[0] else args[2]
+    if name == "stablehlo.clamp":
+        return min(max(args[1], args[0]), args[2])
+    if name == "stablehlo.compare":
+        d = str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
+        f = _COMPARE.get(d)
+        return None if f is None else int(f(*args))
+    return None
 
 
 def entering_value(arg, calls):
