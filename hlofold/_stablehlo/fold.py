@@ -66,10 +66,10 @@ WEIGHTS_ARE_ARGUMENTS = Reason(
 WEIGHTS_IN_LOOP = Reason(
     "weights-not-known",
     "the weights reach this site through a stablehlo.while (a scanned layer stack, one slice "
-    "read per iteration), whose per-iteration values this path does not read, so K·s would "
-    "be recomputed (and range-checked) on every iteration of every call; fold the jaxpr "
-    "before exporting (hlofold.fold, hlofold.export and fold_jaxpr fold a scanned stack "
-    "per layer) or fold in the graph (in_graph=True, --in-graph)")
+    "read per iteration) as module arguments, so K·s would be recomputed (and range-checked) "
+    "on every iteration of every call; fold with the weight values (fold_stablehlo(..., "
+    "params=), hlofold fold --params: each layer folds once and the loop reads the folded "
+    "stacks) or in the graph (in_graph=True, --in-graph)")
 
 
 def enclosing_loop(op, calls: dict, seen: frozenset = frozenset()):

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _compat as C
+from .._core.reasons import Reason
 from .._core.report import FOLDED
 from .._core.stacks import Restack, first_difference, layer_records, layers_differ
 from .build import STACK, make, mark, marked
@@ -30,6 +31,11 @@ from .module import SYMBOL_ATTRS, drop_uncalled_private, erase_unused
 from .patterns import Evaluator, index_value
 
 ir, stablehlo, func_dialect = C.mlir()
+
+NOT_COUNTED = ("its loop is not a counted one (a counter from a constant, stepped by a "
+               "constant, while counter < a constant, and one counting 0, 1, ...): its "
+               "layers are not known one by one")
+
 
 class Loop:
     """A counted ``stablehlo.while``: ``length`` iterations, its counters (body argument →
@@ -41,42 +47,67 @@ class Loop:
         self.invariant, self.known = invariant, known
 
 
-def loop_form(w, ev: Evaluator) -> Loop | None:
-    """``w`` as a counted loop over known stacks, or None (whether its body folds is
-    known from its first layer)."""
+def _step(value, arg, bound: dict, symbols: dict, depth: int = 0) -> int | None:
+    """The constant ``c`` where ``value`` is ``arg + c`` — directly, or returned so by a
+    private function the body calls with ``arg`` (``fori_loop``'s body returns ``i + 1``)."""
+    op = owner_op(value)
+    if op is None or depth > 8:
+        return None
+    if op_name(op) == "stablehlo.add":
+        x, y = op.operands
+        other = y if x == arg else x if y == arg else None
+        return None if other is None else index_value(other, bound)
+    if op_name(op) == "func.call":
+        callee = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+        if callee is None or not callee.regions[0].blocks:
+            return None
+        cb = callee.regions[0].blocks[0]
+        k = next(i for i, r in enumerate(op.results) if r == value)
+        inner = list(cb.operations)[-1].operands[k]
+        for j, v in enumerate(op.operands):
+            if v == arg:
+                got = _step(inner, cb.arguments[j], bound, symbols, depth + 1)
+                if got is not None:
+                    return got
+    return None
+
+
+def loop_form(w, ev: Evaluator, symbols: dict) -> Loop | str | None:
+    """``w`` as a counted loop over known stacks; why not (a str) where it reads known
+    stacks but is not counted; None where it reads no known stack (whether its body folds
+    is known from its first layer)."""
     body, cond = w.regions[1].blocks[0], w.regions[0].blocks[0]
     ret = list(body.operations)[-1]
     args = list(body.arguments)
     invariant = {k for k, a in enumerate(args) if ret.operands[k] == a}
+    known = {}
+    for k in sorted(invariant):
+        if is_float(w.operands[k]) and (v := ev(w.operands[k])) is not None:
+            known[k] = np.asarray(v)
+    if not any(np.ndim(v) for v in known.values()):
+        return None
     counters = {}
     for k, a in enumerate(args):
         if k in invariant or shape_of(a) != () or is_float(a):
             continue
-        start, upd = index_value(w.operands[k], ev.bound), owner_op(ret.operands[k])
-        if start is None or upd is None or op_name(upd) != "stablehlo.add":
-            continue
-        x, y = upd.operands
-        other = y if x == a else x if y == a else None
-        step = None if other is None else index_value(other, ev.bound)
+        start = index_value(w.operands[k], ev.bound)
+        step = None if start is None else _step(ret.operands[k], a, ev.bound, symbols)
         if step:
             counters[k] = (start, step)
     test = owner_op(list(cond.operations)[-1].operands[0])
     if test is None or op_name(test) != "stablehlo.compare" or \
             str(test.attributes["comparison_direction"]).split()[-1].rstrip(">") != "LT":
-        return None
+        return NOT_COUNTED
     lhs, bound = test.operands[0], index_value(test.operands[1], ev.bound)
     j = next((k for k, a in enumerate(cond.arguments) if a == lhs), None)
     if j not in counters or bound is None or counters[j][1] < 0:
-        return None
+        return NOT_COUNTED
     start, step = counters[j]
     length = max(0, -(-(bound - start) // step))
     row = next((k for k, (a, c) in counters.items() if (a, c) == (0, 1)), None)
-    known = {}
-    for k in sorted(invariant):
-        if is_float(w.operands[k]) and (v := ev(w.operands[k])) is not None:
-            known[k] = np.asarray(v)
-    if row is None or length < 1 or not any(np.ndim(v) and v.shape[0] == length
-                                            for v in known.values()):
+    if row is None:
+        return NOT_COUNTED
+    if length < 1 or not any(np.ndim(v) and v.shape[0] == length for v in known.values()):
         return None
     return Loop(length, counters, row, invariant, known)
 
@@ -236,8 +267,13 @@ def fold_stacks(module, symbols: dict, fold: Callable, bound: dict | None = None
             continue
         for w in [o for o in _walk(fop.regions[0].blocks[0])
                   if op_name(o) == "stablehlo.while" and not _in_while(o)]:
-            loop = loop_form(w, ev)
+            loop = loop_form(w, ev, symbols)
             if loop is None:
+                continue
+            if isinstance(loop, str):
+                left[w.operation] = (Reason("weights-not-known", "the weights reach this "
+                                            f"site through a stablehlo.while, and {loop}"),
+                                     None)
                 continue
             got = _fold_loop(w, loop, symbols, ev, fold)
             if isinstance(got, str):

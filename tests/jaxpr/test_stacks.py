@@ -245,18 +245,6 @@ def test_maxtext_style_scanned_decoder_folds_every_norm():
     assert_close(m.apply(params, x), m.apply(wb.params, x))
 
 
-def test_the_stablehlo_path_says_what_is_true_of_a_stack():
-    """The StableHLO path does not read a ``while`` per iteration: a frozen stack's site is
-    refused saying so (not "module arguments"), and folds in the graph when asked."""
-    text = jax.jit(lambda x: CNN.apply(CNN_VARS, x)).lower(X).as_text()
-    _, rep = hlofold.fold_stablehlo(text)
-    (site,) = rep.refused
-    assert "stablehlo.while" in site.reason and "module arguments" not in site.reason
-    assert "hlofold.fold" in site.reason
-    _, rep = hlofold.fold_stablehlo(text, in_graph=True)
-    assert rep.num_folded == 1 and rep.folded[0].guarded
-
-
 def test_one_folded_stack_called_from_many_threads():
     """Threads calling one folded function with two parameter sets (each prepares its own
     stack, the apply program is shared) get their own set's outputs."""

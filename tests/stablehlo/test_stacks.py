@@ -1,0 +1,195 @@
+"""Scanned layer stacks on the StableHLO path (issue 39 item 1).
+
+``lax.scan`` over stacked parameters and the ``fori_loop`` form ``params["K"][i]`` lower to a
+``stablehlo.while`` whose loop-invariant operands are the stacks, read in the body through
+``dynamic_slice`` at a counter. With the stacks known (constants in the module, or
+``params=``), the body folds once per layer and the loop reads the folded kernels and biases
+at the iteration number: the body runs conv + bias, the old stacks are gone, one record per
+site with the stack length — the same decisions as the jaxpr path. A stack whose layers do not
+fold alike is left as it was, with that reason.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlofold
+from hlofold._core.reasons import reason_kind
+from hlofold._stablehlo.artifacts import module_callable
+from hlofold._stablehlo.ir import op_name
+from hlofold._stablehlo.module import parse_module
+from tests.helpers import assert_close, assert_nothing_left_behind
+from tests.jaxpr.test_stacks import (CNN, CNN_VARS, X, ScannedDecoder, _hand_stack,
+                                     _perturbed)
+
+NORM_OPS = {"stablehlo.rsqrt", "stablehlo.subtract", "stablehlo.divide"}
+
+
+def _ops(block, out):
+    for op in block.operations:
+        out.append(op_name(op))
+        for region in op.regions:
+            for b in region.blocks:
+                _ops(b, out)
+    return out
+
+
+def loop_bodies(text) -> list[list[str]]:
+    """The op names in each ``stablehlo.while`` body of ``text`` (nested ones included)."""
+    m = parse_module(text)
+    with m.context:
+        found, todo = [], list(m.body.operations)
+        while todo:
+            op = todo.pop()
+            if op_name(op) == "stablehlo.while":
+                found.append(_ops(op.regions[1].blocks[0], []))
+            todo += [inner for region in op.regions for b in region.blocks
+                     for inner in b.operations]
+        return found
+
+
+def main_constants(text) -> list[str]:
+    """The types of the constants at the top of ``@main``."""
+    m = parse_module(text)
+    with m.context:
+        main = next(op for op in m.body.operations if op_name(op) == "func.func")
+        return [str(op.results[0].type) for op in main.regions[0].blocks[0].operations
+                if op_name(op) == "stablehlo.constant"]
+
+
+def first(out):
+    return np.asarray(jax.tree.leaves(out)[0])
+
+
+def run(text, *args):
+    return first(module_callable(text)(*args))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_stacks_in_the_module_fold_per_layer(reverse):
+    f, p, x = _hand_stack(reverse=reverse)
+    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and not rep.refused, str(rep)
+    assert rep.folded[0].layers == 3
+    (body,) = loop_bodies(folded)
+    assert not set(body) & NORM_OPS and body.count("stablehlo.multiply") == 0, body
+    assert body.count("stablehlo.convolution") == 1 and "stablehlo.dynamic_slice" in body
+    # the old stacks (kernel, mean, variance) are gone: one kernel stack, one bias stack
+    consts = main_constants(folded)
+    assert consts.count("tensor<3x3x3x8x8xf32>") == 1 and consts.count("tensor<3x8xf32>") == 1
+    assert_nothing_left_behind(text, folded)
+    assert_close(f(p, x), run(folded, x))
+
+
+def test_params_bound_stacks_fold_per_layer_and_the_loop_reads_the_prepared_stacks():
+    f, p, x = _hand_stack()
+    exp = jax.export.export(jax.jit(f))(p, x)
+    leaves = jax.tree.leaves(p)
+    new, rep, prepared = hlofold.fold_stablehlo(
+        exp, params={f"arg{i}": np.asarray(l) for i, l in enumerate(leaves)})
+    assert rep.num_folded == 1 and rep.folded[0].layers == 3, str(rep)
+    # one stacked kernel and one stacked bias: the shared γ is in the folded kernels
+    assert sorted(q.shape for q in prepared) == [(3, 3, 3, 8, 8), (3, 8)]
+    assert_close(exp.call(p, x), new.call(x, *prepared))
+
+
+def test_flax_scan_stack_folds_alike_on_both_paths():
+    text = jax.jit(lambda x: CNN.apply(CNN_VARS, x)).lower(X).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    jrep = hlofold.fold(jax.jit(CNN.apply)).report(CNN_VARS, X)
+    assert sorted((s.status, s.layers or 1) for s in rep.sites) == \
+        sorted((s.status, s.layers or 1) for s in jrep.sites), (str(rep), str(jrep))
+    assert [s.layers for s in rep.folded] == [4]
+    (body,) = loop_bodies(folded)
+    assert not set(body) & NORM_OPS
+    assert_close(CNN.apply(CNN_VARS, X), run(folded, X))
+
+
+def test_maxtext_style_scanned_decoder_folds_every_norm_on_both_paths():
+    m = ScannedDecoder()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 32)), jnp.float32)
+    params = _perturbed(m.init(jax.random.PRNGKey(0), x))
+    exp = jax.export.export(jax.jit(m.apply))(params, x)
+    leaves = jax.tree.leaves(params)
+    new, rep, prepared = hlofold.fold_stablehlo(
+        exp, params={f"arg{i}": np.asarray(l) for i, l in enumerate(leaves)})
+    jrep = hlofold.fold(jax.jit(m.apply), fold_costly=True).report(params, x)
+    assert rep.num_folded == jrep.num_folded == 5, (str(rep), str(jrep))
+    assert {s.layers for s in rep.folded} == {3}
+    assert sorted(s.status for s in rep.sites) == sorted(s.status for s in jrep.sites)
+    (body,) = loop_bodies(new.mlir_module())
+    assert "stablehlo.rsqrt" in body            # the per-token factor stays, γ is folded
+    assert_close(exp.call(params, x), new.call(x, *prepared))
+
+
+def test_the_fori_loop_form_folds_per_layer():
+    rng = np.random.default_rng(7)
+    L, C = 4, 8
+    p = {"k": jnp.asarray(rng.standard_normal((L, C, C)) * 0.3, jnp.float32),
+         "s": jnp.asarray(rng.uniform(0.5, 2, (L, C)), jnp.float32),
+         "t": jnp.asarray(rng.standard_normal((L, C)), jnp.float32)}
+
+    def f(p, x):
+        return lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ p["k"][i] * p["s"][i] + p["t"][i]),
+                             x)
+    x = jnp.asarray(rng.standard_normal((3, C)), jnp.float32)
+    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and rep.folded[0].layers == L, str(rep)
+    (body,) = loop_bodies(folded)
+    assert body.count("stablehlo.multiply") == 0, body
+    assert_close(f(p, x), run(folded, x))
+
+
+def test_nested_stacks_count_every_layer():
+    rng = np.random.default_rng(5)
+    p = {"k": jnp.asarray(rng.standard_normal((2, 3, 8, 8)) * 0.3, jnp.float32),
+         "s": jnp.asarray(rng.uniform(0.5, 2, (2, 3, 8)), jnp.float32),
+         "t": jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)}
+
+    def f(p, x):
+        def outer(h, q):
+            def inner(h, r):
+                kk, ss, tt = r
+                return jnp.tanh(h @ kk * ss + tt), None
+            return lax.scan(inner, h, q)[0], None
+        return lax.scan(outer, x, (p["k"], p["s"], p["t"]))[0]
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and rep.folded[0].layers == 6, str(rep)
+    assert_close(f(p, x), run(folded, x))
+
+
+def test_layers_that_fold_differently_leave_the_loop_with_the_reason():
+    f, params, x = _hand_stack(shared_gamma=False)
+    var = np.asarray(params["var"]).copy()
+    var[1, 2] = -1e-5                  # layer 1: σ² + ε = 0 in one channel: its fold is refused
+    params = {**params, "var": jnp.asarray(var)}
+    text = jax.jit(lambda x: f(params, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 0, str(rep)
+    (site,) = rep.refused
+    assert reason_kind(site.reason) == "stack-layers-differ", site.reason
+    assert "layer 1" in site.reason and site.layers == 3
+    assert str(parse_module(folded)) == str(parse_module(text))
+    # in the graph, the usual rule: folded per iteration behind its guard
+    folded, rep = hlofold.fold_stablehlo(text, in_graph=True)
+    assert rep.num_folded == 1 and rep.folded[0].guarded, str(rep)
+    out = run(folded, x)
+    assert np.array_equal(np.isnan(out), np.isnan(np.asarray(f(params, x))))
+
+
+def test_stacks_as_arguments_say_how_to_fold_them():
+    """Without the weight values the loop's sites stay, and the reason names what folds
+    them per layer (params=) — not the jaxpr path."""
+    f, p, x = _hand_stack()
+    text = jax.jit(f).lower(p, x).as_text()
+    _, rep = hlofold.fold_stablehlo(text)
+    (site,) = rep.refused
+    assert "stablehlo.while" in site.reason and "params=" in site.reason
+    assert "module arguments" not in site.reason.split("stablehlo.while")[0]
