@@ -341,7 +341,7 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
                for op in module.body.operations if op_name(op) == "func.func"}
     with gc_paused():                # scanned stacks, per layer (each a module of its own)
         stacked, left = fold_stacks(module, symbols, lambda m, given: fold_module(
-            m, in_graph, guard, merge, bound=given), bound)
+            m, in_graph, guard, merge, bound=given), bound, staged=in_graph and not guard)
         folder = _Pass(module, in_graph, guard, bound, left)
         report = folder.run()
         report.sites[:0] = stacked

@@ -193,3 +193,23 @@ def test_stacks_as_arguments_say_how_to_fold_them():
     (site,) = rep.refused
     assert "stablehlo.while" in site.reason and "params=" in site.reason
     assert "module arguments" not in site.reason.split("stablehlo.while")[0]
+
+
+def test_split_prepares_the_stacks_once_and_apply_reads_them():
+    """``split=``: prepare runs one loop over the layers that fills the folded kernel and
+    bias stacks from the weight stacks (checked finite once); apply's loop runs conv + bias
+    reading them at the iteration number — nothing computed from the weights per call."""
+    f, p, x = _hand_stack()
+    text = jax.jit(f).lower(p, x).as_text()            # gamma, k, mean, var, x
+    apply, rep, prepare = hlofold.fold_stablehlo(text, split=["arg4"])
+    assert rep.num_folded == 1 and rep.folded[0].layers == 3, str(rep)
+    (body,) = loop_bodies(apply)
+    assert not set(body) & NORM_OPS and "stablehlo.multiply" not in body, body
+    assert "hlofold_" not in apply + prepare
+    weights = [p["gamma"], p["k"], p["mean"], p["var"]]
+    *prepared, ok = module_callable(prepare)(*weights)
+    assert bool(ok) and sorted(q.shape for q in prepared) == [(3, 3, 3, 8, 8), (3, 8)]
+    assert_close(f(p, x), first(module_callable(apply)(x, *prepared)))
+    bad = dict(p, var=p["var"].at[2, 1].set(-1e-5))      # σ² + ε = 0 in layer 2: not ok
+    assert not bool(module_callable(prepare)(*[bad[k] for k in ("gamma", "k", "mean",
+                                                                "var")])[-1])

@@ -1,0 +1,400 @@
+"""The loops of the StableHLO path, as the scanned-stack fold reads and writes them.
+
+:func:`loop_form` reads a ``stablehlo.while`` as a counted loop (counters from constants by
+constant steps, ``counter < bound``) over known stacks; :func:`layer_module` makes its body a
+module of its own (``@main`` taking the body's arguments; private calls that read the weights
+inlined, so that a fold sees them where they are read); :func:`rebuild_loop` puts a folded
+body back as a new loop whose per-layer values are stacked operands read at the iteration
+number; :func:`hoist_prepared` moves what a body computes from the weights alone (a fold in
+the graph: ``K ⊙ s`` of one layer's slices) into a loop of its own before it, which fills
+stacks once per call of the module — the prepare side of ``split=``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _compat as C
+from .build import PREPARED, STACK, make, mark, marked, unmark
+from .ir import is_float, numpy_to_dense, op_name, owner_op, parent_of, reads, shape_of
+from .module import SYMBOL_ATTRS, erase_unused
+from .patterns import Evaluator, index_value
+
+ir, stablehlo, func_dialect = C.mlir()
+
+
+NOT_COUNTED = ("its loop is not a counted one (a counter from a constant, stepped by a "
+               "constant, while counter < a constant, and one counting 0, 1, ...): its "
+               "layers are not known one by one")
+
+
+class Loop:
+    """A counted ``stablehlo.while``: ``length`` iterations, its counters (body argument →
+    (start, step)), ``row`` (the counter that is the iteration number: start 0, step 1), the
+    loop-invariant operands and those known now (argument → value)."""
+
+    def __init__(self, length, counters, row, invariant, known):
+        self.length, self.counters, self.row = length, counters, row
+        self.invariant, self.known = invariant, known
+
+
+def step_of(value, arg, bound: dict, symbols: dict, depth: int = 0) -> int | None:
+    """The constant ``c`` where ``value`` is ``arg + c`` — directly, or returned so by a
+    private function the body calls with ``arg`` (``fori_loop``'s body returns ``i + 1``)."""
+    op = owner_op(value)
+    if op is None or depth > 8:
+        return None
+    if op_name(op) == "stablehlo.add":
+        x, y = op.operands
+        other = y if x == arg else x if y == arg else None
+        return None if other is None else index_value(other, bound)
+    if op_name(op) == "func.call":
+        callee = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+        if callee is None or not callee.regions[0].blocks:
+            return None
+        cb = callee.regions[0].blocks[0]
+        k = next(i for i, r in enumerate(op.results) if r == value)
+        inner = list(cb.operations)[-1].operands[k]
+        for j, v in enumerate(op.operands):
+            if v == arg:
+                got = step_of(inner, cb.arguments[j], bound, symbols, depth + 1)
+                if got is not None:
+                    return got
+    return None
+
+
+def loop_form(w, ev: Evaluator, symbols: dict, staged: bool = False) -> Loop | str | None:
+    """``w`` as a counted loop over known stacks (``staged``: or stacks not known, folded in
+    the graph and hoisted); why not (a str) where it reads known stacks but is not counted;
+    None where it reads no such stack (whether its body folds is known from its first
+    layer)."""
+    body, cond = w.regions[1].blocks[0], w.regions[0].blocks[0]
+    ret = list(body.operations)[-1]
+    args = list(body.arguments)
+    invariant = {k for k, a in enumerate(args) if ret.operands[k] == a}
+    known = {}
+    for k in sorted(invariant):
+        if is_float(w.operands[k]) and (v := ev(w.operands[k])) is not None:
+            known[k] = np.asarray(v)
+    if not any(np.ndim(v) for v in known.values()) and not staged:
+        return None
+    counters = {}
+    for k, a in enumerate(args):
+        if k in invariant or shape_of(a) != () or is_float(a):
+            continue
+        start = index_value(w.operands[k], ev.bound)
+        step = None if start is None else step_of(ret.operands[k], a, ev.bound, symbols)
+        if step:
+            counters[k] = (start, step)
+    test = owner_op(list(cond.operations)[-1].operands[0])
+    if test is None or op_name(test) != "stablehlo.compare" or \
+            str(test.attributes["comparison_direction"]).split()[-1].rstrip(">") != "LT":
+        return NOT_COUNTED
+    lhs, bound = test.operands[0], index_value(test.operands[1], ev.bound)
+    j = next((k for k, a in enumerate(cond.arguments) if a == lhs), None)
+    if j not in counters or bound is None or counters[j][1] < 0:
+        return NOT_COUNTED
+    start, step = counters[j]
+    length = max(0, -(-(bound - start) // step))
+    row = next((k for k, (a, c) in counters.items() if (a, c) == (0, 1)), None)
+    if row is None:
+        return NOT_COUNTED
+    stacks = [k for k in invariant if is_float(w.operands[k]) and
+              shape_of(w.operands[k])[:1] == (length,)]
+    if length < 1 or not stacks or (not staged and not any(k in known for k in stacks)):
+        return None
+    return Loop(length, counters, row, invariant, known)
+
+
+def walk(block):
+    """Every op in ``block``, nested regions included, in program order."""
+    for op in block.operations:
+        yield op
+        for region in op.regions:
+            for b in region.blocks:
+                yield from walk(b)
+
+
+def inside(value, w) -> bool:
+    """Whether ``value`` is defined in ``w``'s regions."""
+    op = owner_op(value)
+    op = op if op is not None else ir.BlockArgument(value).owner.owner
+    while op is not None:
+        if op == w:
+            return True
+        op = parent_of(op)
+    return False
+
+
+def remap(op, mapping: dict) -> None:
+    for i, v in enumerate(op.operands):
+        got = mapping.get(v)
+        if got is not None:
+            op.operands[i] = got
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                remap(inner, mapping)
+
+
+def clone(ops, mapping: dict, symbols: dict, pure: set | None = None, depth: int = 0) -> None:
+    """Clone ``ops`` where you are, operands renamed by ``mapping`` (filled with the
+    clones' results). A call of a private function that reads a value in ``pure``
+    (computed from the loop's known operands, counters and constants only: the weights) is
+    inlined, its body cloned, so that the fold sees the weights where they are read; other
+    calls stay calls (a nonlinearity's ``@silu``)."""
+    for op in ops:
+        if op_name(op) == "func.call" and depth < 64:
+            callee = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+            if callee is not None and callee.regions[0].blocks and \
+                    "sym_visibility" in callee.attributes and \
+                    ir.StringAttr(callee.attributes["sym_visibility"]).value == "private" and \
+                    pure is not None and any(v in pure for v in op.operands):
+                cb = callee.regions[0].blocks[0]
+                inner = dict(zip(cb.arguments, [mapping.get(v, v) for v in op.operands]))
+                pure.update(a for a, v in zip(cb.arguments, op.operands) if v in pure)
+                body = list(cb.operations)
+                clone(body[:-1], inner, symbols, pure, depth + 1)
+                for r, v in zip(op.results, body[-1].operands):
+                    mapping[r] = inner.get(v, v)
+                    if v in pure:
+                        pure.add(r)
+                continue
+        new = op.clone()
+        remap(new, mapping)
+        for r, n in zip(op.results, new.results):
+            mapping[r] = n
+        if pure is not None and not len(op.regions) and all(v in pure for v in op.operands):
+            pure.update(op.results)
+
+
+def layer_module(w, loop: Loop, symbols: dict, ev: Evaluator):
+    """The body of ``w`` as ``@main`` of a module of its own (private calls inlined, values
+    the body reads from outside the loop as constants), returning the carried values; or
+    None where the body reads an unknown value from outside."""
+    body = w.regions[1].blocks[0]
+    ret = list(body.operations)[-1]
+    carried = [k for k in range(len(body.arguments)) if k not in loop.invariant]
+    outside = {}
+    for op in list(body.operations)[:-1]:
+        for v in reads(op):
+            if v not in outside and not inside(v, w):
+                outside[v] = None
+    module = ir.Module.create()
+    with ir.InsertionPoint(module.body):
+        fop = func_dialect.FuncOp("main", ([a.type for a in body.arguments],
+                                           [ret.operands[k].type for k in carried]),
+                                  visibility="public")
+    entry = fop.add_entry_block()
+    mapping = dict(zip(body.arguments, entry.arguments))
+    with ir.InsertionPoint(entry):
+        for v in outside:
+            x = ev(v) if is_float(v) else index_value(v, ev.bound)
+            if x is None:
+                return None
+            mapping[v] = stablehlo.ConstantOp(numpy_to_dense(np.asarray(x), ir.RankedTensorType(
+                v.type).element_type) if is_float(v) else ir.DenseElementsAttr.get_splat(
+                    ir.RankedTensorType(v.type), ir.IntegerAttr.get(
+                        ir.RankedTensorType(v.type).element_type, int(x)))).result
+        pure = {body.arguments[k] for k in (*loop.invariant, *loop.counters)} | set(outside)
+        clone(list(body.operations)[:-1], mapping, symbols, pure)
+        func_dialect.ReturnOp([mapping.get(ret.operands[k], ret.operands[k]) for k in carried])
+    copycallees(module, symbols)
+    return module, fop
+
+
+def copycallees(module, symbols: dict) -> None:
+    """The private functions the layer module still refers to (from nested regions)."""
+    have = {"main"}
+    while True:
+        want = set()
+        for fop in module.body.operations:
+            for op in walk(fop.regions[0].blocks[0]):
+                for key in SYMBOL_ATTRS:
+                    if key in op.attributes:
+                        a = op.attributes[key]
+                        refs = list(ir.ArrayAttr(a)) if isinstance(a, ir.ArrayAttr) else [a]
+                        want.update(ir.FlatSymbolRefAttr(r).value for r in refs)
+        new = [n for n in want - have if n in symbols]
+        if not new:
+            return
+        for n in new:
+            symbols[n].clone(ip=ir.InsertionPoint(module.body))
+            have.add(n)
+
+
+def callees_changed(module, symbols: dict) -> bool:
+    return any(str(f) != str(symbols[n]) for f in module.body.operations
+               if (n := ir.StringAttr(f.attributes["sym_name"]).value) != "main")
+
+
+def callees(block, symbols: dict) -> set:
+    """The functions ``block`` calls, directly or through others."""
+    out, todo = set(), [block]
+    while todo:
+        for o in walk(todo.pop()):
+            if op_name(o) == "func.call":
+                name = ir.FlatSymbolRefAttr(o.attributes["callee"]).value
+                if name not in out and name in symbols:
+                    out.add(name)
+                    if symbols[name].regions[0].blocks:
+                        todo.append(symbols[name].regions[0].blocks[0])
+    return out
+
+
+def rebuild_loop(w, loop: Loop, first, plan, symbols: dict, extra=()) -> set:
+    """Replace ``w`` with a loop running layer 0's folded body, its per-layer constants read
+    from stacked operands of its own at the iteration number; ``extra``: the outer values
+    of the body's arguments after the loop's own (:func:`hoist_prepared`'s stacks). Returns
+    the private functions the old body called."""
+    _, fop, cops = first
+    entry = fop.regions[0].blocks[0]
+    cond, body = w.regions[0].blocks[0], w.regions[1].blocks[0]
+    n = len(w.operands)
+    kept = [k for k in range(n) if k not in loop.invariant or
+            next(iter(entry.arguments[k].uses), None) is not None or
+            next(iter(cond.arguments[k].uses), None) is not None]
+    stacked = {j: arr for j, arr in plan.stacked}
+    etypes = {j: ir.RankedTensorType(cops[j].results[0].type).element_type for j in stacked}
+    with ir.InsertionPoint(w):
+        news = [stablehlo.ConstantOp(numpy_to_dense(arr, etypes[j])).result
+                for j, arr in plan.stacked]
+    operands = [w.operands[k] for k in kept] + list(extra) + news
+    types = [v.type for v in operands]
+    with ir.InsertionPoint(w):
+        nw = make("stablehlo.while", types, operands, regions=2)
+    cb = nw.regions[0].blocks.append(*types)
+    bb = nw.regions[1].blocks.append(*types)
+    cmap = {cond.arguments[k]: cb.arguments[i] for i, k in enumerate(kept)}
+    with ir.InsertionPoint(cb):
+        clone(list(cond.operations), cmap, {})
+    bmap = {entry.arguments[k]: bb.arguments[i] for i, k in enumerate(kept)}
+    bmap.update({entry.arguments[n + i]: bb.arguments[len(kept) + i]
+                 for i in range(len(extra))})
+    row = bb.arguments[kept.index(loop.row)]
+    slot = {cops[j]: len(kept) + len(extra) + i for i, (j, _) in enumerate(plan.stacked)}
+    ops = list(entry.operations)
+    with ir.InsertionPoint(bb):
+        zero = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+            ir.RankedTensorType(row.type), ir.IntegerAttr.get(
+                ir.RankedTensorType(row.type).element_type, 0))).result
+        for op in ops[:-1]:
+            i = slot.get(op)
+            if i is None:
+                clone([op], bmap, {})
+                continue
+            bmap[op.results[0]] = row_of(bb.arguments[i], row, zero)
+        carried = iter(bmap.get(v, v) for v in ops[-1].operands)
+        out = [bb.arguments[i] if k in loop.invariant else next(carried)
+               for i, k in enumerate(kept)] + list(bb.arguments[len(kept):])
+        make("stablehlo.return", [], out)
+    mark(nw, STACK)
+    old = [owner_op(w.operands[k]) for k in range(n) if k not in kept]
+    called = callees(body, symbols)
+    for i, k in enumerate(kept):
+        w.results[k].replace_all_uses_with(nw.results[i])
+    for k in range(n):
+        if k not in kept:
+            w.results[k].replace_all_uses_with(w.operands[k])
+    w.erase()
+    erase_unused([o for o in old if o is not None])
+    return called
+
+
+def row_of(stack, row, zero):
+    """``stack[row]`` (insert where you are): a ``dynamic_slice`` of one row, reshaped."""
+    t = ir.RankedTensorType(stack.type)
+    one = ir.RankedTensorType.get([1] + list(t.shape[1:]), t.element_type)
+    s = make("stablehlo.dynamic_slice", [one], [stack, row] + [zero] * (len(t.shape) - 1),
+             {"slice_sizes": ir.DenseI64ArrayAttr.get([1] + list(t.shape[1:]))}).result
+    return make("stablehlo.reshape", [ir.RankedTensorType.get(list(t.shape[1:]),
+                                                              t.element_type)], [s]).result
+
+
+def _int_const(t, value: int):
+    return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        t, ir.IntegerAttr.get(t.element_type, value))).result
+
+
+def hoist_prepared(w, loop: Loop, fop) -> list:
+    """Move what layer 0's body (``fop``, folded in the graph) computes from the weights
+    alone — the values marked ``PREPARED`` and what computes them from the loop-invariant
+    operands and the counters — into a loop of its own before ``w`` that fills one stack
+    per value (``dynamic_update_slice`` at the iteration number); the body reads a new
+    argument (after its own) at the row instead. Returns the stacks (each through an op
+    marked ``PREPARED``: ``split=`` checks them once), the outer values of those arguments."""
+    entry = fop.regions[0].blocks[0]
+    n = len(w.operands)
+    pure = {entry.arguments[k] for k in (*loop.invariant, *loop.counters)}
+    ops = list(entry.operations)[:-1]
+    for op in ops:
+        if not len(op.regions) and all(v in pure for v in op.operands):
+            pure.update(op.results)
+    preps = [op for op in ops if marked(op, PREPARED) and op.results[0] in pure]
+    if not preps:
+        return []
+    need, todo = set(), [p.operation for p in preps]
+    while todo:
+        op = todo.pop()
+        if op in need:
+            continue
+        need.add(op)
+        todo += [o.operation for v in op.operands if (o := owner_op(v)) is not None]
+    part = [op for op in ops if op.operation in need]
+    used = [k for k in sorted(loop.invariant) if any(
+        v == entry.arguments[k] for op in part for v in op.operands)]
+    rt = ir.RankedTensorType(entry.arguments[loop.row].type)
+    L = loop.length
+    outs = [ir.RankedTensorType.get([L] + list(shape_of(p.results[0])),
+                                    ir.RankedTensorType(p.results[0].type).element_type)
+            for p in preps]
+    with ir.InsertionPoint(w):
+        init = [_int_const(rt, 0)] + [w.operands[k] for k in used] + [
+            make("stablehlo.broadcast_in_dim", [t], [stablehlo.ConstantOp(
+                numpy_to_dense(np.zeros((), np.float32), t.element_type)).result],
+                {"broadcast_dimensions": ir.DenseI64ArrayAttr.get([])}).result for t in outs]
+        types = [v.type for v in init]
+        pw = make("stablehlo.while", types, init, regions=2)
+    cb = pw.regions[0].blocks.append(*types)
+    with ir.InsertionPoint(cb):
+        make("stablehlo.return", [], [stablehlo.CompareOp(
+            cb.arguments[0], _int_const(rt, L),
+            stablehlo.ComparisonDirectionAttr.get("LT")).result])
+    bb = pw.regions[1].blocks.append(*types)
+    row = bb.arguments[0]
+    mapping = {entry.arguments[k]: bb.arguments[1 + i] for i, k in enumerate(used)}
+    with ir.InsertionPoint(bb):
+        zero = _int_const(rt, 0)
+        for k, (a, c) in loop.counters.items():   # each counter from the iteration number
+            ct = ir.RankedTensorType(entry.arguments[k].type)
+            mapping[entry.arguments[k]] = row if (a, c, ct) == (0, 1, rt) else \
+                stablehlo.AddOp(stablehlo.MulOp(stablehlo.ConvertOp(ct, row).result,
+                                                _int_const(ct, c)).result,
+                                _int_const(ct, a)).result
+        clone(part, mapping, {})
+        for op in bb.operations:
+            if marked(op, PREPARED):       # (checked once, on the stacks below)
+                unmark(op, PREPARED)
+        upd = []
+        for j, p in enumerate(preps):
+            v = mapping[p.results[0]]
+            one = ir.RankedTensorType.get([1] + list(shape_of(v)), outs[j].element_type)
+            upd.append(make("stablehlo.dynamic_update_slice", [outs[j]], [
+                bb.arguments[1 + len(used) + j], make("stablehlo.reshape", [one], [v]).result,
+                row] + [zero] * len(shape_of(v))).result)
+        make("stablehlo.return", [], [stablehlo.AddOp(row, _int_const(rt, 1)).result] +
+             list(bb.arguments[1:1 + len(used)]) + upd)
+    stacks = []
+    with ir.InsertionPoint(w):
+        for j in range(len(preps)):
+            cv = stablehlo.ConvertOp(outs[j], pw.results[1 + len(used) + j])
+            mark(cv, PREPARED)
+            stacks.append(cv.result)
+    # the body reads its row of each stack instead
+    with ir.InsertionPoint.at_block_begin(entry):
+        zero = _int_const(rt, 0)
+    for j, p in enumerate(preps):
+        arg = entry.add_argument(outs[j], ir.Location.unknown())
+        with ir.InsertionPoint(p):
+            p.results[0].replace_all_uses_with(row_of(arg, entry.arguments[loop.row], zero))
+    erase_unused(preps)
+    return stacks
