@@ -13,7 +13,10 @@ installed there. So this script records what the machine has and checks three th
   (weights as arguments), ``fold_stablehlo(params=)``, the folded module next to the module
   as given, steady calls in interleaved rounds (medians, min–max), first calls, the fold's
   time, max |Δ|, and ``hlofold.verify`` of the two on every backend present (GPU and CPU).
-  Models: ResNet-50 and the Flax RepVGG-A0 / MobileOne-S0 (224 px) and the 0.54 B decoder.
+  Models: ResNet-50 and the Flax RepVGG-A0 / MobileOne-S0 (224 px) and the 0.54 B decoder;
+* ``stack``: the same for scanned layer stacks (a ``lax.scan`` over stacked weights, folded
+  once per layer by ``fold_stablehlo(params=)``): a conv → BN stack and the 0.54 B decoder
+  as one scan (the MaxText layout).
 
 ``python -m benchmarks.gpu PART --out DIR`` writes ``DIR/PART.json``; ``--quick`` uses small
 sizes (to try the script on a CPU). ``docs/benchmarks/gpu.md`` records a run.
@@ -250,6 +253,68 @@ def decoder_part(quick: bool) -> dict:
     return {"decoder": rows}
 
 
+def _scanned_cnn(layers: int, c: int):
+    """A stack of ``layers`` conv 3×3 → BatchNorm → relu blocks as one ``lax.scan`` over
+    stacked parameters (the ``nn.scan`` layout), then a global pool."""
+    import jax
+    from jax import lax
+    rng = np.random.default_rng(2)
+    p = {"k": (rng.standard_normal((layers, 3, 3, c, c)) * (2 / (9 * c)) ** 0.5
+               ).astype(np.float32),
+         "mean": (rng.standard_normal((layers, c)) * 0.1).astype(np.float32),
+         "var": rng.uniform(0.5, 2, (layers, c)).astype(np.float32),
+         "gamma": rng.uniform(0.5, 1.5, (layers, c)).astype(np.float32),
+         "beta": (rng.standard_normal((layers, c)) * 0.1).astype(np.float32)}
+
+    def apply(p, x):
+        def body(h, q):
+            y = lax.conv_general_dilated(h, q["k"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jax.nn.relu((y - q["mean"]) * lax.rsqrt(q["var"] + 1e-5) * q["gamma"]
+                               + q["beta"]), None
+        return lax.scan(body, x, p)[0].mean((1, 2))
+    return apply, p
+
+
+def stack_part(quick: bool) -> dict:
+    """Scanned layer stacks through the StableHLO path (issue 39): ``jax.export`` of a
+    ``lax.scan`` over stacked weights (weights as arguments), ``fold_stablehlo(params=)``
+    folding the loop's body once per layer — a conv → BN stack and the 0.54 B decoder as
+    one scan (``examples.scanned_decoder_apply``, the MaxText layout)."""
+    import jax.numpy as jnp
+    from hlofold.examples import init_decoder, scanned_decoder_apply, stack_decoder
+    rounds, calls = (3, 3) if quick else (9, 10)
+    rows = []
+
+    def row(name, apply, v, x, **extra):
+        try:
+            rows.append(_hlo_case(name, apply, v, x, rounds, calls))
+        except Exception as e:                      # noqa: BLE001
+            rows.append({"model": name, "batch": int(x.shape[0]),
+                         "error": f"{type(e).__name__}: {e}"[:600],
+                         "trace": traceback.format_exc()[-1500:]})
+        rows[-1].update(extra)
+        print(json.dumps(rows[-1])[:400], flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "stack_rows.json"), "w") as fh:
+                json.dump(rows, fh, default=str)
+    L, c, size = (3, 8, 8) if quick else (16, 64, 56)
+    apply, v = _scanned_cnn(L, c)
+    for b in (1, 8):
+        x = jnp.asarray(np.random.default_rng(1).standard_normal((b, size, size, c)),
+                        jnp.float32)
+        row(f"conv-BN stack L={L} c={c} {size} px", apply, v, x)
+    kw = dict(layers=2, d=128, vocab=512) if quick else dict(layers=8, d=2048, ffn=5632,
+                                                            vocab=32000)
+    params = stack_decoder(init_decoder(**kw))
+    for b, t in ((1, 16), (8, 512)) if not quick else ((1, 16),):
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, kw["vocab"], (b, t)),
+                             jnp.int32)
+        row(f"scanned decoder d={kw['d']} L={kw['layers']}", scanned_decoder_apply, params,
+            tokens, tokens=t)
+    return {"stack": rows}
+
+
 def verify_part(quick: bool) -> dict:
     """hlofold.verify of an exported ResNet and its fold on every backend present (the
     GPU computes float32 convolutions in TF32 by default on Hopper: does the tolerance
@@ -284,7 +349,7 @@ def verify_part(quick: bool) -> dict:
 
 
 PARTS = {"env": env_part, "entry": entry_part, "verify": verify_part, "hlo": hlo_part,
-         "decoder": decoder_part}
+         "decoder": decoder_part, "stack": stack_part}
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,13 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
     n = len(eqn.invars)
     known = {k: scope.value(eqn.invars[k]) for k in range(nc + ncarry, n)}
     known = {k: np.asarray(v) for k, v in known.items() if v is not None}
-    if not known or length < 1:
+    # the fori_loop form: no scanned operand, a known constant stack read at a counter
+    # the loop carries (``params["K"][i]``: ``i`` from a known start by a constant step)
+    counters = _counters(scope, eqn, sub, nc, ncarry) if not known else {}
+    if counters and not any(np.ndim(v := scope.value(eqn.invars[k])) and
+                            np.shape(v)[0] == length for k in range(nc)):
+        counters = {}
+    if not (known or counters) or length < 1:
         return None
     mask = [k < nc for k in range(n)]
     records, body, scopes, kernels = [], None, [], {}
@@ -52,6 +58,8 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
         values: list[Any] = [None] * n
         for k, v in known.items():
             values[k] = v[layer]
+        for k, (a, c, dt) in counters.items():
+            values[k] = np.asarray(a + layer * c, dt)
         recs: list = []
         new = scope.child(sub, eqn.invars, mask, label, values=values, sites=recs,
                           scopes=scopes if keep else None)
@@ -89,6 +97,28 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
     num_consts = sum(1 for k in kept if k < len(shared) + nc)
     return (C.with_scan_operands(eqn.params, new_body, num_consts, [linear[k] for k in kept]),
             [ops[k] for k in kept])
+
+
+def _counters(scope, eqn, sub, nc: int, ncarry: int) -> dict:
+    """The integer scalars the scan carries as counters: carry ``k`` from a known start,
+    the body returning it plus a literal. ``{operand: (start, step, dtype)}``."""
+    out = {}
+    body = sub.jaxpr
+    for j in range(ncarry):
+        k = nc + j
+        var, res = body.invars[k], body.outvars[j]
+        if var.aval.shape != () or not np.issubdtype(var.aval.dtype, np.integer):
+            continue
+        start = scope.value(eqn.invars[k])
+        prod = next((e for e in body.eqns if res in e.outvars), None)
+        if start is None or prod is None or prod.primitive.name != "add":
+            continue
+        x, y = prod.invars
+        lit = y if x is var else x if y is var else None
+        if isinstance(lit, C.Literal):
+            out[k] = (int(np.asarray(start)), int(np.asarray(lit.val)),
+                      np.dtype(var.aval.dtype))
+    return out
 
 
 def _into_stacks(layer_scope, kernels: dict, layer: int, length: int) -> None:

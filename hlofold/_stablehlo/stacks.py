@@ -24,8 +24,8 @@ from .._core.report import FOLDED
 from .._core.stacks import Restack, first_difference, layer_records, layers_differ
 from .build import STACK, marked
 from .ir import dense_to_numpy, op_name, parent_of
-from .loops import (Loop, callees, callees_changed, hoist_prepared, layer_module, loop_form,
-                    rebuild_loop, walk)
+from .hoist import hoist_prepared
+from .loops import (Loop, callees_changed, layer_module, loop_form, rebuild_loop, walk)
 from .module import drop_uncalled_private, erase_unused
 from .patterns import Evaluator
 

@@ -173,7 +173,7 @@ def test_gpu_script_quick_on_the_cpu(tmp_path):
     export next to the one as given, as called and under ``jax.jit``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    for part in ("env", "entry", "decoder"):
+    for part in ("env", "entry", "decoder", "stack"):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", part, "--quick", "--out",
                                str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=600)
@@ -184,3 +184,6 @@ def test_gpu_script_quick_on_the_cpu(tmp_path):
     (row,) = json.loads((tmp_path / "decoder.json").read_text())["decoder"]
     assert set(row["steady_ms"]) == {"original", "folded", "jit original", "jit folded"}
     assert row["folded"] > 0 and row["max_abs_diff"] <= 1e-4 * row["max_abs_ref"]
+    stack = json.loads((tmp_path / "stack.json").read_text())["stack"]
+    assert len(stack) == 3 and not any("error" in r for r in stack), stack
+    assert all(r["folded"] > 0 and r["max_abs_diff"] <= 1e-4 * r["max_abs_ref"] for r in stack)

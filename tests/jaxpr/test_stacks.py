@@ -315,3 +315,27 @@ def test_summed_branches_in_a_stack_merge_per_layer():
     (kept,) = wb.report.refused
     assert reason_kind(kept.reason) == "not-written" and "merge" in kept.reason
     assert_close(f(p, x), f(wb.params, x))
+
+
+def test_the_fori_loop_form_folds_per_layer():
+    """``lax.fori_loop`` reading ``params["k"][i]``: no scanned operand, the stacks are loop
+    constants read at the counter the loop carries — each layer folds with its counter
+    known, the new scan takes the folded stacks as scanned operands."""
+    rng = np.random.default_rng(7)
+    L, W = 4, 8
+    params = {"k": jnp.asarray(rng.standard_normal((L, W, W)) * 0.3, jnp.float32),
+              "s": jnp.asarray(rng.uniform(0.5, 2, (L, W)), jnp.float32),
+              "t": jnp.asarray(rng.standard_normal((L, W)), jnp.float32)}
+
+    def f(p, x):
+        return lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ p["k"][i] * p["s"][i] +
+                                                         p["t"][i]), x)
+    x = jnp.asarray(rng.standard_normal((3, W)), jnp.float32)
+    ff, rep, _, _ = fold_checked(jax.jit(f), params, x, folds=1, fold_costly=True)
+    assert rep.folded[0].layers == L, str(rep)
+    (scan,) = scans(ff.jaxpr(params, x))
+    assert "mul" not in primitives(scan.params["jaxpr"])
+    assert "dynamic_slice" not in primitives(scan.params["jaxpr"])
+    new, rep2 = hlofold.fold_jaxpr(jax.make_jaxpr(lambda x: f(params, x))(x))
+    assert rep2.num_folded == 1 and rep2.folded[0].layers == L, str(rep2)
+    assert_close(f(params, x), C.jaxpr_as_fun(new)(x)[0])
