@@ -63,11 +63,29 @@ class Writer:
             out.append(got)
         return out
 
+    def _row_read(self, var) -> bool:
+        """Whether ``var`` is a ``dynamic_slice`` (through reshapes, squeezes, casts) of a
+        value the scope does not know now: a stack's row at a loop counter."""
+        for _ in range(8):
+            eqn = next((e for e in self.scope.jaxpr.eqns if var in e.outvars), None)
+            if eqn is None:
+                return False
+            if eqn.primitive.name == "dynamic_slice":
+                return True
+            if eqn.primitive.name not in ("reshape", "squeeze", "convert_element_type"):
+                return False
+            var = eqn.invars[0]
+        return False
+
     def site(self, site):
         """``(kernel leaf, bias leaf or None, leaves solved)`` or the reason it is kept."""
         info, fwd = site.info, site.fwd
         kernel = site.eqn.invars[info.kernel_index]
         if kernel not in self.leaf and self._kernel_back(kernel, None) is None:
+            if self._row_read(kernel):
+                return ("the kernel is one row of a stacked parameter read at a loop's "
+                        "counter (fori_loop's params[\"K\"][i]), which is not written back; "
+                        "hlofold.fold folds it per layer")
             return ("the kernel is computed from the parameters (e.g. tied to an embedding, "
                     "or changed in value), not a leaf of its own reshaped, transposed or "
                     "reversed")

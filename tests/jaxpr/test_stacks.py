@@ -336,6 +336,9 @@ def test_the_fori_loop_form_folds_per_layer():
     (scan,) = scans(ff.jaxpr(params, x))
     assert "mul" not in primitives(scan.params["jaxpr"])
     assert "dynamic_slice" not in primitives(scan.params["jaxpr"])
+    wb = hlofold.fold_params(f, params, x)      # a row read at the counter: said, not written
+    assert not wb.changes and "row of a stacked parameter" in str(wb), str(wb)
+    assert_close(f(params, x), f(wb.params, x))
     new, rep2 = hlofold.fold_jaxpr(jax.make_jaxpr(lambda x: f(params, x))(x))
     assert rep2.num_folded == 1 and rep2.folded[0].layers == L, str(rep2)
     assert_close(f(params, x), C.jaxpr_as_fun(new)(x)[0])

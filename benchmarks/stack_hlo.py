@@ -1,0 +1,105 @@
+"""The StableHLO path's cost on a scanned stack: ``fold_stablehlo(params=)`` of the 0.54 B decoder
+as one ``lax.scan`` (``examples.scanned_decoder_apply``, the MaxText layout) next to the same
+decoder unrolled (``examples.decoder_apply``), each in a fresh process: the fold's time, the
+process's peak resident memory, the sites folded, the folded export's error against the export
+as given, and its steady calls next to the export's under ``jax.jit``.
+
+``python -m benchmarks.stack_hlo [--quick]`` writes ``docs/benchmarks/stack_hlo_cpu.{md,json}``
+(``--quick``: a small decoder, nothing written).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+
+from .common import machine_info, machine_line, now, steady
+
+FULL = dict(layers=8, d=2048, ffn=5632, vocab=32000)
+QUICK = dict(layers=2, d=128, vocab=512)
+
+
+def worker(form: str, quick: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import hlofold
+    from hlofold import examples
+    kw = QUICK if quick else FULL
+    p = examples.init_decoder(**kw)
+    apply = examples.decoder_apply
+    if form == "scanned":
+        p, apply = examples.stack_decoder(p), examples.scanned_decoder_apply
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, kw["vocab"], (1, 16)), jnp.int32)
+    leaves = jax.tree.leaves(p)
+    exp = jax.export.export(jax.jit(apply))(p, tokens)
+    values = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = now()
+    new, rep, prepared = hlofold.fold_stablehlo(exp, params=values)
+    fold_s = now() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ref, out = exp.call(p, tokens), new.call(tokens, *prepared)
+    run_o = jax.jit(lambda *a: exp.call(*a))
+    run_n = jax.jit(lambda *a: new.call(*a))
+    times = steady({"export": lambda: run_o(p, tokens), "folded": lambda: run_n(tokens, *prepared)},
+                   {"export": (), "folded": ()}, 3 if quick else 7, 3 if quick else 5)
+    return {"form": form, "fold_s": fold_s, "peak_rss_gib": peak / 2 ** 20,
+            "rss_before_gib": base / 2 ** 20,
+            "params_gib": sum(a.nbytes for a in leaves) / 2 ** 30,
+            "folded": rep.num_folded, "layers": sorted({s.layers or 1 for s in rep.folded}),
+            "arguments": {"export": len(leaves) + 1, "folded": len(prepared) + 1},
+            "rel_err": float(jnp.max(jnp.abs(ref - out)) / jnp.max(jnp.abs(ref))),
+            "steady_ms": times}
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    if "--worker" in sys.argv:
+        print(json.dumps(worker(sys.argv[sys.argv.index("--worker") + 1], quick)))
+        return
+    rows = []
+    for form in ("unrolled", "scanned"):
+        out = subprocess.run([sys.executable, "-m", "benchmarks.stack_hlo", "--worker", form]
+                             + (["--quick"] if quick else []), capture_output=True, text=True,
+                             check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(rows[-1], flush=True)
+    if quick:
+        return
+    res = {"machine": machine_line(machine_info()), "rows": rows}
+    here = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "stack_hlo_cpu")
+    with open(here + ".json", "w") as fh:
+        json.dump(res, fh, indent=1)
+
+    def ms(s):
+        return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}]"
+    L = ["# `fold_stablehlo(params=)` of the 0.54 B decoder, unrolled and as one scan", "",
+         f"Machine: {res['machine']}; `python -m benchmarks.stack_hlo` (each form in a fresh "
+         "process; 16 tokens, batch 1; steady calls under `jax.jit`, ms, median [min–max]).", "",
+         "| form | parameters, GiB | `fold_stablehlo` s | peak RSS of the process, GiB | sites "
+         "folded (layers) | arguments: export → folded | export ms | folded ms | folded / "
+         "export | rel. error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        st = r["steady_ms"]
+        L.append(f"| {r['form']} | {r['params_gib']:.2f} | {r['fold_s']:.1f} | "
+                 f"{r['peak_rss_gib']:.1f} | {r['folded']} ({r['layers']}) | "
+                 f"{r['arguments']['export']} → {r['arguments']['folded']} | "
+                 f"{ms(st['export'])} | {ms(st['folded'])} | "
+                 f"**{st['folded']['median'] / st['export']['median']:.3f}** | "
+                 f"{r['rel_err']:.1e} |")
+    L += ["", "Where the time goes (cProfile of the scanned fold, this VM): most of it is MLIR "
+          "making dense constants (`DenseElementsAttr.get`, which copies and hashes every "
+          "buffer) and reading them back — the arguments bound, each layer's folded "
+          "kernels, the restacked stacks, and the hoisted prepared arguments; the folding "
+          "itself is a small part."]
+    with open(here + ".md", "w") as fh:
+        fh.write("\n".join(L) + "\n")
+
+
+if __name__ == "__main__":
+    main()
