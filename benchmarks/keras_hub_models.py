@@ -11,7 +11,8 @@ EinsumDense q/k/v with biases).
 
 For each model, on both paths:
 
-* ``fold(f, fold_costly=True)``: the report's counts, outputs vs ``jax.jit(f)``;
+* ``fold(f, fold_costly=True)``: the report's counts, outputs vs ``jax.jit(f)``; the same
+  with the weights frozen (``freeze=0``: constants of the traced program);
 * ``fold_params``: how many norm (scale) leaves it sets to identity, outputs of the unchanged
   model with the folded weights;
 * ``fold_stablehlo(params=)`` of ``jax.export`` of the same function with the weights as
@@ -110,6 +111,10 @@ def run(name: str) -> dict:
     got = f(params, x)
     rep = f.report(params, x)
     out["fold"] = {"counts": rep.counts(), "rel_err": float(jnp.max(jnp.abs(got - ref))) / scale}
+    fz = hlofold.fold(apply, fold_costly=True, freeze=0)     # the weights as constants
+    got_z = fz(params, x)
+    out["freeze"] = {"counts": fz.report(params, x).counts(),
+                     "rel_err": float(jnp.max(jnp.abs(got_z - ref))) / scale}
     res = hlofold.fold_params(apply, params, x)
     after = jax.jit(apply)(res.params, x)
     identities = len({n for c in res.changes for n in c.identity})
@@ -130,7 +135,7 @@ def run(name: str) -> dict:
     out["stablehlo"] = {"counts": srep.counts(),
                         "rel_err": float(jnp.max(jnp.abs(got_s - ref))) / scale,
                         "inputs": n_x}
-    out["same_counts"] = rep.counts() == srep.counts()
+    out["same_counts"] = rep.counts() == srep.counts() == out["freeze"]["counts"]
     return out
 
 
@@ -139,17 +144,18 @@ def markdown(res: dict) -> str:
              machine_line(res["machine"]), f"keras_hub {res.get('keras_hub')}", "",
              "Random weights, small configurations (2 layers). Counts: the report's statuses; "
              "errors: max |Δ| relative to max |output| against `jax.jit` of the model.", "",
-             "| model | norm γ leaves | fold: counts | rel err | fold_params: sites written "
-             "(leaves set to identity) | rel err "
+             "| model | norm γ leaves | fold: counts | rel err | `freeze=`: counts | rel err "
+             "| fold_params: sites written (leaves set to identity) | rel err "
              "| StableHLO (params=): counts | rel err | same counts |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c.items()))   # noqa: E731
     for r in res["models"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error']} |||||||")
+            lines.append(f"| {r['model']} | error: {r['error']} |||||||||")
             continue
         lines.append(f"| {r['model']} | {r['norm_scale_leaves']} | {fmt(r['fold']['counts'])} | "
-                     f"{r['fold']['rel_err']:.1e} | {r['fold_params']['changes']} "
+                     f"{r['fold']['rel_err']:.1e} | {fmt(r['freeze']['counts'])} | "
+                     f"{r['freeze']['rel_err']:.1e} | {r['fold_params']['changes']} "
                      f"({r['fold_params']['identities']}) | "
                      f"{r['fold_params']['rel_err']:.1e} | {fmt(r['stablehlo']['counts'])} | "
                      f"{r['stablehlo']['rel_err']:.1e} | {r['same_counts']} |")
