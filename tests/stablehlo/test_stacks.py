@@ -213,3 +213,21 @@ def test_split_prepares_the_stacks_once_and_apply_reads_them():
     bad = dict(p, var=p["var"].at[2, 1].set(-1e-5))      # σ² + ε = 0 in layer 2: not ok
     assert not bool(module_callable(prepare)(*[bad[k] for k in ("gamma", "k", "mean",
                                                                 "var")])[-1])
+
+
+def test_a_bfloat16_stack_folds_within_the_originals_error():
+    """A bfloat16 stack (constants, and params=): folded per layer, the folded module no
+    further from the float32 result than the module as given."""
+    f, p, x = _hand_stack()
+    pb, xb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16)
+    ref = np.asarray(f(p, x))
+    text = jax.jit(lambda x: f(pb, x)).lower(xb).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and rep.folded[0].layers == 3, str(rep)
+    err = lambda out: float(np.max(np.abs(np.asarray(out, np.float32) - ref)))  # noqa: E731
+    assert err(run(folded, xb)) <= 1.25 * err(run(text, xb))
+    exp = jax.export.export(jax.jit(f))(pb, xb)
+    new, rep, prepared = hlofold.fold_stablehlo(
+        exp, params={i: np.asarray(l) for i, l in enumerate(jax.tree.leaves(pb))})
+    assert rep.num_folded == 1
+    assert err(new.call(xb, *prepared)) <= 1.25 * err(exp.call(pb, xb))
