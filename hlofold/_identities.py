@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._core.algebra import along, input_scale
+from ._core.algebra import along, collapse, input_scale
 from ._jaxpr.steps import AffineStep
 
 _LAYOUT = ("convert_element_type", "copy", "reduce_precision", "reshape", "squeeze",
@@ -63,6 +63,50 @@ class Writer:
             out.append(got)
         return out
 
+    def _constant_tail(self, back) -> list:
+        """``[(step, value)]``: the steps ending the chain whose operand is one constant of
+        the program, no parameter (the ``1/√head_dim`` an attention scales its query by
+        after the projection's bias). No leaf can hold them; they stay where they are and
+        the write-back folds the chain before them."""
+        tail: list = []
+        for st in reversed(back):
+            src = st.operand.source
+            if st.kind not in ("mul", "div", "add", "sub") or \
+                    (not isinstance(src, C.Literal) and self.scope.names(src)):
+                break
+            v = src.val if isinstance(src, C.Literal) else self.scope.value(src)
+            if v is None or np.size(v) != 1:
+                break
+            tail.insert(0, (st, float(np.asarray(v, np.float64).reshape(()))))
+        return tail
+
+    def _before_tail(self, site, kernel, tail, t):
+        """``(kernel, bias)`` of the chain without its constant ``tail``: the kernel computed
+        again from the leaf (``K ⊙ s_before``, forward factors too; rounded once) and
+        ``(t − t_tail) / s_tail``; None where that is not known or not finite."""
+        info, fwd = site.info, site.fwd
+        s_tail, t_tail = collapse([st.kind for st, _ in tail], [c for _, c in tail],
+                                  info.out_channels)
+        s_tail = 1.0 if s_tail is None else float(s_tail)
+        t_tail = 0.0 if t_tail is None else float(t_tail)
+        k = self._current(kernel, {})
+        if k is None or s_tail == 0 or not np.isfinite(s_tail) or \
+                (fwd is not None and fwd.s_known is None):
+            return None
+        nd, ko = len(kernel.aval.shape), info.kernel_axis
+        s_before = (1.0 if site.s_known is None else np.asarray(site.s_known, np.float64)) \
+            / s_tail
+        with np.errstate(all="ignore"):
+            y = k * along(np.broadcast_to(s_before, (info.out_channels,)), ko, nd)
+            if fwd is not None:
+                y = y * input_scale(fwd.s_known, ko, fwd.k_in_axis, fwd.groups,
+                                    info.out_channels, nd)
+            y = y.astype(kernel.aval.dtype)
+            t = (t - t_tail) / s_tail
+        if not (np.all(np.isfinite(y)) and np.all(np.isfinite(t))):
+            return None
+        return y, t
+
     def _row_read(self, var) -> bool:
         """Whether ``var`` is a ``dynamic_slice`` (through reshapes, squeezes, casts) of a
         value the scope does not know now: a stack's row at a loop counter."""
@@ -110,6 +154,17 @@ class Writer:
             return "the chain negates or subtracts from a parameter (no identity to write)"
         t = np.zeros(info.out_channels) if site.t_known is None else \
             np.asarray(site.t_known, np.float64)
+        tail = self._constant_tail(back)
+        if tail:           # constants at the chain's end stay in the program, folded before
+            got = self._before_tail(site, kernel, tail, t)
+            if got is None:
+                return (f"{tail[0][0].eqn.primitive.name} by a constant ends the chain, and the "
+                        "kernel without it is not known at transform time")
+            kernel_value, t = got
+            back = back[:len(back) - len(tail)]
+            if site.record is not None:
+                site.record.note = (f"{'·'.join(st.kind for st, _ in tail)} by a constant "
+                                    "left in the program (no parameter holds it)")
         shifts = [s for s in back if s.kind in ("add", "sub")]
         slot = next((s for s in shifts if s.kind == "add" and
                      self._is_leaf(s.operand.source)), None) or \

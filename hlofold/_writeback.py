@@ -128,7 +128,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
                        paths + [f"args{i}" for i in range(len(arg_leaves))],
                        in_graph="prepared" if deferred else "never")
     writer = Writer(scope, closed.jaxpr.invars[:n], deferred)
-    changes = []
+    changes, written = [], set()
     for group in _groups(scope):
         got = writer.group(group)
         if isinstance(got, str):
@@ -138,6 +138,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
                         r.status, r.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + got)
             continue
         for site, (kernel, bias, identity) in zip(group, got):
+            written.update(id(r) for r in (site.record, site.fwd and site.fwd.record) if r)
             changes.append(ParamChange(
                 site.record or site.fwd.record, paths[kernel],
                 None if bias is None else paths[bias],
@@ -146,7 +147,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     stacked, stack_changes = _write_stacks(scope, closed.jaxpr.invars[:n], paths)
     changes += stack_changes
     writer.assign.update(stacked)
-    written = {id(c.site) for c in changes}
+    written |= {id(c.site) for c in changes}     # (a site folded both ways: both records)
     for s in scope.sites:          # folded in a nested body fold_params does not write
         if s.status == FOLDED and id(s) not in written:
             s.status, s.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + (

@@ -395,9 +395,9 @@ def test_a_per_head_affine_writes_back_into_dense_general():
 def test_flax_layernorm_into_multi_head_attention():
     """Flax ``nn.LayerNorm`` → ``nn.MultiHeadDotProductAttention`` (q/k/v are DenseGeneral
     with (heads, head_dim) kernels and biases: every Flax ViT): γ and β fold forward into
-    q, k and v (``fold``, outputs equal). ``fold_params`` does not write them yet: the query
-    is divided by √head_dim after its bias, a constant the chain takes and no leaf holds
-    (said per site)."""
+    q, k and v (``fold``, outputs equal). ``fold_params`` writes them too: the query is
+    divided by √head_dim after its bias, a constant no leaf holds, which stays in the
+    program (the kernel and bias written are those before it)."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -417,4 +417,9 @@ def test_flax_layernorm_into_multi_head_attention():
                                         and "several output" in (s.reason or "")], str(rep)
     res = hlofold.fold_params(m.apply, v, X)
     assert max_err(ref, m.apply(res.params, X)) <= 1e-5 * float(np.max(np.abs(ref)))
-    assert all("no identity this can write" in s.reason for s in res.report.refused), str(res)
+    assert len(res.changes) == 3 and not res.report.refused, str(res)
+    assert any("LayerNorm_0" in str(p) for c in res.changes for p in c.identity)
+    ln = res.params["params"]["LayerNorm_0"]
+    assert np.all(np.asarray(ln["scale"]) == 1) and np.all(np.asarray(ln["bias"]) == 0)
+    (q,) = [s for s in res.report.folded if s.note and "by a constant" in s.note]
+    assert "div" in q.note
