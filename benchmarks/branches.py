@@ -33,7 +33,7 @@ import hlofold
 from hlofold._compat import xla as X
 
 from . import repmodels as R
-from .common import code_info, machine_info, machine_line, now, steady, summary
+from .common import code_info, machine_info, machine_line, now, steady, summary, write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -195,6 +195,36 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def batch1(rounds: int, calls: int, size: int, out: str) -> dict:
+    """The batch-1 rows alone (``--batch1``): where the distance to the deploy form is the
+    call itself, ``fold(f)`` next to the deploy form compiled the same way, called with its
+    own tree and with the train-time tree; written to ``branches_b1_cpu.{md,json}``."""
+    import datetime
+    rows = [flax_part(arch, 1, size, rounds, calls) for arch in R.ARCHS]
+    res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
+           "code": code_info(), "rounds": rounds, "calls": calls, "flax": rows}
+    fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
+    L = [f"# Multi-branch CNNs at batch 1: the call, next to the deploy form ({res['when']})",
+         "", machine_line(res["machine"]), "",
+         f"`python -m benchmarks.branches --batch1 --rounds {rounds} --calls {calls}`: one "
+         "run, interleaved rounds, ms per call, median (min–max). `deploy, same options`: the "
+         "hand-written deploy form compiled as hlofold compiles the merged program; `… train "
+         "tree`: that deploy form called with the train-time parameter tree as well (jax.jit "
+         "flattens it, unused).", "",
+         "| net | jit (train form) | fold | deploy, same options | … train tree | fold/jit | "
+         "fold/deploy same | fold/(… train tree) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["steady_ms"]
+        L.append(f"| {r['arch']} ({size} px) | {fmt(s['jit'])} | {fmt(s['fold'])} | "
+                 f"{fmt(s['deploy, single'])} | {fmt(s['deploy, single, train tree'])} | "
+                 f"{s['fold']['median'] / s['jit']['median']:.3f} | "
+                 f"{s['fold']['median'] / s['deploy, single']['median']:.3f} | "
+                 f"{s['fold']['median'] / s['deploy, single, train tree']['median']:.3f} |")
+    write_doc(out, "branches_b1_cpu", res, L)
+    print("\n".join(L))
+    return res
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
@@ -203,7 +233,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--first-runs", type=int, default=3)
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--batch1", action="store_true", help="the batch-1 rows alone")
     a = ap.parse_args(argv)
+    if a.batch1:
+        return batch1(a.rounds, a.calls, a.size, a.out)
     size, rounds, calls, first = (16, 2, 2, 0) if a.quick else \
         (a.size, a.rounds, a.calls, a.first_runs)
     import datetime

@@ -3,6 +3,7 @@ machine and the code a figure came from."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import resource
@@ -185,3 +186,12 @@ def kept_runs(res: dict) -> dict:
     for part, r in kept_parts(res).items():
         runs.setdefault((r["date_utc"], r["code"]), []).append(part)
     return runs
+
+
+def write_doc(out_dir: str, name: str, res: dict, lines: list[str]) -> None:
+    """``res`` as ``out_dir/name.json`` and ``lines`` as ``out_dir/name.md``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    with open(os.path.join(out_dir, name + ".md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")

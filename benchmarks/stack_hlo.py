@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from .common import machine_info, machine_line, now, steady
+from .common import machine_info, machine_line, now, steady, write_doc
 
 FULL = dict(layers=8, d=2048, ffn=5632, vocab=32000)
 QUICK = dict(layers=2, d=128, vocab=512)
@@ -72,9 +72,6 @@ def main() -> None:
     if quick:
         return
     res = {"machine": machine_line(machine_info()), "rows": rows}
-    here = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "stack_hlo_cpu")
-    with open(here + ".json", "w") as fh:
-        json.dump(res, fh, indent=1)
 
     def ms(s):
         return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}]"
@@ -97,8 +94,8 @@ def main() -> None:
           "buffer) and reading them back — the arguments bound, each layer's folded "
           "kernels, the restacked stacks, and the hoisted prepared arguments; the folding "
           "itself is a small part."]
-    with open(here + ".md", "w") as fh:
-        fh.write("\n".join(L) + "\n")
+    write_doc(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"),
+              "stack_hlo_cpu", res, L)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ class Fast:
     single: bool                   # one output leaf, no container
     types: tuple | None = None     # fn has compile options: per-call inputs of these types
     # only (a traced input goes the full path, which inlines fn: a nested jit takes none)
+    deleted: Callable = operator.methodcaller("is_deleted")   # array -> whether deleted
 
 
 def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Callable,
@@ -150,12 +151,24 @@ def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Ca
                   for x in per_call)
     if any(a is None for a in avals):
         avals = None                # compared by leaf_key instead
-    return Fast(tree, _getter([pos[id(x)] for x in fixed]), tuple(fixed),
-                tuple(x for x in fixed if isinstance(x, jax.Array)),
+    arrays = tuple(x for x in fixed if isinstance(x, jax.Array))
+    return Fast(tree, _getter([pos[id(x)] for x in fixed]), tuple(fixed), arrays,
                 _getter([pos[id(x)] for x in per_call]), avals,
                 [leaf_key(x) for x in per_call], fn, tuple(prepared), out_tree,
                 out_tree == jax.tree_util.tree_structure(0),
-                tuple(map(type, per_call)) if options else None)
+                tuple(map(type, per_call)) if options else None, _deleted(arrays))
+
+
+def _deleted(arrays: tuple) -> Callable:
+    """``array -> is_deleted()`` for these arrays: their class's own method where they are
+    all of one class (called unbound, it costs a third of a method lookup per array: this
+    check runs over every parameter on every call), else a method call."""
+    kinds = set(map(type, arrays))
+    if len(kinds) == 1:
+        method = getattr(kinds.pop(), "is_deleted", None)
+        if callable(method):
+            return method
+    return _is_deleted
 
 
 MISS = object()
@@ -175,7 +188,7 @@ def fast_call(fast: Fast, args: tuple):
             ok = all(map(eq, map(_aval, per_call), fast.avals))
         except AttributeError:       # not a jax.Array this time
             ok = False
-    if not ok or any(map(_is_deleted, fast.arrays)) or (
+    if not ok or any(map(fast.deleted, fast.arrays)) or (
             fast.types is not None and not all(map(is_, map(type, per_call), fast.types))):
         return MISS
     outs = fast.fn(*fast.prepared, *per_call)

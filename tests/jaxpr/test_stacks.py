@@ -175,11 +175,12 @@ def test_layers_that_fold_differently_leave_the_loop_with_the_reason():
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(out))
 
 
-def test_nested_stacks_count_every_layer():
+def nested_stack():
+    """``(f, params, x)``: a scan over 2 outer layers of a scan over 3 inner ones."""
     rng = np.random.default_rng(5)
-    k = jnp.asarray(rng.standard_normal((2, 3, 8, 8)) * 0.3, jnp.float32)
-    s = jnp.asarray(rng.uniform(0.5, 2, (2, 3, 8)), jnp.float32)
-    t = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+    params = {"k": jnp.asarray(rng.standard_normal((2, 3, 8, 8)) * 0.3, jnp.float32),
+              "s": jnp.asarray(rng.uniform(0.5, 2, (2, 3, 8)), jnp.float32),
+              "t": jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)}
 
     def f(p, x):
         def outer(h, q):
@@ -188,8 +189,25 @@ def test_nested_stacks_count_every_layer():
                 return jnp.tanh(h @ kk * ss + tt), None
             return lax.scan(inner, h, q)[0], None
         return lax.scan(outer, x, (p["k"], p["s"], p["t"]))[0]
-    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
-    params = {"k": k, "s": s, "t": t}
+    return f, params, jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+
+
+def fori_stack(layers: int = 4):
+    """``(f, params, x)``: ``lax.fori_loop`` reading ``params["k"][i]`` (no scanned
+    operand: the stacks are loop constants read at the counter the loop carries)."""
+    rng = np.random.default_rng(7)
+    params = {"k": jnp.asarray(rng.standard_normal((layers, 8, 8)) * 0.3, jnp.float32),
+              "s": jnp.asarray(rng.uniform(0.5, 2, (layers, 8)), jnp.float32),
+              "t": jnp.asarray(rng.standard_normal((layers, 8)), jnp.float32)}
+
+    def f(p, x):
+        return lax.fori_loop(0, layers, lambda i, h: jnp.tanh(h @ p["k"][i] * p["s"][i] +
+                                                              p["t"][i]), x)
+    return f, params, jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+
+
+def test_nested_stacks_count_every_layer():
+    f, params, x = nested_stack()
     ff, rep, _, _ = fold_checked(jax.jit(f), params, x, folds=1, fold_costly=True)
     assert rep.folded[0].layers == 6, str(rep)
     wb = hlofold.fold_params(f, params, x)
@@ -318,19 +336,10 @@ def test_summed_branches_in_a_stack_merge_per_layer():
 
 
 def test_the_fori_loop_form_folds_per_layer():
-    """``lax.fori_loop`` reading ``params["k"][i]``: no scanned operand, the stacks are loop
-    constants read at the counter the loop carries — each layer folds with its counter
-    known, the new scan takes the folded stacks as scanned operands."""
-    rng = np.random.default_rng(7)
-    L, W = 4, 8
-    params = {"k": jnp.asarray(rng.standard_normal((L, W, W)) * 0.3, jnp.float32),
-              "s": jnp.asarray(rng.uniform(0.5, 2, (L, W)), jnp.float32),
-              "t": jnp.asarray(rng.standard_normal((L, W)), jnp.float32)}
-
-    def f(p, x):
-        return lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ p["k"][i] * p["s"][i] +
-                                                         p["t"][i]), x)
-    x = jnp.asarray(rng.standard_normal((3, W)), jnp.float32)
+    """The fori_loop form: each layer folds with its counter known, the new scan takes the
+    folded stacks as scanned operands."""
+    L = 4
+    f, params, x = fori_stack(L)
     ff, rep, _, _ = fold_checked(jax.jit(f), params, x, folds=1, fold_costly=True)
     assert rep.folded[0].layers == L, str(rep)
     (scan,) = scans(ff.jaxpr(params, x))

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import hlofold
 from hlofold._core.reasons import reason_kind
@@ -23,7 +22,7 @@ from hlofold._stablehlo.ir import op_name
 from hlofold._stablehlo.module import parse_module
 from tests.helpers import assert_close, assert_nothing_left_behind
 from tests.jaxpr.test_stacks import (CNN, CNN_VARS, X, ScannedDecoder, _hand_stack,
-                                     _perturbed)
+                                     _perturbed, fori_stack, nested_stack)
 
 NORM_OPS = {"stablehlo.rsqrt", "stablehlo.subtract", "stablehlo.divide"}
 
@@ -127,38 +126,17 @@ def test_maxtext_style_scanned_decoder_folds_every_norm_on_both_paths():
 
 
 def test_the_fori_loop_form_folds_per_layer():
-    rng = np.random.default_rng(7)
-    L, C = 4, 8
-    p = {"k": jnp.asarray(rng.standard_normal((L, C, C)) * 0.3, jnp.float32),
-         "s": jnp.asarray(rng.uniform(0.5, 2, (L, C)), jnp.float32),
-         "t": jnp.asarray(rng.standard_normal((L, C)), jnp.float32)}
-
-    def f(p, x):
-        return lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ p["k"][i] * p["s"][i] + p["t"][i]),
-                             x)
-    x = jnp.asarray(rng.standard_normal((3, C)), jnp.float32)
+    f, p, x = fori_stack(4)
     text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
-    assert rep.num_folded == 1 and rep.folded[0].layers == L, str(rep)
+    assert rep.num_folded == 1 and rep.folded[0].layers == 4, str(rep)
     (body,) = loop_bodies(folded)
     assert body.count("stablehlo.multiply") == 0, body
     assert_close(f(p, x), run(folded, x))
 
 
 def test_nested_stacks_count_every_layer():
-    rng = np.random.default_rng(5)
-    p = {"k": jnp.asarray(rng.standard_normal((2, 3, 8, 8)) * 0.3, jnp.float32),
-         "s": jnp.asarray(rng.uniform(0.5, 2, (2, 3, 8)), jnp.float32),
-         "t": jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)}
-
-    def f(p, x):
-        def outer(h, q):
-            def inner(h, r):
-                kk, ss, tt = r
-                return jnp.tanh(h @ kk * ss + tt), None
-            return lax.scan(inner, h, q)[0], None
-        return lax.scan(outer, x, (p["k"], p["s"], p["t"]))[0]
-    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    f, p, x = nested_stack()
     text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 1 and rep.folded[0].layers == 6, str(rep)
