@@ -204,7 +204,7 @@ class Writer:
         while v not in self.leaf:
             e = self.scope.producer.get(v, (0, None))[1] if isinstance(v, C.Var) else None
             name = None if e is None else e.primitive.name
-            if name in ("reshape", "squeeze") and e.params.get("dimensions") is None:
+            if (name == "reshape" and e.params.get("dimensions") is None) or name == "squeeze":
                 value = None if value is None else np.reshape(value, e.invars[0].aval.shape)
             elif name == "transpose":
                 value = None if value is None else np.transpose(
@@ -322,7 +322,7 @@ class Writer:
             ok = not e.effects and all(isinstance(u, C.Literal) or po.get(u, False)
                                        for u in e.invars)
             for o in e.outvars:
-                po[o] = ok
+                po[o] = ok or o in self.leaf     # (a leaf computed in the body: a stack's row)
         return po
 
     def _uses_outside(self, changed: set, site) -> str | None:

@@ -180,11 +180,20 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
         at = next(j for j, e in enumerate(scope.jaxpr.eqns) if e is eqn)
         pos = [k for k, a in enumerate(eqn.invars) if k >= nc + ncarry and a in top
                and scope.uses.get(a) == [(at, k)] and not scope.out_uses.get(a)]
+        body = layers[0].jaxpr
+        lvars = [body.invars[k] for k in pos]
+        rows = not pos       # the fori_loop form: each layer reads its row of a loop constant
+        if rows:
+            pos = [k for k in range(nc) if eqn.invars[k] in top and
+                   scope.uses.get(eqn.invars[k]) == [(at, k)] and
+                   not scope.out_uses.get(eqn.invars[k]) and
+                   _row_read(layers, body.invars[k]) is not None]
+            lvars = [_row_read(layers, body.invars[k]) for k in pos]
 
         def write(only=None):
             out = []
             for ls in layers:
-                w = Writer(ls, [ls.jaxpr.invars[k] for k in pos], {})
+                w = Writer(ls, lvars, {})
                 got = [w.group(g) if only is None or g_i in only else None
                        for g_i, g in enumerate(_groups(ls))]
                 out.append((w, got))
@@ -227,11 +236,31 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
                         out[layer] = w.assign[j]
                 for w, _ in per_layer:
                     del w.assign[j]
-                assign[top[eqn.invars[pos[j]]]] = out
+                assign[top[eqn.invars[pos[j]]]] = out.reshape(eqn.invars[pos[j]].aval.shape) \
+                    if rows else out
         for ls in layers:         # the per-layer folded kernels: no longer needed
             for site in ls.site_at_end.values():
                 site.kernel_const = None
     return assign, changes
+
+
+def _row_read(layers, var):
+    """The one ``dynamic_slice`` the stack body reads loop constant ``var`` through, where
+    layer ``l`` reads its row ``l`` (one row, whole along the other axes: ``params["K"][i]``
+    at the loop's counter): its output, the row's leaf for the write-back; else None."""
+    uses = [e for e in layers[0].jaxpr.eqns if var in e.invars]
+    if len(uses) != 1 or uses[0].primitive.name != "dynamic_slice" or \
+            uses[0].invars[0] is not var or \
+            tuple(uses[0].params["slice_sizes"]) != (1,) + tuple(var.aval.shape[1:]) or \
+            var.aval.shape[0] != len(layers):
+        return None
+    e = uses[0]
+    for layer, ls in enumerate(layers):
+        starts = [ls.value(u) for u in e.invars[1:]]
+        if any(x is None for x in starts) or \
+                [int(np.asarray(x)) for x in starts] != [layer] + [0] * (len(starts) - 1):
+            return None
+    return e.outvars[0]
 
 
 def _release_freed() -> None:

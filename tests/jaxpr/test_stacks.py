@@ -345,9 +345,17 @@ def test_the_fori_loop_form_folds_per_layer():
     (scan,) = scans(ff.jaxpr(params, x))
     assert "mul" not in primitives(scan.params["jaxpr"])
     assert "dynamic_slice" not in primitives(scan.params["jaxpr"])
-    wb = hlofold.fold_params(f, params, x)      # a row read at the counter: said, not written
-    assert not wb.changes and "row of a stacked parameter" in str(wb), str(wb)
+    wb = hlofold.fold_params(f, params, x)      # each layer's row of the stacked leaves
+    assert len(wb.changes) == 1 and np.all(np.asarray(wb.params["s"]) == 1), str(wb)
+    k0 = np.asarray(params["k"][2], np.float64) * np.asarray(params["s"][2], np.float64)
+    np.testing.assert_allclose(np.asarray(wb.params["k"][2]), k0, rtol=1e-6)
     assert_close(f(params, x), f(wb.params, x))
+    # a row read at another index than the layer's: said, not written
+    g = lambda p, x: lax.fori_loop(0, L, lambda i, h: jnp.tanh(                 # noqa: E731
+        h @ p["k"][L - 1 - i] * p["s"][L - 1 - i] + p["t"][L - 1 - i]), x)
+    wb = hlofold.fold_params(g, params, x)
+    assert not wb.changes and "row of a stacked parameter" in str(wb), str(wb)
+    assert_close(g(params, x), g(wb.params, x))
     new, rep2 = hlofold.fold_jaxpr(jax.make_jaxpr(lambda x: f(params, x))(x))
     assert rep2.num_folded == 1 and rep2.folded[0].layers == L, str(rep2)
     assert_close(f(params, x), C.jaxpr_as_fun(new)(x)[0])
