@@ -3,7 +3,8 @@
 ``python -m tests.stablehlo._shardy_script CHECK ...`` (``XLA_FLAGS`` must give 8 devices
 before JAX starts: ``tests/stablehlo/test_shardy.py`` runs it in a subprocess). For a conv →
 BatchNorm net (kernels sharded over output channels, data over the batch) and a two-layer
-decoder (RMSNorm → q/k/v, gate/up; kernels sharded over their output features), lowered with
+decoder (RMSNorm → q/k/v, gate/up; kernels sharded over their output features), the decoder
+as one scan over stacked layers (each stack sharded over its last axis), lowered with
 ``jax.jit(..., in_shardings=..., out_shardings=...)``: in the graph, ``params=``, ``split=``, a
 sharded ``jax.export`` with ``params=``, and the CLI, each folded module keeps ``sdy.mesh``,
 gives prepared weights their origin's sharding, compiles and runs sharded with the original's
@@ -60,6 +61,20 @@ def decoder_case(mesh):
         NamedSharding(mesh, P("data")), 4
 
 
+def stack_case(mesh):
+    """The decoder as one scan over stacked layers (MaxText layout), each stacked leaf
+    sharded over its last axis: the while's stacks fold per layer (issue 39)."""
+    p = examples.stack_decoder(examples.init_decoder(2, d=64))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (8, 16)), jnp.int32)
+
+    def spec(path, leaf):
+        return NamedSharding(mesh, P(*([None] * (leaf.ndim - 1)), "model")
+                             if leaf.ndim >= 3 and leaf.shape[-1] % 2 == 0 else P())
+    shard = jax.tree_util.tree_map_with_path(spec, p)
+    return examples.scanned_decoder_apply, p, tokens, shard, NamedSharding(mesh, P("data")), \
+        NamedSharding(mesh, P("data")), 1
+
+
 def close(a, b, what):
     a, b = np.asarray(a), np.asarray(b)
     err = float(np.max(np.abs(a - b)))
@@ -76,8 +91,8 @@ MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"
 
 def run_check(name: str) -> str:
     mesh = MESH
-    fn, p, x, p_shard, x_shard, out_shard, n_min = {"conv": conv_case,
-                                                    "decoder": decoder_case}[name](mesh)
+    fn, p, x, p_shard, x_shard, out_shard, n_min = {"conv": conv_case, "decoder": decoder_case,
+                                                    "stack": stack_case}[name](mesh)
     jitted = jax.jit(fn, in_shardings=(p_shard, x_shard), out_shardings=out_shard)
     p = jax.device_put(p, p_shard)
     x = jax.device_put(x, x_shard)
@@ -199,7 +214,7 @@ def _sharding_of(main_line: str, arg: int, mesh):
     return NamedSharding(mesh, P(*spec))
 
 
-CHECKS = ("conv", "decoder", "manual")
+CHECKS = ("conv", "decoder", "manual", "stack")
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or CHECKS:

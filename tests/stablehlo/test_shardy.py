@@ -25,8 +25,9 @@ def run_script(*checks: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("checks", [("conv", "manual"),
-                                    pytest.param(("decoder",), marks=pytest.mark.slow)],
-                         ids=["conv-and-manual", "decoder"])
+                                    pytest.param(("decoder",), marks=pytest.mark.slow),
+                                    pytest.param(("stack",), marks=pytest.mark.slow)],
+                         ids=["conv-and-manual", "decoder", "scanned-stack"])
 def test_sharded_modules_fold_on_every_path_and_run_sharded(checks):
     """In the graph, params=, split=, a sharded jax.export with params=, the CLI; a conv → BN
     net with a sharding constraint, a decoder, and a shard_map body: the folded modules keep
