@@ -285,6 +285,8 @@ def rebuild_loop(w, loop: Loop, first, plan, symbols: dict, extra=()) -> set:
         out = [bb.arguments[i] if k in loop.invariant else next(carried)
                for i, k in enumerate(kept)] + list(bb.arguments[len(kept):])
         make("stablehlo.return", [], out)
+    if next(iter(zero.uses), None) is None:       # (no stacked constant read a row)
+        zero.owner.erase()
     mark(nw, STACK)
     old = [owner_op(w.operands[k]) for k in range(n) if k not in kept]
     called = callees(body, symbols)

@@ -209,3 +209,18 @@ def test_a_bfloat16_stack_folds_within_the_originals_error():
         exp, params={i: np.asarray(l) for i, l in enumerate(jax.tree.leaves(pb))})
     assert rep.num_folded == 1
     assert err(new.call(xb, *prepared)) <= 1.25 * err(exp.call(pb, xb))
+
+
+def test_a_one_layer_stack_leaves_nothing_behind():
+    """One layer: every folded constant is the same in every layer (kept in the body, no
+    stacked operand, no row read) — and no op is left that nobody reads."""
+    k = jnp.asarray(np.random.default_rng(0).standard_normal((1, 4, 4)), jnp.float32)
+
+    def f(x):
+        return jax.lax.scan(lambda h, kk: (jnp.tanh(-(h @ kk + 1.0) + 2.0), None), x, k)[0]
+    x = jnp.ones((2, 4), jnp.float32)
+    text = jax.jit(f).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and rep.folded[0].layers == 1, str(rep)
+    assert_nothing_left_behind(text, folded)
+    assert_close(f(x), run(folded, x))
