@@ -340,6 +340,8 @@ def test_the_fori_loop_form_folds_per_layer():
     folded stacks as scanned operands."""
     L = 4
     f, params, x = fori_stack(L)
+    _, rep, _, _ = fold_checked(jax.jit(f), params, x, folds=1, freeze=0, fold_costly=True)
+    assert rep.folded[0].layers == L, str(rep)
     ff, rep, _, _ = fold_checked(jax.jit(f), params, x, folds=1, fold_costly=True)
     assert rep.folded[0].layers == L, str(rep)
     (scan,) = scans(ff.jaxpr(params, x))
