@@ -24,7 +24,7 @@ from .patterns import PATTERNS
 from .._core.reasons import reason_kind
 from .._core.report import REFUSED
 from .._core.stacks import layers_differ, mark_layers
-from .stacks import NewValue, stacked_scan
+from .stacks import stacked_scan
 
 Rule = Callable[[Any, Any, str], "tuple | None"]
 
