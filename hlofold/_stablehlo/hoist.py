@@ -73,7 +73,9 @@ def hoist_prepared(w, loop: Loop, fop) -> list:
     mapping = {entry.arguments[k]: bb.arguments[1 + i] for i, k in enumerate(used)}
     with ir.InsertionPoint(bb):
         zero = _int_const(rt, 0)
-        for k, (a, c) in loop.counters.items():   # each counter from the iteration number
+        for k, (a, c) in loop.counters.items():   # each counter read, from the iteration
+            if not any(v == entry.arguments[k] for op in part for v in op.operands):
+                continue
             ct = ir.RankedTensorType(entry.arguments[k].type)
             mapping[entry.arguments[k]] = row if (a, c, ct) == (0, 1, rt) else \
                 stablehlo.AddOp(stablehlo.MulOp(stablehlo.ConvertOp(ct, row).result,

@@ -20,7 +20,7 @@ from hlofold._core.reasons import reason_kind
 from hlofold._stablehlo.artifacts import module_callable
 from hlofold._stablehlo.ir import op_name
 from hlofold._stablehlo.module import parse_module
-from tests.helpers import assert_close, assert_nothing_left_behind
+from tests.helpers import assert_close, assert_nothing_left_behind, unread_ops
 from tests.jaxpr.test_stacks import (CNN, CNN_VARS, X, ScannedDecoder, _hand_stack,
                                      _perturbed, fori_stack, nested_stack)
 
@@ -224,3 +224,15 @@ def test_a_one_layer_stack_leaves_nothing_behind():
     assert rep.num_folded == 1 and rep.folded[0].layers == 1, str(rep)
     assert_nothing_left_behind(text, folded)
     assert_close(f(x), run(folded, x))
+
+
+def test_split_of_the_fori_loop_form_leaves_nothing_behind():
+    f, p, x = fori_stack(4)
+    text = jax.jit(f).lower(p, x).as_text()                 # k, s, t, x
+    apply, rep, prepare = hlofold.fold_stablehlo(text, split=["arg3"])
+    assert rep.num_folded == 1 and rep.folded[0].layers == 4, str(rep)
+    assert_nothing_left_behind(text, apply)
+    assert unread_ops(prepare) == 0
+    *prepared, ok = module_callable(prepare)(p["k"], p["s"], p["t"])
+    assert bool(ok)
+    assert_close(f(p, x), first(module_callable(apply)(x, *prepared)))
