@@ -156,6 +156,14 @@ def all_finite(value, templates: dict | None = None):
     return red.results[0]
 
 
+def int_constant(rtype, value: int):
+    """A ``stablehlo.constant`` of integer type ``rtype`` (a tensor type), every element
+    ``value`` (insert where you are): loop counters, slice starts."""
+    t = ir.RankedTensorType(rtype)
+    return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+        t, ir.IntegerAttr.get(t.element_type, int(value)))).result
+
+
 def _true(scalar):
     return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
         scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(1), 1))).result

@@ -12,17 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .build import PREPARED, make, mark, marked, unmark
+from .build import PREPARED, int_constant, make, mark, marked, unmark
 from .ir import numpy_to_dense, owner_op, shape_of
 from .loops import Loop, clone, row_of
 from .module import erase_unused
 
 ir, stablehlo, func_dialect = C.mlir()
-
-
-def _int_const(t, value: int):
-    return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-        t, ir.IntegerAttr.get(t.element_type, value))).result
 
 
 def hoist_prepared(w, loop: Loop, fop) -> list:
@@ -57,7 +52,7 @@ def hoist_prepared(w, loop: Loop, fop) -> list:
                                     ir.RankedTensorType(p.results[0].type).element_type)
             for p in preps]
     with ir.InsertionPoint(w):
-        init = [_int_const(rt, 0)] + [w.operands[k] for k in used] + [
+        init = [int_constant(rt, 0)] + [w.operands[k] for k in used] + [
             make("stablehlo.broadcast_in_dim", [t], [stablehlo.ConstantOp(
                 numpy_to_dense(np.zeros((), np.float32), t.element_type)).result],
                 {"broadcast_dimensions": ir.DenseI64ArrayAttr.get([])}).result for t in outs]
@@ -66,21 +61,21 @@ def hoist_prepared(w, loop: Loop, fop) -> list:
     cb = pw.regions[0].blocks.append(*types)
     with ir.InsertionPoint(cb):
         make("stablehlo.return", [], [stablehlo.CompareOp(
-            cb.arguments[0], _int_const(rt, L),
+            cb.arguments[0], int_constant(rt, L),
             stablehlo.ComparisonDirectionAttr.get("LT")).result])
     bb = pw.regions[1].blocks.append(*types)
     row = bb.arguments[0]
     mapping = {entry.arguments[k]: bb.arguments[1 + i] for i, k in enumerate(used)}
     with ir.InsertionPoint(bb):
-        zero = _int_const(rt, 0)
+        zero = int_constant(rt, 0)
         for k, (a, c) in loop.counters.items():   # each counter read, from the iteration
             if not any(v == entry.arguments[k] for op in part for v in op.operands):
                 continue
             ct = ir.RankedTensorType(entry.arguments[k].type)
             mapping[entry.arguments[k]] = row if (a, c, ct) == (0, 1, rt) else \
                 stablehlo.AddOp(stablehlo.MulOp(stablehlo.ConvertOp(ct, row).result,
-                                                _int_const(ct, c)).result,
-                                _int_const(ct, a)).result
+                                                int_constant(ct, c)).result,
+                                int_constant(ct, a)).result
         clone(part, mapping, {})
         for op in bb.operations:
             if marked(op, PREPARED):       # (checked once, on the stacks below)
@@ -92,7 +87,7 @@ def hoist_prepared(w, loop: Loop, fop) -> list:
             upd.append(make("stablehlo.dynamic_update_slice", [outs[j]], [
                 bb.arguments[1 + len(used) + j], make("stablehlo.reshape", [one], [v]).result,
                 row] + [zero] * len(shape_of(v))).result)
-        make("stablehlo.return", [], [stablehlo.AddOp(row, _int_const(rt, 1)).result] +
+        make("stablehlo.return", [], [stablehlo.AddOp(row, int_constant(rt, 1)).result] +
              list(bb.arguments[1:1 + len(used)]) + upd)
     stacks = []
     with ir.InsertionPoint(w):
@@ -102,7 +97,7 @@ def hoist_prepared(w, loop: Loop, fop) -> list:
             stacks.append(cv.result)
     # the body reads its row of each stack instead
     with ir.InsertionPoint.at_block_begin(entry):
-        zero = _int_const(rt, 0)
+        zero = int_constant(rt, 0)
     for j, p in enumerate(preps):
         arg = entry.add_argument(outs[j], ir.Location.unknown())
         with ir.InsertionPoint(p):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .build import STACK, make, mark
+from .build import STACK, int_constant, make, mark
 from .ir import is_float, numpy_to_dense, op_name, owner_op, parent_of, reads, shape_of
 from .module import SYMBOL_ATTRS, erase_unused
 from .patterns import Evaluator, index_value
@@ -189,10 +189,9 @@ def layer_module(w, loop: Loop, symbols: dict, ev: Evaluator):
             x = ev(v) if is_float(v) else index_value(v, ev.bound)
             if x is None:
                 return None
-            mapping[v] = stablehlo.ConstantOp(numpy_to_dense(np.asarray(x), ir.RankedTensorType(
-                v.type).element_type) if is_float(v) else ir.DenseElementsAttr.get_splat(
-                    ir.RankedTensorType(v.type), ir.IntegerAttr.get(
-                        ir.RankedTensorType(v.type).element_type, int(x)))).result
+            mapping[v] = int_constant(v.type, x) if not is_float(v) else \
+                stablehlo.ConstantOp(numpy_to_dense(np.asarray(x), ir.RankedTensorType(
+                    v.type).element_type)).result
         pure = {body.arguments[k] for k in (*loop.invariant, *loop.counters)} | set(outside)
         clone(list(body.operations)[:-1], mapping, symbols, pure)
         func_dialect.ReturnOp([mapping.get(ret.operands[k], ret.operands[k]) for k in carried])
@@ -272,9 +271,7 @@ def rebuild_loop(w, loop: Loop, first, plan, symbols: dict, extra=()) -> set:
     slot = {cops[j]: len(kept) + len(extra) + i for i, (j, _) in enumerate(plan.stacked)}
     ops = list(entry.operations)
     with ir.InsertionPoint(bb):
-        zero = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-            ir.RankedTensorType(row.type), ir.IntegerAttr.get(
-                ir.RankedTensorType(row.type).element_type, 0))).result
+        zero = int_constant(row.type, 0)
         for op in ops[:-1]:
             i = slot.get(op)
             if i is None:

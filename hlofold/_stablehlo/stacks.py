@@ -22,7 +22,7 @@ from .. import _compat as C
 from .._core.reasons import Reason
 from .._core.report import FOLDED
 from .._core.stacks import Restack, first_difference, layer_records, layers_differ
-from .build import STACK, marked
+from .build import STACK, int_constant, marked
 from .ir import dense_to_numpy, op_name, parent_of
 from .hoist import hoist_prepared
 from .loops import (Loop, callees_changed, layer_module, loop_form, rebuild_loop, walk)
@@ -42,16 +42,11 @@ def _constants(fop) -> tuple[Any, list, list]:
             values.append(v if v is not None else str(op.attributes["value"]))
             ops.append(op)
         else:
-            nested += [str(o.attributes["value"]) for o in _walk_regions(op)
+            nested += [str(o.attributes["value"]) for region in op.regions
+                       for b in region.blocks for o in walk(b)
                        if op_name(o) == "stablehlo.constant"]
     key = (fop.operation.get_asm(large_elements_limit=0), tuple(nested))
     return key, values, ops
-
-
-def _walk_regions(op):
-    for region in op.regions:
-        for b in region.blocks:
-            yield from walk(b)
 
 
 def fold_stacks(module, symbols: dict, fold: Callable, bound: dict | None = None,
@@ -92,10 +87,6 @@ def fold_stacks(module, symbols: dict, fold: Callable, bound: dict | None = None
         drop_uncalled_private(module, only=dropped)
         if len(list(module.body.operations)) == n:
             break
-    for name in [n for n in symbols if n in dropped]:
-        if not any(ir.StringAttr(o.attributes["sym_name"]).value == name
-                   for o in module.body.operations if op_name(o) == "func.func"):
-            del symbols[name]
     return records, left
 
 
@@ -135,9 +126,7 @@ def _fold_loop(w, loop: Loop, symbols: dict, ev: Evaluator, fold: Callable, stag
         with ir.InsertionPoint.at_block_begin(entry):
             for k, (a, st) in loop.counters.items():
                 arg = entry.arguments[k]
-                t = ir.RankedTensorType(arg.type)
-                c = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-                    t, ir.IntegerAttr.get(t.element_type, a + layer * st))).result
+                c = int_constant(arg.type, a + layer * st)
                 arg.replace_all_uses_with(c)
                 counters.append((c, arg))
         given = {entry.arguments[k]: v for k, v in loop.known.items()}
