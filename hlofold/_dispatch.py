@@ -177,10 +177,15 @@ MISS = object()
 def fast_call(fast: Fast, args: tuple):
     """The steady-state call, or ``MISS`` when any check fails (the full path decides).
     Written for CPython's C-level loops (``map``, ``itemgetter``): it runs on every call."""
-    leaves, tree = _flatten(args)
-    if tree != fast.tree or not all(map(is_, fast.get_same(leaves), fast.same_objs)):
+    try:       # the structure checked as it is walked: half of flatten + compare
+        leaves = fast.tree.flatten_up_to(args)
+    except Exception:                # noqa: BLE001 — any mismatch: the full path decides
+        return MISS
+    if not all(map(is_, fast.get_same(leaves), fast.same_objs)):
         return MISS
     per_call = fast.get_per_call(leaves)
+    if not _all_leaves(per_call):    # flatten_up_to stops at the recorded leaves' places
+        return MISS
     if fast.avals is None:           # NumPy inputs, Python scalars
         ok = list(map(leaf_key, per_call)) == fast.keys
     else:
@@ -206,7 +211,7 @@ def _getter(idx: Sequence[int]) -> Callable:
 _aval = operator.attrgetter("aval")
 _is_deleted = operator.methodcaller("is_deleted")
 is_, eq = operator.is_, operator.eq
-_flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
+_unflatten, _all_leaves = jax.tree_util.tree_unflatten, jax.tree_util.all_leaves
 
 
 @dataclasses.dataclass

@@ -117,6 +117,52 @@ def test_steady_state_fast_path_checks_what_jit_checks():
         ff(Pc, X)
 
 
+
+
+def test_fast_path_tells_every_structure_change_apart():
+    """The steady call checks the structure while it walks the arguments (flatten_up_to,
+    which stops at the recorded leaves' places): what it lets through there — a subtree or
+    None where a leaf was — and a container of another type with the same leaves must each
+    take the full path and give what ``jax.jit`` gives."""
+    @jax.tree_util.register_pytree_node_class
+    class Wrapped:                 # a node that looks like the array it holds
+        def __init__(self, a):
+            self.a, self.shape, self.dtype = a, a.shape, a.dtype
+            self.aval = getattr(a, "aval", None)
+
+        def tree_flatten(self):
+            return (self.a,), None
+
+        @classmethod
+        def tree_unflatten(cls, _, children):
+            return cls(*children)
+
+    def g(p, x):
+        y = x[0] if isinstance(x, tuple) else x
+        y = y.a * 2 if isinstance(y, Wrapped) else y
+        for a, s in zip(p["w"], p["s"]):
+            y = jnp.tanh(y * a + s)
+        return y
+    w, s = (jnp.arange(1.0, 4.0), jnp.arange(2.0, 5.0)), (jnp.ones(3), jnp.zeros(3))
+    for x in (jnp.linspace(-1, 1, 3), np.linspace(-1, 1, 3, dtype=np.float32)):
+        fg, jg = hlofold.fold(g), jax.jit(g)     # NumPy x: checked by leaf_key, not aval
+        p = {"w": w, "s": s}
+        assert_close(jg(p, x), fg(p, x))
+        assert_close(jg(p, x), fg(p, x))
+        assert fg._fast is not None
+        for q, xx in [({"w": list(w), "s": s}, x),                # list for tuple
+                      ({"w": (w[0], (w[1],)), "s": s}, x),        # a subtree at a leaf
+                      ({"w": (w[0], None), "s": s}, x),           # None at a leaf
+                      (p, (x,)), (p, None), (p, Wrapped(x))]:     # the input, wrapped
+            fg(p, x)                                              # the fast path, primed
+            try:
+                want = jg(q, xx)
+            except Exception as e:                                # noqa: BLE001
+                with pytest.raises(type(e)):
+                    fg(q, xx)
+                continue
+            assert_close(want, fg(q, xx))
+    assert_close(jg(p, x), fg(p, x))
 def test_numpy_params_are_not_cached_by_identity():
     pn = jax.tree.map(np.array, P)
     ff = hlofold.fold(examples.resnet_apply)
