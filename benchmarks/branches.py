@@ -21,6 +21,7 @@ to the module as given. ``python -m benchmarks.branches [--quick]`` writes
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -33,7 +34,8 @@ import hlofold
 from hlofold._compat import xla as X
 
 from . import repmodels as R
-from .common import code_info, machine_info, machine_line, now, steady, summary, write_doc
+from .common import (code_info, machine_info, machine_line, now, paired, steady, steady_rounds,
+                     summary, write_doc)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -195,31 +197,63 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def batch1(rounds: int, calls: int, size: int, out: str) -> dict:
-    """The batch-1 rows alone (``--batch1``): where the distance to the deploy form is the
-    call itself, ``fold(f)`` next to the deploy form compiled the same way, called with its
-    own tree and with the train-time tree; written to ``branches_b1_cpu.{md,json}``."""
+def call_part(arch: str, size: int, rounds: int, calls: int) -> dict:
+    """One batch-1 row: ``fold(f)`` called with the train-time tree, ``fold`` of ``f`` with
+    that tree bound (``functools.partial``: a server's one model, the call takes the image
+    alone), the deploy form compiled as hlofold compiles the merged program (its own tree,
+    and the train-time tree too) and ``jax.jit(f)``; ratios paired round by round."""
+    apply, v, x = R.make(arch, size=size, batch=1)
+    dapply, w, _ = R.make_deploy(arch, size=size, batch=1)
+    fns = {"jit": jax.jit(apply), "fold": hlofold.fold(apply),
+           "fold, bound": hlofold.fold(functools.partial(apply, v)),
+           "deploy": jax.jit(dapply, compiler_options=SINGLE),
+           "deploy, train tree": jax.jit(lambda v, w, x: dapply(w, x),
+                                         compiler_options=SINGLE)}
+    args = {"jit": (v, x), "fold": (v, x), "fold, bound": (x,), "deploy": (w, x),
+            "deploy, train tree": (v, w, x)}
+    times = steady_rounds(fns, args, rounds, calls, rotate=True)
+    ident = jax.jit(lambda v, x: x)          # what jax.jit's dispatch of the tree alone costs
+    jax.block_until_ready(ident(v, x))
+    t0, n = now(), 2000
+    for _ in range(n):
+        ident(v, x)
+    return {"arch": arch, "size": size, "leaves": len(jax.tree_util.tree_leaves(v)),
+            "deploy_leaves": len(jax.tree_util.tree_leaves(w)),
+            "steady_ms": {k: summary(t) for k, t in times.items()},
+            "ratios": {k: paired(times, k, "deploy")
+                       for k in ("fold", "fold, bound", "deploy, train tree", "jit")},
+            "tree_dispatch_us": (now() - t0) / n * 1e6}
+
+
+def batch1(rounds: int, calls: int, sizes: list, out: str) -> dict:
+    """The batch-1 rows alone (``--batch1``), at each of ``sizes``: where the distance to
+    the deploy form is the call itself; written to ``branches_b1_cpu.{md,json}``."""
     import datetime
-    rows = [flax_part(arch, 1, size, rounds, calls) for arch in R.ARCHS]
+    rows = [call_part(arch, size, rounds, calls) for size in sizes for arch in R.ARCHS]
     res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
            "code": code_info(), "rounds": rounds, "calls": calls, "flax": rows}
     fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
     L = [f"# Multi-branch CNNs at batch 1: the call, next to the deploy form ({res['when']})",
          "", machine_line(res["machine"]), "",
          f"`python -m benchmarks.branches --batch1 --rounds {rounds} --calls {calls}`: one "
-         "run, interleaved rounds, ms per call, median (min–max). `deploy, same options`: the "
-         "hand-written deploy form compiled as hlofold compiles the merged program; `… train "
-         "tree`: that deploy form called with the train-time parameter tree as well (jax.jit "
-         "flattens it, unused).", "",
-         "| net | jit (train form) | fold | deploy, same options | … train tree | fold/jit | "
-         "fold/deploy same | fold/(… train tree) |", "|---|---|---|---|---|---|---|---|"]
+         "run, interleaved rounds (each starting at the next variant). Left: ms per call, "
+         "median (min–max); right: the ratio to the deploy form **in the same round**, "
+         "median (min–max) over rounds. `deploy`: the hand-written deploy form compiled as "
+         "hlofold compiles the merged program, called with its own parameters; `fold`: "
+         "`hlofold.fold(apply)(variables, x)`, the train-time tree; `fold, bound`: "
+         "`hlofold.fold(functools.partial(apply, variables))(x)`; `deploy, train tree`: the "
+         "deploy form called with the train-time tree as well (unused: what taking that tree "
+         "costs `jax.jit`); `tree µs`: `jax.jit(lambda v, x: x)(variables, x)`, dispatch alone.",
+         "", "| net | px | leaves | jit | fold | fold, bound | deploy | fold / deploy | "
+         "bound / deploy | deploy train tree / deploy | jit / deploy | tree µs |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        s = r["steady_ms"]
-        L.append(f"| {r['arch']} ({size} px) | {fmt(s['jit'])} | {fmt(s['fold'])} | "
-                 f"{fmt(s['deploy, single'])} | {fmt(s['deploy, single, train tree'])} | "
-                 f"{s['fold']['median'] / s['jit']['median']:.3f} | "
-                 f"{s['fold']['median'] / s['deploy, single']['median']:.3f} | "
-                 f"{s['fold']['median'] / s['deploy, single, train tree']['median']:.3f} |")
+        s, q = r["steady_ms"], r["ratios"]
+        L.append(f"| {r['arch']} | {r['size']} | {r['leaves']} ({r['deploy_leaves']}) | "
+                 f"{fmt(s['jit'])} | {fmt(s['fold'])} | {fmt(s['fold, bound'])} | "
+                 f"{fmt(s['deploy'])} | {fmt(q['fold'])} | {fmt(q['fold, bound'])} | "
+                 f"{fmt(q['deploy, train tree'])} | {fmt(q['jit'])} | "
+                 f"{r['tree_dispatch_us']:.0f} |")
     write_doc(out, "branches_b1_cpu", res, L)
     print("\n".join(L))
     return res
@@ -236,7 +270,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch1", action="store_true", help="the batch-1 rows alone")
     a = ap.parse_args(argv)
     if a.batch1:
-        return batch1(a.rounds, a.calls, a.size, a.out)
+        return batch1(a.rounds, a.calls, [16] if a.quick else [a.size, 224], a.out)
     size, rounds, calls, first = (16, 2, 2, 0) if a.quick else \
         (a.size, a.rounds, a.calls, a.first_runs)
     import datetime

@@ -36,19 +36,34 @@ def summary(xs) -> dict:
 def steady(fns: dict, args: dict, rounds: int, calls: int) -> dict:
     """Steady calls of each ``fns[name](*args[name])`` (compiled and warm first), in
     interleaved rounds of ``calls`` calls: ms per call, a :func:`summary` per name."""
+    times = steady_rounds(fns, args, rounds, calls)
+    return {name: summary(ts) for name, ts in times.items()}
+
+
+def steady_rounds(fns: dict, args: dict, rounds: int, calls: int,
+                  rotate: bool = False) -> dict:
+    """:func:`steady`'s per-round times (ms per call), for ratios paired by round;
+    ``rotate``: each round starts at the next variant (no variant always runs first)."""
     for name, fn in fns.items():                  # compiled and warm
         jax.block_until_ready(fn(*args[name]))
         jax.block_until_ready(fn(*args[name]))
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            a = args[name]
+    names = list(fns)
+    for r in range(rounds):
+        k = r % len(names) if rotate else 0
+        for name in names[k:] + names[:k]:
+            fn, a = fns[name], args[name]
             t0 = now()
             for _ in range(calls):
                 out = fn(*a)
             jax.block_until_ready(out)
             times[name].append((now() - t0) / calls * 1e3)
-    return {name: summary(ts) for name, ts in times.items()}
+    return times
+
+
+def paired(times: dict, num: str, den: str) -> dict:
+    """The ratio ``num / den`` round by round (both ran in the same round): a summary."""
+    return summary([a / b for a, b in zip(times[num], times[den])])
 
 
 def loadavg():

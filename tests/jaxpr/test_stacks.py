@@ -295,12 +295,10 @@ def test_a_bfloat16_stack_folds_within_the_originals_error():
     assert err_fold <= 1.5 * err_orig, (err_fold, err_orig)
 
 
-def test_summed_branches_in_a_stack_merge_per_layer():
-    """A RepVGG block (3×3 conv+BN, 1×1 conv+BN, identity) as the body of a scanned stack:
-    each layer's branches merge into one 3×3 conv, restacked; fold_params writes each
-    branch's BN and says the merge is not written."""
+def branch_stack(L: int = 3, C: int = 8):
+    """A RepVGG block (3×3 conv+BN, 1×1 conv+BN, identity) as the body of a scanned stack
+    of ``L`` layers: ``(f, params, x)``."""
     rng = np.random.default_rng(0)
-    L, C = 3, 8
 
     def bn():
         return {"m": jnp.asarray(rng.standard_normal((L, C)), jnp.float32),
@@ -323,6 +321,13 @@ def test_summed_branches_in_a_stack_merge_per_layer():
                                norm(conv(q["k1"], "VALID"), q["bn1"]) + h), None
         return lax.scan(body, x, p)[0]
     x = jnp.asarray(rng.standard_normal((2, 6, 6, C)), jnp.float32)
+    return f, p, x
+
+
+def test_summed_branches_in_a_stack_merge_per_layer():
+    """Each layer's branches merge into one 3×3 conv, restacked; fold_params writes each
+    branch's BN and says the merge is not written."""
+    f, p, x = branch_stack()
     ff, rep, _, _ = fold_checked(jax.jit(f), p, x, folds=2)
     (merge,) = rep.merged
     assert merge.layers == 3 and "3 branches" in merge.note, str(rep)

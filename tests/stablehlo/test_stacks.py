@@ -22,7 +22,7 @@ from hlofold._stablehlo.ir import op_name
 from hlofold._stablehlo.module import parse_module
 from tests.helpers import assert_close, assert_nothing_left_behind, unread_ops
 from tests.jaxpr.test_stacks import (CNN, CNN_VARS, X, ScannedDecoder, _hand_stack,
-                                     _perturbed, fori_stack, nested_stack)
+                                     _perturbed, branch_stack, fori_stack, nested_stack)
 
 NORM_OPS = {"stablehlo.rsqrt", "stablehlo.subtract", "stablehlo.divide"}
 
@@ -236,3 +236,50 @@ def test_split_of_the_fori_loop_form_leaves_nothing_behind():
     *prepared, ok = module_callable(prepare)(p["k"], p["s"], p["t"])
     assert bool(ok)
     assert_close(f(p, x), first(module_callable(apply)(x, *prepared)))
+
+
+def _bound(tree) -> dict:
+    return {f"arg{i}": np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(tree))}
+
+
+def test_summed_branches_in_a_stack_merge_per_layer():
+    """A RepVGG block as a scanned body: on StableHLO, as on the jaxpr path, each layer's
+    branches merge into one 3×3 conv (in the module, ``params=``, ``split=``), the loop
+    runs one convolution, outputs equal."""
+    f, p, x = branch_stack()
+    want = np.asarray(f(p, x))
+    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    (merge,) = rep.merged
+    assert merge.layers == 3 and "3 branches" in merge.note, str(rep)
+    (body,) = loop_bodies(folded)
+    assert body.count("stablehlo.convolution") == 1 and not set(body) & NORM_OPS, body
+    assert_close(want, run(folded, x))
+    exp = jax.export.export(jax.jit(f))(p, x)
+    new, rep2, prepared = hlofold.fold_stablehlo(exp, params=_bound(p))
+    assert [m.layers for m in rep2.merged] == [3], str(rep2)
+    assert sorted(q.shape for q in prepared) == [(3, 3, 3, 8, 8), (3, 8)]
+    assert_close(want, new.call(x, *prepared))
+    leaves = jax.tree.leaves(p)
+    text = jax.jit(f).lower(p, x).as_text()
+    apply, rep3, prepare = hlofold.fold_stablehlo(text, split=[f"arg{len(leaves)}"])
+    assert [m.layers for m in rep3.merged] == [3], str(rep3)
+    *made, ok = module_callable(prepare)(*leaves)
+    assert bool(ok)
+    (abody,) = loop_bodies(apply)
+    assert abody.count("stablehlo.convolution") == 1 and not set(abody) & NORM_OPS, abody
+    assert_close(want, first(module_callable(apply)(x, *made)))
+
+
+def test_stack_folds_from_many_threads_alike():
+    """``fold_stablehlo`` of scanned stacks from eight threads at once (each its own MLIR
+    context): every result is the serial one."""
+    from concurrent.futures import ThreadPoolExecutor
+    f, p, x = branch_stack()
+    texts = [jax.jit(lambda x: f(p, x)).lower(x).as_text(),
+             jax.jit(lambda x: CNN.apply(CNN_VARS, x)).lower(X).as_text()]
+    serial = [str(hlofold.fold_stablehlo(t)[0]) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: (i % 2, str(hlofold.fold_stablehlo(texts[i % 2])[0])),
+                            range(16)))
+    assert all(out == serial[k] for k, out in got)
