@@ -146,8 +146,11 @@ def _location(op) -> tuple[str | None, int | None, str]:
     return file, line, (names[0] if names else "")
 
 
-def dense_to_numpy(attr) -> np.ndarray | None:
-    """Values of a dense elements attribute (None where the bindings cannot read them)."""
+def dense_to_numpy(attr, copy: bool = True) -> np.ndarray | None:
+    """Values of a dense elements attribute (None where the bindings cannot read them).
+    ``copy=False``: a read-only view of the attribute's storage where the bindings give one
+    (it keeps the MLIR context alive: for reading inside a fold, never for values returned
+    to the user)."""
     a = ir.DenseElementsAttr(attr)
     t = ir.RankedTensorType(a.type)
     dt = np_dtype(t.element_type)
@@ -161,7 +164,7 @@ def dense_to_numpy(attr) -> np.ndarray | None:
         except Exception:
             return None
     if dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
-        arr = np.array(a)
+        arr = np.array(a) if copy else np.asarray(a)
         return arr.reshape(shape) if arr.dtype == dt else None
     if dt == np.dtype(C.bfloat16):
         return _bf16_values(a, shape)

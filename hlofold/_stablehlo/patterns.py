@@ -129,7 +129,7 @@ class Evaluator:
             return None
         name = op_name(op)
         if name == "stablehlo.constant":
-            return dense_to_numpy(op.attributes["value"])
+            return dense_to_numpy(op.attributes["value"], copy=False)
         if not ins or any(x is None for x in ins):
             return None
         dt = np_dtype(elem_type(value))

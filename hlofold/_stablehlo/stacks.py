@@ -38,7 +38,7 @@ def _constants(fop) -> tuple[Any, list, list]:
     values, ops, nested = [], [], []
     for op in entry.operations:
         if op_name(op) == "stablehlo.constant":
-            v = dense_to_numpy(op.attributes["value"])
+            v = dense_to_numpy(op.attributes["value"], copy=False)
             values.append(v if v is not None else str(op.attributes["value"]))
             ops.append(op)
         else:
