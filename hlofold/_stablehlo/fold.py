@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 
 from .. import _compat as C
+from . import blobs
 from .._core.algebra import along, collapse, forward_kernel, per_channel
 from .._core.chain import UNUSED, affine_after, chain_kind, walk
 from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .facts import op_facts
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
-                 parent_of,
-                 shape_of, type_name)
+                 parent_of, plain_dense, shape_of, type_name)
 from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
@@ -336,6 +336,12 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
     guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
     the run-time guard, the folded kernels and biases marked ``PREPARED`` for the
     caller to check (see :mod:`hlofold._stablehlo.split`)."""
+    with blobs.scope(module, plain_dense):  # large constants made here held by reference
+        return _fold_module(module, in_graph, guard, merge, bound)
+
+
+def _fold_module(module, in_graph: bool, guard: bool, merge: bool,
+                 bound: dict | None) -> FoldReport:
     inline_uniform_cases(module)     # a multi-platform module's per-platform copies
     symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
                for op in module.body.operations if op_name(op) == "func.func"}

@@ -13,6 +13,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from .. import _compat as C
+from . import blobs
 from .facts import op_fact
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -151,6 +152,9 @@ def dense_to_numpy(attr, copy: bool = True) -> np.ndarray | None:
     ``copy=False``: a read-only view of the attribute's storage where the bindings give one
     (it keeps the MLIR context alive: for reading inside a fold, never for values returned
     to the user)."""
+    held = blobs.take(attr) if copy else blobs.value(attr)
+    if held is not None:
+        return held
     a = ir.DenseElementsAttr(attr)
     t = ir.RankedTensorType(a.type)
     dt = np_dtype(t.element_type)
@@ -196,7 +200,13 @@ def numpy_to_dense(arr: np.ndarray, etype):
     arr = np.asarray(arr, dtype=_NP_DTYPES.get(name, np.float64))
     if not arr.flags.c_contiguous:     # (np.ascontiguousarray makes a 0-d array 1-d)
         arr = np.ascontiguousarray(arr)
-    if name in ("bf16", "f16"):         # the bindings take their bits
+    held = blobs.make(arr, ir.RankedTensorType.get(arr.shape, etype))
+    return held if held is not None else plain_dense(arr, etype)
+
+
+def plain_dense(arr: np.ndarray, etype):
+    """A dense elements attribute of ``arr`` (C-contiguous, ``etype``'s NumPy dtype)."""
+    if str(etype) in ("bf16", "f16"):    # the bindings take their bits
         arr = arr.view(np.uint16)
     return ir.DenseElementsAttr.get(arr, type=ir.RankedTensorType.get(arr.shape, etype))
 

@@ -16,12 +16,14 @@ and the pass gives its sites that reason.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 from .. import _compat as C
 from .._core.reasons import Reason
 from .._core.report import FOLDED
 from .._core.stacks import Restack, first_difference, layer_records, layers_differ
+from . import blobs
 from .build import STACK, int_constant, marked
 from .ir import dense_to_numpy, op_name, parent_of
 from .hoist import hoist_prepared
@@ -42,11 +44,21 @@ def _constants(fop) -> tuple[Any, list, list]:
             values.append(v if v is not None else str(op.attributes["value"]))
             ops.append(op)
         else:
-            nested += [str(o.attributes["value"]) for region in op.regions
+            nested += [_constant_key(o.attributes["value"]) for region in op.regions
                        for b in region.blocks for o in walk(b)
                        if op_name(o) == "stablehlo.constant"]
-    key = (fop.operation.get_asm(large_elements_limit=0), tuple(nested))
+    # (a large constant made by the fold is a resource named per layer: its name elided)
+    key = (_RESOURCE_NAME.sub("dense_resource<>", fop.operation.get_asm(
+        large_elements_limit=0)), tuple(nested))
     return key, values, ops
+
+
+_RESOURCE_NAME = re.compile(r"dense_resource<[^>]*>")
+
+
+def _constant_key(attr):
+    held = blobs.value(attr)
+    return str(attr) if held is None else (held.shape, held.dtype.str, held.tobytes())
 
 
 def fold_stacks(module, symbols: dict, fold: Callable, bound: dict | None = None,

@@ -19,7 +19,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.report import FoldReport
-from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense
+from . import blobs
+from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense, plain_dense
 from .module import main_function, parse_module
 from .fold import fold_module
 from .shardings import argument_shardings, by_type, set_argument_shardings
@@ -46,7 +47,9 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
     ``kept``: the original argument numbers the apply module still takes first, in order."""
     values = {argument_index(k): np.asarray(v) for k, v in params.items()}
     module = parse_module(text_or_bytes)
-    with module.context, ir.Location.unknown():
+    # the weights bound, and the constants the fold makes, held by reference (not copied
+    # into MLIR) until hoisted; what stays in the module becomes dense when this ends
+    with module.context, ir.Location.unknown(), blobs.scope(module, plain_dense):
         main = main_function(module)
         block = main.regions[0].blocks[0]
         n = len(block.arguments)
@@ -57,8 +60,9 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
         with ir.InsertionPoint.at_block_begin(block):
             for i, v in sorted(values.items()):
                 arg = block.arguments[i]
-                const = stablehlo.ConstantOp(numpy_to_dense(v, ir.RankedTensorType(
-                    arg.type).element_type)).result
+                held = blobs.make(v, arg.type, given=True)
+                const = stablehlo.ConstantOp(held if held is not None else numpy_to_dense(
+                    v, ir.RankedTensorType(arg.type).element_type)).result
                 arg.replace_all_uses_with(const)
         kept = [i for i in range(n) if i not in values]
         set_arguments(main, kept)
@@ -119,7 +123,7 @@ def _hoist(main) -> list:
         if op.operation.name != "stablehlo.constant":
             continue
         attr = op.attributes["value"]
-        if ir.DenseElementsAttr(attr).is_splat:
+        if blobs.value(attr) is None and ir.DenseElementsAttr(attr).is_splat:
             continue
         val = dense_to_numpy(attr)
         if val is None or val.size < MIN_HOISTED:
