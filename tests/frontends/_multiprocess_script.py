@@ -6,7 +6,8 @@ collectives, 4 devices each: one 8-device mesh), run by ``tests/frontends/test_m
 Parameters and inputs are global arrays no process holds whole (kernels sharded over their
 output channels, the batch over the mesh). ``hlofold.fold(f)``, ``freeze=`` and
 ``hlofold.fold_params`` must give ``jax.jit(f)``'s results there, folding every site that
-folds in one process; the prepare step runs on the devices, in the parameters' sharding.
+folds in one process; the prepare step runs on the devices, in the parameters' sharding. So
+must a scanned stack of multi-branch blocks (merged and folded per layer).
 Prints one ``ok`` line per check; exits non-zero on the first failure.
 """
 from __future__ import annotations
@@ -99,6 +100,20 @@ def main(pid: int, port: int) -> None:
     k0, k1 = params["stem"]["conv"], written.params["stem"]["conv"]
     assert k1.sharding == k0.sharding, (k0.sharding, k1.sharding)
     print(f"ok fold_params: {len(written.changes)} sites written back", flush=True)
+
+    # a scanned stack of RepVGG blocks, its stacks sharded over the channels: each layer's
+    # branches merge and its BNs fold, restacked, prepared on the devices
+    from tests.jaxpr.test_stacks import branch_stack
+    sf, sp, sx = branch_stack()
+    sp = jax.tree.map(lambda a: global_array(a, mesh, spec_of(a)), jax.tree.map(np.asarray, sp))
+    sx = global_array(np.asarray(sx), mesh, P())
+    assert not sp["k3"].is_fully_addressable
+    fs = hlofold.fold(sf)
+    close(jax.jit(sf)(sp, sx), fs(sp, sx), "fold(f) of a scanned stack")
+    srep = fs.report(sp, sx)
+    assert [m.layers for m in srep.merged] == [3] and srep.num_folded == 2 and \
+        all(s.layers == 3 for s in srep.folded), str(srep)
+    print(f"ok stack: {srep.num_folded} sites folded and one merge, per layer", flush=True)
     multihost_utils.sync_global_devices("done")
 
 
