@@ -49,10 +49,12 @@ def scope(module=None, dense: Callable | None = None):
     token = _TABLE.set(_Table())
     try:
         yield
-        if module is not None:
-            materialize(module, dense)
-    finally:
-        _TABLE.reset(token)
+    finally:                 # (after an error too: no module keeps a resource of this table)
+        try:
+            if module is not None:
+                materialize(module, dense)
+        finally:
+            _TABLE.reset(token)
 
 
 def make(arr: np.ndarray, tensor_type, given: bool = False):
