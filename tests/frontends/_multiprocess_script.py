@@ -7,7 +7,9 @@ Parameters and inputs are global arrays no process holds whole (kernels sharded 
 output channels, the batch over the mesh). ``hlofold.fold(f)``, ``freeze=`` and
 ``hlofold.fold_params`` must give ``jax.jit(f)``'s results there, folding every site that
 folds in one process; the prepare step runs on the devices, in the parameters' sharding. So
-must a scanned stack of multi-branch blocks (merged and folded per layer).
+must a scanned stack of multi-branch blocks (merged and folded per layer), through ``fold``
+and through ``fold_stablehlo(params=)`` of its sharded export (the prepared stacks placed in
+the shardings the folded export gives them).
 Prints one ``ok`` line per check; exits non-zero on the first failure.
 """
 from __future__ import annotations
@@ -114,6 +116,19 @@ def main(pid: int, port: int) -> None:
     assert [m.layers for m in srep.merged] == [3] and srep.num_folded == 2 and \
         all(s.layers == 3 for s in srep.folded), str(srep)
     print(f"ok stack: {srep.num_folded} sites folded and one merge, per layer", flush=True)
+
+    # the same through the StableHLO path: the sharded export, params= from host values, the
+    # prepared stacks placed in the shardings the folded export gives its inputs
+    exp = jax.export.export(jax.jit(sf))(sp, sx)
+    host_sp = jax.tree.map(gathered, sp)
+    new, hrep, prepared = hlofold.fold_stablehlo(exp, params={
+        f"arg{i}": v for i, v in enumerate(jax.tree.leaves(host_sp))})
+    assert [m.layers for m in hrep.merged] == [3] and hrep.num_folded == 2, str(hrep)
+    shardings = new.in_shardings_jax(mesh)
+    placed = [jax.device_put(np.asarray(v), s) for v, s in zip(prepared, shardings[1:])]
+    assert placed and not any(a.is_fully_addressable for a in placed), shardings
+    close(jax.jit(sf)(sp, sx), jax.jit(new.call)(sx, *placed), "fold_stablehlo(params=)")
+    print("ok stack hlo: per layer, run sharded", flush=True)
     multihost_utils.sync_global_devices("done")
 
 

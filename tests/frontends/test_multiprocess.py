@@ -35,5 +35,6 @@ def test_fold_freeze_and_fold_params_on_a_two_process_mesh():
         outs.append((p.returncode, out, err))
     for rc, out, err in outs:
         assert rc == 0, (out + err)[-5000:]
-        for check in ("ok fold:", "ok freeze", "ok fold_params:", "ok stack:"):
+        for check in ("ok fold:", "ok freeze", "ok fold_params:", "ok stack:",
+                      "ok stack hlo"):
             assert check in out, (out + err)[-5000:]
