@@ -112,6 +112,23 @@ def walk(block):
                 yield from walk(b)
 
 
+BRANCHING = ("stablehlo.case", "stablehlo.if")
+
+
+def nested_constants(op, branches: bool = True):
+    """``(constant, in branches only)`` for each constant in ``op``'s regions, in program
+    order: whether every op around it (``op`` included) is a ``case``/``if`` — a value of the
+    enclosing block may be read there, so a constant there can become a row read outside."""
+    ok = branches and op_name(op) in BRANCHING
+    for region in op.regions:
+        for b in region.blocks:
+            for o in b.operations:
+                if op_name(o) == "stablehlo.constant":
+                    yield o, ok
+                elif len(o.regions):
+                    yield from nested_constants(o, ok)
+
+
 def inside(value, w) -> bool:
     """Whether ``value`` is defined in ``w``'s regions."""
     op = owner_op(value)
@@ -274,10 +291,23 @@ def rebuild_loop(w, loop: Loop, first, plan, symbols: dict, extra=()) -> set:
         zero = int_constant(row.type, 0)
         for op in ops[:-1]:
             i = slot.get(op)
-            if i is None:
+            if i is not None:
+                bmap[op.results[0]] = row_of(bb.arguments[i], row, zero)
+                continue
+            inner = [(k, slot[c]) for k, (c, _) in enumerate(nested_constants(op))
+                     if c in slot] if len(op.regions) else []
+            if not inner:
                 clone([op], bmap, {})
                 continue
-            bmap[op.results[0]] = row_of(bb.arguments[i], row, zero)
+            # constants in its branches read per layer: rows read before it, used inside
+            rows = {k: row_of(bb.arguments[i], row, zero) for k, i in inner}
+            new = op.clone()
+            remap(new, bmap)
+            for k, (c, _) in list(enumerate(nested_constants(new))):
+                if k in rows:
+                    c.results[0].replace_all_uses_with(rows[k])
+                    c.erase()
+            bmap.update(zip(op.results, new.results))
         carried = iter(bmap.get(v, v) for v in ops[-1].operands)
         out = [bb.arguments[i] if k in loop.invariant else next(carried)
                for i, k in enumerate(kept)] + list(bb.arguments[len(kept):])

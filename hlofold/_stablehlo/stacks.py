@@ -27,7 +27,8 @@ from . import blobs
 from .build import STACK, int_constant, marked
 from .ir import dense_to_numpy, op_name, parent_of
 from .hoist import hoist_prepared
-from .loops import (Loop, callees_changed, layer_module, loop_form, rebuild_loop, walk)
+from .loops import (Loop, callees_changed, layer_module, loop_form, nested_constants,
+                    rebuild_loop, walk)
 from .module import drop_uncalled_private, erase_unused
 from .patterns import Evaluator
 
@@ -35,18 +36,26 @@ ir, stablehlo, func_dialect = C.mlir()
 
 
 def _constants(fop) -> tuple[Any, list, list]:
-    """A folded layer up to the values of its top-level constants: (key, values, ops)."""
+    """A folded layer up to the values of its constants: (key, values, ops). The values are
+    those of its top-level constants and of those inside ``case``/``if`` branches (rows of a
+    stack read outside them); constants elsewhere (a nested loop's, a reduction's) are part
+    of the key: where they differ between layers, the layers do not fold alike."""
     entry = fop.regions[0].blocks[0]
     values, ops, nested = [], [], []
+
+    def take(op):
+        v = dense_to_numpy(op.attributes["value"], copy=False)
+        values.append(v if v is not None else str(op.attributes["value"]))
+        ops.append(op)
     for op in entry.operations:
         if op_name(op) == "stablehlo.constant":
-            v = dense_to_numpy(op.attributes["value"], copy=False)
-            values.append(v if v is not None else str(op.attributes["value"]))
-            ops.append(op)
-        else:
-            nested += [_constant_key(o.attributes["value"]) for region in op.regions
-                       for b in region.blocks for o in walk(b)
-                       if op_name(o) == "stablehlo.constant"]
+            take(op)
+        elif len(op.regions):
+            for c, branches in nested_constants(op):
+                if branches:
+                    take(c)
+                else:
+                    nested.append(_constant_key(c.attributes["value"]))
     # (a large constant made by the fold is a resource named per layer: its name elided)
     key = (_RESOURCE_NAME.sub("dense_resource<>", fop.operation.get_asm(
         large_elements_limit=0)), tuple(nested))

@@ -283,3 +283,50 @@ def test_stack_folds_from_many_threads_alike():
         got = list(pool.map(lambda i: (i % 2, str(hlofold.fold_stablehlo(texts[i % 2])[0])),
                             range(16)))
     assert all(out == serial[k] for k, out in got)
+
+
+def _branch_in_layer():
+    """A scanned layer whose conv → BN runs inside a ``lax.cond`` on the activations (both
+    branches): each layer's folded kernels live in the ``case``'s branches."""
+    rng = np.random.default_rng(5)
+    L, C = 3, 8
+    p = {"k": jnp.asarray(rng.standard_normal((L, 3, 3, C, C)) * .3, jnp.float32),
+         "m": jnp.asarray(rng.standard_normal((L, C)), jnp.float32),
+         "v": jnp.asarray(rng.uniform(.5, 2, (L, C)), jnp.float32),
+         "g": jnp.asarray(rng.uniform(.5, 2, (L, C)), jnp.float32)}
+
+    def f(p, x):
+        def body(h, q):
+            def conv_bn(h):
+                y = jax.lax.conv_general_dilated(h, q["k"], (1, 1), "SAME",
+                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                return (y - q["m"]) * jax.lax.rsqrt(q["v"] + 1e-5) * q["g"]
+            y = jax.lax.cond(jnp.sum(h) > 0, conv_bn, lambda h: conv_bn(-h), h)
+            return jax.nn.relu(y), None
+        return jax.lax.scan(body, x, p)[0]
+    x = jnp.asarray(rng.standard_normal((2, 6, 6, C)), jnp.float32)
+    return f, p, x
+
+
+def test_per_layer_constants_inside_branches_are_read_per_layer():
+    """The folded kernels of each layer, inside the branches of a ``case``, are restacked
+    and read at the iteration number before it (values of the enclosing block may be read in
+    its branches): the loop folds, both branches run conv + bias, outputs equal (was: the
+    loop left, its layers said to differ)."""
+    f, p, x = _branch_in_layer()
+    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    # (the other branch's negation folds forward into its kernel too), as on the jaxpr path
+    ff = hlofold.fold(jax.jit(f))
+    jrep = ff.report(p, x)
+    assert rep.num_folded == jrep.num_folded == 3 and not rep.refused, str(rep)
+    assert all(s.layers == 3 for s in rep.folded), str(rep)
+    (body,) = loop_bodies(folded)
+    assert not set(body) & NORM_OPS and body.count("stablehlo.convolution") == 2, body
+    assert "stablehlo.case" in body and body.count("stablehlo.dynamic_slice") >= 2, body
+    assert_close(f(p, x), run(folded, x))
+    assert_close(f(p, -x), run(folded, -x))                   # the other branch
+    exp = jax.export.export(jax.jit(f))(p, x)
+    new, rep2, prepared = hlofold.fold_stablehlo(exp, params=_bound(p))
+    assert rep2.num_folded == 3, str(rep2)
+    assert_close(f(p, x), new.call(x, *prepared))
