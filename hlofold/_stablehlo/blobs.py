@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from typing import Callable
-
 import numpy as np
 
 from .. import _compat as C
@@ -40,9 +38,9 @@ class _Table:
 
 
 @contextlib.contextmanager
-def scope(module=None, dense: Callable | None = None):
+def scope(module=None):
     """Large constants made inside are held by reference; leaving the outermost scope turns
-    those left in ``module`` into plain dense attributes (``dense(array, element type)``)."""
+    those left in ``module`` into plain dense attributes."""
     if _TABLE.get() is not None or not ENABLED:
         yield
         return
@@ -52,7 +50,7 @@ def scope(module=None, dense: Callable | None = None):
     finally:                 # (after an error too: no module keeps a resource of this table)
         try:
             if module is not None:
-                materialize(module, dense)
+                materialize(module)
         finally:
             _TABLE.reset(token)
 
@@ -112,17 +110,24 @@ def take(attr) -> np.ndarray | None:
     return own
 
 
-def materialize(module, dense: Callable) -> None:
+def plain_dense(arr: np.ndarray, etype):
+    """A dense elements attribute of ``arr`` (C-contiguous, ``etype``'s NumPy dtype)."""
+    if str(etype) in ("bf16", "f16"):    # the bindings take their bits
+        arr = arr.view(np.uint16)
+    return ir.DenseElementsAttr.get(arr, type=ir.RankedTensorType.get(arr.shape, etype))
+
+
+def materialize(module) -> None:
     """Every constant of ``module`` whose value is one of this scope's resource attributes
     gets the plain dense attribute of the same values."""
     t = _TABLE.get()
     if t is None or not t.arrays:
         return
     with module.context, ir.Location.unknown():
-        _materialize(module, t.arrays, dense)
+        _materialize(module, t.arrays)
 
 
-def _materialize(module, arrays: dict, dense: Callable) -> None:
+def _materialize(module, arrays: dict) -> None:
     todo = [module.body]
     while todo:
         block = todo.pop()
@@ -130,6 +135,6 @@ def _materialize(module, arrays: dict, dense: Callable) -> None:
             if "value" in op.attributes:
                 arr = arrays.get(op.attributes["value"])
                 if arr is not None:
-                    op.attributes["value"] = dense(
+                    op.attributes["value"] = plain_dense(
                         arr, ir.RankedTensorType(op.results[0].type).element_type)
             todo += [b for region in op.regions for b in region.blocks]

@@ -33,7 +33,7 @@ from .._core.decide import chain_status, decide, forward_refusal
 from .forward import HloForwardPlanner, conv_specs
 from .facts import op_facts
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
-                 parent_of, plain_dense, shape_of, type_name)
+                 parent_of, shape_of, type_name)
 from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
@@ -336,7 +336,7 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
     guarded (else refuse them with :data:`WEIGHTS_ARE_ARGUMENTS`); ``guard=False``: without
     the run-time guard, the folded kernels and biases marked ``PREPARED`` for the
     caller to check (see :mod:`hlofold._stablehlo.split`)."""
-    with blobs.scope(module, plain_dense):  # large constants made here held by reference
+    with blobs.scope(module):        # large constants made here held by reference
         return _fold_module(module, in_graph, guard, merge, bound)
 
 

@@ -195,20 +195,15 @@ def _bf16_values(attr, shape) -> np.ndarray | None:
         return None
 
 
-def numpy_to_dense(arr: np.ndarray, etype):
+def numpy_to_dense(arr: np.ndarray, etype, given: bool = False):
+    """A dense constant of ``arr``: inside a fold, a large one held by reference (``given``:
+    the caller's array, see :func:`hlofold._stablehlo.blobs.make`)."""
     name = str(etype)
     arr = np.asarray(arr, dtype=_NP_DTYPES.get(name, np.float64))
     if not arr.flags.c_contiguous:     # (np.ascontiguousarray makes a 0-d array 1-d)
         arr = np.ascontiguousarray(arr)
-    held = blobs.make(arr, ir.RankedTensorType.get(arr.shape, etype))
-    return held if held is not None else plain_dense(arr, etype)
-
-
-def plain_dense(arr: np.ndarray, etype):
-    """A dense elements attribute of ``arr`` (C-contiguous, ``etype``'s NumPy dtype)."""
-    if str(etype) in ("bf16", "f16"):    # the bindings take their bits
-        arr = arr.view(np.uint16)
-    return ir.DenseElementsAttr.get(arr, type=ir.RankedTensorType.get(arr.shape, etype))
+    held = blobs.make(arr, ir.RankedTensorType.get(arr.shape, etype), given)
+    return held if held is not None else blobs.plain_dense(arr, etype)
 
 
 def parent_of(op):

@@ -151,12 +151,14 @@ def remap(op, mapping: dict) -> None:
                 remap(inner, mapping)
 
 
-def clone(ops, mapping: dict, symbols: dict, pure: set | None = None, depth: int = 0) -> None:
+def clone(ops, mapping: dict, symbols: dict, pure: set | None = None,
+          depth: int = 0) -> list:
     """Clone ``ops`` where you are, operands renamed by ``mapping`` (filled with the
-    clones' results). A call of a private function that reads a value in ``pure``
+    clones' results); returns the clones. A call of a private function that reads a value in ``pure``
     (computed from the loop's known operands, counters and constants only: the weights) is
     inlined, its body cloned, so that the fold sees the weights where they are read; other
     calls stay calls (a nonlinearity's ``@silu``)."""
+    made = []
     for op in ops:
         if op_name(op) == "func.call" and depth < 64:
             callee = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
@@ -168,7 +170,7 @@ def clone(ops, mapping: dict, symbols: dict, pure: set | None = None, depth: int
                 inner = dict(zip(cb.arguments, [mapping.get(v, v) for v in op.operands]))
                 pure.update(a for a, v in zip(cb.arguments, op.operands) if v in pure)
                 body = list(cb.operations)
-                clone(body[:-1], inner, symbols, pure, depth + 1)
+                made += clone(body[:-1], inner, symbols, pure, depth + 1)
                 for r, v in zip(op.results, body[-1].operands):
                     mapping[r] = inner.get(v, v)
                     if v in pure:
@@ -176,10 +178,12 @@ def clone(ops, mapping: dict, symbols: dict, pure: set | None = None, depth: int
                 continue
         new = op.clone()
         remap(new, mapping)
+        made.append(new)
         for r, n in zip(op.results, new.results):
             mapping[r] = n
         if pure is not None and not len(op.regions) and all(v in pure for v in op.operands):
             pure.update(op.results)
+    return made
 
 
 def layer_module(w, loop: Loop, symbols: dict, ev: Evaluator):
@@ -294,20 +298,14 @@ def rebuild_loop(w, loop: Loop, first, plan, symbols: dict, extra=()) -> set:
             if i is not None:
                 bmap[op.results[0]] = row_of(bb.arguments[i], row, zero)
                 continue
-            inner = [(k, slot[c]) for k, (c, _) in enumerate(nested_constants(op))
-                     if c in slot] if len(op.regions) else []
-            if not inner:
-                clone([op], bmap, {})
-                continue
             # constants in its branches read per layer: rows read before it, used inside
-            rows = {k: row_of(bb.arguments[i], row, zero) for k, i in inner}
-            new = op.clone()
-            remap(new, bmap)
-            for k, (c, _) in list(enumerate(nested_constants(new))):
+            rows = {k: row_of(bb.arguments[slot[c]], row, zero)
+                    for k, (c, _) in enumerate(nested_constants(op)) if c in slot}
+            (new,) = clone([op], bmap, {})
+            for k, (c, _) in list(enumerate(nested_constants(new))) if rows else ():
                 if k in rows:
                     c.results[0].replace_all_uses_with(rows[k])
                     c.erase()
-            bmap.update(zip(op.results, new.results))
         carried = iter(bmap.get(v, v) for v in ops[-1].operands)
         out = [bb.arguments[i] if k in loop.invariant else next(carried)
                for i, k in enumerate(kept)] + list(bb.arguments[len(kept):])

@@ -20,7 +20,7 @@ import numpy as np
 from .. import _compat as C
 from .._core.report import FoldReport
 from . import blobs
-from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense, plain_dense
+from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense
 from .module import main_function, parse_module
 from .fold import fold_module
 from .shardings import argument_shardings, by_type, set_argument_shardings
@@ -49,7 +49,7 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
     module = parse_module(text_or_bytes)
     # the weights bound, and the constants the fold makes, held by reference (not copied
     # into MLIR) until hoisted; what stays in the module becomes dense when this ends
-    with module.context, ir.Location.unknown(), blobs.scope(module, plain_dense):
+    with module.context, ir.Location.unknown(), blobs.scope(module):
         main = main_function(module)
         block = main.regions[0].blocks[0]
         n = len(block.arguments)
@@ -60,9 +60,8 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
         with ir.InsertionPoint.at_block_begin(block):
             for i, v in sorted(values.items()):
                 arg = block.arguments[i]
-                held = blobs.make(v, arg.type, given=True)
-                const = stablehlo.ConstantOp(held if held is not None else numpy_to_dense(
-                    v, ir.RankedTensorType(arg.type).element_type)).result
+                const = stablehlo.ConstantOp(numpy_to_dense(
+                    v, ir.RankedTensorType(arg.type).element_type, given=True)).result
                 arg.replace_all_uses_with(const)
         kept = [i for i in range(n) if i not in values]
         set_arguments(main, kept)
