@@ -320,12 +320,12 @@ def main(argv=None) -> int:
         for name in ("width", "batch", "size"):
             if getattr(args, name) < 1:
                 parser.error(f"--{name} must be at least 1")
-        from ._demo import demo
-        return demo(args)
     from ._stablehlo.ir import StableHLOError
     from ._compat import CompatError
+    from ._demo import demo
     try:
-        return {"fold": cmd_fold, "verify": cmd_verify, "report": cmd_report}[args.command](args)
+        return {"fold": cmd_fold, "verify": cmd_verify, "report": cmd_report,
+                "demo": demo}[args.command](args)
     except (_UsageError, StableHLOError) as e:
         print(f"hlofold {args.command}: error: {e}", file=sys.stderr)
         return 2

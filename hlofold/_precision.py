@@ -56,11 +56,10 @@ def _eval_f32(jaxpr: C.Jaxpr, consts: Sequence[Any], *args):
         if prim == "convert_element_type" and _is_low(params["new_dtype"]):
             outs = [lax.convert_element_type(invals[0], jnp.float32)]   # from any dtype
         elif prim in _CALLS:
-            sub = C.remat_body(eqn) if prim in _REMAT else C.call_body(eqn)[1]
-            if isinstance(sub, C.ClosedJaxpr):
+            if prim in _REMAT:
+                outs = _eval_f32(C.remat_body(eqn), (), *invals)
+            elif (sub := C.call_body(eqn)[1]) is not None:
                 outs = _eval_f32(sub.jaxpr, sub.consts, *invals)
-            elif isinstance(sub, C.Jaxpr):
-                outs = _eval_f32(sub, (), *invals)
             else:
                 raise ReferenceUnavailable(f"{prim} without a jaxpr")
         else:

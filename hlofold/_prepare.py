@@ -58,15 +58,12 @@ def nested_consts(closed) -> list:
     while stack:
         j = stack.pop()
         for eqn in j.eqns:
-            for v in eqn.params.values():
-                for x in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if isinstance(x, C.ClosedJaxpr) and id(x) not in seen:
-                        seen.add(id(x))
+            for x, closed in C.param_jaxprs(eqn):
+                if id(x) not in seen:
+                    seen.add(id(x))
+                    if closed:
                         out.extend(x.consts)
-                        stack.append(x.jaxpr)
-                    elif isinstance(x, C.Jaxpr) and id(x) not in seen:
-                        seen.add(id(x))
-                        stack.append(x)
+                    stack.append(x.jaxpr if closed else x)
     return out
 
 

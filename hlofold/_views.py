@@ -39,6 +39,8 @@ class Split:
     _fn: Callable
 
     def prepare(self, *args, **kwargs) -> list[jax.Array]:
+        if self._key is None:           # folding is off on this JAX: nothing to prepare
+            return []
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
         known = [leaves[i] for i in prog.known_idx]
@@ -53,6 +55,8 @@ class Split:
         return list(prepared)
 
     def apply(self, prepared: Sequence[jax.Array], *args, **kwargs):
+        if self._key is None:           # folding is off on this JAX: the original program
+            return self._fn(*args, **kwargs)
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
         outs = self._fn(*prepared, *[leaves[i] for i in prog.unknown_idx])
@@ -102,6 +106,8 @@ class FoldedViews:
         """What a call under an enclosing transformation (``jax.jit(folded)``) folds, for
         inputs of this signature: sites whose parameters would be traced there are reported
         unfolded with the reason (``in_graph=False``) or guarded in the graph (``True``)."""
+        if self._off is not None:
+            return self.report(*args, **kwargs)
         return self._variant(self._program_for(args, kwargs)[0], self._traced_mode())[1]
 
     def measure_precision(self, *args, **kwargs) -> dict:
@@ -123,6 +129,8 @@ class FoldedViews:
         parameter values ask again (or use :meth:`split`). With traced or abstract
         parameters, the program a call under an enclosing transformation runs (its inputs:
         every non-static, non-frozen leaf)."""
+        if self._off is not None:         # this JAX switched folding off: the original
+            return self.original_jaxpr(*args, **kwargs)
         prog, folding = self._folding_of(args, kwargs)
         if folding is None:
             return self._variant(prog, self._traced_mode())[0]
@@ -130,11 +138,16 @@ class FoldedViews:
 
     def original_jaxpr(self, *args, **kwargs) -> C.ClosedJaxpr:
         """The jaxpr before folding."""
+        if self._off is not None:
+            return self._original.trace(*args, **kwargs).jaxpr
         return self._program_for(args, kwargs)[0].original
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The program calls with these arguments run, lowered (:meth:`jaxpr`: the prepared
-        folded kernels and biases are constants; its arguments are the per-call inputs)."""
+        folded kernels and biases are constants; its arguments are the per-call inputs).
+        Where this JAX switched folding off: the original's lowering."""
+        if self._off is not None:
+            return self._original.lower(*args, **kwargs)
         prog, leaves = self._program_for(args, kwargs)
         closed = self.jaxpr(*args, **kwargs)
         ins = leaves if len(closed.jaxpr.invars) == len(leaves) else \
@@ -155,7 +168,13 @@ class FoldedViews:
             *leaves)
 
     def split(self, *args, **kwargs) -> Split:
-        """The prepare/apply split for these arguments (see :class:`Split`)."""
+        """The prepare/apply split for these arguments (see :class:`Split`). Where this JAX
+        switched folding off: nothing to prepare, ``apply`` runs the original program."""
+        if self._off is not None:
+            closed = self.original_jaxpr(*args, **kwargs)
+            rep = FoldReport([], running=f"the original program ({self._off})",
+                             compat=[str(self._off)])
+            return Split([], [], closed, rep, self, None, None, self._original)
         prog, leaves = self._program_for(args, kwargs)
         known = [leaves[i] for i in prog.known_idx]
         if any(C.is_tracer(k) for k in known):

@@ -5,6 +5,11 @@ in NHWC with inference BatchNorm written the way Flax writes it, and parameters 
 realistic BN statistics (means ≠ 0, variances spread around 1, γ ≠ 1, β ≠ 0). The same
 network *without* BN (conv + bias, the limit of folding) is available through
 ``resnet_apply(..., bn=False)`` with ``ideal_params``.
+
+``init_repvgg``/``repvgg_apply`` build a RepVGG-style stack trained as a sum of parallel
+branches (3×3 conv+BN, 1×1 conv+BN, a BN of the input), and ``repvgg_deploy`` /
+``repvgg_deploy_apply`` its deploy form written by hand (one 3×3 conv + bias per block):
+what ``hlofold.fold`` merges the train-time form into.
 """
 from __future__ import annotations
 
@@ -128,6 +133,67 @@ def resnet_apply(params: dict, x: jax.Array, *, bn: bool = True) -> jax.Array:
 def count_bn(params: dict) -> int:
     """Number of BatchNorm layers in ``params``."""
     return sum(1 for blk in params.values() for k in blk if k.startswith("bn"))
+
+
+# ------------------------------------------------------------------ a RepVGG-style stack
+
+
+def init_repvgg(blocks: int = 4, *, width: int = 32, in_channels: int = 16,
+                seed: int = 0) -> list:
+    """Parameters of :func:`repvgg_apply`: ``blocks`` RepVGG blocks of ``width`` channels
+    (the first from ``in_channels``), each a 3×3 conv+BN, a 1×1 conv+BN and, where the block
+    keeps its width, a BN of its input; trained-looking BN statistics."""
+    rng = np.random.default_rng(seed)
+    out, cin = [], in_channels
+    for _ in range(blocks):
+        blk = {"k3": _conv_params(rng, 3, 3, cin, width), "bn3": _bn_params(rng, width),
+               "k1": _conv_params(rng, 1, 1, cin, width), "bn1": _bn_params(rng, width)}
+        if cin == width:
+            blk["bn_id"] = _bn_params(rng, width)
+        out.append(blk)
+        cin = width
+    return jax.tree.map(jnp.asarray, out)
+
+
+def repvgg_apply(params: list, x: jax.Array) -> jax.Array:
+    """The train-time form in inference mode: per block, the branches summed, then ReLU."""
+    for blk in params:
+        y = _bn(_conv(x, blk["k3"]), blk["bn3"]) + _bn(_conv(x, blk["k1"]), blk["bn1"])
+        if "bn_id" in blk:
+            y = y + _bn(x, blk["bn_id"])
+        x = jax.nn.relu(y)
+    return x
+
+
+def repvgg_deploy(params: list) -> list:
+    """The deploy form's parameters, merged by hand as RepVGG's ``reparameterize`` does (the
+    1×1 kernel and the identity centred in the 3×3 window): ``{"kernel", "bias"}`` per block."""
+    out = []
+    for blk in params:
+        k = np.array(blk["k3"], np.float64)
+        s3, t3 = _affine(blk["bn3"])
+        s1, t1 = _affine(blk["bn1"])
+        k = k * s3
+        k[1, 1] += np.asarray(blk["k1"], np.float64)[0, 0] * s1
+        bias = t3 + t1
+        if "bn_id" in blk:
+            si, ti = _affine(blk["bn_id"])
+            k[1, 1] += np.diag(si)
+            bias = bias + ti
+        out.append({"kernel": jnp.asarray(k, jnp.float32), "bias": jnp.asarray(bias, jnp.float32)})
+    return out
+
+
+def _affine(bn) -> tuple[np.ndarray, np.ndarray]:
+    s = np.asarray(bn["scale"], np.float64) / np.sqrt(np.asarray(bn["var"], np.float64) + EPS)
+    return s, np.asarray(bn["bias"], np.float64) - np.asarray(bn["mean"], np.float64) * s
+
+
+def repvgg_deploy_apply(params: list, x: jax.Array) -> jax.Array:
+    """The deploy form: one 3×3 conv + bias + ReLU per block (:func:`repvgg_deploy`)."""
+    for blk in params:
+        x = jax.nn.relu(_conv(x, blk["kernel"]) + blk["bias"])
+    return x
 
 
 # ------------------------------------------------------------------ a Llama-style decoder

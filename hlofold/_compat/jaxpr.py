@@ -26,11 +26,16 @@ Literal = _jx("Literal")
 Var = _jx("Var")
 DropVar = _jx("DropVar")
 check_jaxpr = _jx("check_jaxpr")
-if ClosedJaxpr is Jaxpr:
-    # JAX 0.11 merged the two classes (a Jaxpr carries its constants): hlofold tells open
-    # from closed jaxprs by class, in nested parameters above all
-    mark_changed("ClosedJaxpr", "jaxpr",
-                 "its jaxpr classes (ClosedJaxpr and Jaxpr are one class)")
+# JAX 0.11 merged the two classes: a ``Jaxpr`` carries its constants (its leading inputs
+# with values attached), ``ClosedJaxpr`` is ``Jaxpr``, ``ClosedJaxpr(jaxpr, consts)`` attaches
+# ``consts`` and ``.jaxpr`` is the jaxpr itself. hlofold's adapter keeps the 0.10 reading — a
+# closed jaxpr is ``(.jaxpr, .consts)`` with ``.jaxpr.constvars`` paired with ``.consts`` —
+# which both forms give; what differs is telling open from closed (:func:`is_closed`,
+# :func:`as_closed`, ``params.param_jaxprs``).
+MERGED: bool = ClosedJaxpr is Jaxpr
+if MERGED and not all(hasattr(Jaxpr, a) for a in ("consts", "with_consts", "all_invars")):
+    mark_changed("ClosedJaxpr", "jaxpr", "its jaxpr classes (ClosedJaxpr is Jaxpr, which does "
+                                         "not carry its constants)")
 
 _eval_jaxpr = internal("jaxpr", "jax._src.core:eval_jaxpr")
 Tracer = internal("jaxpr", "jax._src.core:Tracer")
@@ -62,6 +67,28 @@ def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable:
     def fun(*args):
         return eval_jaxpr(closed.jaxpr, closed.consts, *args)
     return fun
+
+
+def is_closed(x: Any) -> bool:
+    """Whether ``x`` is a closed jaxpr (on JAX 0.11+: any jaxpr, its constants attached)."""
+    return isinstance(x, ClosedJaxpr)
+
+
+def is_open(x: Any) -> bool:
+    """Whether ``x`` is an open jaxpr (on JAX 0.11+: a jaxpr without attached constants)."""
+    if MERGED:
+        return isinstance(x, Jaxpr) and not x.consts
+    return isinstance(x, Jaxpr) and not isinstance(x, ClosedJaxpr)
+
+
+def as_closed(x: Any) -> ClosedJaxpr:
+    """``x`` as a closed jaxpr: a closed one as it is, an open one without constants closed
+    over nothing. A ``TypeError`` for anything else."""
+    if is_closed(x):
+        return x
+    if is_open(x):
+        return ClosedJaxpr(x, ())
+    raise TypeError(f"expected a jaxpr (from jax.make_jaxpr), got {type(x).__name__}")
 
 
 def varying_axes(x) -> frozenset:

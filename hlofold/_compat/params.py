@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .jaxpr import ClosedJaxpr, Jaxpr
-from .lookup import CompatError
+import importlib.util
+
+from .jaxpr import MERGED, ClosedJaxpr, Jaxpr
+from .lookup import CompatError, internal
 
 # Higher-order primitives by name (names are stable; the objects move between modules).
 JIT_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -70,10 +72,45 @@ def inlinable_call(eqn) -> bool:
 def remat_body(eqn) -> Jaxpr:
     """The open jaxpr of a ``checkpoint``/``remat``."""
     p = eqn.params
-    if not isinstance(p.get("jaxpr"), Jaxpr) or isinstance(p.get("jaxpr"), ClosedJaxpr):
+    if not _is_open_jaxpr(p.get("jaxpr")):
         raise CompatError(f"the parameters of {eqn.primitive.name} (expected an open jaxpr "
                           f"as jaxpr)", "jaxpr")
     return p["jaxpr"]
+
+
+# The parameters that hold *open* jaxprs (their constants are operands of the equation): on
+# JAX 0.10 told by class; on 0.11+, where every jaxpr is one class, by this table, read from
+# 0.10 (``checkpoint``/``remat``, ``shard_map``, scatters' update, ``run_state``, Pallas).
+# Every other jaxpr in an equation's parameters is closed.
+OPEN_SLOTS = frozenset({("checkpoint", "jaxpr"), ("remat", "jaxpr"), ("remat2", "jaxpr"),
+                        ("shard_map", "jaxpr"), ("run_state", "jaxpr"),
+                        ("pallas_call", "jaxpr"), ("select_and_scatter", "select_jaxpr"),
+                        ("select_and_scatter", "scatter_jaxpr")})
+_OPEN_KEYS = frozenset({"update_jaxpr"})         # scatter, scatter-add, ...
+
+
+def _is_open_jaxpr(x) -> bool:
+    if MERGED:
+        return isinstance(x, Jaxpr) and not x.consts
+    return isinstance(x, Jaxpr) and not isinstance(x, ClosedJaxpr)
+
+
+def is_closed_param(eqn, key: str, x) -> bool:
+    """Whether ``x``, in ``eqn``'s parameter ``key``, is a closed jaxpr (hlofold folds inside
+    those; an open one's constants are the equation's operands)."""
+    if MERGED:
+        return isinstance(x, Jaxpr) and (eqn.primitive.name, key) not in OPEN_SLOTS \
+            and key not in _OPEN_KEYS
+    return isinstance(x, ClosedJaxpr)
+
+
+def param_jaxprs(eqn):
+    """``(jaxpr, closed)`` for every jaxpr in ``eqn``'s parameters (each element of a tuple
+    of them too): ``closed`` as :func:`is_closed_param` says."""
+    for key, v in eqn.params.items():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, (ClosedJaxpr, Jaxpr)):
+                yield x, is_closed_param(eqn, key, x)
 
 
 def with_remat_body(params: dict, jaxpr: Jaxpr) -> dict:
@@ -93,36 +130,74 @@ def with_cond_branches(params: dict, branches) -> dict:
     return {**params, "branches": tuple(branches)}
 
 
+# JAX 0.11 gave ``scan`` flat trees for its operands and results (``ft_in = (consts, carry,
+# xs)``, ``ft_out = (carry, ys)``) instead of the counts ``num_consts``/``num_carry`` and the
+# ``linear`` flags; both forms are read here, and a rebuilt scan keeps the form it had.
+_FT = internal("jaxpr", "jax._src.flattree") \
+    if importlib.util.find_spec("jax._src.flattree") else None
+
+
+def _scan_counts(eqn_or_params) -> tuple[int, int]:
+    """``(constant operands, carried operands)`` of a ``scan`` in either form."""
+    p = getattr(eqn_or_params, "params", eqn_or_params)
+    if "ft_in" in p and "num_consts" not in p:
+        if _FT is None:
+            raise CompatError("the parameters of scan (flat trees without jax._src.flattree)",
+                              "jaxpr")
+        try:
+            consts, carry, _ = p["ft_in"].unpack()
+            return len(consts), len(carry)
+        except (AttributeError, TypeError, ValueError):
+            raise CompatError("the parameters of scan (ft_in is not three flat trees)",
+                              "jaxpr") from None
+    if not all(isinstance(p.get(k), int) for k in ("num_consts", "num_carry")):
+        have = ", ".join(sorted(p))
+        raise CompatError(f"the parameters of scan (expected num_consts, num_carry or "
+                          f"ft_in; found {have})", "jaxpr")
+    return int(p["num_consts"]), int(p["num_carry"])
+
+
 def scan_body(eqn) -> tuple[ClosedJaxpr, int]:
     """``(body, number of leading constant operands)`` of a ``scan``."""
-    p = _expect(eqn, {"jaxpr": ClosedJaxpr, "num_consts": int, "num_carry": int})
-    return p["jaxpr"], int(p["num_consts"])
+    p = _expect(eqn, {"jaxpr": ClosedJaxpr})
+    return p["jaxpr"], _scan_counts(eqn)[0]
 
 
 def scan_layout(eqn) -> tuple[int, int, int]:
     """``(constant operands, carried operands, length)`` of a ``scan``; the rest of its
     operands are the scanned ones (sliced along axis 0, one slice per iteration)."""
-    p = _expect(eqn, {"jaxpr": ClosedJaxpr, "num_consts": int, "num_carry": int,
-                      "length": int})
-    return int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+    p = _expect(eqn, {"jaxpr": ClosedJaxpr, "length": int})
+    return (*_scan_counts(eqn), int(p["length"]))
+
+
+def scan_reverse(eqn) -> bool:
+    """Whether a ``scan`` runs its iterations from the last to the first."""
+    p = _expect(eqn, {"reverse": bool})
+    return bool(p["reverse"])
 
 
 def with_scan_body(params: dict, body: ClosedJaxpr, added_consts: int) -> dict:
     """``params`` with ``body`` taking ``added_consts`` new leading constants."""
-    return with_scan_operands(params, body, added_consts + params["num_consts"],
+    return with_scan_operands(params, body, added_consts + _scan_counts(params)[0],
                               [False] * added_consts + list(scan_linear(params)))
 
 
 def scan_linear(params: dict) -> tuple:
-    """Which operands of a ``scan`` are linear (all False where JAX does not say)."""
+    """Which operands of a ``scan`` are linear (empty where JAX does not say)."""
     return tuple(params.get("linear", ()))
 
 
 def with_scan_operands(params: dict, body: ClosedJaxpr, num_consts: int, linear) -> dict:
     """``params`` of a ``scan`` whose operands were rebuilt: ``body`` taking ``num_consts``
     constants, the carry as before, then the scanned operands; ``linear`` one flag per
-    operand."""
-    new = {**params, "jaxpr": body, "num_consts": num_consts}
+    operand (ignored where JAX keeps none)."""
+    new = {**params, "jaxpr": body}
+    if "ft_in" in params and "num_consts" not in params:
+        _, carry, _ = params["ft_in"].unpack()
+        n_xs = len(body.jaxpr.invars) - num_consts - len(carry)
+        new["ft_in"] = _FT.pack((_FT.nones(num_consts), carry, _FT.nones(n_xs)))
+        return new
+    new["num_consts"] = num_consts
     if "linear" in params:
         new["linear"] = tuple(linear)
     return new

@@ -89,11 +89,11 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
     off = C.disabled("jaxpr")
     if off is not None:         # this JAX changed what the jaxpr path reads: fold nothing
         return closed, unchanged_report(off)
-    if isinstance(closed, C.Jaxpr):
-        closed = C.ClosedJaxpr(closed, ())
-    if not isinstance(closed, C.ClosedJaxpr):
+    try:
+        closed = C.as_closed(closed)
+    except TypeError:
         raise TypeError(f"fold_jaxpr expects a ClosedJaxpr (from jax.make_jaxpr), got "
-                        f"{type(closed).__name__}")
+                        f"{type(closed).__name__}") from None
     n_in = len(closed.jaxpr.invars)
     names = list(invar_names) if invar_names is not None else [f"arg{i}" for i in range(n_in)]
     if len(names) != n_in:

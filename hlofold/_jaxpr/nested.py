@@ -109,7 +109,7 @@ def other_rule(scope, eqn, label):
     """Any other primitive carrying closed jaxprs: fold inside with nothing known."""
     new_params, changed = dict(eqn.params), False
     for key, val in eqn.params.items():
-        if isinstance(val, C.ClosedJaxpr):
+        if C.is_closed_param(eqn, key, val):
             new = scope.child(val, [None] * len(val.jaxpr.invars), [False] * len(val.jaxpr.invars),
                         f"{label}.{key}")
             if new is not val:
@@ -141,12 +141,8 @@ def _struct(c) -> jax.ShapeDtypeStruct:
 
 def subjaxprs(eqn):
     """The jaxprs ``eqn`` carries in its parameters (open ones as they are)."""
-    for v in eqn.params.values():
-        for x in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(x, C.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, C.Jaxpr):
-                yield x
+    for x, closed in C.param_jaxprs(eqn):
+        yield x.jaxpr if closed else x
 
 
 def contains_root(eqn) -> bool:

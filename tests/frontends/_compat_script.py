@@ -105,6 +105,19 @@ def main(cfg: dict) -> dict:
         h = hlofold.fold(net, freeze=0)
         entry("freeze", lambda: (h(p, x), h.report(p, x)))
         entry("under jit", lambda: (jax.jit(f)(p, x), None))
+        leaves = jax.tree.leaves((p, x))
+
+        def ins(n):           # the folded program's inputs: x alone, or every leaf (the
+            return leaves if n == len(leaves) else [x]   # original, where folding is off
+
+        def run_lowered(low):          # the original's lowering takes (p, x) as given
+            if low.in_tree == jax.tree.structure(((p, x), {})):
+                return low.compile()(p, x)
+            return low.compile()(*ins(low.in_tree.num_leaves))
+        entry("jaxpr()", lambda: (jax.extend.core.jaxpr_as_fun(j := f.jaxpr(p, x))(
+            *ins(len(j.jaxpr.invars)))[0], None))
+        entry("lower()", lambda: (run_lowered(f.lower(p, x)), None))
+        entry("split", lambda: ((sp := f.split(p, x)).apply(sp.prepare(p, x), p, x), None))
         closed = jax.make_jaxpr(net)(p, x)
         entry("fold_jaxpr", lambda: _run_jaxpr(hlofold.fold_jaxpr(closed), p, x, C))
         entry("fold_params", lambda: _run_params(hlofold.fold_params(net, p, x), x))
@@ -127,6 +140,18 @@ def main(cfg: dict) -> dict:
             out["errors"]["scan"] = f"{type(e).__name__}: {e}"
     out["warnings"] = [str(w.message) for w in caught
                        if issubclass(w.category, RuntimeWarning)]
+    if cfg.get("demo"):        # the CLI's demo, as a user runs it: its exit code and output
+        import contextlib
+        import io
+        from hlofold._cli import main as cli
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                out["demo rc"] = cli(["demo", "--depth", "10", "--width", "8", "--size", "16",
+                                      "--batch", "1", "--rounds", "1"])
+            except BaseException as e:      # noqa: BLE001 — a traceback is the failure
+                out["demo rc"] = f"{type(e).__name__}: {e}"
+        out["demo"] = buf.getvalue()
     return out
 
 
