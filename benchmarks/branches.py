@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 import hlofold
+from hlofold import _compat as C
 from hlofold._compat import xla as X
 
 from . import repmodels as R
@@ -76,10 +77,11 @@ def flax_part(arch: str, batch: int, size: int, rounds: int, calls: int) -> dict
 
 
 _FIRST = """
-import sys, time, jax, hlofold
+import json, sys, time, jax, hlofold
 from benchmarks import repmodels as R
 arch, batch, size, which = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-apply, v, x = R.make(arch, size=size, batch=batch)
+kw = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+apply, v, x = R.make(arch, size=size, batch=batch, **kw)
 jax.block_until_ready(v)
 f = jax.jit(apply) if which == "jit" else hlofold.fold(apply)
 t = time.perf_counter()
@@ -88,14 +90,15 @@ print(time.perf_counter() - t)
 """
 
 
-def first_calls(arch: str, batch: int, size: int, runs: int) -> dict:
+def first_calls(arch: str, batch: int, size: int, runs: int, **make_kw) -> dict:
     """First call (trace, fold, compile, run) in fresh processes, alternating."""
     out = {"jit": [], "fold": []}
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for _ in range(runs):
         for which in out:
             p = subprocess.run([sys.executable, "-c", _FIRST, arch, str(batch), str(size),
-                                which], capture_output=True, text=True, env=env,
+                                which, json.dumps(make_kw)], capture_output=True, text=True,
+                               env=env,
                                cwd=os.path.join(HERE, os.pardir))
             if p.returncode:
                 raise RuntimeError(p.stderr[-2000:])
@@ -259,6 +262,87 @@ def batch1(rounds: int, calls: int, sizes: list, out: str) -> dict:
     return res
 
 
+# (kind, batch, px, width): the rows of issue 53's table first, then more sizes and kinds
+GRID = ([("repvgg", b, px, w) for b, px, w in
+         [(1, 32, 32), (8, 32, 32), (1, 64, 64), (8, 64, 64), (1, 112, 32), (4, 112, 64),
+          (32, 32, 16), (1, 224, 16), (8, 32, 128), (1, 56, 128)]] +
+        [(k, b, px, w) for k in ("acnet", "mobileone", "dbb")
+         for b, px, w in [(1, 32, 32), (8, 64, 64), (1, 112, 32)]])
+QUICK_GRID = [("repvgg", 1, 16, 8), ("mobileone", 2, 16, 8)]
+
+
+def grid_row(kind: str, batch: int, size: int, width: int, rounds: int,
+             first: int = 0) -> dict:
+    """One row of the option grid: a 4-block stack of ``kind`` (width ``width``, 16 input
+    channels, stride 1) next to its deploy form as a user writes it (``jax.jit``, XLA's
+    defaults): ``hlofold.fold`` as shipped, ``jax.jit`` of the train-time form, the fold's
+    own apply program compiled by plain ``jax.jit`` and with the YNNPACK option, and the
+    deploy form with that option — ratios to the deploy form paired round by round."""
+    spec = R.flat_spec(width)
+    apply, v, x = R.make(kind, size=size, batch=batch, spec=spec)
+    dapply, w, _ = R.make_deploy(kind, size=size, batch=batch, spec=spec)
+    folded = hlofold.fold(apply)
+    jax.block_until_ready(folded(v, x))
+    sp = folded.split(v, x)
+    prepared = sp.prepare(v, x)
+    app = C.jaxpr_as_fun(sp.apply_jaxpr)
+    fns = {"deploy": jax.jit(dapply), "fold": folded, "jit": jax.jit(apply),
+           "apply, plain jit": jax.jit(app), "apply, option": jax.jit(app, compiler_options=SINGLE),
+           "deploy, option": jax.jit(dapply, compiler_options=SINGLE)}
+    args = {"deploy": (w, x), "fold": (v, x), "jit": (v, x), "apply, plain jit": (*prepared, x),
+            "apply, option": (*prepared, x), "deploy, option": (w, x)}
+    jax.block_until_ready(fns["deploy"](w, x))
+    t0 = now()
+    jax.block_until_ready(fns["deploy"](w, x))
+    calls = max(1, min(20, int(0.03 / max(now() - t0, 1e-6))))   # a round ≈ 30 ms a variant
+    times = steady_rounds(fns, args, rounds, calls, rotate=True)
+    rep = folded.report(v, x)
+    return {"kind": kind, "batch": batch, "size": size, "width": width, "calls": calls,
+            "steady_ms": {k: summary(t) for k, t in times.items()},
+            "ratios": {k: paired(times, k, "deploy") for k in fns if k != "deploy"},
+            "merged": len(rep.merged), "choice": dict(rep.compile_options),
+            "note": rep.compile_note,
+            "first_ms": first_calls(kind, batch, size, first, spec=spec) if first else None}
+
+
+def grid(rounds: int, rows: list, out: str, first: int = 0) -> dict:
+    """``--grid``: :func:`grid_row` for each of ``rows``; ``branches_grid_cpu.{md,json}``."""
+    import datetime
+    res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
+           "code": code_info(), "rounds": rounds, "rows": []}
+    for row in rows:
+        res["rows"].append(grid_row(*row, rounds, first=first))
+        print(res["rows"][-1], flush=True)
+    fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
+    L = [f"# Multi-branch stacks next to the deploy form a user writes ({res['when']})", "",
+         machine_line(res["machine"]), "",
+         f"`python -m benchmarks.branches --grid --rounds {rounds}`: a 4-block stack (16 input "
+         "channels, stride 1) of each kind, trained-looking BatchNorms. Every ratio is to "
+         "**`jax.jit` of the hand-written deploy form with XLA's defaults** in the same round "
+         "(median, min–max over rounds; rounds rotate which variant runs first). `fold`: "
+         "`hlofold.fold(apply)(variables, x)` as shipped; `jit`: `jax.jit(apply)` of the "
+         "train-time form; `apply, plain`/`apply, option`: the fold's own apply program "
+         "(`split().apply_jaxpr`) compiled by plain `jax.jit`, and with "
+         f"`{X.YNN_FUSION}` limited to single convolutions and dots; `deploy, option`: the "
+         "deploy form with that option; `chosen`: the options `fold` compiled with "
+         "(`report.compile_options`, measured on the first call: `-` XLA's defaults); "
+         "`first`: the first call (trace, fold, compile, run) of `fold` over `jax.jit`'s, "
+         "fresh processes, median of the runs.", "",
+         "| kind | batch | px | width | deploy ms | fold / deploy | jit / deploy | "
+         "apply, plain / deploy | apply, option / deploy | deploy, option / deploy | chosen | "
+         "first fold / jit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        q, f1 = r["ratios"], r.get("first_ms")
+        L.append(f"| {r['kind']} | {r['batch']} | {r['size']} | {r['width']} | "
+                 f"{r['steady_ms']['deploy']['median']:.2f} | {fmt(q['fold'])} | "
+                 f"{fmt(q['jit'])} | {fmt(q['apply, plain jit'])} | {fmt(q['apply, option'])} | "
+                 f"{fmt(q['deploy, option'])} | {'option' if r['choice'] else '-'} | "
+                 + (f"{f1['fold']['median'] / f1['jit']['median']:.2f} |" if f1 else "|"))
+    write_doc(out, "branches_grid_cpu", res, L)
+    print("\n".join(L))
+    return res
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
@@ -268,7 +352,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--first-runs", type=int, default=3)
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--batch1", action="store_true", help="the batch-1 rows alone")
+    ap.add_argument("--grid", action="store_true",
+                    help="the option grid: stacks of each kind at many sizes, next to the "
+                         "deploy form a user writes")
     a = ap.parse_args(argv)
+    if a.grid:
+        return grid(2 if a.quick else a.rounds, QUICK_GRID if a.quick else GRID, a.out,
+                    first=1 if a.quick else a.first_runs)
     if a.batch1:
         return batch1(a.rounds, a.calls, [16] if a.quick else [a.size, 224], a.out)
     size, rounds, calls, first = (16, 2, 2, 0) if a.quick else \

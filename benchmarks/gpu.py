@@ -14,6 +14,8 @@ installed there. So this script records what the machine has and checks three th
   as given, steady calls in interleaved rounds (medians, min–max), first calls, the fold's
   time, max |Δ|, and ``hlofold.verify`` of the two on every backend present (GPU and CPU).
   Models: ResNet-50 and the Flax RepVGG-A0 / MobileOne-S0 (224 px) and the 0.54 B decoder;
+* ``decorator``: ``hlofold.fold`` next to ``jax.jit`` on those models and the decoder, first and
+  steady calls at batch 1/8/32, outputs against the machine's CPU (``benchmarks.gpu_decorator``);
 * ``stack``: the same for scanned layer stacks (a ``lax.scan`` over stacked weights, folded
   once per layer by ``fold_stablehlo(params=)``): a conv → BN stack and the 0.54 B decoder
   as one scan (the MaxText layout).
@@ -34,6 +36,7 @@ import numpy as np
 from hlofold._stablehlo.artifacts import module_callable
 
 from .common import now, steady
+from .gpu_decorator import decorator_part
 
 
 def maxdiff(a, b) -> float:
@@ -147,7 +150,7 @@ def entry_part(quick: bool) -> dict:
     return {"entry": rows}
 
 
-def _models(quick: bool):
+def gpu_models(quick: bool):
     """(name, apply(v, x), variables, x-maker by batch)."""
     import jax.numpy as jnp
     from benchmarks import repmodels as R
@@ -211,7 +214,7 @@ def _hlo_case(name, apply, v, x, rounds, calls) -> dict:
 
 
 def hlo_part(quick: bool) -> dict:
-    models, image = _models(quick)
+    models, image = gpu_models(quick)
     batches = (1, 8) if quick else tuple(int(b) for b in os.environ.get(
         "HLOFOLD_GPU_BATCHES", "1,8,32").split(","))
     rounds, calls = (3, 3) if quick else (int(os.environ.get("HLOFOLD_GPU_ROUNDS", 11)), 10)
@@ -349,7 +352,7 @@ def verify_part(quick: bool) -> dict:
 
 
 PARTS = {"env": env_part, "entry": entry_part, "verify": verify_part, "hlo": hlo_part,
-         "decoder": decoder_part, "stack": stack_part}
+         "decoder": decoder_part, "stack": stack_part, "decorator": decorator_part}
 
 
 def main(argv=None) -> int:

@@ -118,6 +118,12 @@ ARCHS = {
 }
 
 
+def flat_spec(width: int, blocks: int = 4, cin: int = 16) -> list[tuple[int, int, int]]:
+    """``blocks`` blocks of ``width`` channels at stride 1, the first from ``cin`` channels:
+    the stack the option grid of ``benchmarks.branches --grid`` runs (issue 53)."""
+    return [(cin, width, 1)] + [(width, width, 1)] * (blocks - 1)
+
+
 def arch_spec(name: str) -> tuple[str, list[tuple[int, int, int]]]:
     """``(block kind, [(cin, cout, stride), ...])`` of a published network (``ARCHS``)."""
     kind, stages_ = ARCHS[name]
@@ -148,8 +154,8 @@ def make(kind: str, width: int = 32, blocks: int = 4, size: int = 32, batch: int
             return jnp.mean(x, axis=(1, 2))
 
     net = Net()
-    x = jnp.asarray(np.random.default_rng(seed).standard_normal((batch, size, size, 3)),
-                    jnp.float32)
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal(
+        (batch, size, size, spec[0][0])), jnp.float32)
     variables = trained_like(net.init(jax.random.PRNGKey(seed), x), seed)
     return net.apply, variables, x
 
@@ -173,15 +179,14 @@ def trained_like(variables, seed: int = 0):
 
 
 def make_deploy(kind: str, width: int = 32, blocks: int = 4, size: int = 32,
-                batch: int = 1, seed: int = 0):  # (kind: a block kind, or a name in ARCHS)
+                batch: int = 1, seed: int = 0, spec=None):  # (kind: a block kind, or in ARCHS)
     """``(apply, params, x)``: the deploy form a hand-written re-parameterization gives —
     per block one conv of the largest window plus a bias (MobileOne: a 3×3 depthwise and a
     1×1 conv) — with random weights (for timing)."""
     rng = np.random.default_rng(seed)
     if kind in ARCHS:
         kind, spec = arch_spec(kind)
-    else:
-        spec = stages(kind, width, blocks)
+    spec = spec or stages(kind, width, blocks)
     params = []
     for cin, cout, s in spec:
         if kind == "mobileone":
@@ -203,8 +208,8 @@ def make_deploy(kind: str, width: int = 32, blocks: int = 4, size: int = 32,
                 x = jax.nn.relu(x + b)
         return jnp.mean(x, axis=(1, 2))
 
-    x = jnp.asarray(np.random.default_rng(seed).standard_normal((batch, size, size, 3)),
-                    jnp.float32)
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal(
+        (batch, size, size, spec[0][0])), jnp.float32)
     return apply, weights, x
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from . import _compat as C
 from ._jaxpr.fold import fold_jaxpr
 from ._core.report import FOLDED, FoldReport
+from ._tune import apply_program, share_choice
 
 PREPARED = "prepared"     # FoldSite.rescale of a site folded from prepared (input) values
 
@@ -74,7 +75,7 @@ def fold_with_values(closed: C.ClosedJaxpr, names: Sequence[str], const_names: S
     under the cost rule: they are prepared copies)."""
     j = closed.jaxpr
     known = set(known_idx)
-    bound = C.ClosedJaxpr(
+    bound = C.closed_jaxpr(
         j.replace(constvars=list(j.constvars) + [j.invars[i] for i in known_idx],
                   invars=[v for i, v in enumerate(j.invars) if i not in known]),
         list(closed.consts) + list(values))
@@ -105,23 +106,8 @@ def hoist(closed: C.ClosedJaxpr) -> tuple[C.ClosedJaxpr, list]:
     moved = [v for v, m in zip(j.constvars, lift) if m]
     new = j.replace(constvars=[v for v, m in zip(j.constvars, lift) if not m],
                     invars=moved + list(j.invars))
-    return (C.ClosedJaxpr(new, [c for c, m in zip(closed.consts, lift) if not m]),
+    return (C.closed_jaxpr(new, [c for c, m in zip(closed.consts, lift) if not m]),
             [c for c, m in zip(closed.consts, lift) if m])
-
-
-def compile_options(report: FoldReport, options: dict | None) -> dict | None:
-    """The compile options of a folded program: the user's jit's, and where branches were
-    merged and XLA:CPU compiles it, its YNNPACK fusion limited to single convolutions and
-    dots (``_compat.ynn_single_ops``): the merged blocks are one chain of convolutions,
-    which XLA:CPU would otherwise take as one library fusion that runs slower than doing
-    nothing (RepVGG-A0 at batch 8: 1.6x; limited: 0.85x). The report records the choice."""
-    if not report.merged or jax.default_backend() != "cpu":
-        return options
-    chosen = C.ynn_single_ops(options)
-    if chosen is None:
-        return options
-    report.compile_options = {C.YNN_FUSION: chosen[C.YNN_FUSION]}
-    return chosen
 
 
 class Executables:
@@ -133,14 +119,15 @@ class Executables:
         self._entries: list[tuple[Folding, Callable]] = []
 
     def get(self, folding: Folding) -> Callable:
-        options = compile_options(folding.report, self._options)
         for f, fn in self._entries:
             if f is folding or f.structure == folding.structure:
+                if f is not folding:        # the same program: the same choice of options
+                    share_choice(fn, f.report, folding.report)
                 return fn
         n = len(folding.hoisted)
-        fn = jax.jit(C.jaxpr_as_fun(folding.apply),
-                     donate_argnums=tuple(n + k for k in self._donated),
-                     compiler_options=options)
+        fn = apply_program(C.jaxpr_as_fun(folding.apply), folding.report, self._options,
+                           donate_argnums=tuple(n + k for k in self._donated),
+                           effects=bool(folding.apply.effects))
         if len(self._entries) >= 8:
             self._entries.pop(0)
         self._entries.append((folding, fn))
@@ -255,8 +242,8 @@ def device_prepare(closed: C.ClosedJaxpr, names: Sequence[str], const_names: Seq
                 ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(r)))
         return list(res), ok
     return DevicePrepare(Folding(report, folded, unknown_j, []), jax.jit(prepare),
-                         jax.jit(C.jaxpr_as_fun(unknown_j),
-                                 compiler_options=compile_options(report, options)))
+                         apply_program(C.jaxpr_as_fun(unknown_j), report, options,
+                                       effects=bool(unknown_j.effects)))
 
 
 def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,

@@ -13,7 +13,7 @@ import jax
 
 from . import _compat as C
 from ._core.report import FoldReport
-from ._prepare import compile_options
+from ._tune import chosen_options
 
 
 @dataclasses.dataclass
@@ -152,7 +152,9 @@ class FoldedViews:
         closed = self.jaxpr(*args, **kwargs)
         ins = leaves if len(closed.jaxpr.invars) == len(leaves) else \
             [leaves[i] for i in prog.unknown_idx]
-        options = compile_options(self._report_of(args, kwargs)[1], prog.options)
+        folding = self._folding_of(args, kwargs)[1]
+        options = prog.options if folding is None else \
+            chosen_options(prog.executables.get(folding), prog.options)
         return jax.jit(C.jaxpr_as_fun(closed), compiler_options=options).lower(*ins)
 
     def lower_with_arguments(self, *args, **kwargs) -> jax.stages.Lowered:

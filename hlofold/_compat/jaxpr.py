@@ -19,8 +19,10 @@ def _jx(name: str, feature: str = "jaxpr") -> Any:
     return internal(feature, f"jax.extend.core:{name}", f"jax._src.core:{name}")
 
 
-ClosedJaxpr = _jx("ClosedJaxpr")
 Jaxpr = _jx("Jaxpr")
+# (0.12 keeps ClosedJaxpr only as an alias of Jaxpr in jax.extend.core; without it, one class)
+ClosedJaxpr = internal("jaxpr", "jax.extend.core:ClosedJaxpr", "jax._src.core:ClosedJaxpr",
+                       "jax.extend.core:Jaxpr")
 JaxprEqn = _jx("JaxprEqn")
 Literal = _jx("Literal")
 Var = _jx("Var")
@@ -33,7 +35,7 @@ check_jaxpr = _jx("check_jaxpr")
 # which both forms give; what differs is telling open from closed (:func:`is_closed`,
 # :func:`as_closed`, ``params.param_jaxprs``).
 MERGED: bool = ClosedJaxpr is Jaxpr
-if MERGED and not all(hasattr(Jaxpr, a) for a in ("consts", "with_consts", "all_invars")):
+if MERGED and not all(hasattr(Jaxpr, a) for a in ("consts", "with_consts", "jaxpr")):
     mark_changed("ClosedJaxpr", "jaxpr", "its jaxpr classes (ClosedJaxpr is Jaxpr, which does "
                                          "not carry its constants)")
 
@@ -81,13 +83,21 @@ def is_open(x: Any) -> bool:
     return isinstance(x, Jaxpr) and not isinstance(x, ClosedJaxpr)
 
 
+def closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
+    """``jaxpr`` closed over ``consts`` (its leading ``len(consts)`` inputs, its constvars,
+    get those values; on 0.11+ any constants it carried are replaced)."""
+    if MERGED:
+        return jaxpr.with_consts(list(consts))
+    return ClosedJaxpr(jaxpr, consts)
+
+
 def as_closed(x: Any) -> ClosedJaxpr:
     """``x`` as a closed jaxpr: a closed one as it is, an open one without constants closed
     over nothing. A ``TypeError`` for anything else."""
     if is_closed(x):
         return x
     if is_open(x):
-        return ClosedJaxpr(x, ())
+        return closed_jaxpr(x, ())
     raise TypeError(f"expected a jaxpr (from jax.make_jaxpr), got {type(x).__name__}")
 
 
@@ -274,7 +284,7 @@ def trace(fun: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
     dbg = DebugInfo("hlofold", getattr(fun, "__name__", "fold"), None, None)
     in_avals = [_traced_aval(a) for a in avals]
     jaxpr, _, consts = _trace_to_jaxpr(_wrap_init(flat, debug_info=dbg), in_avals)
-    return ClosedJaxpr(jaxpr, consts)
+    return closed_jaxpr(jaxpr, consts)
 
 
 def _traced_aval(a):
@@ -304,7 +314,7 @@ def stage_cond(pred: Any, branches: Sequence[Callable], operands: Sequence[Any])
         n = len(t.consts)
         ins = ([new_var(aval_of(c)) for c in consts[:k]] + jaxpr.invars[:n] +
                [new_var(aval_of(c)) for c in consts[k + n:]] + jaxpr.invars[n:])
-        closed.append(ClosedJaxpr(jaxpr.replace(invars=ins), []))
+        closed.append(closed_jaxpr(jaxpr.replace(invars=ins), []))
         k += n
     index = lax.convert_element_type(pred, "int32")
     out = lax.cond_p.bind(index, *consts, *operands, branches=tuple(closed))
@@ -336,7 +346,7 @@ def jaxpr_of(invars: Sequence[Var], eqns: Sequence[JaxprEqn], outvars: Sequence[
     """A closed jaxpr made of existing equations (no trace)."""
     effects = frozenset().union(*(e.effects for e in eqns))
     dbg = DebugInfo("hlofold", "jaxpr_of", None, None)
-    return ClosedJaxpr(Jaxpr([], list(invars), list(outvars), list(eqns), effects, dbg), [])
+    return closed_jaxpr(Jaxpr([], list(invars), list(outvars), list(eqns), effects, dbg), [])
 
 
 def new_var(aval) -> Var:

@@ -73,6 +73,8 @@ class FoldReport:
     # compile options hlofold added to the user's for the program this report describes
     # (merged branches on XLA:CPU: _prepare.compile_options)
     compile_options: dict = dataclasses.field(default_factory=dict)
+    # how they were chosen (measured on the first call: hlofold._tune), where there was a choice
+    compile_note: str | None = None
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -105,6 +107,7 @@ class FoldReport:
                 "counts": self.counts(), "precision": self.precision,
                 "running": self.running, "compat": list(self.compat),
                 "compile_options": dict(self.compile_options),
+                "compile_note": self.compile_note,
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
@@ -125,8 +128,9 @@ class FoldReport:
             if not (self.running and why in self.running):
                 head += f"\nNOTE: {why}"
         for k, v in self.compile_options.items():
-            head += (f"\nNOTE: compiled with {k}={v} (merged branches make one chain of "
-                     "convolutions, which XLA:CPU would fuse whole and run slower)")
+            head += f"\nNOTE: compiled with {k}={v}"
+        if self.compile_note:
+            head += f"\nNOTE: {self.compile_note}"
         p = self.precision
         if p and p.get("reference"):
             head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "

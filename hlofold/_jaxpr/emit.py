@@ -83,7 +83,7 @@ class SiteEmitter:
                 eqns.append(eqn.replace(params=params, invars=ins))
             else:
                 eqns.append(eqn)
-        return C.ClosedJaxpr(jaxpr.replace(constvars=constvars, eqns=eqns), consts)
+        return C.closed_jaxpr(jaxpr.replace(constvars=constvars, eqns=eqns), consts)
 
     def _all_site_eqns(self, new_const) -> dict[int, list]:
         """The equations of every folded site of this scope, keyed by where each goes.

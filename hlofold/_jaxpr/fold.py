@@ -395,4 +395,4 @@ def _dce(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     kept.reverse()
     used = [v in live for v in jaxpr.constvars]
     new = jaxpr.replace(constvars=[v for v, u in zip(jaxpr.constvars, used) if u], eqns=kept)
-    return C.ClosedJaxpr(new, [c for c, u in zip(closed.consts, used) if u])
+    return C.closed_jaxpr(new, [c for c, u in zip(closed.consts, used) if u])

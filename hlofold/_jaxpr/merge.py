@@ -289,7 +289,7 @@ def merge_scope(view, in_graph: str, path: str, sites: list,
     out = []
     for i, e in enumerate(eqns):
         out.extend(replaced.get(i, [e]))
-    return C.ClosedJaxpr(view.jaxpr.replace(constvars=constvars, eqns=out), consts)
+    return C.closed_jaxpr(view.jaxpr.replace(constvars=constvars, eqns=out), consts)
 
 
 def _is_top(view, e) -> bool:

@@ -46,7 +46,7 @@ def call_rule(scope, eqn, label):
 
 
 def remat_rule(scope, eqn, label):
-    sub = C.ClosedJaxpr(C.remat_body(eqn), ())
+    sub = C.closed_jaxpr(C.remat_body(eqn), ())
     new = scope.child(sub, eqn.invars, [True] * len(eqn.invars), label)
     if new is sub:
         return None
@@ -166,7 +166,7 @@ def leading_consts(closed: C.ClosedJaxpr) -> tuple[C.ClosedJaxpr, list]:
     """``closed`` as a constant-free jaxpr taking its constants as leading inputs, and
     their values (no retrace)."""
     jaxpr, consts = C.hoist_consts(closed)
-    return C.ClosedJaxpr(jaxpr, ()), consts
+    return C.closed_jaxpr(jaxpr, ()), consts
 
 
 def with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in_avals):
@@ -221,4 +221,4 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
                 sub[o] = rd(r)
     new = jaxpr.replace(constvars=constvars, eqns=eqns,
                         outvars=[read(a) for a in jaxpr.outvars])
-    return C.ClosedJaxpr(new, consts)
+    return C.closed_jaxpr(new, consts)

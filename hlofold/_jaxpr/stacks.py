@@ -93,7 +93,7 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
         {v for v in full.outvars if isinstance(v, C.Var)}
     carry = range(len(shared) + nc, len(shared) + nc + ncarry)
     kept = [k for k, v in enumerate(full.invars) if k in carry or v in read]
-    new_body = C.ClosedJaxpr(full.replace(invars=[full.invars[k] for k in kept]), ())
+    new_body = C.closed_jaxpr(full.replace(invars=[full.invars[k] for k in kept]), ())
     num_consts = sum(1 for k in kept if k < len(shared) + nc)
     return (C.with_scan_operands(eqn.params, new_body, num_consts, [linear[k] for k in kept]),
             [ops[k] for k in kept])

@@ -102,6 +102,6 @@ def _rebased(e, old, new, **changes):
     ``changes`` made (one ``replace``)."""
     if e.primitive.name == "cond":
         changes["params"] = C.with_cond_branches(e.params, tuple(
-            C.ClosedJaxpr(b.jaxpr.replace(eqns=[_rebased(x, old, new) for x in b.jaxpr.eqns]),
+            C.closed_jaxpr(b.jaxpr.replace(eqns=[_rebased(x, old, new) for x in b.jaxpr.eqns]),
                           b.consts) for b in C.cond_branches(e)))
     return e.replace(source_info=C.rebase_source(e, old, new), **changes)
