@@ -330,7 +330,6 @@ class Folded(FoldedViews):
                 prog.verified is not True) or any(C.is_tracer(x) for x in leaves)):
             return None
         folding, fn, prepared = entry
-        fn = getattr(fn, "chosen", None) or fn       # a Tuned program's choice, called direct
         return make_fast(args, [leaves[i] for i in prog.known_idx], prog.frozen_refs,
                          [leaves[i] for i in prog.unknown_idx], fn, prepared, prog.out_tree,
                          bool(prog.options or folding.report.compile_options))

@@ -137,6 +137,7 @@ def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Ca
     NumPy parameters, which are folded on every call)."""
     if not all(isinstance(k, jax.Array) for k in known):
         return None
+    fn = getattr(fn, "chosen", None) or fn       # a measured program's choice (_tune), direct
     a_leaves, tree = jax.tree_util.tree_flatten(args)
     pos: dict[int, int] = {}
     for i, a in enumerate(a_leaves):

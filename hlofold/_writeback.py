@@ -182,13 +182,17 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
                and scope.uses.get(a) == [(at, k)] and not scope.out_uses.get(a)]
         body = layers[0].jaxpr
         lvars = [body.invars[k] for k in pos]
-        rows = not pos       # the fori_loop form: each layer reads its row of a loop constant
-        if rows:
+        rows_form = not pos      # the fori_loop form: each layer reads a row of a loop constant
+        if rows_form:
             pos = [k for k in range(nc) if eqn.invars[k] in top and
                    scope.uses.get(eqn.invars[k]) == [(at, k)] and
                    not scope.out_uses.get(eqn.invars[k]) and
                    _row_read(layers, body.invars[k]) is not None]
-            lvars = [_row_read(layers, body.invars[k]) for k in pos]
+            reads = [_row_read(layers, body.invars[k]) for k in pos]
+            lvars = [r[0] for r in reads]
+            if len({r[1] for r in reads}) > 1:
+                pos, lvars = [], []         # (the leaves' rows read in different orders)
+            order = reads[0][1] if reads else None
 
         def write(only=None):
             out = []
@@ -227,17 +231,20 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
                            ({leaf(bias)} if bias is not None else set()))))
         if ok:        # stacked layer by layer, each layer's value dropped once copied
             for j in list(per_layer[0][0].assign):
-                out = stacked_view([w.assign[j] for w, _ in per_layer])   # the kernels
+                # (the fori_loop form: layer l's values go to the row it reads)
+                rows = order if rows_form and order else range(len(per_layer))
+                out = stacked_view([w.assign[j] for w, _ in per_layer]) \
+                    if list(rows) == list(range(len(per_layer))) else None   # the kernels
                 if out is None:
                     first = np.asarray(per_layer[0][0].assign[j])
                     out = aligned_empty((len(per_layer),) + first.shape, first.dtype)
                     del first
-                    for layer, (w, _) in enumerate(per_layer):
-                        out[layer] = w.assign[j]
+                    for row, (w, _) in zip(rows, per_layer):
+                        out[row] = w.assign[j]
                 for w, _ in per_layer:
                     del w.assign[j]
                 assign[top[eqn.invars[pos[j]]]] = out.reshape(eqn.invars[pos[j]].aval.shape) \
-                    if rows else out
+                    if rows_form else out
         for ls in layers:         # the per-layer folded kernels: no longer needed
             for site in ls.site_at_end.values():
                 site.kernel_const = None
@@ -246,8 +253,9 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
 
 def _row_read(layers, var):
     """The one ``dynamic_slice`` the stack body reads loop constant ``var`` through, where
-    layer ``l`` reads its row ``l`` (one row, whole along the other axes: ``params["K"][i]``
-    at the loop's counter): its output, the row's leaf for the write-back; else None."""
+    each layer reads one row (whole along the other axes: ``params["K"][i]`` at the loop's
+    counter) and the layers together read every row once: ``(its output, the row's leaf
+    for the write-back; the row each layer reads)``; else None."""
     uses = [e for e in layers[0].jaxpr.eqns if var in e.invars]
     if len(uses) != 1 or uses[0].primitive.name != "dynamic_slice" or \
             uses[0].invars[0] is not var or \
@@ -255,12 +263,16 @@ def _row_read(layers, var):
             var.aval.shape[0] != len(layers):
         return None
     e = uses[0]
-    for layer, ls in enumerate(layers):
+    rows = []
+    for ls in layers:
         starts = [ls.value(u) for u in e.invars[1:]]
         if any(x is None for x in starts) or \
-                [int(np.asarray(x)) for x in starts] != [layer] + [0] * (len(starts) - 1):
+                any(int(np.asarray(x)) != 0 for x in starts[1:]):
             return None
-    return e.outvars[0]
+        rows.append(int(np.asarray(starts[0])))
+    if sorted(rows) != list(range(len(layers))):
+        return None
+    return e.outvars[0], tuple(rows)
 
 
 def _release_freed() -> None:

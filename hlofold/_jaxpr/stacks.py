@@ -54,12 +54,16 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
     records, body, scopes, kernels = [], None, [], {}
     keep = scope.opts.keep_stacks          # fold_params: the layers' scopes, no new program
     stack = Restack(length)
+    reverse = C.scan_reverse(eqn)
     for layer in range(length):
+        # row ``layer`` of a scanned operand (the known ones, and the restacked ones made
+        # here) is read by iteration ``step``: the last first where the scan runs reversed
+        step = length - 1 - layer if reverse else layer
         values: list[Any] = [None] * n
         for k, v in known.items():
             values[k] = v[layer]
-        for k, (a, c, dt) in counters.items():
-            values[k] = np.asarray(a + layer * c, dt)
+        for k, (a, c, dt) in counters.items():       # the counter at that iteration
+            values[k] = np.asarray(a + step * c, dt)
         recs: list = []
         new = scope.child(sub, eqn.invars, mask, label, values=values, sites=recs,
                           scopes=scopes if keep else None)

@@ -41,6 +41,7 @@ from .values import HloValues
 from .emit import SiteWriter
 from .merge_write import merge_module
 from .platforms import inline_uniform_cases
+from .indices import constant_counters
 from .build import STACK, unmark
 from .stacks import fold_stacks, stack_loops
 from .._core.patterns import bias_map
@@ -343,6 +344,7 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
 def _fold_module(module, in_graph: bool, guard: bool, merge: bool,
                  bound: dict | None) -> FoldReport:
     inline_uniform_cases(module)     # a multi-platform module's per-platform copies
+    constant_counters(module)        # an unrolled scan's last layers: their rows known
     symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
                for op in module.body.operations if op_name(op) == "func.func"}
     with gc_paused():                # scanned stacks, per layer (each a module of its own)

@@ -15,7 +15,8 @@ from .. import _compat as C
 from .build import STACK, int_constant, make, mark
 from .ir import is_float, numpy_to_dense, op_name, owner_op, parent_of, reads, shape_of
 from .module import SYMBOL_ATTRS, erase_unused
-from .patterns import Evaluator, index_value
+from .indices import index_value, step_of, trip_count
+from .patterns import Evaluator
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -33,31 +34,6 @@ class Loop:
     def __init__(self, length, counters, row, invariant, known):
         self.length, self.counters, self.row = length, counters, row
         self.invariant, self.known = invariant, known
-
-
-def step_of(value, arg, bound: dict, symbols: dict, depth: int = 0) -> int | None:
-    """The constant ``c`` where ``value`` is ``arg + c`` — directly, or returned so by a
-    private function the body calls with ``arg`` (``fori_loop``'s body returns ``i + 1``)."""
-    op = owner_op(value)
-    if op is None or depth > 8:
-        return None
-    if op_name(op) == "stablehlo.add":
-        x, y = op.operands
-        other = y if x == arg else x if y == arg else None
-        return None if other is None else index_value(other, bound)
-    if op_name(op) == "func.call":
-        callee = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
-        if callee is None or not callee.regions[0].blocks:
-            return None
-        cb = callee.regions[0].blocks[0]
-        k = next(i for i, r in enumerate(op.results) if r == value)
-        inner = list(cb.operations)[-1].operands[k]
-        for j, v in enumerate(op.operands):
-            if v == arg:
-                got = step_of(inner, cb.arguments[j], bound, symbols, depth + 1)
-                if got is not None:
-                    return got
-    return None
 
 
 def loop_form(w, ev: Evaluator, symbols: dict, staged: bool = False) -> Loop | str | None:
@@ -80,24 +56,19 @@ def loop_form(w, ev: Evaluator, symbols: dict, staged: bool = False) -> Loop | s
         if k in invariant or shape_of(a) != () or is_float(a):
             continue
         start = index_value(w.operands[k], ev.bound)
-        step = None if start is None else step_of(ret.operands[k], a, ev.bound, symbols)
+        step = None if start is None else step_of(ret.operands[k], a, ev.bound)
         if step:
             counters[k] = (start, step)
-    test = owner_op(list(cond.operations)[-1].operands[0])
-    if test is None or op_name(test) != "stablehlo.compare" or \
-            str(test.attributes["comparison_direction"]).split()[-1].rstrip(">") != "LT":
+    trips = trip_count(w, ev.bound)
+    if trips is None or trips[1] not in counters:
         return NOT_COUNTED
-    lhs, bound = test.operands[0], index_value(test.operands[1], ev.bound)
-    j = next((k for k, a in enumerate(cond.arguments) if a == lhs), None)
-    if j not in counters or bound is None or counters[j][1] < 0:
-        return NOT_COUNTED
-    start, step = counters[j]
-    length = max(0, -(-(bound - start) // step))
+    length = trips[0]
     row = next((k for k, (a, c) in counters.items() if (a, c) == (0, 1)), None)
     if row is None:
         return NOT_COUNTED
-    stacks = [k for k in invariant if is_float(w.operands[k]) and
-              shape_of(w.operands[k])[:1] == (length,)]
+    # (an unrolled scan's loop reads ``unroll`` rows of a stack per iteration)
+    stacks = [k for k in invariant if is_float(w.operands[k]) and length and
+              len(shape_of(w.operands[k])) and shape_of(w.operands[k])[0] % length == 0]
     if length < 1 or not stacks or (not staged and not any(k in known for k in stacks)):
         return None
     return Loop(length, counters, row, invariant, known)

@@ -11,7 +11,7 @@ import gc
 import threading
 
 from .. import _compat as C
-from .ir import StableHLOError, op_name, owner_op
+from .ir import StableHLOError, op_name, owner_op, parent_of
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -92,6 +92,25 @@ def call_sites(module) -> dict:
 # the attributes by which an op refers to a function: func.call's callee, a composite's
 # decomposition, a custom_call's called computations
 SYMBOL_ATTRS = ("callee", "decomposition", "called_computations")
+
+
+def private_body(call):
+    """The body block of the private function a ``func.call`` calls, or None (a public or
+    external function, or a callee not found in the call's module)."""
+    top = call
+    while (p := parent_of(top)) is not None:
+        top = p
+    name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+    callee = next((op for op in top.regions[0].blocks[0].operations
+                   if op_name(op) == "func.func" and
+                   ir.StringAttr(op.attributes["sym_name"]).value == name), None)
+    if callee is None:
+        return None
+    if "sym_visibility" not in callee.attributes or \
+            ir.StringAttr(callee.attributes["sym_visibility"]).value != "private" or \
+            not callee.regions[0].blocks:
+        return None
+    return callee.regions[0].blocks[0]
 
 
 def drop_uncalled_private(module, only=None) -> None:

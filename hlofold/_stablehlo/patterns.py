@@ -20,6 +20,7 @@ from .._core.rules import flushes_differently
 from .facts import op_fact
 from .ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
                  owner_op, shape_of)
+from .indices import index_value
 from .module import call_sites
 from .._core.patterns import block_of, conv_axis_role, conv_layout, dot_axis_role, dot_layout
 
@@ -58,7 +59,7 @@ class Evaluator:
             "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
             "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
     _MOVES = frozenset({"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
-                        "stablehlo.broadcast_in_dim"})
+                        "stablehlo.broadcast_in_dim", "stablehlo.slice"})
 
     def __init__(self, module=None, bound: dict | None = None):
         self.memo: dict[Any, np.ndarray | None] = {}
@@ -154,6 +155,10 @@ class Evaluator:
             return x.reshape(shape_of(value))
         if name == "stablehlo.transpose":
             return np.transpose(x, int_dims(op.attributes["permutation"]))
+        if name == "stablehlo.slice":        # a view (an unrolled scan's layer of a stack)
+            return x[tuple(slice(a, b, c) for a, b, c in zip(
+                *(int_dims(op.attributes[k]) for k in ("start_indices", "limit_indices",
+                                                       "strides"))))]
         dims = int_dims(op.attributes["broadcast_dimensions"])      # broadcast_in_dim
         shape = shape_of(value)
         exp = [1] * len(shape)
@@ -172,49 +177,6 @@ class Evaluator:
             return None
         starts = [min(max(s, 0), d - n) for s, d, n in zip(starts, x.shape, sizes)]
         return x[tuple(slice(s, s + n) for s, n in zip(starts, sizes))]
-
-
-_INT_BIN = {"stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
-            "stablehlo.multiply": lambda a, b: a * b, "stablehlo.maximum": max,
-            "stablehlo.minimum": min}
-_COMPARE = {"LT": lambda a, b: a < b, "LE": lambda a, b: a <= b, "GT": lambda a, b: a > b,
-            "GE": lambda a, b: a >= b, "EQ": lambda a, b: a == b, "NE": lambda a, b: a != b}
-
-
-def index_value(value, bound: dict, depth: int = 0) -> int | None:
-    """The value of a scalar integer (or predicate) computed from constants and ``bound``
-    block arguments (a loop counter of one layer): what ``dynamic_slice`` starts are
-    (JAX's ``x[i]`` wraps a negative index with compare/add/select). None otherwise."""
-    if value in bound:
-        return int(np.asarray(bound[value]))
-    op = owner_op(value)
-    if op is None or depth > 32 or shape_of(value) != ():
-        return None
-    name = op_name(op)
-    if name == "stablehlo.constant":
-        a = ir.DenseElementsAttr(op.attributes["value"])
-        if not str(ir.RankedTensorType(a.type).element_type).lstrip("u").startswith("i"):
-            return None
-        return int(ir.IntegerAttr(a.get_splat_value()).value) if a.is_splat else \
-            int(np.asarray(ir.DenseIntElementsAttr(a)).reshape(-1)[0])
-    args = [index_value(v, bound, depth + 1) for v in op.operands]
-    if any(a is None for a in args):
-        return None
-    if name in _INT_BIN:
-        return _INT_BIN[name](*args)
-    if name == "stablehlo.negate":
-        return -args[0]
-    if name == "stablehlo.convert" and not is_float(value):
-        return args[0]
-    if name == "stablehlo.select":
-        return args[1] if args[0] else args[2]
-    if name == "stablehlo.clamp":
-        return min(max(args[1], args[0]), args[2])
-    if name == "stablehlo.compare":
-        d = str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
-        f = _COMPARE.get(d)
-        return None if f is None else int(f(*args))
-    return None
 
 
 def entering_value(arg, calls):

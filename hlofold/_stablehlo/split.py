@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from .. import _compat as C
 from .._core.report import FoldReport
 from .build import PREPARED, all_finite, marked, unmark
-from .ir import StableHLOError, op_name, reads
+from .ir import StableHLOError, location, op_name, reads
 from .module import drop_uncalled_private, main_function, parse_module
 from .fold import fold_module
 from .shardings import (argument_shardings, from_arguments, set_argument_shardings,
@@ -54,8 +54,9 @@ def split_module(text_or_bytes, per_call: Sequence[Any],
             raise StableHLOError(f"per-call arguments {calls}: @main takes {n} arguments "
                                  f"(arg0 .. arg{n - 1}); name at least one of them")
         report = fold_module(module, in_graph=True, guard=False, merge=merge)
-        text = str(module)
         kinds, crossing, moved = _classify(main_function(module), set(calls))
+        _check_prepared(main_function(module), kinds, calls)
+        text = str(module)
     prepare, apply = parse_module(text), parse_module(text)
     with prepare.context, ir.Location.unknown():
         _make_prepare(main_function(prepare), kinds, crossing, moved, calls)
@@ -68,6 +69,25 @@ def split_module(text_or_bytes, per_call: Sequence[Any],
         if not apply.operation.verify():
             raise AssertionError("hlofold produced an invalid apply module")  # pragma: no cover
     return prepare, apply, report
+
+
+def _check_prepared(main, kinds, calls) -> None:
+    """Every folded kernel and bias (marked ``PREPARED``) must be computed from weights
+    alone: one computed from a per-call argument cannot be prepared once (the arguments
+    named per call include a BatchNorm's statistics or a kernel, or what scales a site is
+    computed from the activations)."""
+    ops = list(main.regions[0].blocks[0].operations)
+    bad = [op for op, k in zip(ops, kinds) if k == CALL and marked(op, PREPARED)]
+    if bad:
+        names = ", ".join(f"arg{i}" for i in sorted(calls))
+        file, line, name = location(bad[0])
+        where = f"{file}:{line}" if file and line else name or "an op of @main"
+        raise StableHLOError(
+            f"split=: the folded weights of {len(bad)} site(s) (the first at "
+            f"{where}) would be computed from the per-call arguments ({names}) "
+            f"on every call, so they cannot be prepared once: name as per-call only the "
+            f"arguments that change on every call (the activations), or fold with "
+            f"in_graph=True")
 
 
 def _classify(main, calls: set[int]):

@@ -357,12 +357,19 @@ def test_the_fori_loop_form_folds_per_layer():
     k0 = np.asarray(params["k"][2], np.float64) * np.asarray(params["s"][2], np.float64)
     np.testing.assert_allclose(np.asarray(wb.params["k"][2]), k0, rtol=1e-6)
     assert_close(f(params, x), f(wb.params, x))
-    # a row read at another index than the layer's: said, not written
+    # the rows read in another order (layer l reads row L-1-l): each written to its row
     g = lambda p, x: lax.fori_loop(0, L, lambda i, h: jnp.tanh(                 # noqa: E731
         h @ p["k"][L - 1 - i] * p["s"][L - 1 - i] + p["t"][L - 1 - i]), x)
     wb = hlofold.fold_params(g, params, x)
-    assert not wb.changes and "row of a stacked parameter" in str(wb), str(wb)
+    assert len(wb.changes) == 1 and np.all(np.asarray(wb.params["s"]) == 1), str(wb)
+    np.testing.assert_allclose(np.asarray(wb.params["k"][2]), k0, rtol=1e-6)
     assert_close(g(params, x), g(wb.params, x))
+    # rows read twice and others not at all (layer l reads row l % 2): said, not written
+    h = lambda p, x: lax.fori_loop(0, L, lambda i, h: jnp.tanh(                 # noqa: E731
+        h @ p["k"][i % 2] * p["s"][i % 2] + p["t"][i % 2]), x)
+    wb = hlofold.fold_params(h, params, x)
+    assert not wb.changes and "row of a stacked parameter" in str(wb), str(wb)
+    assert_close(h(params, x), h(wb.params, x))
     new, rep2 = hlofold.fold_jaxpr(jax.make_jaxpr(lambda x: f(params, x))(x))
     assert rep2.num_folded == 1 and rep2.folded[0].layers == L, str(rep2)
     assert_close(f(params, x), C.jaxpr_as_fun(new)(x)[0])
