@@ -306,7 +306,8 @@ def grid_row(kind: str, batch: int, size: int, width: int, rounds: int,
 
 
 def grid(rounds: int, rows: list, out: str, first: int = 0) -> dict:
-    """``--grid``: :func:`grid_row` for each of ``rows``; ``branches_grid_cpu.{md,json}``."""
+    """``--grid``: :func:`grid_row` for each of ``rows``; written to
+    ``branches_grid_cpu_jax<version>.{md,json}`` (one per JAX the grid ran on)."""
     import datetime
     res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
            "code": code_info(), "rounds": rounds, "rows": []}
@@ -338,7 +339,7 @@ def grid(rounds: int, rows: list, out: str, first: int = 0) -> dict:
                  f"{fmt(q['jit'])} | {fmt(q['apply, plain jit'])} | {fmt(q['apply, option'])} | "
                  f"{fmt(q['deploy, option'])} | {'option' if r['choice'] else '-'} | "
                  + (f"{f1['fold']['median'] / f1['jit']['median']:.2f} |" if f1 else "|"))
-    write_doc(out, "branches_grid_cpu", res, L)
+    write_doc(out, f"branches_grid_cpu_jax{jax.__version__}", res, L)
     print("\n".join(L))
     return res
 

@@ -6,57 +6,7 @@ import argparse
 import sys
 
 
-class _UsageError(Exception):
-    """Bad input: reported on stderr with exit code 2."""
-
-
-def _check_output(path: str | None) -> None:
-    """Refuse, before anything is written, an output path that cannot be written."""
-    import os
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise _UsageError(f"{path} is a directory, not a file to write")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise _UsageError(f"output folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and
-                                          not os.access(path, os.W_OK)):
-        raise _UsageError(f"{path}: permission denied")
-
-
-def _atomic_write(path: str, data) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder: readers never
-    see a partial file, and nothing is left behind on failure."""
-    import os
-    import tempfile
-    _check_output(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hlofold-", suffix=".tmp")
-    except OSError as e:
-        raise _UsageError(f"{path}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise _UsageError(f"{path}: {e.strerror}") from None
-        raise
-
-
-def _load(path: str):
-    import os
-    if not os.path.isfile(path):
-        raise _UsageError(f"{path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise _UsageError(f"{path}: {e.strerror}") from None
+from ._files import Staged, UsageError as _UsageError, check_distinct, check_output, load as _load
 
 
 def _inputs(args_path, specs):
@@ -173,10 +123,7 @@ def _verify_split(data, apply, prepare, per_call, inputs_path, backends):
 
 def cmd_fold(args) -> int:
     import json
-    import os
     from ._stablehlo.artifacts import fold_stablehlo, input_specs
-    if os.path.abspath(args.output) == os.path.abspath(args.input):
-        raise _UsageError("the output must not overwrite the input")
     if args.params and not args.prepared_out:
         raise _UsageError("--params needs --prepared-out (where the folded weights go)")
     if args.prepared_out and not args.params:
@@ -187,11 +134,12 @@ def cmd_fold(args) -> int:
     if args.prepare and args.params:
         raise _UsageError("--prepare makes a module for any weights, --params folds given "
                           "ones: use one of them")
+    check_distinct({"the input": args.input, "--params": args.params, "--inputs": args.inputs},
+                   {"-o": args.output, "--report": args.report,
+                    "--prepared-out": args.prepared_out, "--prepare": args.prepare})
     for out in (args.output, args.report, args.prepared_out, args.prepare):
-        _check_output(out)            # every output checked before anything is written
-    if args.prepare and os.path.abspath(args.prepare) in (os.path.abspath(args.input),
-                                                          os.path.abspath(args.output)):
-        raise _UsageError("--prepare must name another file than the input and the output")
+        check_output(out)             # every output checked before anything is written
+    _check_backends(args.backends)
     data = _load(args.input)
     prepared = prepare = None
     if args.params:
@@ -221,32 +169,56 @@ def cmd_fold(args) -> int:
         if not vrep.passed:
             print(f"hlofold: verification failed; {args.output} not written", file=sys.stderr)
             return 1
-    if args.report:
-        _atomic_write(args.report, json.dumps(report.to_dict(), indent=2))
+    with Staged() as out:             # all outputs, or none
+        if args.report:
+            out.add(args.report, json.dumps(report.to_dict(), indent=2))
+        if prepared is not None:
+            first = len(input_specs(folded)) - len(prepared)
+            out.add(args.prepared_out, _npz_bytes(
+                {f"arg{first + j}": v for j, v in enumerate(prepared)}))
+        if prepare is not None:
+            out.add(args.prepare, prepare)
+        out.add(args.output, folded)
+        out.commit()
     if prepared is not None:
-        first = len(input_specs(folded)) - len(prepared)
-        _atomic_write(args.prepared_out, _npz_bytes(
-            {f"arg{first + j}": v for j, v in enumerate(prepared)}))
         print(f"wrote {args.prepared_out}: {len(prepared)} folded weights, arguments "
               f"arg{first}.. of {args.output}", file=sys.stderr)
     if prepare is not None:
-        _atomic_write(args.prepare, prepare)
         print(f"wrote {args.prepare}: the weights in, what {args.output} takes after the "
               "per-call arguments out, then ok (false: run the original module)",
               file=sys.stderr)
-    _atomic_write(args.output, folded)
     print(f"wrote {args.output} ({report.num_folded} folded)", file=sys.stderr)
     return 0
 
 
+def _check_backends(backends) -> None:
+    """``--backends``: each one a platform or IREE runtime hlofold knows, present here."""
+    if not backends:
+        return
+    from ._verify import available_backends, known_backends
+    here = available_backends(None)
+    for b in backends:
+        if b not in known_backends():
+            raise _UsageError(f"--backends {b}: not a backend hlofold knows (one of "
+                              f"{', '.join(known_backends())})")
+        if not available_backends([b]):
+            raise _UsageError(f"--backends {b}: not present on this machine (present: "
+                              f"{', '.join(here) or 'none'})")
+
+
 def cmd_verify(args) -> int:
     import json
-    _check_output(args.json)
+    check_distinct({"the original": args.original, "the folded": args.folded,
+                    "--inputs": args.inputs}, {"--json": args.json})
+    check_output(args.json)
+    _check_backends(args.backends)
     orig, folded = _load(args.original), _load(args.folded)
     vrep = _verify_artifacts(orig, folded, args.inputs, args.backends)
     print(vrep)
     if args.json:
-        _atomic_write(args.json, json.dumps(vrep.to_dict(), indent=2))
+        with Staged() as out:
+            out.add(args.json, json.dumps(vrep.to_dict(), indent=2))
+            out.commit()
     return 0 if vrep.passed else 1
 
 

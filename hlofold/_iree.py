@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 # IREE runtime name -> (compiler target backend, runtime driver, compiler flags)
-_TARGETS = {"iree:llvm-cpu": ("llvm-cpu", "local-task", ("--iree-llvmcpu-target-cpu=host",)),
+TARGETS = {"iree:llvm-cpu": ("llvm-cpu", "local-task", ("--iree-llvmcpu-target-cpu=host",)),
             "iree:cuda": ("cuda", "cuda", ())}
 _FLAGS = ("--iree-input-demote-f64-to-f32=false",)     # a float64 module stays float64
 
@@ -32,7 +32,7 @@ def runtimes() -> tuple[str, ...]:
         return ()
     out = []
     drivers = set(rt.query_available_drivers())
-    for name, (_, driver, _) in _TARGETS.items():
+    for name, (_, driver, _) in TARGETS.items():
         if driver not in drivers:
             continue
         try:
@@ -49,7 +49,7 @@ class CompileError(RuntimeError):
 
 
 def device_name(name: str) -> str:
-    return f"IREE {_TARGETS[name][0]} ({_TARGETS[name][1]})"
+    return f"IREE {TARGETS[name][0]} ({TARGETS[name][1]})"
 
 
 def run(name: str, program: Callable, args: Sequence) -> list[np.ndarray]:
@@ -58,7 +58,7 @@ def run(name: str, program: Callable, args: Sequence) -> list[np.ndarray]:
     import jax
     import iree.compiler as ic
     import iree.runtime as rt
-    target, driver, flags = _TARGETS[name]
+    target, driver, flags = TARGETS[name]
     with jax.default_device(jax.devices("cpu")[0]):
         text = jax.jit(program, keep_unused=True).lower(*args).as_text()
     try:

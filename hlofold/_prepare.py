@@ -158,13 +158,16 @@ def place(hoisted: Sequence[Any], like: Sequence[Any]) -> list:
                    jax.sharding.SingleDeviceSharding(next(iter(sh.device_set)))
                    if len(sh.device_set) == 1 else None)
     out = []
-    for c in hoisted:
-        if isinstance(c, jax.Array):
-            out.append(c)
-            continue
-        target = by_shape.get(tuple(np.shape(c))) or _squeezed_like(np.shape(c), by_shape) \
-            or default
-        out.append(jax.device_put(c, target) if target is not None else jax.device_put(c))
+    # placed now even where the call is being traced (a folded function first called
+    # inside the user's jit): the values are cached for later calls, never a tracer
+    with jax.ensure_compile_time_eval():
+        for c in hoisted:
+            if isinstance(c, jax.Array):
+                out.append(c)
+                continue
+            target = by_shape.get(tuple(np.shape(c))) or \
+                _squeezed_like(np.shape(c), by_shape) or default
+            out.append(jax.device_put(c, target) if target is not None else jax.device_put(c))
     return out
 
 
@@ -257,8 +260,10 @@ def device_entry(prog, known: list, *, float32_kernels: bool, cost: bool,
                                      prog.known_idx, float32_kernels=float32_kernels,
                                      cost=cost, merge=merge, options=prog.options)
     dp = prog.device
-    residuals, ok = dp.prepare(*known)
-    if bool(ok):
+    with jax.ensure_compile_time_eval():     # run now, also under the user's trace (cached)
+        residuals, ok = dp.prepare(*known)
+        ok = bool(ok)
+    if ok:
         return dp.folding, dp.apply, residuals
     warnings.warn("hlofold: these parameters fold to values that are not finite (σ² = 0 "
                   "with ε = 0, an inf γ); calls with them run the original program",

@@ -78,7 +78,12 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _available(backends):
+def known_backends() -> tuple[str, ...]:
+    """The backend names ``verify`` takes: XLA's platforms and IREE's runtimes."""
+    return _PLATFORMS + ("cuda", "rocm") + tuple(iree.TARGETS)
+
+
+def available_backends(backends):
     """The backends asked for (default: XLA's platforms and IREE's runtimes) present here."""
     out = []
     for b in backends or _PLATFORMS + iree.runtimes():
@@ -136,7 +141,7 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     ``raise_on_failure=False``. ``accumulation``: ``L``, ``(L, D)`` or ``(L, D, compute)``
     of the tolerance model (default: read from ``original``).
     """
-    names = _available(backends)
+    names = available_backends(backends)
     if not names:
         raise ValueError(f"none of the backends {list(backends or _PLATFORMS)} is available")
     if accumulation is None:
