@@ -137,7 +137,9 @@ def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Ca
     NumPy parameters, which are folded on every call)."""
     if not all(isinstance(k, jax.Array) for k in known):
         return None
-    fn = getattr(fn, "chosen", None) or fn       # a measured program's choice (_tune), direct
+    if hasattr(fn, "chosen"):     # a measured program (_tune.Tuned): its choice, direct once
+        options = True            # made; a traced input goes the full path (inlined there)
+        fn = fn.chosen or fn
     a_leaves, tree = jax.tree_util.tree_flatten(args)
     pos: dict[int, int] = {}
     for i, a in enumerate(a_leaves):

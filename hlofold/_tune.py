@@ -1,24 +1,29 @@
-"""Compile options chosen per program, by measuring both on the first call.
+"""Compile options chosen per program, measured on the calls the program makes anyway.
 
 Where branches were merged, the folded program is the deploy form — a chain of single-use
-convolutions — and on XLA:CPU whether it runs faster with the library's defaults or with
-its YNNPACK fusion limited to single convolutions and dots (``_compat.ynn_single_ops``)
-depends on the sizes: at RepVGG-A0's 64 px, batch 8, the defaults grow one fusion through
-the chain that runs slower than the unmerged program, and the limit gains 0.85×; at most
-other sizes the limit costs 1.1–1.8× (``docs/benchmarks/branches_grid_cpu.md``). No rule on
-the program's shape predicts it, so :class:`Tuned` compiles both and keeps the faster one:
+convolutions — and on XLA:CPU whether it runs faster with the library's defaults or with its
+YNNPACK fusion limited to single convolutions and dots (``_compat.ynn_single_ops``) depends
+on the program and the sizes: RepVGG-A0 at 64 px, batch 8 runs 1.75× slower than the
+unmerged program with jaxlib 0.10's defaults and 0.85× with the limit, while at most other
+sizes the limit costs 1.1–1.8× and on jaxlib 0.12 it rarely helps
+(``docs/benchmarks/branches_grid_cpu_jax*.md``). No rule on the program's shape predicts it
+(XLA fuses the chain in both cases), so :class:`Tuned` measures — without making any call
+slower than the program compiled with XLA's defaults would be:
 
-* the first call with concrete inputs runs the defaults' executable (its outputs are the
-  call's), then the option's, then both again in alternating order for as long as the
-  measurement stays a small part of what the two compiles cost (at least one timed run of
-  each); the option is kept only where it is faster by more than :data:`MARGIN`;
-* the choice is made once per executable (one input signature and fold structure), under a
-  lock (concurrent first calls wait for it), and recorded in the report
-  (``compile_options``, ``compile_note``);
-* programs that donate inputs or have side effects are not run twice: they keep the defaults.
+* the first call compiles and runs XLA's defaults, as ``jax.jit`` would; the second starts
+  compiling the option's executable in a background thread (XLA releases the GIL while it
+  compiles; a program called once never pays for it, and the interpreter waits for a
+  compile under way before it exits — a daemon thread inside XLA then would abort it);
+* until that is ready, calls run the defaults; then the next :data:`SAMPLES` calls of each
+  run the two in turn, each timed (so those calls wait for their results), and the option is
+  kept only where its fastest call beats the defaults' by more than :data:`MARGIN`;
+* from then on every call runs the chosen executable alone (the steady path calls it
+  directly); the report says what was measured (``compile_options``, ``compile_note``);
+* programs that donate inputs or have side effects keep the defaults (they cannot run twice).
 
-Under an enclosing trace the program is inlined (``__wrapped__``), as any compiled program
-with options is.
+Both executables compute the same program; only XLA's choice of kernels differs. Under an
+enclosing trace the program is inlined (``__wrapped__``). ``BACKGROUND = False`` compiles the
+second executable on the first call instead (deterministic, for tests).
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ from ._core.report import FoldReport
 
 # the option is kept only where it is this much faster than XLA's defaults (timing noise)
 MARGIN = 0.03
-# the timed runs stop once they cost this fraction of the two first calls (compile + run)
-BUDGET = 0.35
+# timed calls of each executable before the choice
+SAMPLES = 3
+# compile the option's executable in a background thread (False: on the first call)
+BACKGROUND = True
 
 
 def option_candidates(report: FoldReport, options: dict | None) -> list[dict | None]:
@@ -51,7 +58,7 @@ def option_candidates(report: FoldReport, options: dict | None) -> list[dict | N
 def apply_program(fun: Callable, report: FoldReport, options: dict | None,
                   donate_argnums: Sequence[int] = (), effects: bool = False) -> Callable:
     """``fun`` compiled with the user's ``options`` — or, where :func:`option_candidates`
-    gives two, a :class:`Tuned` choosing between them on its first call."""
+    gives two, a :class:`Tuned` choosing between them on its first calls."""
     cands = option_candidates(report, options)
     fns = [jax.jit(fun, donate_argnums=tuple(donate_argnums), compiler_options=o)
            for o in cands]
@@ -61,18 +68,23 @@ def apply_program(fun: Callable, report: FoldReport, options: dict | None,
         report.compile_note = ("compiled with XLA's defaults (not measured against the "
                                "YNNPACK option: the program donates inputs or has effects)")
         return fns[0]
-    report.compile_note = "compile options: measured on the first call"
+    report.compile_note = ("compiled with XLA's defaults; the YNNPACK option is measured "
+                           "against them on the first calls")
     return Tuned(fun, fns, cands, report)
 
 
 class Tuned:
     """One program compiled with each of ``options`` (the first XLA's defaults), the faster
-    kept on the first call with concrete inputs (see the module docstring)."""
+    kept after measuring both on the program's own calls (see the module docstring)."""
 
     def __init__(self, fun: Callable, fns: list, options: list, report: FoldReport):
         self.__wrapped__ = fun           # inlined under an enclosing trace
         self._fns, self._options, self._reports = fns, options, [report]
         self._lock = threading.Lock()
+        self._ready = threading.Event()  # the option's executable is compiled
+        self._calls = 0                  # calls before the option's compile starts
+        self._times: list[list[float]] = [[], []]
+        self._turn = 0
         self.chosen: Callable | None = None
         self.chosen_options: dict | None = None
 
@@ -83,47 +95,57 @@ class Tuned:
         if any(C.is_tracer(a) for a in args):
             return self._fns[0](*args)
         with self._lock:
-            if self.chosen is not None:
-                return self.chosen(*args)
-            return self._choose(args)
-
-    def _choose(self, args: tuple) -> Any:
+            self._calls += 1
+            if self._calls == 2 or (self._calls == 1 and not BACKGROUND):
+                self._compile_option(args)
+            k = self._turn if self._ready.is_set() and self.chosen is None else None
+            if k is not None:
+                self._turn = 1 - k
+        if k is None:                    # still compiling, or chosen meanwhile
+            return (self.chosen or self._fns[0])(*args)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(self._fns[0](*args))   # the call's outputs: the defaults'
-        first = time.perf_counter() - t0
-        best = self._time_runs(args, first)
-        pick = 1 if best[1] < best[0] * (1 - MARGIN) else 0
+        out = jax.block_until_ready(self._fns[k](*args))
+        self._record(k, time.perf_counter() - t0)
+        return out
+
+    def _compile_option(self, args: tuple) -> None:
+        """Compile (and run once, unseen) the option's executable on these arguments: in a
+        background thread, or here (``BACKGROUND = False``)."""
+        def work():
+            try:          # compiled and run once, unseen: the jit's own cache is warm then
+                jax.block_until_ready(self._fns[1](*args))
+            except Exception as e:       # noqa: BLE001 — no option then: the defaults stay
+                with self._lock:
+                    self._settle(0, f"the YNNPACK option did not compile "
+                                    f"({type(e).__name__}); XLA's defaults kept")
+            self._ready.set()
+        if BACKGROUND:
+            threading.Thread(target=work, name="hlofold-compile", daemon=False).start()
+        else:
+            work()
+
+    def _record(self, k: int, dt: float) -> None:
+        with self._lock:
+            if self.chosen is not None:
+                return
+            self._times[k].append(dt)
+            if min(len(t) for t in self._times) < SAMPLES:
+                return
+            best = [min(t) for t in self._times]
+            pick = 1 if best[1] < best[0] * (1 - MARGIN) else 0
+            self._settle(pick, f"compile options measured on {SAMPLES} calls of each: XLA's "
+                               f"defaults {best[0] * 1e3:.3g} ms, YNNPACK limited to single "
+                               f"ops {best[1] * 1e3:.3g} ms: "
+                               + ("the limit kept" if pick else "the defaults kept"))
+
+    def _settle(self, pick: int, note: str) -> None:
         self.chosen_options = self._options[pick]
-        note = (f"compile options measured on the first call: XLA's defaults "
-                f"{best[0] * 1e3:.3g} ms, YNNPACK limited to single ops {best[1] * 1e3:.3g} ms:"
-                f" " + ("the limit kept" if pick else "the defaults kept"))
         for rep in self._reports:
             rep.compile_options = {C.YNN_FUSION: self._options[1][C.YNN_FUSION]} if pick \
                 else {}
             rep.compile_note = note
-        self._reports = [self._reports[0]]
+        self._reports = self._reports[:1]
         self.chosen = self._fns[pick]
-        return out
-
-
-    def _time_runs(self, args: tuple, first: float) -> list[float]:
-        """The fastest run of each executable (the second compiled here): timed in
-        alternating order while that costs under :data:`BUDGET` of the two first calls, at
-        least once each and at most five times."""
-        t0 = time.perf_counter()
-        jax.block_until_ready(self._fns[1](*args))
-        first += time.perf_counter() - t0
-        times: list[list[float]] = [[], []]
-        spent, k = 0.0, 0
-        while not times[1] or (spent < BUDGET * first and len(times[1]) < 5):
-            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
-                t0 = time.perf_counter()
-                jax.block_until_ready(self._fns[i](*args))
-                dt = time.perf_counter() - t0
-                times[i].append(dt)
-                spent += dt
-            k += 1
-        return [min(t) for t in times]
 
 
 def share_choice(fn: Callable, source: FoldReport, report: FoldReport) -> None:

@@ -59,7 +59,11 @@ class Split:
             return self._fn(*args, **kwargs)
         prog, leaves = self._folded._program_for(args, kwargs)
         self._check(prog)
-        outs = self._fn(*prepared, *[leaves[i] for i in prog.unknown_idx])
+        ins = [*prepared, *[leaves[i] for i in prog.unknown_idx]]
+        # under the user's jit: the program inlined (a nested jit takes no compile options)
+        fn = getattr(self._fn, "__wrapped__", self._fn) if any(map(C.is_tracer, ins)) \
+            else self._fn
+        outs = fn(*ins)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     def _check(self, prog):

@@ -32,7 +32,7 @@ from .params import (JIT_NAMES, OPEN_SLOTS, call_body, cond_branches, inlinable_
                      with_while_body)
 from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, location_view,
                    mlir, mlir_context, module_to_portable_artifact)
-from .xla import YNN_FUSION, option_supported, ynn_single_ops
+from .xla import YNN_FUSION, option_supported, ynn_fused_convolutions, ynn_single_ops
 
 __all__ = [
     "CHANGED", "LOOKUPS", "JAX_VERSION", "TESTED", "WINDOW", "CompatError", "as_compat",
@@ -51,5 +51,5 @@ __all__ = [
     "with_while_body",
     "bfloat16", "exported_input_shardings", "exported_with_inputs", "location_view",
     "mlir", "mlir_context", "module_to_portable_artifact",
-    "YNN_FUSION", "option_supported", "ynn_single_ops",
+    "YNN_FUSION", "option_supported", "ynn_fused_convolutions", "ynn_single_ops",
 ]

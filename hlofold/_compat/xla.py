@@ -8,6 +8,7 @@ the same, only XLA's choice of kernels may be slower (fail closed).
 """
 from __future__ import annotations
 
+import re
 import threading
 
 import jax
@@ -51,3 +52,20 @@ def ynn_single_ops(options: dict | None) -> dict | None:
     if not option_supported(YNN_FUSION, YNN_SINGLE_OPS):
         return None
     return {**(options or {}), YNN_FUSION: YNN_SINGLE_OPS}
+
+
+_YNN_CALL = re.compile(r"calls=%([\w.\-]+),[^\n]*__ynn_fusion")
+
+
+def ynn_fused_convolutions(hlo_text: str) -> int:
+    """The most convolutions XLA:CPU put into one YNNPACK library fusion of a compiled
+    module (``Compiled.as_text()``): more than one is the chain fusion
+    :func:`ynn_single_ops` avoids. 0 where the text has no such fusion (or another form)."""
+    per_comp, cur = {}, None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            cur = line.split()[0].lstrip("%")
+            per_comp[cur] = 0
+        elif cur is not None and " convolution(" in line:
+            per_comp[cur] += 1
+    return max([per_comp.get(c, 0) for c in _YNN_CALL.findall(hlo_text)], default=0)
