@@ -20,7 +20,7 @@ import numpy as np
 from . import _compat as C
 from ._core.report import FoldReport
 from ._core.tolerance import mismatch
-from ._jaxpr.accumulation import tolerance_profile
+from ._jaxpr.accumulation import output_profiles
 
 
 def explicit_sharding(x):
@@ -284,9 +284,9 @@ CHURN_LIMIT = 3
 def verify_outputs(prog: Program, ref: list, outs: list) -> list:
     """Compare the folded outputs with the original program's on these inputs; on a
     mismatch warn and switch this signature to the original program."""
-    acc, depth, compute = tolerance_profile(prog.original.jaxpr)
+    profiles = output_profiles(prog.original.jaxpr)
     bad = [(k, why) for k, (r, o) in enumerate(zip(ref, outs))
-           if (why := mismatch(r, o, acc, depth, compute)) is not None]
+           if (why := mismatch(r, o, *profiles[k])) is not None]
     prog.verified = not bad
     if not bad:
         return outs

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _iree as iree
 from ._core import tolerance as T
-from ._jaxpr.accumulation import tolerance_profile
+from ._jaxpr.accumulation import output_profiles
 
 _PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
 
@@ -116,14 +116,25 @@ def _as_callable(prog, platform: str):
     return module_callable(prog, platform)
 
 
-def accumulation_length(prog, args) -> tuple[int, int, Any]:
-    """``(L, D, compute)`` of ``prog`` (a callable or an artifact): its longest accumulation
-    of a conv/dot, the most of them on one path, and the narrowest float type they compute
-    in (see :mod:`hlofold._core.tolerance`)."""
+def accumulation_length(prog, args) -> list[tuple[int, int, Any]]:
+    """``(L, D, compute)`` of each output of ``prog`` (a callable or an artifact): the longest
+    accumulation of a conv/dot that output is computed from, the most of them on one path,
+    and the narrowest float type they compute in (see :mod:`hlofold._core.tolerance`)."""
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
-        return tolerance_profile(jax.make_jaxpr(prog)(*args).jaxpr)
-    from ._stablehlo.artifacts import artifact_profile
-    return artifact_profile(prog)
+        return output_profiles(jax.make_jaxpr(prog)(*args).jaxpr)
+    from ._stablehlo.artifacts import artifact_profiles
+    return artifact_profiles(prog)
+
+
+def _per_output(accumulation, n: int) -> list[tuple[int, int, Any]]:
+    """``verify``'s ``accumulation`` (``L``, ``(L, D)``, ``(L, D, compute)`` for every output,
+    or a list of those, one per output) as one ``(L, D, compute)`` per output."""
+    if isinstance(accumulation, list):
+        return [(tuple(a) + (0, None))[:3] for a in accumulation] + [(1, 0, None)] * (
+            n - len(accumulation))
+    one = (tuple(accumulation) + (0, None))[:3] if isinstance(accumulation, tuple) else \
+        (accumulation, 0, None)
+    return [one] * n
 
 
 def verify(original, folded, *args, backends: Sequence[str] | None = None,
@@ -139,15 +150,14 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     output is compared with the original on the same backend, and with the original on
     XLA's CPU (cross-backend). Raises ``VerificationError`` on failure unless
     ``raise_on_failure=False``. ``accumulation``: ``L``, ``(L, D)`` or ``(L, D, compute)``
-    of the tolerance model (default: read from ``original``).
+    of the tolerance model for every output, or a list of those, one per output (default:
+    read from ``original``, per output).
     """
     names = available_backends(backends)
     if not names:
         raise ValueError(f"none of the backends {list(backends or _PLATFORMS)} is available")
     if accumulation is None:
         accumulation = accumulation_length(original, args)
-    acc, depth, compute = (tuple(accumulation) + (0, None))[:3] if isinstance(
-        accumulation, tuple) else (accumulation, 0, None)
     results: dict[str, tuple[list, list]] = {}
     devices, skipped, errors = {}, {}, {}
     for b in names:
@@ -165,6 +175,10 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
     names = [b for b in names if b not in skipped and b not in errors]
     rows = []
     cpu_ref = results.get("cpu", (None,))[0]
+    first = next(iter(results.values()), ([], []))[0]
+    profiles = _per_output(accumulation, len(first))
+    acc = max((p[0] for p in profiles), default=1)
+    depth = max((p[1] for p in profiles), default=0)
     for b in names:
         orig, fold = results[b]
         if len(orig) != len(fold):
@@ -174,7 +188,7 @@ def verify(original, folded, *args, backends: Sequence[str] | None = None,
             pairs.append(("cpu original", cpu_ref))
         for against, refs in pairs:
             for i, (r, x) in enumerate(zip(refs, fold)):
-                rows.append(_row(b, against, i, r, x, acc, depth, compute))
+                rows.append(_row(b, against, i, r, x, *profiles[i]))
     rep = VerifyReport(rows, acc, names, devices, depth, skipped, errors)
     if raise_on_failure and not rep.passed:
         raise VerificationError(rep)

@@ -33,7 +33,7 @@ from ._core.rescale import aligned_empty
 from ._core.reasons import Reason
 from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
-from ._jaxpr.accumulation import tolerance_profile
+from ._jaxpr.accumulation import output_profiles
 
 
 @dataclasses.dataclass
@@ -336,8 +336,9 @@ def _gather(x) -> np.ndarray:
 
 
 def _check(ref, out, closed) -> None:
-    acc, depth, compute = tolerance_profile(closed.jaxpr)
-    for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+    profiles = output_profiles(closed.jaxpr)
+    for (acc, depth, compute), r, o in zip(profiles, jax.tree.leaves(ref),
+                                           jax.tree.leaves(out)):
         c = compare(_gather(r), _gather(o), acc, depth, compute=compute)
         if not c.passed:
             raise RuntimeError(f"hlofold.fold_params: the folded parameters change the "

@@ -10,10 +10,15 @@ grows like rounding noise over the longest accumulation ``L`` (the largest
     max|folded − original| ≤ min(eps·(8 + 2·√L)·(D + 1), 1/8) · max|original| + eps·1e-3
 
 over the finite values, with NaN/inf at the same places; non-float outputs compare exactly.
-``eps`` is the machine epsilon of the output's dtype or, when the program computes its
-convolutions and dots in a narrower float type (bf16/fp16 under float32 outputs: a mixed-
-precision model's logits), of that type (``compute``): the fold rounds the kernel to the type
-it computes in, and the original's own error is of that type's order; across backends (a GPU against the CPU original)
+The same bound holds **per slice** of the output along each axis of up to 65,536 entries (a
+channel, a token, a class), with that slice's own ``max|original|`` as the scale (at least
+1/16 of the whole output's): a fold wrong in one channel of small magnitude is an error of
+that channel's order, which the whole output's scale would hide.
+``eps`` is the machine epsilon of the output's dtype or, when the convolutions and dots that
+output is computed from run in a narrower float type (bf16/fp16 under float32 outputs: a
+mixed-precision model's logits), of that type (``compute``, per output: a float32 output
+beside a bf16 one keeps float32's): the fold rounds the kernel to the type it computes in,
+and the original's own error is of that type's order; across backends (a GPU against the CPU original)
 float32 may run as TF32 on tensor cores, so cross-backend checks use eps = 2⁻¹⁰ for float32
 on GPUs. The relative part is capped at 1/8: a wrong fold (a wrong scale or bias) errs by
 O(max|original|), which must always fail, also in bfloat16 over long accumulations.
@@ -29,6 +34,9 @@ import numpy as np
 
 CAP = 1 / 8
 _BLOCK = 1 << 16       # elements compared at a time
+_SLICED = 1 << 22      # outputs up to this size are also compared slice by slice
+_SLICE_FLOOR = 1 / 16  # a slice's scale: at least this fraction of the whole output's
+_SLICE_AXIS = 65536    # axes up to this long are sliced
 
 
 def eps(dtype, backend: str = "cpu", cross: bool = False, compute=None) -> float:
@@ -105,9 +113,33 @@ def compare(ref, out, accumulation: int = 1, depth: int = 0, backend: str = "cpu
         why = "NaN/inf at other places"
     elif max_abs > tol:
         why = f"max|Δ| = {max_abs:.3g} > {tol:.3g}"
+    elif 0 < r.size <= _SLICED and r.ndim and scale > 0:
+        why = _slice_mismatch(r, o, scale, bound(r.dtype, 1.0, accumulation, depth, backend,
+                                                  cross, compute) - e * 1e-3, e)
     return Comparison(max_abs, max_abs / scale if scale else 0.0,
                       max_abs / (e * scale) if scale else 0.0, tol,
                       n_finite / r.size if r.size else 1.0, why)
+
+
+def _slice_mismatch(r, o, scale: float, rel: float, e: float) -> str | None:
+    """The first slice (along an axis of up to ``_SLICE_AXIS`` entries) whose error exceeds
+    the model with the slice's own scale (at least ``_SLICE_FLOOR`` of ``scale``)."""
+    rb, ob = r.astype(np.float64), o.astype(np.float64)
+    finite = np.isfinite(rb) & np.isfinite(ob)
+    d = np.where(finite, np.abs(rb - ob), 0.0)
+    a = np.where(finite, np.abs(rb), 0.0)
+    for axis, n in enumerate(r.shape):
+        if not 1 < n <= _SLICE_AXIS:
+            continue
+        others = tuple(i for i in range(r.ndim) if i != axis)
+        err, loc = d.max(axis=others), a.max(axis=others)
+        tol = rel * np.maximum(loc, _SLICE_FLOOR * scale) + e * 1e-3
+        over = np.nonzero(err > tol)[0]
+        if over.size:
+            j = int(over[np.argmax((err / tol)[over])])
+            return (f"slice {j} of axis {axis}: max|Δ| = {err[j]:.3g} > {tol[j]:.3g} "
+                    f"(the slice's max|original| {loc[j]:.3g})")
+    return None
 
 
 def mismatch(ref, out, accumulation: int = 1, depth: int = 0, compute=None) -> str | None:

@@ -9,6 +9,8 @@ from .._core.tolerance import narrowest
 from .nested import subjaxprs
 
 _ACCUMULATING = frozenset({"conv_general_dilated", "dot_general"})
+# calls whose body sees the call's operands one for one (followed input by input)
+_CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call"}
 
 
 def accumulation_of(jaxpr) -> tuple[int, int]:
@@ -27,6 +29,37 @@ def accumulation_of(jaxpr) -> tuple[int, int]:
         deepest = max(deepest, d)
     return longest, deepest
 
+
+
+def output_profiles(jaxpr, given=None) -> list[tuple[int, int, np.dtype | None]]:
+    """``(L, D, compute)`` of each output of a jaxpr, from the convs/dots that output is
+    computed from alone (a float32 output beside a bf16 one is measured as float32); the
+    bodies of calls (jit, custom_jvp/vjp) followed input by input, other nested jaxprs
+    (loops, branches) counted whole where they run. ``given``: the inputs' profiles."""
+    none = (1, 0, None)
+    state: dict = dict(zip(jaxpr.invars, given or ()))
+    for e in jaxpr.eqns:
+        ins = [state.get(v, none) for v in e.invars if isinstance(v, C.Var)]
+        body = C.call_body(e)[1] if e.primitive.name in _CALLS else None
+        if body is not None and len(body.jaxpr.invars) == len(e.invars):
+            outs = output_profiles(body.jaxpr, [state.get(v, none) if isinstance(v, C.Var)
+                                                else none for v in e.invars])
+            state.update(zip(e.outvars, outs))
+            continue
+        acc = max((s[0] for s in ins), default=1)
+        d = max((s[1] for s in ins), default=0)
+        found = [s[2] for s in ins]
+        if e.primitive.name in _ACCUMULATING:
+            acc, d = max(acc, _eqn_accumulation(e)), d + 1
+            found += [v.aval.dtype for v in (*e.invars[:2], *e.outvars)]
+        for j in subjaxprs(e):
+            a, k, c = tolerance_profile(j)
+            acc, d = max(acc, a), d + k
+            found.append(c)
+        out = (acc, d, narrowest(found))
+        for o in e.outvars:
+            state[o] = out
+    return [state.get(v, none) if isinstance(v, C.Var) else none for v in jaxpr.outvars]
 
 
 def tolerance_profile(jaxpr) -> tuple[int, int, np.dtype | None]:

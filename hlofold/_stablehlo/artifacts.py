@@ -210,9 +210,9 @@ def _checked(data, folded, report: FoldReport):
     args = random_inputs(specs)
     ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
     out = jax.tree.leaves(module_callable(folded, "cpu")(*args))
-    acc, depth, compute = artifact_profile(data)
-    bad = [why for r, o in zip(ref, out)
-           if (why := mismatch(np.asarray(r), np.asarray(o), acc, depth, compute)) is not None]
+    profiles = artifact_profiles(data)
+    bad = [why for p, r, o in zip(profiles, ref, out)
+           if (why := mismatch(np.asarray(r), np.asarray(o), *p)) is not None]
     if len(ref) == len(out) and not bad:
         return folded, report
     why = bad[0] if bad else "a different number of outputs"
@@ -224,12 +224,12 @@ def _checked(data, folded, report: FoldReport):
                         f"JAX {C.JAX_VERSION}: {why})")
 
 
-def artifact_profile(data) -> tuple:
-    """``(L, D, compute)`` of an artifact for the tolerance model (``accumulation``)."""
-    from .accumulation import module_profile
+def artifact_profiles(data) -> list[tuple]:
+    """``(L, D, compute)`` of each result of an artifact, for the tolerance model."""
+    from .accumulation import module_output_profiles
     from .module import parse_module
     with C.mlir_context():
-        return module_profile(parse_module(read_artifact(data).module))
+        return module_output_profiles(parse_module(read_artifact(data).module))
 
 
 def _as_given(data):

@@ -40,12 +40,25 @@ def argument_index(key) -> int:
     return int(s)
 
 
+def bound_values(params: Mapping[Any, Any]) -> dict[int, np.ndarray]:
+    """``params`` by argument number; a :class:`StableHLOError` where two keys name one
+    argument (``"arg0"`` and ``0``): which value was meant cannot be told."""
+    values: dict[int, np.ndarray] = {}
+    names: dict[int, Any] = {}
+    for k, v in params.items():
+        i = argument_index(k)
+        if i in values:
+            raise StableHLOError(f"params= names argument {i} twice ({names[i]!r} and {k!r})")
+        values[i], names[i] = np.asarray(v), k
+    return values
+
+
 def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
                   merge: bool = True) -> tuple[Any, FoldReport, list, list[int]]:
     """``(apply module, report, prepared values, kept)``: ``params`` (module argument →
     value) bound and folded, the folded constants hoisted into trailing arguments.
     ``kept``: the original argument numbers the apply module still takes first, in order."""
-    values = {argument_index(k): np.asarray(v) for k, v in params.items()}
+    values = bound_values(params)
     module = parse_module(text_or_bytes)
     # the weights bound, and the constants the fold makes, held by reference (not copied
     # into MLIR) until hoisted; what stays in the module becomes dense when this ends
@@ -85,8 +98,7 @@ def export_arguments(exp, params) -> tuple[dict, int]:
         raise StableHLOError("this jax.export artifact has ordered effects (its module takes "
                              "tokens first): fold before exporting, with hlofold.export")
     out = {}
-    for k, v in params.items():
-        i = argument_index(k)
+    for i, v in bound_values(params).items():
         if not 0 <= i < len(exp.in_avals):
             raise StableHLOError(f"arg{i}: the export takes {len(exp.in_avals)} inputs")
         a, v = exp.in_avals[i], np.asarray(v)

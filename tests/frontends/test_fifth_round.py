@@ -129,3 +129,73 @@ def test_a_directory_given_as_input_says_so(module_files, capsys):
     (d / "dir").mkdir()
     assert _cli("fold", d / "dir", "-o", d / "o.mlir") == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ safety nets (items 2, 3)
+
+@pytest.fixture
+def wrong_by(monkeypatch):
+    """``wrong_by(scale_fn)``: every collapsed scale ``s`` a fold computes becomes
+    ``scale_fn(s)`` (a wrong fold, as ``test_verify`` simulates one)."""
+    import hlofold._core.algebra
+    import hlofold._jaxpr.emit
+    import hlofold._jaxpr.plan
+    import hlofold._stablehlo.fold
+    real = hlofold._core.algebra.collapse
+
+    def install(scale_fn):
+        def wrong(*args, **kwargs):
+            s, t = real(*args, **kwargs)
+            return scale_fn(np.asarray(s)), t
+        for module in (hlofold._jaxpr.plan, hlofold._jaxpr.emit, hlofold._stablehlo.fold):
+            monkeypatch.setattr(module, "collapse", wrong)
+    return install
+
+
+def _with_a_bf16_dot(p, x):
+    """A float32 conv → BN output, and beside it an unrelated bf16 matmul output."""
+    t = x.reshape(x.shape[0], -1)[:, :8].astype(jnp.bfloat16)
+    return conv_bn(p, x), t @ jnp.ones((8, 8), jnp.bfloat16)
+
+
+def test_one_bf16_output_does_not_loosen_a_float32_outputs_check(wrong_by):
+    """Item 2: the tolerance of each output is from the precision of its own computation:
+    a float32 conv → BN whose fold is 10 % wrong fails verify=True, hlofold.verify and
+    fold_params' check although the program also computes a bf16 output."""
+    p, x, _ = _conv_bn()
+    ref = jax.jit(_with_a_bf16_dot)(p, x)
+    wrong_by(lambda s: s * 1.1)
+    ff = hlofold.fold(_with_a_bf16_dot, verify=True)
+    with pytest.warns(RuntimeWarning, match="differs from the original on output 0 .*1 of 2"):
+        out = ff(p, x)
+    assert_close(ref, out)                         # the original program ran instead
+    bad = hlofold.fold(_with_a_bf16_dot, freeze=0)
+    rep = hlofold.verify(jax.jit(_with_a_bf16_dot), lambda p, x: bad(p, x), p, x,
+                         backends=["cpu"], raise_on_failure=False)
+    assert not rep.passed and [r.output for r in rep.rows if not r.passed] == [0]
+    with pytest.raises(RuntimeError, match="change the model's outputs"):
+        hlofold.fold_params(_with_a_bf16_dot, p, x)
+
+
+def test_a_wrong_fold_in_one_small_channel_fails_the_check(wrong_by):
+    """Item 3: a bf16 model with one channel of small γ whose folded scale has the wrong
+    sign: that channel is ~200 % off while the whole output's error stays under the cap;
+    every output is compared slice by slice too."""
+    p, x, _ = _conv_bn()
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+    p["gamma"] = p["gamma"].at[1].set(0.04)
+    xb = x.astype(jnp.bfloat16)
+    ref = jax.jit(conv_bn)(p, xb)
+
+    def flip(s):
+        s = s.copy()
+        s[..., 1] = -s[..., 1]
+        return s
+    wrong_by(flip)
+    ff = hlofold.fold(conv_bn, verify=True)
+    with pytest.warns(RuntimeWarning, match="slice 1 of axis 3"):
+        out = ff(p, xb)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    whole = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
+    chan = float(jnp.max(jnp.abs(ref[..., 1].astype(jnp.float32))))
+    assert chan < whole / 8                        # the whole-output check alone passes it
