@@ -145,3 +145,17 @@ def _slice_mismatch(r, o, scale: float, rel: float, e: float) -> str | None:
 def mismatch(ref, out, accumulation: int = 1, depth: int = 0, compute=None) -> str | None:
     """Why ``out`` is not ``ref`` under the model (None: it is)."""
     return compare(ref, out, accumulation, depth, compute=compute).why
+
+
+def random_inputs(specs, seed: int = 0) -> list[np.ndarray]:
+    """Inputs for checking a module: integers and booleans 0/1, floats in [0.5, 1.5]
+    (positive: an input may be a BatchNorm variance, whose rsqrt must not be NaN)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for sp in specs:
+        dt = np.dtype(sp.dtype)
+        if np.issubdtype(dt, np.integer) or dt == np.bool_:
+            out.append(rng.integers(0, 2, sp.shape).astype(dt))
+        else:
+            out.append(rng.uniform(0.5, 1.5, sp.shape).astype(dt))
+    return out

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import _compat as C
+from .check import checked
 from .emit import SiteEmitter, is_guard
 from .merge import merge_scope
 from .nested import NESTED_RULES, contains_root, inline_calls, other_rule
@@ -113,7 +114,7 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
         if err is None:
             raise
         return closed, unchanged_report(err)
-    return folded, FoldReport(sites, compat=list(opts.compat))
+    return checked(closed, folded, FoldReport(sites, compat=list(opts.compat)))
 
 
 def unchanged_report(err: Exception) -> FoldReport:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.report import FoldReport
+from .._core.tolerance import random_inputs
 from .ir import StableHLOError
 from .module import main_function
 from .fold import fold_module_text
@@ -165,57 +166,67 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
         art = read_artifact(data)          # bad input is the caller's: raised as it is
         try:
             result = _fold(art, data, params, split, in_graph, merge)
-            if C.untested() and params is None and split is None and result[1].num_folded:
-                return _checked(data, *result)
-            return result
         except StableHLOError:
             raise
         except Exception as e:
             off = C.as_compat(e, "stablehlo")
             if off is None:
                 raise
+        else:     # (a fold that differs from the module given raises with params=/split=)
+            return _checked(data, result, params, split) if C.untested() else result
     if params is not None or split is not None:
         raise off       # their results take other arguments than the module given
     return _as_given(data), FoldReport([], running=f"the module as given ({off})",
                                         compat=[str(off)])
 
 
-def random_inputs(specs, seed: int = 0) -> list[np.ndarray]:
-    """Inputs for checking a module: integers and booleans 0/1, floats in [0.5, 1.5]
-    (positive: an input may be a BatchNorm variance, whose rsqrt must not be NaN)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for sp in specs:
-        dt = np.dtype(sp.dtype)
-        if np.issubdtype(dt, np.integer) or dt == np.bool_:
-            out.append(rng.integers(0, 2, sp.shape).astype(dt))
-        else:
-            out.append(rng.uniform(0.5, 1.5, sp.shape).astype(dt))
-    return out
-
-
-def _checked(data, folded, report: FoldReport):
-    """On a JAX newer than the tested window: the folded artifact run against the one given
-    on random inputs, on the CPU (as ``hlofold.fold`` verifies its first call there); where
-    they differ beyond hlofold's tolerance, the artifact as given, with the reason."""
+def _checked(data, result: tuple, params, split):
+    """On a JAX newer than the tested window: the fold run against the artifact given, on
+    random inputs (the weights bound by ``params=`` as given), on the CPU — as
+    ``hlofold.fold`` verifies its first call there. Where they differ beyond hlofold's
+    tolerance: without ``params``/``split`` the artifact as given, with the reason; with
+    them (whose results take other arguments) a ``CompatError`` saying so."""
     import warnings
     from .._core.tolerance import mismatch
+    folded, report = result[0], result[1]
+    if not report.num_folded and not report.merged:
+        return result
     specs = input_specs(data)
     if any(not isinstance(d, int) for sp in specs for d in sp.shape) or (
             any(np.dtype(sp.dtype).itemsize == 8 for sp in specs)
             and not jax.config.jax_enable_x64):
         report.compat.append(f"not verified on this untested JAX {C.JAX_VERSION} (symbolic "
                              f"shapes or 64-bit inputs): check it with hlofold.verify")
-        return folded, report
+        return result
     args = random_inputs(specs)
+    if params is not None:
+        bound = {argument_index(k): np.asarray(v) for k, v in params.items()}
+        args = [bound.get(i, a) for i, a in enumerate(args)]
+        rest = [a for i, a in enumerate(args) if i not in bound]
+        run = lambda: module_callable(folded, "cpu")(*rest, *result[2])   # noqa: E731
+    elif split is not None:
+        calls = sorted({argument_index(k) for k in split})
+
+        def run():
+            *made, ok = jax.tree.leaves(module_callable(result[2], "cpu")(
+                *[a for i, a in enumerate(args) if i not in calls]))
+            if not bool(np.asarray(ok)):
+                return None
+            return module_callable(folded, "cpu")(*[args[i] for i in calls], *made)
+    else:
+        run = lambda: module_callable(folded, "cpu")(*args)               # noqa: E731
     ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
-    out = jax.tree.leaves(module_callable(folded, "cpu")(*args))
-    profiles = artifact_profiles(data)
-    bad = [why for p, r, o in zip(profiles, ref, out)
+    got = run()
+    out = [] if got is None else jax.tree.leaves(got)
+    bad = [why for p, r, o in zip(artifact_profiles(data), ref, out)
            if (why := mismatch(np.asarray(r), np.asarray(o), *p)) is not None]
     if len(ref) == len(out) and not bad:
-        return folded, report
-    why = bad[0] if bad else "a different number of outputs"
+        return result
+    why = bad[0] if bad else ("prepare's ok is false" if got is None else
+                              "a different number of outputs")
+    if params is not None or split is not None:
+        raise C.CompatError(f"what hlofold reads (on random inputs the fold differs from "
+                            f"the module given: {why})", "stablehlo")
     warnings.warn(f"hlofold.fold_stablehlo: on this untested JAX {C.JAX_VERSION} the folded "
                   f"module differs from the one given ({why}); returning the one given",
                   RuntimeWarning, stacklevel=3)

@@ -140,14 +140,19 @@ def wrong_by(monkeypatch):
     import hlofold._core.algebra
     import hlofold._jaxpr.emit
     import hlofold._jaxpr.plan
+    import hlofold._stablehlo.emit
     import hlofold._stablehlo.fold
     real = hlofold._core.algebra.collapse
 
-    def install(scale_fn):
+    def install(scale_fn, in_graph_factor=None):
+        """(``in_graph_factor``: the StableHLO in-graph scale, an op, multiplied by it)"""
         def wrong(*args, **kwargs):
             s, t = real(*args, **kwargs)
-            return scale_fn(np.asarray(s)), t
-        for module in (hlofold._jaxpr.plan, hlofold._jaxpr.emit, hlofold._stablehlo.fold):
+            if "xp" in kwargs and in_graph_factor is not None:     # a value in the graph
+                return kwargs["xp"].mul(s, in_graph_factor), t
+            return (scale_fn(np.asarray(s)) if "xp" not in kwargs else s), t
+        for module in (hlofold._jaxpr.plan, hlofold._jaxpr.emit, hlofold._stablehlo.fold,
+                       hlofold._stablehlo.emit):
             monkeypatch.setattr(module, "collapse", wrong)
     return install
 
@@ -199,3 +204,43 @@ def test_a_wrong_fold_in_one_small_channel_fails_the_check(wrong_by):
     whole = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
     chan = float(jnp.max(jnp.abs(ref[..., 1].astype(jnp.float32))))
     assert chan < whole / 8                        # the whole-output check alone passes it
+
+
+def test_on_a_newer_jax_every_entry_point_checks_its_fold(wrong_by, monkeypatch, tmp_path,
+                                                           capsys):
+    """Item 4: on a JAX newer than the window a fold that is wrong (simulated: every scale
+    1.5x) never comes back silently: ``fold_jaxpr``, ``lower``/``export(freeze=0)`` return
+    the program as given (its report says why), ``fold_stablehlo(params=)``/``split=``
+    raise a ``CompatError`` (their results take other arguments), the CLI exits 3."""
+    import warnings
+
+    import hlofold._compat as C
+    from hlofold._compat import lookup
+    from hlofold._stablehlo.artifacts import module_callable
+    p, x, ref = _conv_bn()
+    text = jax.jit(conv_bn).lower(p, x).as_text()
+    closed = jax.make_jaxpr(lambda x: conv_bn(p, x))(x)
+    monkeypatch.setattr(lookup, "UNTESTED", True)
+    wrong_by(lambda s: s * 1.5, in_graph_factor=1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        new, rep = hlofold.fold_jaxpr(closed)
+        assert new is closed and "differed from it on random inputs" in rep.running
+        assert_close(ref, module_callable(hlofold.lower(conv_bn, p, x, freeze=0))(x))
+        exp = hlofold.export(conv_bn, p, x, freeze=0)
+        assert_close(ref, exp.call(x))
+        leaves = {i: np.asarray(a) for i, a in enumerate(jax.tree.leaves(p))}
+        with pytest.raises(C.CompatError, match="the fold differs from the module given"):
+            hlofold.fold_stablehlo(text, params=leaves)
+        with pytest.raises(C.CompatError, match="the fold differs from the module given"):
+            hlofold.fold_stablehlo(text, split=["arg5"])
+        # the plain fold of a module with its weights as constants: the one given, said
+        consts = jax.jit(lambda x: conv_bn(p, x)).lower(x).as_text()
+        same, srep = hlofold.fold_stablehlo(consts)
+        assert same == consts and "differed from it on this untested JAX" in srep.running
+        (tmp_path / "m.mlir").write_text(text)
+        np.savez(tmp_path / "w.npz", **{f"arg{i}": a for i, a in leaves.items()})
+        assert _cli("fold", tmp_path / "m.mlir", "-o", tmp_path / "o.mlir", "--params",
+                    tmp_path / "w.npz", "--prepared-out", tmp_path / "p.npz") == 3
+        assert "the fold differs from the module given" in capsys.readouterr().err
+        assert not (tmp_path / "o.mlir").exists() and not (tmp_path / "p.npz").exists()
