@@ -17,7 +17,7 @@ import numpy as np
 from .. import _compat as C
 from .._core.report import FoldReport
 from .._core.tolerance import random_inputs
-from .ir import StableHLOError
+from .ir import StableHLOError, element_dtype
 from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
@@ -173,6 +173,10 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
             if off is None:
                 raise
         else:     # (a fold that differs from the module given raises with params=/split=)
+            if art.target is not None and writable_target(art.target) != art.target:
+                result[1].compat.append(
+                    f"written for StableHLO {writable_target(art.target)}: the artifact "
+                    f"targets {art.target}, which these bindings do not write")
             return _checked(data, result, params, split) if C.untested() else result
     if params is not None or split is not None:
         raise off       # their results take other arguments than the module given
@@ -192,11 +196,14 @@ def _checked(data, result: tuple, params, split):
     if not report.num_folded and not report.merged:
         return result
     specs = input_specs(data)
-    if any(not isinstance(d, int) for sp in specs for d in sp.shape) or (
-            any(np.dtype(sp.dtype).itemsize == 8 for sp in specs)
-            and not jax.config.jax_enable_x64):
+    try:
+        plain = all(isinstance(d, int) for sp in specs for d in sp.shape) and (
+            jax.config.jax_enable_x64 or all(np.dtype(sp.dtype).itemsize < 8 for sp in specs))
+    except TypeError:           # an input of an extended type (a PRNG key)
+        plain = False
+    if not plain:
         report.compat.append(f"not verified on this untested JAX {C.JAX_VERSION} (symbolic "
-                             f"shapes or 64-bit inputs): check it with hlofold.verify")
+                             f"shapes, 64-bit or key inputs): check it with hlofold.verify")
         return result
     args = random_inputs(specs)
     if params is not None:
@@ -215,7 +222,13 @@ def _checked(data, result: tuple, params, split):
             return module_callable(folded, "cpu")(*[args[i] for i in calls], *made)
     else:
         run = lambda: module_callable(folded, "cpu")(*args)               # noqa: E731
-    ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
+    try:
+        ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
+    except Exception as e:      # noqa: BLE001 — the module given does not run here: no check
+        report.compat.append(f"not checked on this untested JAX {C.JAX_VERSION}: the module "
+                             f"given does not run on this machine's CPU on random inputs "
+                             f"({type(e).__name__}: {str(e).strip()[:120]})")
+        return result
     got = run()
     out = [] if got is None else jax.tree.leaves(got)
     bad = [why for p, r, o in zip(artifact_profiles(data), ref, out)
@@ -318,8 +331,25 @@ def _origin(exp, bound: list[int], value) -> int | None:
 
 
 def _write(module, art: Artifact):
-    """``module`` as an artifact of ``art``'s kind (not EXPORT)."""
-    return _module_bytes(module, art.kind != TEXT, art.target)
+    """``module`` as an artifact of ``art``'s kind (not EXPORT): a portable artifact for
+    its own target version, or — where that is newer than these bindings write (an
+    artifact from a newer StableHLO, read because it uses nothing newer) — for the newest
+    they write."""
+    return _module_bytes(module, art.kind != TEXT, writable_target(art.target))
+
+
+def writable_target(target: str | None) -> str | None:
+    """``target`` where these bindings write it, else the nearest version they do."""
+    if target is None:
+        return None
+    try:
+        newest, oldest = stablehlo.get_current_version(), stablehlo.get_minimum_version()
+        v = C.version_tuple(target)
+        if v > C.version_tuple(newest):
+            return newest
+        return oldest if v < C.version_tuple(oldest) else target
+    except Exception:           # noqa: BLE001 — bindings without the query: as given
+        return target
 
 
 def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT, merge: bool = True) -> FoldReport:
@@ -346,9 +376,7 @@ def _main_signature(text_or_bytes):
 
         def aval(t):
             rt = ir.RankedTensorType(t)
-            dt = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": C.bfloat16,
-                  "i32": np.int32, "i64": np.int64, "i8": np.int8, "i1": np.bool_,
-                  "ui8": np.uint8, "i16": np.int16}.get(str(rt.element_type))
+            dt = element_dtype(rt.element_type)
             if dt is None:
                 raise StableHLOError(f"unsupported element type {rt.element_type}")
             return jax.ShapeDtypeStruct(tuple(rt.shape), dt)

@@ -100,6 +100,22 @@ def float_dtype(etype) -> np.dtype | None:
     return np.dtype(getattr(jnp, name)) if name else dt
 
 
+_INTS = {"i1": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
+         "ui8": np.uint8, "ui16": np.uint16, "ui32": np.uint32, "ui64": np.uint64,
+         "complex<f32>": np.complex64, "complex<f64>": np.complex128}
+
+
+def element_dtype(etype) -> np.dtype | None:
+    """The NumPy dtype of any element type a module's arguments and results can have:
+    floats (fp8 included), signed and unsigned integers, booleans, complex (None: another,
+    such as a token)."""
+    dt = float_dtype(etype)
+    if dt is not None:
+        return dt
+    t = _INTS.get(str(etype))
+    return None if t is None else np.dtype(t)
+
+
 def is_float(value) -> bool:
     return np_dtype(elem_type(value)) is not None
 

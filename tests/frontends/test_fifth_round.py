@@ -244,3 +244,60 @@ def test_on_a_newer_jax_every_entry_point_checks_its_fold(wrong_by, monkeypatch,
                     tmp_path / "w.npz", "--prepared-out", tmp_path / "p.npz") == 3
         assert "the fold differs from the module given" in capsys.readouterr().err
         assert not (tmp_path / "o.mlir").exists() and not (tmp_path / "p.npz").exists()
+
+
+def test_unsigned_inputs_verify_and_fold(tmp_path):
+    """Item 15: uint32/uint16 inputs: ``hlofold.verify`` and the CLI's ``--verify`` run them
+    (they raised 'unsupported element type ui32' and exited 2 as if the input were bad)."""
+    p, x, _ = _conv_bn()
+
+    def f(x, idx, u16):
+        return conv_bn(p, x)[..., idx[0] % 4] + u16.astype(jnp.float32).sum(), idx * 2
+    args = (x, jnp.array([3], jnp.uint32), jnp.array([1, 2], jnp.uint16))
+    text = jax.jit(f).lower(*args).as_text()
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1
+    assert hlofold.verify(text, folded, *args, backends=["cpu"]).passed
+    (tmp_path / "m.mlir").write_text(text)
+    assert _cli("fold", tmp_path / "m.mlir", "-o", tmp_path / "o.mlir", "--verify") == 0
+
+
+def test_an_artifact_newer_than_the_bindings_is_written_for_the_newest_they_write(tmp_path):
+    """Item 17: a portable artifact targeting a StableHLO newer than these bindings write
+    (read, as it uses nothing newer) is folded and written for their newest version, said
+    in the report (it failed to serialize: CLI exit 4)."""
+    from hlofold import _compat as C
+    ir, stablehlo, _ = C.mlir()
+    p, x, _ = _conv_bn()
+    text = jax.jit(lambda x: conv_bn(p, x)).lower(x).as_text()
+    with C.mlir_context():
+        cur = stablehlo.get_current_version()
+        art = bytes(stablehlo.serialize_portable_artifact(ir.Module.parse(text), cur))
+    newer = "9" + cur[1:] if not cur.startswith("9") else "99" + cur[2:]
+    art = art.replace(f"StableHLO_v{cur}".encode(), f"StableHLO_v{newer}".encode())
+    out, rep = hlofold.fold_stablehlo(art)
+    assert rep.num_folded == 1 and out[5:].startswith(f"StableHLO_v{cur}".encode())
+    assert f"the artifact targets {newer}" in " ".join(rep.compat)
+    (tmp_path / "m.bc").write_bytes(art)
+    assert _cli("fold", tmp_path / "m.bc", "-o", tmp_path / "o.bc") == 0
+
+
+def test_on_a_newer_jax_hlofolds_own_limits_are_not_named_as_jaxs(monkeypatch):
+    """Item 16: a CUDA-only export, a TPU-only one and one taking a ``jax.random.key`` fold
+    on a newer JAX as on a tested one; the check that cannot run them here says so — never
+    'JAX ... changed what hlofold reads'."""
+    from hlofold._compat import lookup
+    p, x, _ = _conv_bn()
+    monkeypatch.setattr(lookup, "UNTESTED", True)
+    exports = [jax.export.export(jax.jit(lambda x: conv_bn(p, x)), platforms=[pl])(x)
+               for pl in ("cuda", "tpu")]
+
+    def keyed(key, x):
+        return conv_bn(p, x), jax.random.uniform(key, ())
+    exports.append(jax.export.export(jax.jit(keyed))(jax.random.key(0), x))
+    for exp in exports:
+        new, rep = hlofold.fold_stablehlo(exp)
+        notes = " ".join([rep.running or ""] + rep.compat)
+        assert rep.num_folded == 1, (exp.platforms, str(rep))
+        assert "changed what hlofold reads" not in notes and "JAX 0.12" not in (
+            rep.running or ""), notes
