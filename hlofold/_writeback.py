@@ -30,7 +30,7 @@ from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
 from ._core.stacks import stacked_view
 from ._core.rescale import aligned_empty
-from ._core.reasons import Reason
+from ._core.reasons import Reason, reason_kind
 from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import output_profiles
@@ -149,10 +149,13 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     writer.assign.update(stacked)
     written |= {id(c.site) for c in changes}     # (a site folded both ways: both records)
     for s in scope.sites:          # folded in a nested body fold_params does not write
-        if s.status == FOLDED and id(s) not in written:
+        nested = sum(p in ("scan", "while") for p in (s.scope or "").split("/")) > 1
+        if (s.status == FOLDED and id(s) not in written) or (
+                nested and s.status == REFUSED and reason_kind(s.reason) == "weights-not-known"):
             s.status, s.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + (
                 f"the site is inside {s.scope}; fold_params writes the program's top level "
-                f"and scanned layer stacks (hlofold.fold folds it in the program)"))
+                f"and one level of scanned layer stacks, not a stack inside a stack "
+                f"(hlofold.fold folds it in the program)"))
     if {"add", "conv_general_dilated"} <= {e.primitive.name for e in closed.jaxpr.eqns}:
         # sums of parallel branches: merged in programs only (each branch's BN is written)
         merge_scope(scope, "never", "top", scope.sites, write=False)
@@ -233,12 +236,16 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
             for j in list(per_layer[0][0].assign):
                 # (the fori_loop form: layer l's values go to the row it reads)
                 rows = order if rows_form and order else range(len(per_layer))
+                n_rows = eqn.invars[pos[j]].aval.shape[0] if rows_form else len(per_layer)
                 out = stacked_view([w.assign[j] for w, _ in per_layer]) \
-                    if list(rows) == list(range(len(per_layer))) else None   # the kernels
+                    if list(rows) == list(range(n_rows)) else None   # the kernels
                 if out is None:
                     first = np.asarray(per_layer[0][0].assign[j])
-                    out = aligned_empty((len(per_layer),) + first.shape, first.dtype)
+                    out = aligned_empty((n_rows,) + first.shape, first.dtype)
                     del first
+                    if n_rows > len(per_layer):     # rows no layer reads keep their values
+                        out[...] = np.asarray(scope.value(eqn.invars[pos[j]])).reshape(
+                            out.shape)
                     for row, (w, _) in zip(rows, per_layer):
                         out[row] = w.assign[j]
                 for w, _ in per_layer:
@@ -253,14 +260,13 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
 
 def _row_read(layers, var):
     """The one ``dynamic_slice`` the stack body reads loop constant ``var`` through, where
-    each layer reads one row (whole along the other axes: ``params["K"][i]`` at the loop's
-    counter) and the layers together read every row once: ``(its output, the row's leaf
-    for the write-back; the row each layer reads)``; else None."""
+    each layer reads a row of its own (whole along the other axes: ``params["K"][i]`` at
+    the loop's counter; rows no layer reads stay as they are): ``(its output, the row's
+    leaf for the write-back; the row each layer reads)``; else None."""
     uses = [e for e in layers[0].jaxpr.eqns if var in e.invars]
     if len(uses) != 1 or uses[0].primitive.name != "dynamic_slice" or \
             uses[0].invars[0] is not var or \
-            tuple(uses[0].params["slice_sizes"]) != (1,) + tuple(var.aval.shape[1:]) or \
-            var.aval.shape[0] != len(layers):
+            tuple(uses[0].params["slice_sizes"]) != (1,) + tuple(var.aval.shape[1:]):
         return None
     e = uses[0]
     rows = []
@@ -270,8 +276,8 @@ def _row_read(layers, var):
                 any(int(np.asarray(x)) != 0 for x in starts[1:]):
             return None
         rows.append(int(np.asarray(starts[0])))
-    if sorted(rows) != list(range(len(layers))):
-        return None
+    if len(set(rows)) != len(rows) or not all(0 <= r < var.aval.shape[0] for r in rows):
+        return None       # (a row read twice, or clamped: not one row per layer)
     return e.outvars[0], tuple(rows)
 
 

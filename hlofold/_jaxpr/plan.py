@@ -37,10 +37,21 @@ NOT_PREPARED = Reason("weights-not-known", "the parameters are not known at tran
                       "on every call; left unfolded — prepare outside your jit (Folded.split) "
                       "or pass in_graph=True")
 
-def _not_prepared(kernel, out) -> str:
+IN_A_LOOP = Reason("weights-not-known", "the layer's parameters are not known layer by layer "
+                   "at transform time (a loop body reads them at an index hlofold does not "
+                   "follow, or from values it does not know), so K·s would be recomputed on "
+                   "every iteration; left unfolded — freeze or bind the stacks (freeze=, "
+                   "fold_params) with the rows read at a counter the loop carries, or pass "
+                   "in_graph=True")
+
+
+def _not_prepared(kernel, out, path: str = "top") -> str:
     """The reason a site with traced parameters stays unfolded, with what folding it in the
     graph would trade: |K| rescaled (and range-checked) per call against the epilogue over
-    the output it removes, which XLA:CPU already fuses into the convolution."""
+    the output it removes, which XLA:CPU already fuses into the convolution. In a loop body
+    (``path``) the parameters are not known per layer, which is not a trace of the user's."""
+    if any(part.split("[")[0] in ("scan", "while") for part in path.split("/")[1:]):
+        return IN_A_LOOP
     def size(aval) -> str:          # symbolic dimensions (jax.export) print as they are
         n = 1
         for d in aval.shape:
@@ -169,7 +180,8 @@ class SitePlanner(ForwardPlanner):
         dec = decide(kernel_dtype=kd, math_dtypes=[eqn.outvars[0].aval.dtype] + [
             st.eqn.outvars[0].aval.dtype for st in affine] if backward else [],
             s=s_vec, kernel=k64, kernel_axis=info.kernel_axis, in_graph=self.opts.in_graph,
-            not_now=_not_prepared(kernel, end_var), kernel_from_activation=kfa, hint=hint,
+            not_now=_not_prepared(kernel, end_var, self.path), kernel_from_activation=kfa,
+            hint=hint,
             scale_known=s_vec is not None and (fwd is None or fwd.s_known is not None),
             subnormal=any(self.flushes(v) for v in sources),
             kernel_factors=[] if k_in is None else [k_in])

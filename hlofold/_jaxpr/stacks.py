@@ -42,11 +42,11 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
     n = len(eqn.invars)
     known = {k: scope.value(eqn.invars[k]) for k in range(nc + ncarry, n)}
     known = {k: np.asarray(v) for k, v in known.items() if v is not None}
-    # the fori_loop form: no scanned operand, a known constant stack read at a counter
-    # the loop carries (``params["K"][i]``: ``i`` from a known start by a constant step)
-    counters = _counters(scope, eqn, sub, nc, ncarry) if not known else {}
-    if counters and not any(np.ndim(v := scope.value(eqn.invars[k])) and
-                            np.shape(v)[0] == length for k in range(nc)):
+    # the fori_loop form: known constant stacks read at a counter the loop carries
+    # (``params["K"][i]``: ``i`` from a known start by a constant step; any rows, any number
+    # of them), alone or beside scanned ones (BatchNorm statistics read at the counter)
+    counters = _counters(scope, eqn, sub, nc, ncarry)
+    if counters and not any(np.ndim(scope.value(eqn.invars[k])) for k in range(nc)):
         counters = {}
     if not (known or counters) or length < 1:
         return None

@@ -301,3 +301,53 @@ def test_on_a_newer_jax_hlofolds_own_limits_are_not_named_as_jaxs(monkeypatch):
         assert rep.num_folded == 1, (exp.platforms, str(rep))
         assert "changed what hlofold reads" not in notes and "JAX 0.12" not in (
             rep.running or ""), notes
+
+
+def _stack_forms():
+    from jax import lax
+    rng = np.random.default_rng(0)
+    L = 3
+    p = {"k": jnp.asarray(rng.standard_normal((L, 8, 8)) * .3, jnp.float32),
+         "s": jnp.asarray(rng.uniform(.5, 2, (L, 8)), jnp.float32),
+         "t": jnp.asarray(rng.standard_normal((L, 8)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+
+    def fori_from_1(p, x):
+        return lax.fori_loop(1, 3, lambda i, h: jnp.tanh(h @ p["k"][i] * p["s"][i] +
+                                                         p["t"][i]), x)
+
+    def scan_and_counter(p, x):
+        def body(c, k):
+            i, h = c
+            return (i + 1, jnp.tanh(h @ k * p["s"][i] + p["t"][i])), None
+        return lax.scan(body, (0, x), p["k"])[0][1]
+
+    def nested(p, x):
+        q = jax.tree.map(lambda a: a.reshape((1,) + a.shape), p)
+        return lax.scan(lambda h, qq: (lax.scan(
+            lambda h, r: (jnp.tanh(h @ r[0] * r[1] + r[2]), None), h,
+            (qq["k"], qq["s"], qq["t"]))[0], None), x, q)[0]
+    return p, x, fori_from_1, scan_and_counter, nested
+
+
+def test_plain_stacks_fold_on_the_jaxpr_path_and_refusals_say_why():
+    """Item 12: ``freeze=0`` of a ``fori_loop(1, 3)`` over 3-row stacks, of a scan over the
+    kernels reading the BatchNorm at a carried counter, and of nested scans fold (they were
+    refused as 'traced under an enclosing transformation'); ``fold_params`` writes the
+    fori_loop form's rows 1 and 2 (row 0 as it was), and says of the nested stack what it
+    is."""
+    p, x, fori_from_1, scan_and_counter, nested = _stack_forms()
+    for f in (fori_from_1, scan_and_counter, nested):
+        ff = hlofold.fold(f, freeze=0, fold_costly=True)
+        assert_close(jax.jit(f)(p, x), ff(p, x))
+        rep = ff.report(p, x)
+        assert rep.num_folded == 1 and not rep.refused, (f.__name__, str(rep))
+    wb = hlofold.fold_params(fori_from_1, p, x)
+    assert len(wb.changes) == 1, str(wb)
+    np.testing.assert_array_equal(np.asarray(wb.params["k"][0]), np.asarray(p["k"][0]))
+    np.testing.assert_allclose(np.asarray(wb.params["s"][1:]), 1)
+    assert_close(fori_from_1(p, x), fori_from_1(wb.params, x))
+    wb = hlofold.fold_params(nested, p, x)
+    (site,) = wb.report.refused
+    assert "a stack inside a stack" in site.reason and "traced" not in site.reason
+    assert_close(nested(p, x), nested(wb.params, x))
