@@ -16,7 +16,9 @@ slower than the program compiled with XLA's defaults would be:
   compile under way before it exits — a daemon thread inside XLA then would abort it);
 * until that is ready, calls run the defaults; then the next :data:`SAMPLES` calls of each
   run the two in turn, each timed (so those calls wait for their results), and the option is
-  kept only where its fastest call beats the defaults' by more than :data:`MARGIN`;
+  kept only where both its fastest and its median call beat the defaults' by more than
+  :data:`MARGIN` (a machine busy with other work while measuring keeps the defaults: a
+  wrong choice costs up to 1.7×);
 * from then on every call runs the chosen executable alone (the steady path calls it
   directly); the report says what was measured (``compile_options``, ``compile_note``);
 * programs that donate inputs or have side effects keep the defaults (they cannot run twice).
@@ -39,7 +41,7 @@ from ._core.report import FoldReport
 # the option is kept only where it is this much faster than XLA's defaults (timing noise)
 MARGIN = 0.03
 # timed calls of each executable before the choice
-SAMPLES = 3
+SAMPLES = 5
 # compile the option's executable in a background thread (False: on the first call)
 BACKGROUND = True
 
@@ -132,7 +134,9 @@ class Tuned:
             if min(len(t) for t in self._times) < SAMPLES:
                 return
             best = [min(t) for t in self._times]
-            pick = 1 if best[1] < best[0] * (1 - MARGIN) else 0
+            mid = [sorted(t)[len(t) // 2] for t in self._times]
+            pick = 1 if best[1] < best[0] * (1 - MARGIN) and mid[1] < mid[0] * (1 - MARGIN) \
+                else 0
             self._settle(pick, f"compile options measured on {SAMPLES} calls of each: XLA's "
                                f"defaults {best[0] * 1e3:.3g} ms, YNNPACK limited to single "
                                f"ops {best[1] * 1e3:.3g} ms: "

@@ -114,6 +114,8 @@ def plain_dense(arr: np.ndarray, etype):
     """A dense elements attribute of ``arr`` (C-contiguous, ``etype``'s NumPy dtype)."""
     if str(etype) in ("bf16", "f16"):    # the bindings take their bits
         arr = arr.view(np.uint16)
+    elif str(etype).startswith("f8"):    # fp8: the bits too
+        arr = arr.view(np.uint8)
     return ir.DenseElementsAttr.get(arr, type=ir.RankedTensorType.get(arr.shape, etype))
 
 

@@ -25,6 +25,7 @@ ROOTS = ("stablehlo.convolution", *DOTS)
 # ops a chain passes through (replayed on the folded root's result), by their kind in the
 # shared rule ``pass_axis``
 SHAPE_KIND = {"stablehlo.convert": "convert", "stablehlo.reshape": "reshape",
+              "sdy.sharding_constraint": "sharding_constraint",
               "stablehlo.transpose": "transpose", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
 
 
@@ -191,31 +192,57 @@ def dense_to_numpy(attr, copy: bool = True) -> np.ndarray | None:
     return None
 
 
-def _bf16_values(attr, shape) -> np.ndarray | None:
-    """A bf16 elements attribute's values: the bindings give no buffer for bf16, so they are
-    read from the attribute's own printed form (MLIR prints every bf16 value exactly: as a
-    hex blob of the raw little-endian bits, or as decimals with hex bits for non-finite
-    values). None if the form is not one of these."""
+def _bf16_values(attr, shape, dtype=None) -> np.ndarray | None:
+    """A bf16 (or ``dtype``: an fp8 type) elements attribute's values: the bindings give no
+    buffer for these, so they are read from the attribute's own printed form (MLIR prints
+    every such value exactly: as a hex blob of the raw little-endian bits, or as decimals
+    with hex bits for non-finite values). None if the form is not one of these."""
+    dt = np.dtype(dtype or C.bfloat16)
+    bits_t = {1: np.uint8, 2: np.uint16}[dt.itemsize]
     text = str(attr)
     body = text[text.index("<") + 1:text.rindex("> :")].strip()
     try:
         if body.startswith('"0x'):
-            bits = np.frombuffer(bytes.fromhex(body[3:body.index('"', 3)]), "<u2")
+            bits = np.frombuffer(bytes.fromhex(body[3:body.index('"', 3)]), bits_t)
         else:
             toks = body.replace("[", " ").replace("]", " ").replace(",", " ").split()
             bits = np.array([int(t, 16) if t.startswith("0x") else
-                             np.array(float(t), np.float32).astype(C.bfloat16).view(np.uint16)
-                             for t in toks], np.uint16)
-        return bits.view(C.bfloat16).reshape(shape).copy()
-    except (ValueError, TypeError):
+                             np.array(float(t), np.float32).astype(dt).view(bits_t)
+                             for t in toks], bits_t)
+        return np.broadcast_to(bits.view(dt), shape).copy() if bits.size == 1 else \
+            bits.view(dt).reshape(shape).copy()
+    except (ValueError, TypeError, KeyError):
         return None
+
+
+def constant_values(attr) -> np.ndarray | None:
+    """The values of a constant of any type the evaluator reads a weight from: the float
+    types hlofold folds (:func:`dense_to_numpy`), fp8, and integers (a quantized kernel
+    converted to float where it is read). None for others."""
+    got = dense_to_numpy(attr, copy=False)
+    if got is not None:
+        return got
+    a = ir.DenseElementsAttr(attr)
+    t = ir.RankedTensorType(a.type)
+    shape = tuple(t.shape)
+    name = str(t.element_type)
+    if name in _FP8:
+        return _bf16_values(attr, shape, float_dtype(t.element_type))
+    if name.lstrip("u").startswith("i") and name != "i1":
+        dt = np.dtype(_INTS[name]) if name in _INTS else None
+        if dt is None:
+            return None
+        if a.is_splat:
+            return np.full(shape, ir.IntegerAttr(a.get_splat_value()).value, dt)
+        return np.asarray(ir.DenseIntElementsAttr(a)).astype(dt).reshape(shape)
+    return None
 
 
 def numpy_to_dense(arr: np.ndarray, etype, given: bool = False):
     """A dense constant of ``arr``: inside a fold, a large one held by reference (``given``:
     the caller's array, see :func:`hlofold._stablehlo.blobs.make`)."""
     name = str(etype)
-    arr = np.asarray(arr, dtype=_NP_DTYPES.get(name, np.float64))
+    arr = np.asarray(arr, dtype=_NP_DTYPES.get(name) or element_dtype(etype) or np.float64)
     if not arr.flags.c_contiguous:     # (np.ascontiguousarray makes a 0-d array 1-d)
         arr = np.ascontiguousarray(arr)
     held = blobs.make(arr, ir.RankedTensorType.get(arr.shape, etype), given)

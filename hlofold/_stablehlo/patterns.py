@@ -18,8 +18,8 @@ from .._core.chain_rules import Refusal, resolve_channel_operand
 from .._core.reasons import Reason
 from .._core.rules import flushes_differently
 from .facts import op_fact
-from .ir import (DOTS, dense_to_numpy, elem_type, int_dims, is_float, np_dtype, op_name,
-                 owner_op, shape_of)
+from .ir import (DOTS, constant_values, dense_to_numpy, elem_type, int_dims, is_float,
+                 np_dtype, op_name, owner_op, shape_of)
 from .indices import index_value
 from .module import call_sites
 from .._core.patterns import block_of, conv_axis_role, conv_layout, dot_axis_role, dot_layout
@@ -126,11 +126,13 @@ class Evaluator:
             return self._dynamic_slice(op, ins[0])
         if op is None:
             return ins[0] if ins else None
+        name = op_name(op)
+        if name == "stablehlo.constant":      # (an int8/fp8 kernel: read where converted)
+            attr = op.attributes["value"]
+            return dense_to_numpy(attr, copy=False) if is_float(value) else \
+                constant_values(attr)
         if not is_float(value):
             return None
-        name = op_name(op)
-        if name == "stablehlo.constant":
-            return dense_to_numpy(op.attributes["value"], copy=False)
         if not ins or any(x is None for x in ins):
             return None
         dt = np_dtype(elem_type(value))

@@ -20,7 +20,7 @@ import numpy as np
 from .. import _compat as C
 from .._core.report import FoldReport
 from . import blobs
-from .ir import StableHLOError, dense_to_numpy, np_dtype, numpy_to_dense
+from .ir import StableHLOError, dense_to_numpy, element_dtype, numpy_to_dense
 from .module import main_function, parse_module
 from .fold import fold_module
 from .shardings import argument_shardings, by_type, set_argument_shardings
@@ -117,10 +117,10 @@ def _check_value(i: int, v: np.ndarray, arg_type, n: int) -> None:
     if tuple(v.shape) != tuple(t.shape):
         raise StableHLOError(f"arg{i}: shape {tuple(v.shape)}, the module expects "
                              f"{tuple(t.shape)}")
-    want = np_dtype(t.element_type)
+    want = element_dtype(t.element_type)
     if want is None:
-        raise StableHLOError(f"arg{i}: a {t.element_type} argument; only floating-point "
-                             "weights are bound")
+        raise StableHLOError(f"arg{i}: a {t.element_type} argument; only float (fp8 "
+                             "included) and integer weights are bound")
     if np.dtype(v.dtype) != want:
         raise StableHLOError(f"arg{i}: dtype {v.dtype}, the module expects {t.element_type}")
 

@@ -351,3 +351,84 @@ def test_plain_stacks_fold_on_the_jaxpr_path_and_refusals_say_why():
     (site,) = wb.report.refused
     assert "a stack inside a stack" in site.reason and "traced" not in site.reason
     assert_close(nested(p, x), nested(wb.params, x))
+
+
+def test_stablehlo_constants_fold_where_the_jaxpr_path_folds_them():
+    """Item 13: weights closed over as constants (``@main`` takes only ``x``) that the
+    StableHLO path called 'module arguments, use params=': a ``@jax.jit`` block called per
+    layer (one private function, a call per layer), int8 and fp8 kernels converted to float
+    where they are read; and ``params=`` binds an fp8 weight. (The scanned forms —
+    ``unroll``, ``fori_loop(1, L)``, counters by 2, ``(i + 1) % L`` — are in
+    ``tests/parity/test_stack_generated.py``.)"""
+    from jax import lax
+
+    from hlofold._stablehlo.artifacts import module_callable
+    from tests.helpers.conv_bn import bn
+    rng = np.random.default_rng(0)
+    ps = [jax.tree.map(jnp.asarray, conv_bn_params(rng, 4)) for _ in range(3)]
+    block = jax.jit(lambda p, x: jax.nn.relu(conv_bn(p, x)))
+
+    def per_layer(x):
+        for p in ps:
+            x = block(p, x)
+        return x
+    p = ps[0]
+
+    def quantized(kind):
+        k = jnp.asarray(np.clip(np.round(np.asarray(p["k"]) * 40), -127, 127), jnp.int8) \
+            if kind == "int8" else jnp.asarray(p["k"], jnp.float8_e4m3fn)
+
+        def f(x):
+            y = lax.conv_general_dilated(x, k.astype(jnp.float32) * 0.025, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return bn(y, p["mean"], p["var"], p["gamma"], p["beta"])
+        return f
+    _, x, _ = _conv_bn()
+    for f in (per_layer, quantized("int8"), quantized("fp8")):
+        text = jax.jit(f).lower(x).as_text()
+        folded, rep = hlofold.fold_stablehlo(text)
+        _, jrep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x))
+        assert rep.num_folded == jrep.num_folded >= 1 and not rep.refused, str(rep)
+        out = module_callable(folded)(x)
+        assert_close(f(x), out[0] if isinstance(out, (list, tuple)) else out)
+    k8 = jnp.asarray(p["k"], jnp.float8_e4m3fn)
+
+    def g(k, x):
+        y = lax.conv_general_dilated(x, k.astype(jnp.float32), (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return bn(y, p["mean"], p["var"], p["gamma"], p["beta"])
+    exp = jax.export.export(jax.jit(g))(k8, x)
+    new, rep, prepared = hlofold.fold_stablehlo(exp, params={0: np.asarray(k8)})
+    assert rep.num_folded == 1
+    assert_close(g(k8, x), new.call(x, *prepared))
+
+
+def test_a_sharding_constraint_between_conv_and_bn_is_passed_on_every_stablehlo_path():
+    """Item 14: ``sdy.sharding_constraint`` between a conv and its BN ('chain ends at
+    sdy.sharding_constraint' on every StableHLO path): passed as the jaxpr path passes
+    ``sharding_constraint``, kept on the folded conv's output."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from hlofold._stablehlo.artifacts import module_callable
+    from tests.helpers.conv_bn import bn, conv
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    p, x, _ = _conv_bn()
+
+    def f(p, x):
+        y = jax.lax.with_sharding_constraint(conv(x, p["k"]), NamedSharding(mesh, P("d")))
+        return bn(y, p["mean"], p["var"], p["gamma"], p["beta"])
+    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    assert "sdy.sharding_constraint" in text
+    folded, rep = hlofold.fold_stablehlo(text)
+    assert rep.num_folded == 1 and "sdy.sharding_constraint" in folded
+    assert "rsqrt" not in folded
+    assert_close(f(p, x), module_callable(folded)(x)[0])
+    args = jax.jit(f).lower(p, x).as_text()
+    leaves = {f"arg{i}": np.asarray(a) for i, a in enumerate(jax.tree.leaves(p))}
+    apply, rep2, prepared = hlofold.fold_stablehlo(args, params=leaves)
+    assert rep2.num_folded == 1 and "sdy.sharding_constraint" in apply
+    assert_close(f(p, x), module_callable(apply)(x, *prepared)[0])
+    apply, rep3, prepare = hlofold.fold_stablehlo(args, split=["arg5"])
+    *made, ok = module_callable(prepare)(*leaves.values())
+    assert rep3.num_folded == 1 and bool(ok)
+    assert_close(f(p, x), module_callable(apply)(x, *made)[0])
