@@ -148,8 +148,11 @@ def place(hoisted: Sequence[Any], like: Sequence[Any]) -> list:
     arrays = [a for a in like if isinstance(a, jax.Array) and not C.is_tracer(a)
               and a.committed]
     by_shape: dict = {}
-    for a in arrays:
-        by_shape.setdefault(tuple(a.shape), a.sharding)
+    for a in arrays:     # of the parameters of one shape, the most sharded (what jax.jit's
+        # output takes where they meet: β replicated beside γ on "model" gives "model")
+        old = by_shape.get(tuple(a.shape))
+        if old is None or _sharded_axes(a.sharding) > _sharded_axes(old):
+            by_shape[tuple(a.shape)] = a.sharding
     default = None
     if arrays:
         sh = arrays[0].sharding
@@ -169,6 +172,14 @@ def place(hoisted: Sequence[Any], like: Sequence[Any]) -> list:
                 _squeezed_like(np.shape(c), by_shape) or default
             out.append(jax.device_put(c, target) if target is not None else jax.device_put(c))
     return out
+
+
+def _sharded_axes(sharding) -> int:
+    """How many mesh axes a sharding splits an array over (0 where it names none)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return 0
+    return sum(len(p) if isinstance(p, tuple) else 1 for p in spec if p is not None)
 
 
 def _squeezed_like(shape, by_shape: dict):

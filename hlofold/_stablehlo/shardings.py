@@ -33,13 +33,23 @@ def argument_shardings(main) -> list[dict]:
 
 
 def agreed(candidates: list[dict]) -> dict:
-    """The sharding all ``candidates`` have (compared as printed), else {}."""
-    if not candidates or not candidates[0]:
+    """The sharding all ``candidates`` that split over some mesh axis have (compared as
+    printed: a replicated one yields to them, as the compiler's propagation does — β
+    replicated beside γ on "model" gives "model"); all of them where none splits; else {}."""
+    split = [c for c in candidates if c and not _replicated(c)]
+    pool = split or candidates
+    if not pool or not pool[0]:
         return {}
-    first = {k: str(v) for k, v in candidates[0].items()}
-    if all({k: str(v) for k, v in c.items()} == first for c in candidates[1:]):
-        return dict(candidates[0])
+    first = {k: str(v) for k, v in pool[0].items()}
+    if all({k: str(v) for k, v in c.items()} == first for c in pool[1:]):
+        return dict(pool[0])
     return {}
+
+
+def _replicated(sharding: dict) -> bool:
+    """Whether a sharding attribute (Shardy's or GSPMD's) splits over no mesh axis."""
+    text = " ".join(str(v) for v in sharding.values())
+    return "replicated" in text or ('"' not in text.split("[", 1)[-1] and "sdy" in text)
 
 
 def from_arguments(value, block, shardings: list[dict]) -> dict:

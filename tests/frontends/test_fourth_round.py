@@ -99,9 +99,11 @@ def test_the_stablehlo_path_measures_the_same_precision():
 
 
 def test_freeze_and_host_prepare_keep_jits_output_sharding():
-    """Item 4: parameters sharded over both axes of a 4 × 2 mesh; every folded call's output
-    has jax.jit's sharding (24 combinations of kernel, BatchNorm-vector and input shardings
-    × freeze=/prepare="host"/both/default). Runs in a subprocess (8 host devices)."""
+    """Item 4 (and issue 50 item 9: β sharded otherwise than γ, μ, σ²): parameters sharded
+    over both axes of a 4 × 2 mesh; every folded call's output has jax.jit's sharding (24
+    combinations of kernel, BatchNorm-vector and input shardings × freeze=/prepare="host"/
+    both/default, and a sharded export folded with params= for each kind of vectors). Runs
+    in a subprocess (8 host devices)."""
     import os
     import subprocess
     import sys
@@ -112,4 +114,4 @@ def test_freeze_and_host_prepare_keep_jits_output_sharding():
     proc = subprocess.run([sys.executable, "-m", "tests.frontends._output_sharding_script"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "ok: 48 folded calls kept jax.jit's output sharding" in proc.stdout
+    assert "ok: 100 folded calls kept jax.jit's output sharding" in proc.stdout
