@@ -78,7 +78,9 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
                 arg.replace_all_uses_with(const)
         kept = [i for i in range(n) if i not in values]
         set_arguments(main, kept)
-        report = fold_module(module, merge=merge)
+        # (a site whose weights are not all known now is left as it is: in the graph its
+        # rescale would run on every call, slower than the module given)
+        report = fold_module(module, in_graph=False, merge=merge)
         prepared = _hoist(main)
         hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
         set_argument_shardings(main, {len(kept) + j: sh

@@ -432,3 +432,19 @@ def test_a_sharding_constraint_between_conv_and_bn_is_passed_on_every_stablehlo_
     *made, ok = module_callable(prepare)(*leaves.values())
     assert rep3.num_folded == 1 and bool(ok)
     assert_close(f(p, x), module_callable(apply)(x, *made)[0])
+
+
+def test_params_never_folds_in_the_graph():
+    """Item 10: with ``params=`` a site whose weights are not all known on the host (here:
+    the kernel bound, the BatchNorm left an argument) is left as it is — it was folded in
+    the graph, behind a run-time guard, recomputing K·s on every call (2.1-2.8x slower than
+    the module given)."""
+    from hlofold._stablehlo.artifacts import module_callable
+    p, x, ref = _conv_bn()
+    text = jax.jit(conv_bn).lower(p, x).as_text()        # beta, gamma, k, mean, var, x
+    apply, rep, prepared = hlofold.fold_stablehlo(text, params={"arg2": np.asarray(p["k"])})
+    assert rep.num_folded == 0 and len(rep.refused) == 1, str(rep)
+    assert "is_finite" not in apply and "hlofold_guard" not in apply
+    leaves = jax.tree.leaves(p)
+    assert_close(ref, module_callable(apply)(leaves[0], leaves[1], leaves[3], leaves[4], x,
+                                             *prepared)[0])
