@@ -23,7 +23,8 @@ def accumulation_of(jaxpr) -> tuple[int, int]:
         acc = _eqn_accumulation(e)
         inner = [accumulation_of(j) for j in subjaxprs(e)]
         longest = max([longest, acc] + [a for a, _ in inner])
-        d += (e.primitive.name in _ACCUMULATING) + max((k for _, k in inner), default=0)
+        d += (e.primitive.name in _ACCUMULATING) + max((k for _, k in inner),
+                                                       default=0) * _trips(e)
         for o in e.outvars:
             depth[o] = d
         deepest = max(deepest, d)
@@ -54,7 +55,7 @@ def output_profiles(jaxpr, given=None) -> list[tuple[int, int, np.dtype | None]]
             found += [v.aval.dtype for v in (*e.invars[:2], *e.outvars)]
         for j in subjaxprs(e):
             a, k, c = tolerance_profile(j)
-            acc, d = max(acc, a), d + k
+            acc, d = max(acc, a), d + k * _trips(e)
             found.append(c)
         out = (acc, d, narrowest(found))
         for o in e.outvars:
@@ -77,6 +78,17 @@ def computes_in(jaxpr) -> np.dtype | None:
             found += [v.aval.dtype for v in (*e.invars[:2], *e.outvars)]
         found += [d for j in subjaxprs(e) if (d := computes_in(j)) is not None]
     return narrowest(found)
+
+
+def _trips(e) -> int:
+    """How many times ``e`` runs its body one after another: a scan's length (its layers
+    are as deep as the same layers unrolled), else once."""
+    if e.primitive.name == "scan":
+        try:
+            return max(1, C.scan_layout(e)[2])
+        except C.CompatError:
+            return 1
+    return 1
 
 
 def _eqn_accumulation(e) -> int:

@@ -38,7 +38,7 @@ def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
                     inner.append(memo[callee])
             inner += [_region_accumulation(r, funcs, memo) for r in op.operation.regions]
             longest = max([longest, acc] + [a for a, _ in inner])
-            d += (name in ROOTS) + max((k for _, k in inner), default=0)
+            d += (name in ROOTS) + max((k for _, k in inner), default=0) * _trips(op)
             for r in op.results:
                 depth[r] = d
             deepest = max(deepest, d)
@@ -109,7 +109,18 @@ def _region_accumulation_of_op(op, funcs, memo) -> tuple[int, int]:
             memo[callee] = _region_accumulation(funcs[callee].regions[0], funcs, memo)
         return memo[callee]
     got = [_region_accumulation(r, funcs, memo) for r in holder.regions]
-    return max((a for a, _ in got), default=1), max((k for _, k in got), default=0)
+    return max((a for a, _ in got), default=1), max((k for _, k in got),
+                                                    default=0) * _trips(op)
+
+
+def _trips(op) -> int:
+    """How many times ``op`` runs its regions one after another: a counted loop's trip
+    count (its layers are as deep as the same layers unrolled), else once."""
+    if op.operation.name != "stablehlo.while":
+        return 1
+    from .indices import trip_count
+    got = trip_count(op, {})
+    return max(1, got[0]) if got else 1
 
 
 def _one_root(op) -> int:

@@ -448,3 +448,46 @@ def test_params_never_folds_in_the_graph():
     leaves = jax.tree.leaves(p)
     assert_close(ref, module_callable(apply)(leaves[0], leaves[1], leaves[3], leaves[4], x,
                                              *prepared)[0])
+
+
+def test_a_scanned_stack_is_as_deep_as_its_layers_unrolled():
+    """Also seen: the tolerance counted a scanned stack as depth 1 where the same layers
+    unrolled count 3; both paths now count the scan's length (a counted while's trips)."""
+    from jax import lax
+
+    from hlofold._jaxpr.accumulation import output_profiles
+    from hlofold._stablehlo.artifacts import artifact_profiles
+    k = jnp.ones((3, 4, 4))
+    x = jnp.ones((2, 4))
+
+    def scanned(x):
+        return lax.scan(lambda h, kk: (jnp.tanh(h @ kk), None), x, k)[0]
+
+    def unrolled(x):
+        for i in range(3):
+            x = jnp.tanh(x @ k[i])
+        return x
+    profiles = {(f.__name__, path): prof
+                for f in (scanned, unrolled)
+                for path, prof in (("jaxpr", output_profiles(jax.make_jaxpr(f)(x).jaxpr)),
+                                   ("stablehlo", artifact_profiles(
+                                       jax.jit(f).lower(x).as_text())))}
+    assert {p[0][:2] for p in profiles.values()} == {(4, 3)}, profiles
+
+
+def test_fold_params_checks_the_float_outputs_not_an_argmax():
+    """Also seen: an integer output (an argmax over exact ties) may flip within rounding
+    (942 of 2,304 rows); fold_params' check compares the float outputs the integers come
+    from, it does not raise 'please report this' — and still raises where a float output
+    differs."""
+    from hlofold import _writeback as W
+    p, x, _ = _conv_bn()
+
+    def f(p, x):
+        y = conv_bn(p, x)
+        return y, jnp.argmax(y, axis=-1)
+    closed = jax.make_jaxpr(f)(p, x)
+    y, idx = f(p, x)
+    W._check((y, idx), (y, (idx + 1) % 4), closed)       # a flipped integer: fine
+    with pytest.raises(RuntimeError, match="change the model's outputs"):
+        W._check((y, idx), (y * 1.1, idx), closed)
