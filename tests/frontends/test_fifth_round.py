@@ -491,3 +491,49 @@ def test_fold_params_checks_the_float_outputs_not_an_argmax():
     W._check((y, idx), (y, (idx + 1) % 4), closed)       # a flipped integer: fine
     with pytest.raises(RuntimeError, match="change the model's outputs"):
         W._check((y, idx), (y * 1.1, idx), closed)
+
+
+@pytest.mark.parametrize("per_call", [["arg5", "arg2"], ["arg5", "arg3"], ["arg0", "arg5"]])
+def test_split_naming_a_weight_per_call_is_an_error_not_a_crash(per_call, tmp_path, capsys):
+    """Item 6: ``split=`` naming a kernel or a BatchNorm vector per call made the split
+    print a module it had left invalid (a segfault, exit 139); now a clear error before
+    anything is printed (the CLI: exit 2, nothing written)."""
+    from hlofold._stablehlo.ir import StableHLOError
+    p, x, _ = _conv_bn()
+    text = jax.jit(conv_bn).lower(p, x).as_text()          # beta, gamma, k, mean, var, x
+    with pytest.raises(StableHLOError, match="computed from the per-call arguments"):
+        hlofold.fold_stablehlo(text, split=per_call)
+    (tmp_path / "m.mlir").write_text(text)
+    assert _cli("fold", tmp_path / "m.mlir", "-o", tmp_path / "o.mlir", "--prepare",
+                tmp_path / "p.mlir", "--per-call", ",".join(per_call)) == 2
+    assert "per-call arguments" in capsys.readouterr().err
+    assert not (tmp_path / "o.mlir").exists() and not (tmp_path / "p.mlir").exists()
+
+
+def test_a_scale_computed_from_the_activations_under_split_is_an_error():
+    """Item 6, the other form: ``conv(x, K) * x.mean(...)`` with the kernel named per call."""
+    from jax import lax
+
+    from hlofold._stablehlo.ir import StableHLOError
+    p, x, _ = _conv_bn()
+
+    def g(x, k):
+        y = lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y * x.mean((0, 1, 2))
+    text = jax.jit(g).lower(x, p["k"]).as_text()
+    with pytest.raises(StableHLOError, match="per-call arguments"):
+        hlofold.fold_stablehlo(text, split=["arg1"])
+
+
+def test_params_naming_one_argument_twice_is_an_error():
+    """Item 11: ``params={"arg0": K, 0: 2*K}`` was accepted, the last value winning."""
+    from hlofold._stablehlo.ir import StableHLOError
+    p, x, _ = _conv_bn()
+    text = jax.jit(conv_bn).lower(p, x).as_text()
+    k = np.asarray(p["k"])
+    with pytest.raises(StableHLOError, match="names argument 2 twice"):
+        hlofold.fold_stablehlo(text, params={"arg2": k, 2: 2 * k})
+    exp = jax.export.export(jax.jit(conv_bn))(p, x)
+    with pytest.raises(StableHLOError, match="names argument 2 twice"):
+        hlofold.fold_stablehlo(exp, params={"arg2": k, "%arg2": 2 * k})
