@@ -24,7 +24,7 @@ def _inputs(args_path, specs):
             if tuple(a.shape) != tuple(sp.shape):
                 raise _UsageError(f"input {i}: shape {a.shape}, expected {tuple(sp.shape)}")
         return [a.astype(sp.dtype) for a, sp in zip(arrays, specs)]
-    from ._stablehlo.artifacts import random_inputs
+    from ._core.tolerance import random_inputs
     if any(not isinstance(d, int) for sp in specs for d in sp.shape):
         raise _UsageError("the program has symbolic shapes: give --inputs")
     return random_inputs(specs)

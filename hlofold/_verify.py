@@ -122,7 +122,7 @@ def accumulation_length(prog, args) -> list[tuple[int, int, Any]]:
     and the narrowest float type they compute in (see :mod:`hlofold._core.tolerance`)."""
     if callable(prog) and not isinstance(prog, (str, bytes, bytearray)):
         return output_profiles(jax.make_jaxpr(prog)(*args).jaxpr)
-    from ._stablehlo.artifacts import artifact_profiles
+    from ._stablehlo.checked import artifact_profiles
     return artifact_profiles(prog)
 
 

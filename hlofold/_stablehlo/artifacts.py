@@ -16,11 +16,11 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.report import FoldReport
-from .._core.tolerance import random_inputs
 from .ir import StableHLOError, element_dtype
 from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
+from .checked import checked
 from .weights import argument_index, bind_and_fold, export_arguments
 
 ir, stablehlo, _ = C.mlir()
@@ -177,86 +177,14 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                 result[1].compat.append(
                     f"written for StableHLO {writable_target(art.target)}: the artifact "
                     f"targets {art.target}, which these bindings do not write")
-            return _checked(data, result, params, split) if C.untested() else result
+            return checked(data, result, params, split) if C.untested() else result
     if params is not None or split is not None:
         raise off       # their results take other arguments than the module given
-    return _as_given(data), FoldReport([], running=f"the module as given ({off})",
+    return as_given(data), FoldReport([], running=f"the module as given ({off})",
                                         compat=[str(off)])
 
 
-def _checked(data, result: tuple, params, split):
-    """On a JAX newer than the tested window: the fold run against the artifact given, on
-    random inputs (the weights bound by ``params=`` as given), on the CPU — as
-    ``hlofold.fold`` verifies its first call there. Where they differ beyond hlofold's
-    tolerance: without ``params``/``split`` the artifact as given, with the reason; with
-    them (whose results take other arguments) a ``CompatError`` saying so."""
-    import warnings
-    from .._core.tolerance import mismatch
-    folded, report = result[0], result[1]
-    if not report.num_folded and not report.merged:
-        return result
-    specs = input_specs(data)
-    try:
-        plain = all(isinstance(d, int) for sp in specs for d in sp.shape) and (
-            jax.config.jax_enable_x64 or all(np.dtype(sp.dtype).itemsize < 8 for sp in specs))
-    except TypeError:           # an input of an extended type (a PRNG key)
-        plain = False
-    if not plain:
-        report.compat.append(f"not verified on this untested JAX {C.JAX_VERSION} (symbolic "
-                             f"shapes, 64-bit or key inputs): check it with hlofold.verify")
-        return result
-    args = random_inputs(specs)
-    if params is not None:
-        bound = {argument_index(k): np.asarray(v) for k, v in params.items()}
-        args = [bound.get(i, a) for i, a in enumerate(args)]
-        rest = [a for i, a in enumerate(args) if i not in bound]
-        run = lambda: module_callable(folded, "cpu")(*rest, *result[2])   # noqa: E731
-    elif split is not None:
-        calls = sorted({argument_index(k) for k in split})
-
-        def run():
-            *made, ok = jax.tree.leaves(module_callable(result[2], "cpu")(
-                *[a for i, a in enumerate(args) if i not in calls]))
-            if not bool(np.asarray(ok)):
-                return None
-            return module_callable(folded, "cpu")(*[args[i] for i in calls], *made)
-    else:
-        run = lambda: module_callable(folded, "cpu")(*args)               # noqa: E731
-    try:
-        ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
-    except Exception as e:      # noqa: BLE001 — the module given does not run here: no check
-        report.compat.append(f"not checked on this untested JAX {C.JAX_VERSION}: the module "
-                             f"given does not run on this machine's CPU on random inputs "
-                             f"({type(e).__name__}: {str(e).strip()[:120]})")
-        return result
-    got = run()
-    out = [] if got is None else jax.tree.leaves(got)
-    bad = [why for p, r, o in zip(artifact_profiles(data), ref, out)
-           if (why := mismatch(np.asarray(r), np.asarray(o), *p)) is not None]
-    if len(ref) == len(out) and not bad:
-        return result
-    why = bad[0] if bad else ("prepare's ok is false" if got is None else
-                              "a different number of outputs")
-    if params is not None or split is not None:
-        raise C.CompatError(f"what hlofold reads (on random inputs the fold differs from "
-                            f"the module given: {why})", "stablehlo")
-    warnings.warn(f"hlofold.fold_stablehlo: on this untested JAX {C.JAX_VERSION} the folded "
-                  f"module differs from the one given ({why}); returning the one given",
-                  RuntimeWarning, stacklevel=3)
-    return _as_given(data), dataclasses.replace(
-        report, running=f"the module as given (the fold differed from it on this untested "
-                        f"JAX {C.JAX_VERSION}: {why})")
-
-
-def artifact_profiles(data) -> list[tuple]:
-    """``(L, D, compute)`` of each result of an artifact, for the tolerance model."""
-    from .accumulation import module_output_profiles
-    from .module import parse_module
-    with C.mlir_context():
-        return module_output_profiles(parse_module(read_artifact(data).module))
-
-
-def _as_given(data):
+def as_given(data):
     """``data`` as the kind fold_stablehlo returns for it, read without the bindings (a path:
     the file's text, or its bytes)."""
     if isinstance(data, os.PathLike) or (isinstance(data, str) and "\n" not in data
@@ -284,7 +212,7 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True):
         return _write(apply, art), report, _write(prepare, art)
     module, report = fold_module_text(art.module, in_graph, merge)
     if not report.num_folded:     # nothing folded: the artifact exactly as it was given
-        return _as_given(data), report
+        return as_given(data), report
     with module.context:
         if art.kind != EXPORT:
             return _write(module, art), report

@@ -41,7 +41,7 @@ def loop_form(w, ev: Evaluator, symbols: dict, staged: bool = False) -> Loop | s
     the graph and hoisted); why not (a str) where it reads known stacks but is not counted;
     None where it reads no such stack (whether its body folds is known from its first
     layer)."""
-    body, cond = w.regions[1].blocks[0], w.regions[0].blocks[0]
+    body = w.regions[1].blocks[0]
     ret = list(body.operations)[-1]
     args = list(body.arguments)
     invariant = {k for k, a in enumerate(args) if ret.operands[k] == a}

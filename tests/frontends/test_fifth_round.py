@@ -456,7 +456,7 @@ def test_a_scanned_stack_is_as_deep_as_its_layers_unrolled():
     from jax import lax
 
     from hlofold._jaxpr.accumulation import output_profiles
-    from hlofold._stablehlo.artifacts import artifact_profiles
+    from hlofold._stablehlo.checked import artifact_profiles
     k = jnp.ones((3, 4, 4))
     x = jnp.ones((2, 4))
 
