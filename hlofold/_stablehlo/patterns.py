@@ -185,7 +185,9 @@ def entering_value(arg, calls):
     """The value a block argument always holds, where one can be named: for a loop-invariant
     argument of a ``stablehlo.while`` (the body returns it unchanged), the loop's operand;
     for an argument of a private function called once (``calls()``: name -> call ops, asked
-    only then: finding them walks the module), the call's operand. None otherwise. As a nested jaxpr's inputs are known where the outer
+    only then: finding them walks the module), the call's operand; for an argument of a
+    ``shard_map`` body (``sdy.manual_computation``) of the operand's own type (replicated:
+    every device holds all of it), the operand. None otherwise (a sharded one is a shard). As a nested jaxpr's inputs are known where the outer
     values are, so are these."""
     arg = ir.BlockArgument(arg)
     block, k = arg.owner, arg.arg_number
@@ -205,6 +207,9 @@ def entering_value(arg, calls):
         sites = calls().get(ir.StringAttr(holder.attributes["sym_name"]).value, [])
         if len(sites) == 1:
             return sites[0].operands[k]
+    if name == "sdy.manual_computation" and k < len(holder.operands) and \
+            holder.operands[k].type == arg.type:
+        return holder.operands[k]     # replicated into the manual body: the value itself
     return None
 
 
