@@ -152,11 +152,15 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                 continue
             affines[fname], roots = [], []
             self._sweep(fop, roots, UNREACHED_OPS, affines[fname])
+            runs = len(self.eval.calls.get(fname, ())) if fname != "main" else 1
             for op in roots:
                 n = len(self.sites)
                 self._site(op, fname)
                 if self._end_trial(any(r.status == FOLDED for r in self.sites[n:])):
                     affines[fname] = None      # inlined ops: look at the program again
+                for r in self.sites[n:]:       # a function called per layer: each of its
+                    if runs > 1 and not r.layers:   # sites runs once per call (conv×N)
+                        r.layers = runs
         # accounted before the replaced ops are erased: the lineage stays valid
         dead = {op.operation for op in self.dead}
         for fname, fop in list(self.symbols.items()):

@@ -52,16 +52,17 @@ def index_value(value, bound: dict, depth: int = 0) -> int | None:
             return None
         return int(ir.IntegerAttr(a.get_splat_value()).value) if a.is_splat else \
             int(np.asarray(ir.DenseIntElementsAttr(a)).reshape(-1)[0])
-    args = [index_value(v, bound, depth + 1) for v in op.operands]
-    if any(a is None for a in args):
-        return None
-    if name == "func.call":          # a private function of the index (JAX's ``remainder``)
-        body = private_body(op)
+    if name == "func.call":          # a private function of the index (JAX's ``remainder``,
+        body = private_body(op)      # a scan body's counter among the weights it takes)
         if body is None:
             return None
         k = next(i for i, r in enumerate(op.results) if r == value)
-        inner = dict(zip(body.arguments, args))
+        inner = {a: got for a, v in zip(body.arguments, op.operands)
+                 if shape_of(v) == () and (got := index_value(v, bound, depth + 1)) is not None}
         return index_value(list(body.operations)[-1].operands[k], inner, depth + 1)
+    args = [index_value(v, bound, depth + 1) for v in op.operands]
+    if any(a is None for a in args):
+        return None
     if name in _INT_BIN:
         return _INT_BIN[name](*args)
     if name == "stablehlo.negate":
