@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import importlib.util
-
 from .jaxpr import MERGED, ClosedJaxpr, Jaxpr
 from .lookup import CompatError, internal
 
@@ -133,8 +131,7 @@ def with_cond_branches(params: dict, branches) -> dict:
 # JAX 0.11 gave ``scan`` flat trees for its operands and results (``ft_in = (consts, carry,
 # xs)``, ``ft_out = (carry, ys)``) instead of the counts ``num_consts``/``num_carry`` and the
 # ``linear`` flags; both forms are read here, and a rebuilt scan keeps the form it had.
-_FT = internal("jaxpr", "jax._src.flattree") \
-    if importlib.util.find_spec("jax._src.flattree") else None
+_FT = internal("jaxpr", "jax._src.flattree") if MERGED else None   # (0.11 brought both)
 
 
 def _scan_counts(eqn_or_params) -> tuple[int, int]:
