@@ -6,7 +6,7 @@ operands. Inside the function those are block arguments, known at no single call
 function that holds a convolution or dot and is called more than once with a known float
 operand is inlined at each of those calls (:func:`inline_weighted_calls`), as the jaxpr path
 folds each call of a ``jit`` with its own operands. A function called once keeps its body
-(its arguments are known through the call already: ``patterns.entering_value``).
+(its arguments are known through the call already: ``module.entering_value``).
 """
 from __future__ import annotations
 

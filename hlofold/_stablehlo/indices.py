@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import _compat as C
 from .ir import is_float, op_name, owner_op, shape_of
-from .module import private_body
+from .module import entering_value, private_body
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -34,15 +34,18 @@ _COMPARE = {"LT": lambda a, b: a < b, "LE": lambda a, b: a <= b, "GT": lambda a,
             "GE": lambda a, b: a >= b, "EQ": lambda a, b: a == b, "NE": lambda a, b: a != b}
 
 
-def index_value(value, bound: dict, depth: int = 0) -> int | None:
+def index_value(value, bound: dict, depth: int = 0, calls=None) -> int | None:
     """The value of a scalar integer (or predicate) computed from constants and ``bound``
     block arguments (a loop counter of one layer): what ``dynamic_slice`` starts are
     (JAX's ``x[i]`` wraps a negative index with compare/add/select). None otherwise."""
     if value in bound:
         return int(np.asarray(bound[value]))
     op = owner_op(value)
-    if op is None or depth > 32 or shape_of(value) != ():
+    if depth > 32 or shape_of(value) != ():
         return None
+    if op is None:        # a private function's argument (called once): the call's operand
+        outer = entering_value(value, calls) if calls is not None else None
+        return None if outer is None else index_value(outer, bound, depth + 1, calls)
     name = op_name(op)
     if name == "stablehlo.while":
         return _loop_result(op, value, bound, depth)
@@ -57,10 +60,10 @@ def index_value(value, bound: dict, depth: int = 0) -> int | None:
         if body is None:
             return None
         k = next(i for i, r in enumerate(op.results) if r == value)
-        inner = {a: got for a, v in zip(body.arguments, op.operands)
-                 if shape_of(v) == () and (got := index_value(v, bound, depth + 1)) is not None}
-        return index_value(list(body.operations)[-1].operands[k], inner, depth + 1)
-    args = [index_value(v, bound, depth + 1) for v in op.operands]
+        inner = {a: got for a, v in zip(body.arguments, op.operands) if shape_of(v) == ()
+                 and (got := index_value(v, bound, depth + 1, calls)) is not None}
+        return index_value(list(body.operations)[-1].operands[k], inner, depth + 1, calls)
+    args = [index_value(v, bound, depth + 1, calls) for v in op.operands]
     if any(a is None for a in args):
         return None
     if name in _INT_BIN:

@@ -113,6 +113,38 @@ def private_body(call):
     return callee.regions[0].blocks[0]
 
 
+def entering_value(arg, calls):
+    """The value a block argument always holds, where one can be named: for a loop-invariant
+    argument of a ``stablehlo.while`` (the body returns it unchanged), the loop's operand;
+    for an argument of a private function called once (``calls()``: name -> call ops, asked
+    only then: finding them walks the module), the call's operand; for an argument of a
+    ``shard_map`` body (``sdy.manual_computation``) of the operand's own type (replicated:
+    every device holds all of it), the operand. None otherwise (a sharded one is a shard). As a nested jaxpr's inputs are known where the outer
+    values are, so are these."""
+    arg = ir.BlockArgument(arg)
+    block, k = arg.owner, arg.arg_number
+    holder = block.owner
+    name = op_name(holder)
+    if name == "stablehlo.while":
+        body = holder.regions[1].blocks[0]
+        ret = list(body.operations)[-1]
+        if k < len(ret.operands) and ret.operands[k] == body.arguments[k]:
+            return holder.operands[k]
+        return None
+    if name == "func.func":
+        private = "sym_visibility" in holder.attributes and \
+            ir.StringAttr(holder.attributes["sym_visibility"]).value == "private"
+        if not private:
+            return None
+        sites = calls().get(ir.StringAttr(holder.attributes["sym_name"]).value, [])
+        if len(sites) == 1:
+            return sites[0].operands[k]
+    if name == "sdy.manual_computation" and k < len(holder.operands) and \
+            holder.operands[k].type == arg.type:
+        return holder.operands[k]     # replicated into the manual body: the value itself
+    return None
+
+
 def drop_uncalled_private(module, only=None) -> None:
     """Erase the private functions nothing refers to — no ``func.call``, no
     ``stablehlo.composite``'s ``decomposition``, no ``custom_call``'s

@@ -21,7 +21,7 @@ from .facts import op_fact
 from .ir import (DOTS, constant_values, dense_to_numpy, elem_type, int_dims, is_float,
                  np_dtype, op_name, owner_op, shape_of)
 from .indices import index_value
-from .module import call_sites
+from .module import call_sites, entering_value
 from .._core.patterns import block_of, conv_axis_role, conv_layout, dot_axis_role, dot_layout
 
 ir, stablehlo, func_dialect = C.mlir()
@@ -174,43 +174,12 @@ class Evaluator:
         if x is None:
             return None
         sizes = int_dims(op.attributes["slice_sizes"])
-        starts = [index_value(s, self.bound) for s in op.operands[1:]]
+        starts = [index_value(s, self.bound, calls=lambda: self.calls)
+                  for s in op.operands[1:]]
         if any(s is None for s in starts):
             return None
         starts = [min(max(s, 0), d - n) for s, d, n in zip(starts, x.shape, sizes)]
         return x[tuple(slice(s, s + n) for s, n in zip(starts, sizes))]
-
-
-def entering_value(arg, calls):
-    """The value a block argument always holds, where one can be named: for a loop-invariant
-    argument of a ``stablehlo.while`` (the body returns it unchanged), the loop's operand;
-    for an argument of a private function called once (``calls()``: name -> call ops, asked
-    only then: finding them walks the module), the call's operand; for an argument of a
-    ``shard_map`` body (``sdy.manual_computation``) of the operand's own type (replicated:
-    every device holds all of it), the operand. None otherwise (a sharded one is a shard). As a nested jaxpr's inputs are known where the outer
-    values are, so are these."""
-    arg = ir.BlockArgument(arg)
-    block, k = arg.owner, arg.arg_number
-    holder = block.owner
-    name = op_name(holder)
-    if name == "stablehlo.while":
-        body = holder.regions[1].blocks[0]
-        ret = list(body.operations)[-1]
-        if k < len(ret.operands) and ret.operands[k] == body.arguments[k]:
-            return holder.operands[k]
-        return None
-    if name == "func.func":
-        private = "sym_visibility" in holder.attributes and \
-            ir.StringAttr(holder.attributes["sym_visibility"]).value == "private"
-        if not private:
-            return None
-        sites = calls().get(ir.StringAttr(holder.attributes["sym_name"]).value, [])
-        if len(sites) == 1:
-            return sites[0].operands[k]
-    if name == "sdy.manual_computation" and k < len(holder.operands) and \
-            holder.operands[k].type == arg.type:
-        return holder.operands[k]     # replicated into the manual body: the value itself
-    return None
 
 
 # the ops :func:`resolve` walks back through (broadcasts, reshapes, float casts): a value
