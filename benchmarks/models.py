@@ -118,6 +118,7 @@ class InvertedResidual(nn.Module):
     expand_ratio: int
     use_bn: bool = True
     dtype: Any = jnp.float32
+    act: Any = nn.relu6
 
     @nn.compact
     def __call__(self, x):
@@ -126,8 +127,8 @@ class InvertedResidual(nn.Module):
         hidden = cin * self.expand_ratio
         y = x
         if self.expand_ratio != 1:
-            y = nn.relu6(conv_bn(y, hidden, 1, name="_expand", **cb))
-        y = nn.relu6(conv_bn(y, hidden, 3, strides=self.strides, groups=hidden, name="_dw",
+            y = self.act(conv_bn(y, hidden, 1, name="_expand", **cb))
+        y = self.act(conv_bn(y, hidden, 3, strides=self.strides, groups=hidden, name="_dw",
                              **cb))
         y = conv_bn(y, self.features, 1, name="_project", **cb)
         if self.strides == 1 and cin == self.features:
@@ -145,21 +146,22 @@ class MobileNetV2(nn.Module):
     width_mult: float = 1.0
     use_bn: bool = True
     dtype: Any = jnp.float32
+    act: Any = nn.relu6      # (nn.relu: the form cross-layer equalization passes)
 
     @nn.compact
     def __call__(self, x):
         cb = dict(use_bn=self.use_bn, dtype=self.dtype)
         x = x.astype(self.dtype)
-        x = nn.relu6(conv_bn(x, _divisible(32 * self.width_mult), 3, strides=2, name="_stem",
+        x = self.act(conv_bn(x, _divisible(32 * self.width_mult), 3, strides=2, name="_stem",
                              **cb))
         b = 0
         for t, c, n, s in MOBILENET_V2_CFG:
             for i in range(n):
                 x = InvertedResidual(_divisible(c * self.width_mult), s if i == 0 else 1, t,
-                                     name=f"block{b}", **cb)(x)
+                                     name=f"block{b}", act=self.act, **cb)(x)
                 b += 1
         last = _divisible(1280 * max(1.0, self.width_mult))
-        x = nn.relu6(conv_bn(x, last, 1, name="_last", **cb))
+        x = self.act(conv_bn(x, last, 1, name="_last", **cb))
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 

@@ -27,13 +27,15 @@ import numpy as np
 import hlofold
 
 
-def quantize(tree):
-    """Every ``kernel`` leaf quantized per output channel (Flax: the last axis)."""
+def quantize(tree, per_tensor: bool = False):
+    """Every ``kernel`` leaf quantized per output channel (Flax: the last axis), or with one
+    scale for the whole kernel (``per_tensor``)."""
     def q(path, w):
         if "kernel" not in jax.tree_util.keystr(path) or w.ndim < 2:
             return w
         w = np.asarray(w, np.float64)
-        scale = np.max(np.abs(w), axis=tuple(range(w.ndim - 1)), keepdims=True) / 127
+        axes = None if per_tensor else tuple(range(w.ndim - 1))
+        scale = np.max(np.abs(w), axis=axes, keepdims=True) / 127
         scale = np.where(scale == 0, 1, scale)
         return jnp.asarray(np.clip(np.round(w / scale), -127, 127) * scale, jnp.float32)
     return jax.tree_util.tree_map_with_path(q, tree)
@@ -103,6 +105,86 @@ def block_case(kind, spread, seed):
     return f, v, x
 
 
+# ----------------------------------------------------- cross-layer equalization (issue 51)
+
+def spread_gamma(variables, where: str, seed: int):
+    """γ of the BNs whose path has ``where`` spread over two decades, ``10^U(−1, 1)``, as a
+    trained MobileNet's depthwise BNs have (Nagel et al. 2019, fig. 2)."""
+    rng = np.random.default_rng(1000 + seed)
+
+    def f(path, a):
+        p = jax.tree_util.keystr(path)
+        if where in p and "['bn" in p and p.endswith("['scale']"):
+            return jnp.asarray(10 ** rng.uniform(-1, 1, a.shape), a.dtype)
+        return a
+    return jax.tree_util.tree_map_with_path(f, variables)
+
+
+def equalize_case(name: str, seed: int):
+    import flax.linen as nn
+
+    from benchmarks import models
+    if name == "mobilenetv2":
+        model = models.MobileNetV2(num_classes=10, width_mult=0.5, act=nn.relu)
+        where = "_dw"
+    else:
+        model = models.resnet18(num_classes=10, width=16)
+        where = "bn"
+    v = spread_gamma(models.init(model, 32, seed=seed), where, seed)
+    x = jax.random.normal(jax.random.key(200 + seed), (8, 32, 32, 3))
+    return model.apply, v, x
+
+
+def measure_equalize(f, params, x, qwix_run=None):
+    """Errors of int8 weights: per tensor (unfolded, folded, folded + equalized), per channel
+    (folded); the pairs equalized."""
+    ref = f(params, x)
+    folded = hlofold.fold_params(f, params, x)
+    eq = hlofold.fold_params(f, params, x, equalize=True)
+    if qwix_run is not None:
+        return ([rel_err(ref, qwix_run(t)) for t in (params, folded.params, eq.params)] +
+                [rel_err(ref, f(quantize(folded.params), x)), len(eq.equalized)])
+    return ([rel_err(ref, f(quantize(t, per_tensor=True), x))
+             for t in (params, folded.params, eq.params)] +
+            [rel_err(ref, f(quantize(folded.params), x)), len(eq.equalized)])
+
+
+def qwix_weights_per_tensor(f, x):
+    """Qwix's PTQ with int8 weights, one scale per tensor (``disable_channelwise_axes``),
+    activations in float: ``variables -> outputs``."""
+    import qwix
+    rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int8,
+                         disable_channelwise_axes=True)]
+    ptq = qwix.quantize_model(f.__self__, qwix.PtqProvider(rules))
+    abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+
+    def run(variables):
+        return ptq.apply({**variables, "params": qwix.quantize_params(variables["params"],
+                                                                      abstract)}, x)
+    return run
+
+
+def equalize_table(seeds, use_qwix: bool) -> list[str]:
+    what = "Qwix int8 weights per tensor" if use_qwix else "int8 weights per tensor"
+    lines = [f"| model | {what}: unfolded | folded | folded + `equalize=True` | "
+             "per channel, folded (plain quantizer) | equalized / folded | pairs |",
+             "|---|---|---|---|---|---|---|"]
+    for name, label in (("mobilenetv2", "MobileNetV2-style (ReLU), width 0.5, 32 px, "
+                                        "depthwise γ over two decades"),
+                        ("resnet18", "ResNet-18, width 16, 32 px, γ over two decades")):
+        rows = []
+        for s in seeds:
+            f, v, x = equalize_case(name, s)
+            rows.append(measure_equalize(f, v, x, qwix_weights_per_tensor(f, x)
+                                         if use_qwix else None))
+        a = np.asarray(rows)
+        med, lo, hi = np.median(a, 0), a.min(0), a.max(0)
+        cell = lambda k: f"{med[k]:.3g} ({lo[k]:.3g}–{hi[k]:.3g})"   # noqa: E731
+        lines.append(f"| {label} | {cell(0)} | {cell(1)} | {cell(2)} | {cell(3)} | "
+                     f"{med[2] / med[1]:.2f}× | {int(med[4])} |")
+    return lines
+
+
 def summarize(rows):
     a = np.asarray(rows)
     med, lo, hi = np.median(a, 0), a.min(0), a.max(0)
@@ -116,7 +198,19 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--qwix", action="store_true",
                     help="quantize with Qwix's PTQ (w8a8) instead of the weight quantizer")
+    ap.add_argument("--equalize", action="store_true",
+                    help="cross-layer equalization: per-tensor int8 weights of BN CNNs")
     a = ap.parse_args(argv)
+    if a.equalize:
+        head = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} "
+                f"CPUs, jax {jax.__version__}, {a.seeds} seeds (median, range); error "
+                f"‖y_q − y‖/‖y‖ of the logits.\n\n")
+        text = head + "\n".join(equalize_table(range(a.seeds), a.qwix)) + "\n"
+        print(text)
+        if a.out:
+            with open(a.out, "w") as fh:
+                fh.write(text)
+        return
     seeds = range(a.seeds)
     how = measure_qwix if a.qwix else measure
     what = "Qwix w8a8 error" if a.qwix else "int8 error"

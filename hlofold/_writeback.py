@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
+from ._equalize import equalize_leaves
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
@@ -54,6 +55,9 @@ class FoldedParams:
     params: Any                  # the same pytree, folded
     changes: list[ParamChange]
     report: FoldReport           # every site; folded ones not written back are REFUSED
+    # equalize=True: the layer pairs equalized, and the layers left with the reason
+    equalized: list = dataclasses.field(default_factory=list)
+    not_equalized: list = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hlofold.fold_params: {len(self.changes)} site(s) written back"]
@@ -65,13 +69,19 @@ class FoldedParams:
                 (s.reason or "").startswith(_NOT_WRITTEN)]
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
+        for e in self.equalized:
+            lines.append(f"  equalized {e.first} -> {e.second} ({e.location}): channel "
+                         f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
+                         f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
+        for e in self.not_equalized:
+            lines.append(f"  not equalized {e.kernel} ({e.location}): {e.reason}")
         return "\n".join(lines)
 
 
 _NOT_WRITTEN = "not written back: "
 
 
-def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
+def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False) -> FoldedParams:
     """Fold the normalizations of ``fn(params, *args)`` into ``params`` itself.
 
     Returns :class:`FoldedParams`: ``params`` with the same structure, folded kernels and
@@ -81,13 +91,20 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     (Orbax) or to hand to a quantizer. ``args`` are example inputs (shapes and dtypes matter,
     not values). Leaves that are not arrays (Equinox's static fields) are passed through.
 
+    ``equalize=True`` then equalizes the channels of each pair of layers joined by a
+    positively homogeneous path (conv/dot → bias, ReLU, pooling → conv/dot; Nagel et al.
+    2019, cross-layer equalization): the first kernel's output channels (and the biases on
+    the way) divided by per-channel scales the second kernel's input channels are multiplied
+    by — the same outputs, kernels whose channels have like ranges (for a per-tensor
+    quantizer). ``equalized`` / ``not_equalized`` say which pairs, and why not the rest.
+
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back
     as they are, with no changes, and the report says which change.
     """
     off = C.disabled("jaxpr")
     if off is None:
         try:
-            return _fold_params(fn, params, *args)
+            return _fold_params(fn, params, *args, equalize=equalize)
         except Exception as e:
             off = C.as_compat(e)
             if off is None:
@@ -96,7 +113,8 @@ def fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
                                                compat=[str(off)]))
 
 
-def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
+def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False
+                 ) -> FoldedParams:
     inner = C.jit_info(fn)
     fn = inner[0] if inner else fn
     leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -164,7 +182,12 @@ def _fold_params(fn: Callable, params: Any, *args: Any) -> FoldedParams:
     new = list(arr)
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
-    out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites))
+    eq = ([], [])
+    if equalize:                 # on the folded leaves: the same program, other values
+        got, *eq = equalize_leaves(closed.jaxpr, [_host(a) for a in new], paths)
+        for i, val in got.items():
+            new[i] = _like(arr[i], val)
+    out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq)
     _check(ref, run(*new, *arg_leaves), closed)
     del run
     _release_freed()

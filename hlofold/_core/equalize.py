@@ -1,0 +1,126 @@
+"""Cross-layer equalization (Nagel et al., *Data-Free Quantization through Weight
+Equalization and Bias Correction*, ICCV 2019), the IR-agnostic part.
+
+A pair is two layers with a positively homogeneous path between them: the first layer's
+output channel ``i`` reaches the second layer's input channel ``i`` through ops that commute
+with a positive per-channel scale (bias adds whose bias is scaled with it, products,
+ReLU, pooling). Dividing the first kernel's output channel ``i`` (and every bias added on
+the way) by ``s_i > 0`` and multiplying the second kernel's input channel ``i`` by ``s_i``
+computes the same outputs. With the ranges ``r1_i = max|K1[.., i]|`` and
+``r2_i = max|K2[i, ..]|``, ``s_i = √(r1_i·r2_i) / r2_i`` gives both the same range
+``√(r1_i·r2_i)``: a per-tensor quantizer then spends its levels on every channel alike.
+Chains (a layer second in one pair, first in the next) are swept until the scales settle.
+
+Each adapter reads its IR into :class:`Pair` records (which kernel axis is the channel,
+and how a grouped second kernel's input channels are laid out); this module computes the
+scales and the new values; the adapter writes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+SWEEPS = 50          # chains settle in a few sweeps; this bounds a pathological one
+SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the iteration
+
+
+@dataclasses.dataclass
+class Pair:
+    """Two layers joined by a positively homogeneous path.
+
+    ``first``/``second`` name the kernels (keys of the values given to :func:`equalize`);
+    ``out_axis`` is the first kernel's output-channel axis; ``in_axis`` the second's
+    input-channel axis and ``out_axis2`` its output-channel axis, with ``groups`` groups
+    (a depthwise second layer: as many groups as channels). ``biases`` are the vectors
+    added on the way, ``(key, axis)``: each is divided by the scale along ``axis``."""
+
+    first: str
+    out_axis: int
+    second: str
+    in_axis: int
+    out_axis2: int
+    groups: int = 1
+    biases: list = dataclasses.field(default_factory=list)
+
+
+def channel_of(kernel_shape, in_axis: int, out_axis: int, groups: int) -> np.ndarray:
+    """For a second kernel of ``groups`` groups: the input channel each (input row, output
+    column) entry reads, shaped ``(rows, columns)``. Group ``g`` owns the columns
+    ``g·O/G … (g+1)·O/G`` and the input channels ``g·I … (g+1)·I`` (``I`` the kernel's rows)."""
+    rows, cols = kernel_shape[in_axis], kernel_shape[out_axis]
+    per = cols // groups
+    return (np.arange(cols)[None, :] // per) * rows + np.arange(rows)[:, None]
+
+
+def _two_axes(k: np.ndarray, in_axis: int, out_axis: int) -> np.ndarray:
+    """``max|k|`` over every axis but these two, shaped ``(in, out)``."""
+    a = np.abs(np.moveaxis(k, (in_axis, out_axis), (0, 1)))
+    return a.reshape(a.shape[0], a.shape[1], -1).max(axis=2)
+
+
+def ranges(values: dict, pair: Pair, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(r1, r2)``: each channel's range in the first kernel's output and in the second
+    kernel's input."""
+    k1 = np.asarray(values[pair.first], np.float64)
+    a = np.abs(np.moveaxis(k1, pair.out_axis, 0)).reshape(k1.shape[pair.out_axis], -1)
+    r1 = a.max(axis=1)
+    k2 = np.asarray(values[pair.second], np.float64)
+    m = _two_axes(k2, pair.in_axis, pair.out_axis2)
+    r2 = np.zeros(channels)
+    np.maximum.at(r2, channel_of(k2.shape, pair.in_axis, pair.out_axis2, pair.groups), m)
+    return r1, r2
+
+
+def scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
+    """``s = √(r1·r2) / r2``, 1 where either range is zero (a dead channel stays)."""
+    ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
+    s = np.ones_like(r1)
+    s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
+    return s
+
+
+def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
+    """Divide the first kernel's output channels and the biases by ``s``; multiply the
+    second kernel's input channels by it (``values`` float64, changed in place)."""
+    shape = [1] * values[pair.first].ndim
+    shape[pair.out_axis] = -1
+    values[pair.first] = values[pair.first] / s.reshape(shape)
+    for key, axis in pair.biases:
+        b = values[key]
+        shape = [1] * b.ndim
+        shape[axis] = -1
+        values[key] = b / s.reshape(shape)
+    k2 = values[pair.second]
+    idx = channel_of(k2.shape, pair.in_axis, pair.out_axis2, pair.groups)
+    f = np.moveaxis(s[idx].reshape(idx.shape + (1,) * (k2.ndim - 2)), (0, 1),
+                    (pair.in_axis, pair.out_axis2))
+    values[pair.second] = k2 * f
+
+
+def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[np.ndarray]]:
+    """Sweep ``pairs`` (in order) until the scales settle. ``values``: key -> array (not
+    changed); returns the new float64 values of every key a pair touches, and each pair's
+    total scale."""
+    work = {k: np.asarray(values[k], np.float64) for p in pairs
+            for k in (p.first, p.second, *(b for b, _ in p.biases))}
+    total = [np.ones(work[p.first].shape[p.out_axis]) for p in pairs]
+    for _ in range(SWEEPS):
+        moved = 0.0
+        for j, p in enumerate(pairs):
+            s = scales(*ranges(work, p, len(total[j])))
+            apply(work, p, s)
+            total[j] = total[j] * s
+            moved = max(moved, float(np.max(np.abs(s - 1.0), initial=0.0)))
+        if moved < SETTLED:
+            break
+    return work, total
+
+
+def spread(values: dict, key: str, axis: int) -> float:
+    """How unequal a kernel's channels are along ``axis``: the largest channel range over the
+    median one (what a per-tensor quantizer suffers)."""
+    k = np.abs(np.moveaxis(np.asarray(values[key], np.float64), axis, 0))
+    r = k.reshape(k.shape[0], -1).max(axis=1)
+    med = float(np.median(r))
+    return float(r.max() / med) if med > 0 else float("inf")

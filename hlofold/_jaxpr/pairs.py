@@ -1,0 +1,311 @@
+"""Pairs for cross-layer equalization (:mod:`hlofold._core.equalize`) read from a jaxpr.
+
+A pair starts at a convolution or dot whose kernel is a parameter leaf and follows its output
+channel, equation by equation, to the next convolution or dot whose activations it is and
+whose kernel is a leaf too. Each equation on the way must commute with a positive
+per-channel scale: :data:`RULES` has one entry per primitive (how the channel axis moves
+through it, or why the pair stops there). Every value on the path is read once (a residual
+add, a second reader, would see the scaled channels), and the two kernels and every bias
+scaled with them are leaves read nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import _compat as C
+from .._core.chain_rules import Refusal
+from .._core.equalize import Pair
+from .patterns import PATTERNS
+
+_CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+_PASS = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
+_SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+NOT_HOMOGENEOUS = {"tanh", "logistic", "exp", "log", "erf", "integer_pow", "pow", "sqrt",
+                   "rsqrt", "abs", "sign", "sin", "cos", "log1p", "expm1", "clamp", "min",
+                   "erf_inv", "cbrt", "square"}
+
+
+@dataclasses.dataclass
+class Refused:
+    """A first layer whose pair was not formed: its kernel leaf, where, and why."""
+
+    kernel: int
+    eqn: object
+    reason: str
+
+
+@dataclasses.dataclass
+class _Ctx:
+    jaxpr: object
+    uses: dict
+    producer: dict
+    leaves: dict                      # top-level leaf var -> index (empty in a body)
+    biases: list
+    literals: dict = dataclasses.field(default_factory=dict)   # a body's var -> value
+
+
+def _index(jaxpr):
+    uses, producer = {}, {}
+    for i, e in enumerate(jaxpr.eqns):
+        for k, v in enumerate(e.invars):
+            if isinstance(v, C.Var):
+                uses.setdefault(v, []).append((e, k))
+        for v in e.outvars:
+            producer[v] = e
+    for v in jaxpr.outvars:
+        if isinstance(v, C.Var):
+            uses.setdefault(v, []).append((None, -1))
+    return uses, producer
+
+
+def find_pairs(jaxpr, n_leaves: int) -> tuple[list[Pair], list[Refused]]:
+    """Every pair of the top level of ``jaxpr`` whose inputs begin with ``n_leaves``
+    parameter leaves (keys of the pairs: leaf indices); and the first layers refused."""
+    uses, producer = _index(jaxpr)
+    leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
+    pairs, refused = [], []
+    for e in jaxpr.eqns:
+        pat = PATTERNS.get(e.primitive.name)
+        if pat is None:
+            continue
+        info = pat.inspect_root(e)
+        k1 = e.invars[getattr(info, "kernel_index", 1)]
+        if isinstance(info, Refusal) or k1 not in leaves or not isinstance(info.kernel_axis, int):
+            continue
+        ctx = _Ctx(jaxpr, uses, producer, leaves, [])
+        got = _single_leaf(ctx, k1, "its kernel")
+        if isinstance(got, str):
+            refused.append(Refused(leaves[k1], e, got))
+            continue
+        got = _follow(ctx, e.outvars[0], info.channel_axis, info.out_channels)
+        if isinstance(got, str):
+            refused.append(Refused(leaves[k1], e, got))
+            continue
+        k2, in_axis, out_axis2, groups = got
+        pairs.append(Pair(str(leaves[k1]), info.kernel_axis, str(leaves[k2]), in_axis,
+                          out_axis2, groups, [(str(i), ax) for i, ax in ctx.biases]))
+    return pairs, refused
+
+
+def _single_leaf(ctx, v, what: str):
+    if len(ctx.uses.get(v, [])) != 1:
+        return f"{what} is read {len(ctx.uses.get(v, []))} times (a shared weight)"
+    return None
+
+
+def _follow(ctx, v, axis: int, channels: int):
+    """From the first layer's output ``v`` (channel ``axis``) to the second layer:
+    ``(kernel var, its input axis, its output axis, groups)``, or why not."""
+    for _ in range(10_000):
+        u = ctx.uses.get(v, [])
+        if len(u) != 1:
+            return (f"its output is read {len(u)} times (a residual or a second reader "
+                    f"would see the scaled channels)")
+        e, pos = u[0]
+        if e is None:
+            return "its output is a program output before another layer reads it"
+        name = e.primitive.name
+        if name in PATTERNS:
+            return _second(ctx, e, pos, axis)
+        rule = RULES.get(name)
+        if rule is None and name in _CALLS:
+            rule = _call
+        if rule is None:
+            why = "is not positively homogeneous" if name in NOT_HOMOGENEOUS else \
+                "is not one equalization passes through"
+            return f"{name} on the way {why}"
+        got = rule(ctx, e, pos, axis)
+        if isinstance(got, str):
+            return got
+        v, axis = e.outvars[0], got
+    return "the path is too long"
+
+
+def _second(ctx, e, pos, axis):
+    pat = PATTERNS[e.primitive.name]
+    ch = pat.input_channel(e, pos)
+    if isinstance(ch, Refusal):
+        return f"the next {e.primitive.name}: {ch.why}"
+    act_axis, in_axis = ch
+    if act_axis != axis:
+        return f"the next {e.primitive.name} does not contract the channel axis"
+    info = pat.inspect_root(e)
+    k2 = e.invars[1 - pos]
+    if isinstance(info, Refusal) or k2 not in ctx.leaves or \
+            getattr(info, "kernel_index", None) != 1 - pos or \
+            not isinstance(info.kernel_axis, int):
+        return f"the next {e.primitive.name}'s kernel is not a parameter leaf as it is"
+    why = _single_leaf(ctx, k2, "the next layer's kernel")
+    if why:
+        return why
+    return k2, in_axis, info.kernel_axis, int(e.params.get("feature_group_count", 1))
+
+
+# ------------------------------------------------------------------ per-primitive rules
+
+def _other(e, pos):
+    return e.invars[1 - pos]
+
+
+def _is_zero(ctx, x) -> bool:
+    """A literal zero (through casts and broadcasts; a call's body sees its operands)."""
+    for _ in range(8):
+        if isinstance(x, C.Literal):
+            return bool(np.all(np.asarray(x.val) == 0))
+        if x in ctx.literals:
+            return bool(np.all(np.asarray(ctx.literals[x]) == 0))
+        p = ctx.producer.get(x)
+        if p is None or p.primitive.name not in ("convert_element_type", "broadcast_in_dim"):
+            return False
+        x = p.invars[0]
+    return False
+
+
+def _bias(ctx, e, pos, axis):
+    """x ± b, b one value per channel: b is divided by the scale too — the leaves it is
+    linear in (:func:`_additive`), or nothing for a literal zero."""
+    if e.primitive.name == "sub" and pos == 1:
+        return "a subtraction from the channels"
+    b = _other(e, pos)
+    if _is_zero(ctx, b):
+        return axis
+    out = e.outvars[0].aval.shape
+    shape = getattr(getattr(b, "aval", None), "shape", None)
+    if shape is None or len(shape) != len(out) or shape[axis] != out[axis] or \
+            any(n != 1 for d, n in enumerate(shape) if d != axis):
+        return (f"{e.primitive.name} of a value that is not one per channel (a residual "
+                f"add ties channels)")
+    found = _additive(ctx, b, out[axis], 0)
+    if isinstance(found, str):
+        return f"{e.primitive.name} of {found}"
+    for leaf, dim in found:
+        ctx.biases.append((ctx.leaves[leaf], dim))
+    return axis
+
+
+def _additive(ctx, v, channels: int, depth: int):
+    """The leaves a per-channel value is linear in (each scaled with the channels makes it
+    scaled: ``β − μ·γ/√(σ²+ε)`` through ``β`` and ``μ``): ``[(leaf, its channel axis)]``, or
+    what it is instead. Every value on the way is read once, each leaf nowhere else."""
+    if _is_zero(ctx, v):
+        return []
+    if v in ctx.leaves:
+        why = _single_leaf(ctx, v, "a bias on the way")
+        dims = [d for d, n in enumerate(v.aval.shape) if n != 1]
+        if why or len(dims) != 1 or v.aval.shape[dims[0]] != channels:
+            return why or "a bias leaf that is not one value per channel"
+        return [(v, dims[0])]
+    p = ctx.producer.get(v)
+    if p is None or depth > 16 or len(ctx.uses.get(v, [])) != 1:
+        return "a per-channel value that is not computed from parameter leaves alone"
+    name = p.primitive.name
+    if name in _SHAPES or name == "neg":
+        return _additive(ctx, p.invars[0], channels, depth + 1)
+    if name in ("add", "sub"):
+        a = _additive(ctx, p.invars[0], channels, depth + 1)
+        b = _additive(ctx, p.invars[1], channels, depth + 1)
+        return a if isinstance(a, str) else b if isinstance(b, str) else a + b
+    if name in ("mul", "div"):        # (a linear term times a factor left as it is)
+        for k in ((0, 1) if name == "mul" else (0,)):
+            got = _additive(ctx, p.invars[k], channels, depth + 1)
+            if not isinstance(got, str):
+                return got
+    return f"a per-channel value computed by {name} (not linear in parameter leaves)"
+
+
+def _product(ctx, e, pos, axis):
+    """x·c, x/c: any factor that is not the scaled value commutes with the scale."""
+    if e.primitive.name == "div" and pos == 1:
+        return "a division by the channels"
+    return axis
+
+
+def _max(ctx, e, pos, axis):
+    """max(x, 0): ReLU."""
+    if _is_zero(ctx, _other(e, pos)):
+        return axis
+    return "max with a value other than 0 (not a ReLU)"
+
+
+def _reduce(ctx, e, pos, axis):
+    axes = tuple(e.params["axes"])
+    if axis in axes:
+        return f"{e.primitive.name} over the channels"
+    return axis - sum(a < axis for a in axes)
+
+
+def _window(ctx, e, pos, axis):
+    """Pooling (sum, max): a window of one along the channels."""
+    p = e.params
+    if p["window_dimensions"][axis] != 1 or p["window_strides"][axis] != 1 or \
+            tuple(p["padding"][axis]) != (0, 0):
+        return "pooling across channels"
+    return axis
+
+
+def _pad(ctx, e, pos, axis):
+    if pos != 0 or not _is_zero(ctx, e.invars[1]):
+        return "padding with a value other than 0"
+    if tuple(e.params["padding_config"][axis]) != (0, 0, 0):
+        return "padding along the channels"
+    return axis
+
+
+def _transpose(ctx, e, pos, axis):
+    return list(e.params["permutation"]).index(axis)
+
+
+def _reshape(ctx, e, pos, axis):
+    """A reshape that keeps the channel axis whole (sizes before and after it unchanged)."""
+    old, new = e.invars[0].aval.shape, e.outvars[0].aval.shape
+    before, after = int(np.prod(old[:axis])), int(np.prod(old[axis + 1:]))
+    for k, n in enumerate(new):
+        if n == old[axis] and int(np.prod(new[:k])) == before and \
+                int(np.prod(new[k + 1:])) == after:
+            return k
+    return "a reshape that merges the channels with another axis (a flatten)"
+
+
+def _broadcast(ctx, e, pos, axis):
+    """A broadcast copies each channel along new axes: the channel axis moves."""
+    return e.params["broadcast_dimensions"][axis]
+
+
+def _call(ctx, e, pos, axis):
+    """A jit or custom-derivative call (ReLU is one): followed through its body."""
+    body = C.call_body(e)[1]
+    if body is None or len(e.outvars) != 1:
+        return f"a {e.primitive.name} with several outputs"
+    inner = body.jaxpr
+    uses, producer = _index(inner)
+    lits = {iv: (o.val if isinstance(o, C.Literal) else ctx.literals[o])
+            for iv, o in zip(inner.invars, e.invars)
+            if isinstance(o, C.Literal) or o in ctx.literals}
+    sub = _Ctx(inner, uses, producer, {}, [], lits)
+    v, a = inner.invars[pos], axis
+    for _ in range(1000):
+        u = uses.get(v, [])
+        if len(u) != 1:
+            return f"inside {e.primitive.name}: the channels are read {len(u)} times"
+        ie, ipos = u[0]
+        if ie is None:
+            return a
+        rule = RULES.get(ie.primitive.name) or (_call if ie.primitive.name in _CALLS else None)
+        if rule is None:
+            return f"{ie.primitive.name} (inside {e.params.get('name', e.primitive.name)}) " + \
+                ("is not positively homogeneous" if ie.primitive.name in NOT_HOMOGENEOUS
+                 else "is not one equalization passes through")
+        got = rule(sub, ie, ipos, a)
+        if isinstance(got, str):
+            return got
+        v, a = ie.outvars[0], got
+    return "the path is too long"
+
+
+RULES = {"add": _bias, "sub": _bias, "mul": _product, "div": _product, "max": _max,
+         "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_window_sum": _window,
+         "reduce_window_max": _window, "pad": _pad, "transpose": _transpose,
+         "reshape": _reshape, "squeeze": _reshape, "expand_dims": _reshape,
+         "broadcast_in_dim": _broadcast, **{p: (lambda ctx, e, pos, axis: axis) for p in _PASS}}
