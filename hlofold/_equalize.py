@@ -1,39 +1,48 @@
-"""Cross-layer equalization of a parameter tree: ``fold_params(..., equalize=True)``.
+"""Cross-layer equalization and smoothing of a parameter tree: ``fold_params(...,
+equalize=True)``, ``fold_params(..., smooth=[inputs...], alpha=0.5)``.
 
 The pairs are read from the model's jaxpr (:mod:`hlofold._jaxpr.pairs`), the scales
-computed by the core (:mod:`hlofold._core.equalize`) in float64 from the leaves' values,
-and each changed leaf rounded once to its dtype. The unchanged model computes the same
-outputs with the new leaves (the caller checks it); a per-tensor quantizer then finds the
-channels of each kernel in ranges alike.
+computed by the core (:mod:`hlofold._core.equalize`) in float64 from the leaves' values
+(and, to smooth, from the activations the calibration inputs give where the second layers
+read them), and each changed leaf rounded once to its dtype. The unchanged model computes
+the same outputs with the new leaves (the caller checks it).
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from . import _compat as C
-from ._core.equalize import equalize, spread
+from ._core.equalize import equalize, smooth, spread
 from ._jaxpr.pairs import Refused, find_pairs
 
 
 @dataclasses.dataclass
 class EqualizedPair:
-    """Two layers equalized: the kernels' pytree paths, the biases divided with the first,
-    and each kernel's output-channel spread (largest channel range / the median one: what a
-    per-tensor quantizer suffers) before and after."""
+    """Layers equalized (or smoothed): the kernels' pytree paths (for smoothing, the first
+    is a norm's γ or a layer's kernel), the biases divided with the first, each kernel's
+    output-channel spread (largest channel range / the median one: what a per-tensor
+    quantizer suffers) before and after, and the scales' range."""
 
     first: str
-    second: str
+    seconds: list[str]
     biases: list[str]
     location: str
     spread_before: tuple[float, float]
     spread_after: tuple[float, float]
+    scale_range: tuple[float, float] = (1.0, 1.0)
+    kind: str = "equalized"           # or "smoothed"
+
+    @property
+    def second(self) -> str:
+        return self.seconds[0]
 
 
 @dataclasses.dataclass
 class NotEqualized:
-    """A layer whose output was not equalized with a next layer, and why."""
+    """A layer (or norm) whose output was not paired with the layers after it, and why."""
 
     kernel: str
     location: str
@@ -45,36 +54,66 @@ def _where(eqn) -> str:
     return f"{file}:{line}" if file else C.name_stack(eqn) or eqn.primitive.name
 
 
+def _float_pairs(found, refused, leaves):
+    ok = []
+    for f in found:
+        if all(np.issubdtype(np.asarray(leaves[int(k)]).dtype, np.floating)
+               for k in f.pair.keys()):
+            ok.append(f)
+        else:
+            refused.append(Refused(int(f.pair.first), f.eqn, "a weight that is not floating point"))
+    return ok
+
+
+def _records(ok, scales, values, new, paths, refused, kind="equalized"):
+    def sp(vals, f):
+        p = f.pair
+        return (spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0,
+                spread(vals, p.seconds[0].key, p.seconds[0].out_axis))
+    done = [EqualizedPair(paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
+                          [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn),
+                          sp(values, f), sp(new, f),
+                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0), kind)
+            for f, s in zip(ok, scales)]
+    left = [NotEqualized(paths[r.kernel], "" if r.eqn is None else _where(r.eqn), r.reason)
+            for r in refused]
+    return done, left
+
+
 def equalize_leaves(jaxpr, leaves: list, paths: list[str]
                     ) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
     """The new values (leaf index -> array of the leaf's dtype) of the leaves the pairs of
     ``jaxpr`` (its first inputs: ``leaves``, host arrays) scale; what was equalized; what
     was not and why."""
-    pairs, refused = find_pairs(jaxpr, len(leaves))
-    where = {}
-    for e in jaxpr.eqns:           # (each pair's first layer, for the report)
-        if e.primitive.name in ("conv_general_dilated", "dot_general"):
-            for v in e.invars:
-                where.setdefault(v, _where(e))
-    loc = {i: where.get(v, "") for i, v in enumerate(jaxpr.invars[:len(leaves)])}
-    # a float kernel each; a pair whose leaves are not floating point is left
-    ok = []
-    for p in pairs:
-        keys = [p.first, p.second, *(b for b, _ in p.biases)]
-        if all(np.issubdtype(np.asarray(leaves[int(k)]).dtype, np.floating) for k in keys):
-            ok.append(p)
-        else:
-            refused.append(Refused(int(p.first), None, "a weight that is not floating point"))
-    values = {str(i): leaves[i] for p in ok
-              for i in {int(p.first), int(p.second), *(int(b) for b, _ in p.biases)}}
-    new, _ = equalize(values, ok) if ok else ({}, [])
-    done = [EqualizedPair(
-        paths[int(p.first)], paths[int(p.second)], [paths[int(b)] for b, _ in p.biases],
-        loc[int(p.first)],
-        (spread(values, p.first, p.out_axis), spread(values, p.second, p.out_axis2)),
-        (spread(new, p.first, p.out_axis), spread(new, p.second, p.out_axis2))) for p in ok]
-    out = {int(k): v.astype(np.asarray(leaves[int(k)]).dtype) for k, v in new.items()}
-    left = [NotEqualized(paths[r.kernel], loc.get(r.kernel, "") if r.eqn is None
-                         else _where(r.eqn), r.reason) for r in refused]
-    return out, done, left
+    found, refused = find_pairs(jaxpr, len(leaves))
+    ok = _float_pairs(found, refused, leaves)
+    values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
+    new, scales = equalize(values, [f.pair for f in ok]) if ok else ({}, [])
+    out = {int(k): v.astype(values[k].dtype) for k, v in new.items()}
+    return (out, *_records(ok, scales, values, new, paths, refused))
 
+
+def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alpha: float
+                  ) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
+    """SmoothQuant's scales moved into the model: each norm's γ (and β) or layer's output
+    channels divided, the layers reading them multiplied, by ``s_j = max|X_j|^α /
+    max|W_j|^(1−α)`` where ``X`` is what those layers read on the ``calibration`` inputs
+    (each a list of the program's non-parameter input leaves)."""
+    jaxpr = closed.jaxpr
+    found, refused = find_pairs(jaxpr, len(leaves), norms=True)
+    ok = _float_pairs(found, refused, leaves)
+    if not ok:
+        return ({}, *_records([], [], {}, {}, paths, refused, "smoothed"))
+    hoisted, consts = C.hoist_consts(closed)       # (the same equations and values)
+    run = jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
+                                            [f.end for f in ok])))
+    xmax = [None] * len(ok)
+    for args in calibration:
+        for j, (f, x) in enumerate(zip(ok, run(*consts, *leaves, *args))):
+            a = np.abs(np.moveaxis(np.asarray(x, np.float64), f.end_axis, -1))
+            m = a.reshape(-1, a.shape[-1]).max(axis=0)
+            xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
+    values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
+    new, scales = smooth(values, [f.pair for f in ok], xmax, alpha)
+    out = {int(k): v.astype(values[k].dtype) for k, v in new.items()}
+    return (out, *_records(ok, scales, values, new, paths, refused, "smoothed"))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
-from ._equalize import equalize_leaves
+from ._equalize import equalize_leaves, smooth_leaves
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
@@ -70,18 +70,20 @@ class FoldedParams:
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
         for e in self.equalized:
-            lines.append(f"  equalized {e.first} -> {e.second} ({e.location}): channel "
+            lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
+                         f"scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
         for e in self.not_equalized:
-            lines.append(f"  not equalized {e.kernel} ({e.location}): {e.reason}")
+            lines.append(f"  not paired {e.kernel} ({e.location}): {e.reason}")
         return "\n".join(lines)
 
 
 _NOT_WRITTEN = "not written back: "
 
 
-def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False) -> FoldedParams:
+def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
+                smooth: Any = None, alpha: float = 0.5) -> FoldedParams:
     """Fold the normalizations of ``fn(params, *args)`` into ``params`` itself.
 
     Returns :class:`FoldedParams`: ``params`` with the same structure, folded kernels and
@@ -98,13 +100,21 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False) -
     by — the same outputs, kernels whose channels have like ranges (for a per-tensor
     quantizer). ``equalized`` / ``not_equalized`` say which pairs, and why not the rest.
 
+    ``smooth=[inputs, ...]`` (calibration inputs: each the ``args`` of a call, or one array
+    for a one-argument model) moves SmoothQuant's per-channel scales ``s_j = max|X_j|^α /
+    max|W_j|^(1−α)`` (``alpha``) out of the activations ``X`` the layers read into their
+    weights: a norm's γ and β (or the layer before, through a gated product or attention's
+    ``probs @ v``) divided by ``s``, the input rows of every layer reading them (q/k/v,
+    gate/up) multiplied — the same outputs, activations with smaller outliers.
+
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back
     as they are, with no changes, and the report says which change.
     """
     off = C.disabled("jaxpr")
     if off is None:
         try:
-            return _fold_params(fn, params, *args, equalize=equalize)
+            return _fold_params(fn, params, *args, equalize=equalize, smooth=smooth,
+                                alpha=alpha)
         except Exception as e:
             off = C.as_compat(e)
             if off is None:
@@ -113,8 +123,8 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False) -
                                                compat=[str(off)]))
 
 
-def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False
-                 ) -> FoldedParams:
+def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
+                 smooth: Any = None, alpha: float = 0.5) -> FoldedParams:
     inner = C.jit_info(fn)
     fn = inner[0] if inner else fn
     leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -187,6 +197,15 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False
         got, *eq = equalize_leaves(closed.jaxpr, [_host(a) for a in new], paths)
         for i, val in got.items():
             new[i] = _like(arr[i], val)
+    if smooth is not None:
+        calib = [jax.tree.leaves(c if isinstance(c, tuple) else (c,)) for c in smooth]
+        if any(len(c) != len(arg_leaves) for c in calib):
+            raise ValueError("hlofold.fold_params: each smooth= input must be the model's "
+                             f"arguments after params ({len(arg_leaves)} array(s))")
+        got, *more = smooth_leaves(closed, [_host(a) for a in new], paths, calib, alpha)
+        for i, val in got.items():
+            new[i] = _like(arr[i], val)
+        eq = (eq[0] + more[0], eq[1] + more[1])
     out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq)
     _check(ref, run(*new, *arg_leaves), closed)
     del run

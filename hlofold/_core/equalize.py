@@ -11,6 +11,13 @@ computes the same outputs. With the ranges ``r1_i = max|K1[.., i]|`` and
 ``√(r1_i·r2_i)``: a per-tensor quantizer then spends its levels on every channel alike.
 Chains (a layer second in one pair, first in the next) are swept until the scales settle.
 
+A pair may have several second layers (a value read by q, k and v, by gate and up, by the
+branches of an inception block): each gets the scale on its input channels, and their
+largest entry per channel is the second range. *Smoothing* (SmoothQuant, Xiao et al. 2023)
+moves the same kind of scale from activations with outlier channels into the weights after
+them: ``s_j = max|X_j|^α / max|W_j|^(1−α)`` (:func:`smoothing`), the first "kernel" then
+being the norm's γ in front (with its β as the bias) or a layer's kernel.
+
 Each adapter reads its IR into :class:`Pair` records (which kernel axis is the channel,
 and how a grouped second kernel's input channels are laid out); this module computes the
 scales and the new values; the adapter writes them.
@@ -25,23 +32,37 @@ SWEEPS = 50          # chains settle in a few sweeps; this bounds a pathological
 SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the iteration
 
 
+@dataclasses.dataclass(frozen=True)
+class Second:
+    """A layer after the path: its kernel's key, input-channel axis and output-channel axis,
+    with ``groups`` groups (a depthwise layer: as many groups as channels)."""
+
+    key: str
+    in_axis: int
+    out_axis: int
+    groups: int = 1
+
+
 @dataclasses.dataclass
 class Pair:
-    """Two layers joined by a positively homogeneous path.
+    """Layers joined by a positively homogeneous path.
 
-    ``first``/``second`` name the kernels (keys of the values given to :func:`equalize`);
-    ``out_axis`` is the first kernel's output-channel axis; ``in_axis`` the second's
-    input-channel axis and ``out_axis2`` its output-channel axis, with ``groups`` groups
-    (a depthwise second layer: as many groups as channels). ``biases`` are the vectors
-    added on the way, ``(key, axis)``: each is divided by the scale along ``axis``."""
+    ``first`` names the first kernel (a key of the values given to :func:`equalize`),
+    ``out_axis`` its output-channel axis; ``seconds`` the layers reading the path's end.
+    ``biases`` are the vectors added on the way, ``(key, axis)``: each is divided by the
+    scale along ``axis``."""
 
     first: str
     out_axis: int
-    second: str
-    in_axis: int
-    out_axis2: int
-    groups: int = 1
+    seconds: list
     biases: list = dataclasses.field(default_factory=list)
+
+    @property
+    def second(self) -> str:
+        return self.seconds[0].key
+
+    def keys(self) -> list[str]:
+        return [self.first, *(s.key for s in self.seconds), *(b for b, _ in self.biases)]
 
 
 def channel_of(kernel_shape, in_axis: int, out_axis: int, groups: int) -> np.ndarray:
@@ -64,12 +85,17 @@ def ranges(values: dict, pair: Pair, channels: int) -> tuple[np.ndarray, np.ndar
     kernel's input."""
     k1 = np.asarray(values[pair.first], np.float64)
     a = np.abs(np.moveaxis(k1, pair.out_axis, 0)).reshape(k1.shape[pair.out_axis], -1)
-    r1 = a.max(axis=1)
-    k2 = np.asarray(values[pair.second], np.float64)
-    m = _two_axes(k2, pair.in_axis, pair.out_axis2)
+    return a.max(axis=1), input_ranges(values, pair, channels)
+
+
+def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
+    """Each channel's largest entry in the second layers' input rows."""
     r2 = np.zeros(channels)
-    np.maximum.at(r2, channel_of(k2.shape, pair.in_axis, pair.out_axis2, pair.groups), m)
-    return r1, r2
+    for sec in pair.seconds:
+        k2 = np.asarray(values[sec.key], np.float64)
+        m = _two_axes(k2, sec.in_axis, sec.out_axis)
+        np.maximum.at(r2, channel_of(k2.shape, sec.in_axis, sec.out_axis, sec.groups), m)
+    return r2
 
 
 def scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
@@ -91,19 +117,19 @@ def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
         shape = [1] * b.ndim
         shape[axis] = -1
         values[key] = b / s.reshape(shape)
-    k2 = values[pair.second]
-    idx = channel_of(k2.shape, pair.in_axis, pair.out_axis2, pair.groups)
-    f = np.moveaxis(s[idx].reshape(idx.shape + (1,) * (k2.ndim - 2)), (0, 1),
-                    (pair.in_axis, pair.out_axis2))
-    values[pair.second] = k2 * f
+    for sec in pair.seconds:
+        k2 = values[sec.key]
+        idx = channel_of(k2.shape, sec.in_axis, sec.out_axis, sec.groups)
+        f = np.moveaxis(s[idx].reshape(idx.shape + (1,) * (k2.ndim - 2)), (0, 1),
+                        (sec.in_axis, sec.out_axis))
+        values[sec.key] = k2 * f
 
 
 def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[np.ndarray]]:
     """Sweep ``pairs`` (in order) until the scales settle. ``values``: key -> array (not
     changed); returns the new float64 values of every key a pair touches, and each pair's
     total scale."""
-    work = {k: np.asarray(values[k], np.float64) for p in pairs
-            for k in (p.first, p.second, *(b for b, _ in p.biases))}
+    work = {k: np.asarray(values[k], np.float64) for p in pairs for k in p.keys()}
     total = [np.ones(work[p.first].shape[p.out_axis]) for p in pairs]
     for _ in range(SWEEPS):
         moved = 0.0
@@ -115,6 +141,28 @@ def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[np.ndarray]]:
         if moved < SETTLED:
             break
     return work, total
+
+
+def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant's scales ``s = max|X|^α / max|W|^(1−α)`` per channel (``xmax``: the
+    largest activation the calibration inputs gave; ``wmax``: the second layers' largest
+    input-row entry); 1 where either is zero or not finite."""
+    ok = (xmax > 0) & (wmax > 0) & np.isfinite(xmax) & np.isfinite(wmax)
+    s = np.ones_like(xmax, dtype=np.float64)
+    s[ok] = xmax[ok] ** alpha / wmax[ok] ** (1 - alpha)
+    return s
+
+
+def smooth(values: dict, pairs: list[Pair], xmax: list[np.ndarray], alpha: float
+           ) -> tuple[dict, list[np.ndarray]]:
+    """Each pair's smoothing scales applied once: the new float64 values, the scales."""
+    work = {k: np.asarray(values[k], np.float64) for p in pairs for k in p.keys()}
+    out = []
+    for p, x in zip(pairs, xmax):
+        s = smoothing(np.asarray(x, np.float64), input_ranges(work, p, len(x)), alpha)
+        apply(work, p, s)
+        out.append(s)
+    return work, out
 
 
 def spread(values: dict, key: str, axis: int) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.equalize import Pair
+from .._core.equalize import Pair, Second
 from .patterns import PATTERNS
 
 _CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
@@ -60,33 +60,88 @@ def _index(jaxpr):
     return uses, producer
 
 
-def find_pairs(jaxpr, n_leaves: int) -> tuple[list[Pair], list[Refused]]:
+@dataclasses.dataclass
+class Found:
+    """A pair, the equation it starts at, and the value its second layers read (its channel
+    axis): what calibration measures for smoothing."""
+
+    pair: Pair
+    eqn: object
+    end: object
+    end_axis: int
+
+
+def find_pairs(jaxpr, n_leaves: int, norms: bool = False
+               ) -> tuple[list[Found], list[Refused]]:
     """Every pair of the top level of ``jaxpr`` whose inputs begin with ``n_leaves``
-    parameter leaves (keys of the pairs: leaf indices); and the first layers refused."""
+    parameter leaves (keys of the pairs: leaf indices), starting at a layer (a convolution
+    or dot whose kernel is a leaf) — and with ``norms``, at a norm's scale too (a leaf
+    vector multiplied into the activations: γ); and the starts refused. Second layers
+    claimed by an earlier pair are not paired again."""
     uses, producer = _index(jaxpr)
     leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
-    pairs, refused = [], []
+    found, refused, claimed = [], [], set()
     for e in jaxpr.eqns:
-        pat = PATTERNS.get(e.primitive.name)
-        if pat is None:
-            continue
-        info = pat.inspect_root(e)
-        k1 = e.invars[getattr(info, "kernel_index", 1)]
-        if isinstance(info, Refusal) or k1 not in leaves or not isinstance(info.kernel_axis, int):
-            continue
         ctx = _Ctx(jaxpr, uses, producer, leaves, [])
-        got = _single_leaf(ctx, k1, "its kernel")
+        start = _layer_start(ctx, e) or (_norm_start(ctx, e) if norms else None)
+        if start is None:
+            continue
+        if isinstance(start[0], str):
+            refused.append(Refused(start[1], e, start[0]))
+            continue
+        k1, axis, out_axis = start
+        got = _follow(ctx, e.outvars[0], axis)
         if isinstance(got, str):
             refused.append(Refused(leaves[k1], e, got))
             continue
-        got = _follow(ctx, e.outvars[0], info.channel_axis, info.out_channels)
-        if isinstance(got, str):
-            refused.append(Refused(leaves[k1], e, got))
+        seconds, end, end_axis = got
+        if any(sec.key in claimed for sec in seconds):
             continue
-        k2, in_axis, out_axis2, groups = got
-        pairs.append(Pair(str(leaves[k1]), info.kernel_axis, str(leaves[k2]), in_axis,
-                          out_axis2, groups, [(str(i), ax) for i, ax in ctx.biases]))
-    return pairs, refused
+        claimed.update(sec.key for sec in seconds)
+        found.append(Found(Pair(str(leaves[k1]), out_axis, seconds,
+                                [(str(i), ax) for i, ax in ctx.biases]), e, end, end_axis))
+    return found, refused
+
+
+def _layer_start(ctx, e):
+    """``(kernel var, output channel axis, kernel output axis)`` of a layer whose kernel is a
+    leaf; ``(why, leaf index)`` for a shared one; None for anything else."""
+    pat = PATTERNS.get(e.primitive.name)
+    if pat is None:
+        return None
+    info = pat.inspect_root(e)
+    if isinstance(info, Refusal) or not isinstance(info.kernel_axis, int):
+        return None
+    k1 = e.invars[info.kernel_index]
+    if k1 not in ctx.leaves:
+        return None
+    why = _single_leaf(ctx, k1, "its kernel")
+    return (why, ctx.leaves[k1]) if why else (k1, info.channel_axis, info.kernel_axis)
+
+
+def _norm_start(ctx, e):
+    """A norm's scale: ``x·γ`` with γ a leaf vector (through reshapes and broadcasts) whose
+    one axis is the product's channel axis."""
+    if e.primitive.name != "mul":
+        return None
+    out = e.outvars[0].aval.shape
+    for k, g in enumerate(e.invars):
+        shape = getattr(getattr(g, "aval", None), "shape", ())
+        dims = [d for d, n in enumerate(shape) if n != 1]
+        if len(shape) != len(out) or len(dims) != 1 or shape[dims[0]] != out[dims[0]] or \
+                not isinstance(e.invars[1 - k], C.Var):
+            continue
+        while g not in ctx.leaves:
+            p = ctx.producer.get(g)
+            if p is None or p.primitive.name not in _SHAPES or len(ctx.uses.get(g, [])) != 1:
+                break
+            g = p.invars[0]
+        gdims = [d for d, n in enumerate(getattr(g, "aval", None).shape) if n != 1] \
+            if g in ctx.leaves else []
+        if g in ctx.leaves and len(gdims) == 1:
+            why = _single_leaf(ctx, g, "the norm's scale")
+            return (why, ctx.leaves[g]) if why else (g, dims[0], gdims[0])
+    return None
 
 
 def _single_leaf(ctx, v, what: str):
@@ -95,20 +150,32 @@ def _single_leaf(ctx, v, what: str):
     return None
 
 
-def _follow(ctx, v, axis: int, channels: int):
-    """From the first layer's output ``v`` (channel ``axis``) to the second layer:
-    ``(kernel var, its input axis, its output axis, groups)``, or why not."""
+def _follow(ctx, v, axis: int):
+    """From the first layer's output ``v`` (channel ``axis``) to the layers that read it:
+    ``([Second], the value they read, its channel axis)``, or why not."""
     for _ in range(10_000):
         u = ctx.uses.get(v, [])
-        if len(u) != 1:
-            return (f"its output is read {len(u)} times (a residual or a second reader "
-                    f"would see the scaled channels)")
-        e, pos = u[0]
-        if e is None:
+        if any(e is None for e, _ in u):
             return "its output is a program output before another layer reads it"
+        if len(u) > 1:
+            seconds = [_second(ctx, e, pos, axis) for e, pos in u]
+            if all(not isinstance(x, str) for x in seconds):
+                return seconds, v, axis           # (q, k and v; gate and up)
+            return (f"its output is read {len(u)} times, not only by layers (a residual or "
+                    f"another reader would see the scaled channels)")
+        if not u:
+            return "its output is not read"
+        e, pos = u[0]
         name = e.primitive.name
         if name in PATTERNS:
-            return _second(ctx, e, pos, axis)
+            got = _second(ctx, e, pos, axis)
+            if not isinstance(got, str):
+                return [got], v, axis
+            through = _through_dot(ctx, e, pos, axis)
+            if through is None:
+                return got
+            v, axis = e.outvars[0], through
+            continue
         rule = RULES.get(name)
         if rule is None and name in _CALLS:
             rule = _call
@@ -123,8 +190,25 @@ def _follow(ctx, v, axis: int, channels: int):
     return "the path is too long"
 
 
+def _through_dot(ctx, e, pos, axis):
+    """A dot of two activations where the channel axis is a free axis of ours (attention's
+    ``probs @ v``): linear in it, the channel moves to its output position; else None."""
+    if e.primitive.name != "dot_general" or e.invars[1 - pos] in ctx.leaves:
+        return None
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    mine, theirs = ((lc, lb), (rc, rb)) if pos == 0 else ((rc, rb), (lc, lb))
+    if axis in mine[0] or axis in mine[1]:
+        return None
+    nd = [len(x.aval.shape) for x in e.invars]
+    free = [d for d in range(nd[pos]) if d not in mine[0] and d not in mine[1]]
+    n_lhs_free = nd[0] - len(lc) - len(lb)
+    return len(lb) + (0 if pos == 0 else n_lhs_free) + free.index(axis)
+
+
 def _second(ctx, e, pos, axis):
-    pat = PATTERNS[e.primitive.name]
+    pat = PATTERNS.get(e.primitive.name)
+    if pat is None:
+        return f"{e.primitive.name} reads it besides the layers"
     ch = pat.input_channel(e, pos)
     if isinstance(ch, Refusal):
         return f"the next {e.primitive.name}: {ch.why}"
@@ -140,7 +224,8 @@ def _second(ctx, e, pos, axis):
     why = _single_leaf(ctx, k2, "the next layer's kernel")
     if why:
         return why
-    return k2, in_axis, info.kernel_axis, int(e.params.get("feature_group_count", 1))
+    return Second(str(ctx.leaves[k2]), in_axis, info.kernel_axis,
+                  int(e.params.get("feature_group_count", 1)))
 
 
 # ------------------------------------------------------------------ per-primitive rules
