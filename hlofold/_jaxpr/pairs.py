@@ -191,27 +191,33 @@ def _follow(ctx, v, axis: int):
 
 
 def _through_dot(ctx, e, pos, axis):
-    """A dot of two activations where the channel axis is a free axis of ours (attention's
-    ``probs @ v``): linear in it, the channel moves to its output position; else None."""
+    """A dot of two activations that contracts none of the channel axes (attention's
+    ``probs @ v``, heads a batch axis): linear in each channel, which moves to its output
+    position; else None."""
     if e.primitive.name != "dot_general" or e.invars[1 - pos] in ctx.leaves:
         return None
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-    mine, theirs = ((lc, lb), (rc, rb)) if pos == 0 else ((rc, rb), (lc, lb))
-    if axis in mine[0] or axis in mine[1]:
+    contract, batch = (lc, lb) if pos == 0 else (rc, rb)
+    if any(a in contract for a in _each(axis)):
         return None
     nd = [len(x.aval.shape) for x in e.invars]
-    free = [d for d in range(nd[pos]) if d not in mine[0] and d not in mine[1]]
+    free = [d for d in range(nd[pos]) if d not in contract and d not in batch]
     n_lhs_free = nd[0] - len(lc) - len(lb)
-    return len(lb) + (0 if pos == 0 else n_lhs_free) + free.index(axis)
+    # output: the batch axes (a head axis among them), the lhs's free axes, the rhs's
+    return _one(tuple(list(batch).index(a) if a in batch else
+                      len(lb) + (0 if pos == 0 else n_lhs_free) + free.index(a)
+                      for a in _each(axis)))
 
 
 def _second(ctx, e, pos, axis):
     pat = PATTERNS.get(e.primitive.name)
     if pat is None:
         return f"{e.primitive.name} reads it besides the layers"
+    if isinstance(axis, tuple):
+        return f"the next {e.primitive.name} reads the channels split over axes"
     ch = pat.input_channel(e, pos)
     if isinstance(ch, Refusal):
-        return f"the next {e.primitive.name}: {ch.why}"
+        return f"the next {e.primitive.name}: {ch.reason}"
     act_axis, in_axis = ch
     if act_axis != axis:
         return f"the next {e.primitive.name} does not contract the channel axis"
@@ -256,6 +262,8 @@ def _bias(ctx, e, pos, axis):
     b = _other(e, pos)
     if _is_zero(ctx, b):
         return axis
+    if isinstance(axis, tuple):
+        return f"{e.primitive.name} of a value while the channels are split over axes"
     out = e.outvars[0].aval.shape
     shape = getattr(getattr(b, "aval", None), "shape", None)
     if shape is None or len(shape) != len(out) or shape[axis] != out[axis] or \
@@ -316,14 +324,16 @@ def _max(ctx, e, pos, axis):
 
 def _reduce(ctx, e, pos, axis):
     axes = tuple(e.params["axes"])
-    if axis in axes:
+    if any(a in axes for a in _each(axis)):
         return f"{e.primitive.name} over the channels"
-    return axis - sum(a < axis for a in axes)
+    return _one(tuple(a - sum(r < a for r in axes) for a in _each(axis)))
 
 
 def _window(ctx, e, pos, axis):
     """Pooling (sum, max): a window of one along the channels."""
     p = e.params
+    if isinstance(axis, tuple):
+        return "pooling while the channels are split over axes"
     if p["window_dimensions"][axis] != 1 or p["window_strides"][axis] != 1 or \
             tuple(p["padding"][axis]) != (0, 0):
         return "pooling across channels"
@@ -333,29 +343,50 @@ def _window(ctx, e, pos, axis):
 def _pad(ctx, e, pos, axis):
     if pos != 0 or not _is_zero(ctx, e.invars[1]):
         return "padding with a value other than 0"
+    if isinstance(axis, tuple):
+        return "padding while the channels are split over axes"
     if tuple(e.params["padding_config"][axis]) != (0, 0, 0):
         return "padding along the channels"
     return axis
 
 
+def _each(axis) -> tuple:
+    """The channel as a tuple of axes, most significant first (split over several axes —
+    attention's heads — it is ``(head axis, feature axis)``, in any positions)."""
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def _one(axes: tuple):
+    return axes[0] if len(axes) == 1 else axes
+
+
 def _transpose(ctx, e, pos, axis):
-    return list(e.params["permutation"]).index(axis)
+    perm = list(e.params["permutation"])
+    return _one(tuple(perm.index(a) for a in _each(axis)))
 
 
 def _reshape(ctx, e, pos, axis):
-    """A reshape that keeps the channel axis whole (sizes before and after it unchanged)."""
+    """A reshape that keeps the channels whole and in order (the sizes before and after
+    them unchanged): they may be split over consecutive axes (heads) or merged back."""
     old, new = e.invars[0].aval.shape, e.outvars[0].aval.shape
-    before, after = int(np.prod(old[:axis])), int(np.prod(old[axis + 1:]))
-    for k, n in enumerate(new):
-        if n == old[axis] and int(np.prod(new[:k])) == before and \
-                int(np.prod(new[k + 1:])) == after:
-            return k
+    ax = _each(axis)
+    if list(ax) != list(range(ax[0], ax[0] + len(ax))):
+        return "a reshape of channels split over axes that are not together"
+    lo, hi = ax[0], ax[-1] + 1
+    before, size = int(np.prod(old[:lo])), int(np.prod(old[lo:hi]))
+    starts = [k for k in range(len(new) + 1) if int(np.prod(new[:k])) == before]
+    for k in reversed(starts):                 # (after any unit axes before them)
+        for m in range(k + 1, len(new) + 1):
+            if int(np.prod(new[k:m])) == size:
+                return _one(tuple(range(k, m)))
+            if int(np.prod(new[k:m])) > size:
+                break
     return "a reshape that merges the channels with another axis (a flatten)"
 
 
 def _broadcast(ctx, e, pos, axis):
     """A broadcast copies each channel along new axes: the channel axis moves."""
-    return e.params["broadcast_dimensions"][axis]
+    return _one(tuple(e.params["broadcast_dimensions"][a] for a in _each(axis)))
 
 
 def _call(ctx, e, pos, axis):

@@ -98,3 +98,58 @@ def program(seed: int):
 
     x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)), jnp.float32)
     return fn, p, x, expected, (layers, shared)
+
+
+def decoder_program(seed: int):
+    """A random pre-norm decoder layer for smoothing: norms (RMS or with β) read by one to
+    three projections, heads split and merged (``probs @ v`` with the heads a batch axis,
+    or transposed first), a gated MLP, a final norm and head; sometimes an op that stops a
+    path. Returns ``(fn, params, x, calibration, expected pairs)``."""
+    rng = np.random.default_rng(seed)
+    d, heads, f = 16, int(rng.choice([1, 2, 4])), 24
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    g = lambda: jnp.asarray(10 ** rng.uniform(-0.5, 0.5, d), jnp.float32)           # noqa
+    beta = rng.random() < 0.5
+    readers = int(rng.integers(1, 4))
+    transposed = rng.random() < 0.5
+    stop_v, stop_up = (str(rng.choice(STOP[:2] + ["add_const"])) if rng.random() < 0.3
+                       else None for _ in range(2))
+    p = {"n1": g(), "n2": g(), "nf": g(), "q": w(d, d), "k": w(d, d), "v": w(d, d),
+         "o": w(d, d), "gate": w(d, f), "up": w(d, f), "down": w(f, d), "head": w(d, 7)}
+    if beta:
+        p["b1"] = jnp.asarray(rng.standard_normal(d) * 0.1, jnp.float32)
+
+    def norm(x, gamma, b=None):
+        h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * gamma
+        return h if b is None else h + b
+
+    def fn(params, x):
+        b, t, _ = x.shape
+        h = norm(x, params["n1"], params.get("b1"))
+        v = h @ params["v"]
+        q = h @ params["q"] if readers > 1 else x @ params["q"]
+        k = h @ params["k"] if readers > 2 else x @ params["k"]
+        if stop_v:
+            v = _op(stop_v, v, params, "")
+        split = lambda a: a.reshape(b, t, heads, d // heads)            # noqa: E731
+        s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k))
+        a = jax.nn.softmax(s, -1)
+        if transposed:
+            o = jnp.transpose(jnp.einsum("bhqk,bhkd->bhqd", a,
+                                         jnp.transpose(split(v), (0, 2, 1, 3))), (0, 2, 1, 3))
+        else:
+            o = jnp.einsum("bhqk,bkhd->bqhd", a, split(v))
+        x = x + o.reshape(b, t, d) @ params["o"]
+        h = norm(x, params["n2"])
+        u = h @ params["up"]
+        if stop_up:
+            u = _op(stop_up, u, params, "")
+        x = x + (jax.nn.silu(h @ params["gate"]) * u) @ params["down"]
+        return norm(x, params["nf"]) @ params["head"]
+
+    def inputs(k):
+        x = np.random.default_rng(k).standard_normal((2, 5, d)).astype(np.float32)
+        x[..., :2] *= 20
+        return jnp.asarray(x)
+    expected = 3 + (stop_v is None) + (stop_up is None)
+    return fn, p, inputs(seed), [inputs(seed + 100 + j) for j in range(3)], expected
