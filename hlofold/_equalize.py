@@ -16,7 +16,9 @@ import numpy as np
 
 from . import _compat as C
 from ._core.equalize import equalize, smooth, spread
+from ._core.rotation import orthogonal, rotate
 from ._jaxpr.pairs import Refused, find_pairs
+from ._jaxpr.stream import find_stream
 
 
 @dataclasses.dataclass
@@ -117,3 +119,47 @@ def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alp
     new, scales = smooth(values, [f.pair for f in ok], xmax, alpha)
     out = {int(k): v.astype(values[k].dtype) for k, v in new.items()}
     return (out, *_records(ok, scales, values, new, paths, refused, "smoothed"))
+
+
+@dataclasses.dataclass
+class Rotation:
+    """The residual stream rotated (``reason`` None) or why not: its width, the matrix, and
+    the pytree paths of the embedding, the layers reading it and those writing into it."""
+
+    reason: str | None
+    width: int = 0
+    kind: str = ""
+    embedding: str = ""
+    readers: list = dataclasses.field(default_factory=list)
+    writers: list = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.reason:
+            return f"not rotated: {self.reason}"
+        return (f"rotated the residual stream ({self.width} channels, {self.kind}): "
+                f"embedding {self.embedding}; {len(self.readers)} layers reading it, "
+                f"{len(self.writers)} writing into it")
+
+
+def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0
+                  ) -> tuple[dict, Rotation]:
+    """The new values of the leaves rotating the residual stream changes, and the record."""
+    s = find_stream(jaxpr, len(leaves))
+    if isinstance(s, str):
+        return {}, Rotation(s)
+    for i in s.scales:
+        g = np.asarray(leaves[i])
+        if g.size and not np.all(g == g.reshape(-1)[0]):
+            return {}, Rotation(f"the norm scale {paths[i]} varies per channel (γ not "
+                                f"folded: fold_params folds it where all its readers fold)")
+    q, kind = orthogonal(s.width, seed)
+    out = {}
+    for i, axis in [s.embedding, *s.readers, *s.writers]:
+        if i in out:
+            return {}, Rotation(f"{paths[i]} both reads and writes the stream")
+        a = np.asarray(leaves[i])
+        if not np.issubdtype(a.dtype, np.floating) or a.shape[axis] != s.width:
+            return {}, Rotation(f"{paths[i]} is not a float weight over the stream's channels")
+        out[i] = rotate(a, axis, q).astype(a.dtype)
+    return out, Rotation(None, s.width, kind, paths[s.embedding[0]],
+                         [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])

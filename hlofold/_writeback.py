@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
-from ._equalize import equalize_leaves, smooth_leaves
+from ._equalize import equalize_leaves, rotate_leaves, smooth_leaves
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
@@ -58,6 +58,7 @@ class FoldedParams:
     # equalize=True: the layer pairs equalized, and the layers left with the reason
     equalized: list = dataclasses.field(default_factory=list)
     not_equalized: list = dataclasses.field(default_factory=list)
+    rotation: Any = None         # rotate=True: what was rotated, or why not
 
     def __str__(self) -> str:
         lines = [f"hlofold.fold_params: {len(self.changes)} site(s) written back"]
@@ -76,6 +77,8 @@ class FoldedParams:
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
         for e in self.not_equalized:
             lines.append(f"  not paired {e.kernel} ({e.location}): {e.reason}")
+        if self.rotation is not None:
+            lines.append(f"  {self.rotation}")
         return "\n".join(lines)
 
 
@@ -83,7 +86,8 @@ _NOT_WRITTEN = "not written back: "
 
 
 def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
-                smooth: Any = None, alpha: float = 0.5) -> FoldedParams:
+                smooth: Any = None, alpha: float = 0.5, rotate: bool = False,
+                seed: int = 0) -> FoldedParams:
     """Fold the normalizations of ``fn(params, *args)`` into ``params`` itself.
 
     Returns :class:`FoldedParams`: ``params`` with the same structure, folded kernels and
@@ -107,6 +111,13 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     ``probs @ v``) divided by ``s``, the input rows of every layer reading them (q/k/v,
     gate/up) multiplied — the same outputs, activations with smaller outliers.
 
+    ``rotate=True`` (a pre-RMSNorm decoder) rotates the residual stream by an orthogonal
+    ``Q`` (randomized Hadamard, ``seed``) once every norm's γ is folded: the embedding
+    ``E·Q``, every layer writing into the stream ``W·Q``, every layer reading it ``Qᵀ·W``
+    (QuaRot/SpinQuant's offline part) — the same outputs, outlier channels spread over all.
+    ``rotation`` says what was rotated, or why not (LayerNorm's centering, a γ not folded,
+    a tied embedding).
+
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back
     as they are, with no changes, and the report says which change.
     """
@@ -114,7 +125,7 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     if off is None:
         try:
             return _fold_params(fn, params, *args, equalize=equalize, smooth=smooth,
-                                alpha=alpha)
+                                alpha=alpha, rotate=rotate, seed=seed)
         except Exception as e:
             off = C.as_compat(e)
             if off is None:
@@ -124,7 +135,8 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
 
 
 def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
-                 smooth: Any = None, alpha: float = 0.5) -> FoldedParams:
+                 smooth: Any = None, alpha: float = 0.5, rotate: bool = False,
+                 seed: int = 0) -> FoldedParams:
     inner = C.jit_info(fn)
     fn = inner[0] if inner else fn
     leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -192,7 +204,11 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     new = list(arr)
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
-    eq = ([], [])
+    eq, rotation = ([], []), None
+    if rotate:                   # the stream first: smoothing then sees rotated channels
+        got, rotation = rotate_leaves(closed.jaxpr, [_host(a) for a in new], paths, seed)
+        for i, val in got.items():
+            new[i] = _like(arr[i], val)
     if equalize:                 # on the folded leaves: the same program, other values
         got, *eq = equalize_leaves(closed.jaxpr, [_host(a) for a in new], paths)
         for i, val in got.items():
@@ -206,7 +222,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         for i, val in got.items():
             new[i] = _like(arr[i], val)
         eq = (eq[0] + more[0], eq[1] + more[1])
-    out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq)
+    out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq, rotation)
     _check(ref, run(*new, *arg_leaves), closed)
     del run
     _release_freed()

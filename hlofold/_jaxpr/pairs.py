@@ -21,7 +21,7 @@ from .patterns import PATTERNS
 
 _CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _PASS = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
-_SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
 NOT_HOMOGENEOUS = {"tanh", "logistic", "exp", "log", "erf", "integer_pow", "pow", "sqrt",
                    "rsqrt", "abs", "sign", "sin", "cos", "log1p", "expm1", "clamp", "min",
                    "erf_inv", "cbrt", "square"}
@@ -46,7 +46,7 @@ class _Ctx:
     literals: dict = dataclasses.field(default_factory=dict)   # a body's var -> value
 
 
-def _index(jaxpr):
+def index_uses(jaxpr):
     uses, producer = {}, {}
     for i, e in enumerate(jaxpr.eqns):
         for k, v in enumerate(e.invars):
@@ -78,7 +78,7 @@ def find_pairs(jaxpr, n_leaves: int, norms: bool = False
     or dot whose kernel is a leaf) — and with ``norms``, at a norm's scale too (a leaf
     vector multiplied into the activations: γ); and the starts refused. Second layers
     claimed by an earlier pair are not paired again."""
-    uses, producer = _index(jaxpr)
+    uses, producer = index_uses(jaxpr)
     leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
     found, refused, claimed = [], [], set()
     for e in jaxpr.eqns:
@@ -133,7 +133,7 @@ def _norm_start(ctx, e):
             continue
         while g not in ctx.leaves:
             p = ctx.producer.get(g)
-            if p is None or p.primitive.name not in _SHAPES or len(ctx.uses.get(g, [])) != 1:
+            if p is None or p.primitive.name not in SHAPES or len(ctx.uses.get(g, [])) != 1:
                 break
             g = p.invars[0]
         gdims = [d for d, n in enumerate(getattr(g, "aval", None).shape) if n != 1] \
@@ -294,7 +294,7 @@ def _additive(ctx, v, channels: int, depth: int):
     if p is None or depth > 16 or len(ctx.uses.get(v, [])) != 1:
         return "a per-channel value that is not computed from parameter leaves alone"
     name = p.primitive.name
-    if name in _SHAPES or name == "neg":
+    if name in SHAPES or name == "neg":
         return _additive(ctx, p.invars[0], channels, depth + 1)
     if name in ("add", "sub"):
         a = _additive(ctx, p.invars[0], channels, depth + 1)
@@ -395,7 +395,7 @@ def _call(ctx, e, pos, axis):
     if body is None or len(e.outvars) != 1:
         return f"a {e.primitive.name} with several outputs"
     inner = body.jaxpr
-    uses, producer = _index(inner)
+    uses, producer = index_uses(inner)
     lits = {iv: (o.val if isinstance(o, C.Literal) else ctx.literals[o])
             for iv, o in zip(inner.invars, e.invars)
             if isinstance(o, C.Literal) or o in ctx.literals}

@@ -1,0 +1,35 @@
+"""Rotating the residual stream (QuaRot / SpinQuant, the offline part), IR-agnostic.
+
+In a pre-RMSNorm decoder whose norms' γ are folded into the layers after them, the residual
+stream ``x`` meets only additions, RMS normalization (``x / √mean(x²)``: ``mean(x Q)² =
+mean(x²)`` for an orthogonal ``Q``) and the layers that read or write it. Rotating it by
+``Q`` changes no output: the embedding becomes ``E·Q``, each layer writing into the stream
+``W·Q`` (its output channels), each reading it ``Qᵀ·W`` (its input channels). Outlier
+channels of the stream are spread over all channels: per-tensor (or per-token) activation
+quantization errs less. ``Q`` is a randomized Hadamard matrix (``diag(±1)·H/√d``) where
+``d`` is a power of two, else a random orthogonal matrix (QR of a Gaussian).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def orthogonal(d: int, seed: int = 0) -> tuple[np.ndarray, str]:
+    """``(Q, kind)``: a ``d × d`` orthogonal matrix in float64 and what it is."""
+    rng = np.random.default_rng(seed)
+    if d > 0 and d & (d - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        signs = rng.choice([-1.0, 1.0], d)
+        return signs[:, None] * h / np.sqrt(d), "randomized Hadamard"
+    q, r = np.linalg.qr(rng.standard_normal((d, d)))
+    return q * np.sign(np.diag(r))[None, :], "random orthogonal (QR)"
+
+
+def rotate(w, axis: int, q: np.ndarray) -> np.ndarray:
+    """``W`` with its ``axis`` multiplied by ``Q``: ``W·Q`` for the channels a layer writes
+    (or an embedding's features), and ``Qᵀ·W`` for the rows a layer reads — the same
+    product, ``Σ_i W[.., i, ..]·Q[i, j]``."""
+    w = np.moveaxis(np.asarray(w, np.float64), axis, -1)
+    return np.moveaxis(w @ q, -1, axis)
