@@ -110,11 +110,14 @@ def _layer_start(ctx, e):
     if pat is None:
         return None
     info = pat.inspect_root(e)
-    if isinstance(info, Refusal) or not isinstance(info.kernel_axis, int):
+    if isinstance(info, Refusal):
         return None
     k1 = e.invars[info.kernel_index]
     if k1 not in ctx.leaves:
         return None
+    if not isinstance(info.kernel_axis, int):
+        return ("a multi-head kernel (its output channels over several axes) is not paired "
+                "as a first layer", ctx.leaves[k1])
     why = _single_leaf(ctx, k1, "its kernel")
     return (why, ctx.leaves[k1]) if why else (k1, info.channel_axis, info.kernel_axis)
 
@@ -224,14 +227,15 @@ def _second(ctx, e, pos, axis):
     info = pat.inspect_root(e)
     k2 = e.invars[1 - pos]
     if isinstance(info, Refusal) or k2 not in ctx.leaves or \
-            getattr(info, "kernel_index", None) != 1 - pos or \
-            not isinstance(info.kernel_axis, int):
+            getattr(info, "kernel_index", None) != 1 - pos:
         return f"the next {e.primitive.name}'s kernel is not a parameter leaf as it is"
     why = _single_leaf(ctx, k2, "the next layer's kernel")
     if why:
         return why
-    return Second(str(ctx.leaves[k2]), in_axis, info.kernel_axis,
-                  int(e.params.get("feature_group_count", 1)))
+    # (a multi-head kernel, (d, heads, head_dim): its input rows are what is scaled; any of
+    # its output axes serves to read them)
+    out = info.kernel_axis if isinstance(info.kernel_axis, int) else info.kernel_axis.axes[0]
+    return Second(str(ctx.leaves[k2]), in_axis, out, int(e.params.get("feature_group_count", 1)))
 
 
 # ------------------------------------------------------------------ per-primitive rules

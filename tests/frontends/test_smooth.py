@@ -95,3 +95,31 @@ def test_generated_decoders(seed):
     from tests.helpers.pair_programs import decoder_program
     fn, p, x, calib, expected = decoder_program(seed)
     smoothed(fn, p, (x,), calib, pairs=expected)
+
+
+def test_multi_head_kernels():
+    """Flax DenseGeneral q/k/v with (d, heads, head_dim) kernels read a norm: their input
+    rows are smoothed; v's multi-head output as a first layer is left, said."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.RMSNorm()(x)
+            q, k, v = (nn.DenseGeneral((2, 8))(h) for _ in range(3))
+            a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+            return x + nn.DenseGeneral(16, axis=(-2, -1))(jnp.einsum("bhqk,bkhd->bqhd", a, v))
+    m = Block()
+    rng = np.random.default_rng(4)
+
+    def inputs(k):
+        x = np.random.default_rng(k).standard_normal((2, 5, 16)).astype(np.float32)
+        x[..., :2] *= 25
+        return jnp.asarray(x)
+    x = inputs(0)
+    v = m.init(jax.random.key(0), x)
+    v = jax.tree.map(lambda a: a * jnp.asarray(1 + 0.3 * rng.random(a.shape), a.dtype), v)
+    out = smoothed(m.apply, v, (x,), [inputs(k) for k in (1, 2)], pairs=1)
+    assert len(out.equalized[0].seconds) == 3
+    assert any("DenseGeneral_2" in n.kernel and "multi-head kernel" in n.reason
+               for n in out.not_equalized), str(out)
