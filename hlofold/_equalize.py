@@ -17,6 +17,7 @@ import numpy as np
 from . import _compat as C
 from ._core.equalize import equalize, smooth, spread
 from ._core.rotation import orthogonal, rotate
+from ._jaxpr.nested import inline_calls
 from ._jaxpr.pairs import Refused, find_pairs
 from ._jaxpr.stream import find_stream
 
@@ -49,6 +50,17 @@ class NotEqualized:
     kernel: str
     location: str
     reason: str
+
+
+def inlined(closed):
+    """``closed`` with its jit calls inlined (bodies within bodies too, up to a depth of
+    16): the layers of a ``@jax.jit`` helper pair with those around it."""
+    for _ in range(16):
+        at = {i for i, e in enumerate(closed.jaxpr.eqns) if C.inlinable_call(e)}
+        if not at:
+            break
+        closed = inline_calls(closed, at)
+    return closed
 
 
 def _where(eqn) -> str:

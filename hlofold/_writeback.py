@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
-from ._equalize import equalize_leaves, rotate_leaves, smooth_leaves
+from ._equalize import equalize_leaves, inlined, rotate_leaves, smooth_leaves
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
@@ -205,12 +205,13 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
     eq, rotation = ([], []), None
+    flat = inlined(closed) if rotate or equalize or smooth is not None else None
     if rotate:                   # the stream first: smoothing then sees rotated channels
-        got, rotation = rotate_leaves(closed.jaxpr, [_host(a) for a in new], paths, seed)
+        got, rotation = rotate_leaves(flat.jaxpr, [_host(a) for a in new], paths, seed)
         for i, val in got.items():
             new[i] = _like(arr[i], val)
     if equalize:                 # on the folded leaves: the same program, other values
-        got, *eq = equalize_leaves(closed.jaxpr, [_host(a) for a in new], paths)
+        got, *eq = equalize_leaves(flat.jaxpr, [_host(a) for a in new], paths)
         for i, val in got.items():
             new[i] = _like(arr[i], val)
     if smooth is not None:
@@ -218,7 +219,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         if any(len(c) != len(arg_leaves) for c in calib):
             raise ValueError("hlofold.fold_params: each smooth= input must be the model's "
                              f"arguments after params ({len(arg_leaves)} array(s))")
-        got, *more = smooth_leaves(closed, [_host(a) for a in new], paths, calib, alpha)
+        got, *more = smooth_leaves(flat, [_host(a) for a in new], paths, calib, alpha)
         for i, val in got.items():
             new[i] = _like(arr[i], val)
         eq = (eq[0] + more[0], eq[1] + more[1])

@@ -235,3 +235,27 @@ def test_generated_chains(seed):
     fn, p, x, expected, spec = program(seed)
     out = equalized(fn, p, x, pairs=expected)
     assert len(out.equalized) + len(out.not_equalized) >= len(spec[0]), (spec, str(out))
+
+
+def test_layers_in_jitted_helpers_pair():
+    """Layers inside ``@jax.jit`` helpers (one per layer, as hand-written code has) pair
+    with each other as if written inline."""
+    from jax import lax
+
+    @jax.jit
+    def conv_relu(x, k, b):
+        y = lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + b)
+
+    def f(p, x):
+        for i in range(3):
+            x = conv_relu(x, p[f"k{i}"], p[f"b{i}"])
+        return x.mean((1, 2)) @ p["head"]
+    rng = np.random.default_rng(7)
+    p = {f"k{i}": jnp.asarray(rng.standard_normal((3, 3, 3 if i == 0 else 8, 8)) *
+                              10 ** rng.uniform(-1, 1, 8), jnp.float32) for i in range(3)}
+    p.update({f"b{i}": jnp.asarray(rng.standard_normal(8), jnp.float32) for i in range(3)})
+    p["head"] = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    out = equalized(f, p, IMG, pairs=3)
+    assert [e.biases for e in out.equalized] == [["['b0']"], ["['b1']"], ["['b2']"]]
