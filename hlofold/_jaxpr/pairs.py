@@ -160,6 +160,9 @@ def _follow(ctx, v, axis: int):
         u = ctx.uses.get(v, [])
         if any(e is None for e, _ in u):
             return "its output is a program output before another layer reads it"
+        if len(u) == 3 and (leaky := _leaky(ctx, u)) is not None:
+            v = leaky                               # (the channel axis stays)
+            continue
         if len(u) > 1:
             seconds = [_second(ctx, e, pos, axis) for e, pos in u]
             if all(not isinstance(x, str) for x in seconds):
@@ -191,6 +194,22 @@ def _follow(ctx, v, axis: int):
             return got
         v, axis = e.outvars[0], got
     return "the path is too long"
+
+
+def _leaky(ctx, u):
+    """LeakyReLU / PReLU, ``where(x >= 0, x, a·x)``: the comparison with 0, the product by
+    a slope (one or one per channel), the select; its output, or None. Positive scales keep
+    the sign, and the product commutes with them."""
+    by = {e.primitive.name: (e, pos) for e, pos in u}
+    cmp, mul, sel = by.get("ge") or by.get("gt"), by.get("mul"), by.get("select_n")
+    if cmp is None or mul is None or sel is None or cmp[1] != 0 or \
+            not _is_zero(ctx, cmp[0].invars[1]):
+        return None
+    c, m, s = cmp[0].outvars[0], mul[0].outvars[0], sel[0]
+    if s.invars[0] is not c or len(s.invars) != 3 or s.invars[1] is not m or sel[1] != 2 or \
+            len(ctx.uses.get(c, [])) != 1 or len(ctx.uses.get(m, [])) != 1:
+        return None
+    return s.outvars[0]
 
 
 def _through_dot(ctx, e, pos, axis):

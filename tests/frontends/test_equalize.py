@@ -150,6 +150,20 @@ def test_activation_not_positively_homogeneous_refused(name):
     assert why in left["Conv_0"] and why in left["Conv_1"], str(out)
 
 
+@pytest.mark.parametrize("kind", ["leaky_relu", "prelu"])
+def test_leaky_relu_and_prelu_pass(kind):
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            act = (lambda x: nn.leaky_relu(x, 0.2)) if kind == "leaky_relu" else nn.PReLU()
+            x = act(nn.BatchNorm(use_running_average=True)(nn.Conv(8, (3, 3))(x)))
+            return nn.Conv(4, (1, 1))(x)
+    m = Net()
+    equalized(m.apply, spread_bn(m.init(jax.random.key(2), IMG)), IMG, pairs=1)
+
+
 def test_residual_add_and_shared_kernel_refused():
     import flax.linen as nn
 

@@ -1,7 +1,7 @@
 """Generated programs for the differential test of cross-layer equalization: a chain of
 convolutions (dense, grouped, depthwise) and a final Dense, with random operations between
 layers — ones equalization passes (bias, BatchNorm arithmetic, ReLU, max(x, 0), pooling,
-zero padding, a transpose there and back) and ones it must stop at (ReLU6, tanh, a
+zero padding, a transpose there and back, LeakyReLU) and ones it must stop at (ReLU6, tanh, a
 residual add, a nonzero constant added, a shared kernel, a flatten). :func:`program`
 gives ``(fn, params, x, expected pairs)``."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-PASS = ["bias", "bn", "relu", "max0", "maxpool", "avgpool", "pad", "transpose"]
+PASS = ["bias", "bn", "relu", "max0", "maxpool", "avgpool", "pad", "transpose", "leaky"]
 STOP = ["relu6", "tanh", "residual", "add_const", "max_half"]
 
 
@@ -29,6 +29,8 @@ def _op(name, x, p, key):
         return (x - p[key + "m"]) * inv + p[key + "beta"]
     if name == "relu":
         return jax.nn.relu(x)
+    if name == "leaky":
+        return jax.nn.leaky_relu(x, 0.1)
     if name == "max0":
         return jnp.maximum(x, 0.0)
     if name == "maxpool":
