@@ -113,8 +113,12 @@ def _layer_start(ctx, e):
     if isinstance(info, Refusal):
         return None
     k1 = e.invars[info.kernel_index]
-    if k1 not in ctx.leaves:
-        return None
+    if k1 not in ctx.leaves:       # (the weight on the lhs: Equinox's W @ x)
+        info = next((a for a in pat.alternatives(e) if e.invars[a.kernel_index] in ctx.leaves),
+                    None)
+        if info is None:
+            return None
+        k1 = e.invars[info.kernel_index]
     if not isinstance(info.kernel_axis, int):
         return ("a multi-head kernel (its output channels over several axes) is not paired "
                 "as a first layer", ctx.leaves[k1])
@@ -130,8 +134,8 @@ def _norm_start(ctx, e):
     out = e.outvars[0].aval.shape
     for k, g in enumerate(e.invars):
         shape = getattr(getattr(g, "aval", None), "shape", ())
-        dims = [d for d, n in enumerate(shape) if n != 1]
-        if len(shape) != len(out) or len(dims) != 1 or shape[dims[0]] != out[dims[0]] or \
+        axis = varying_axis(ctx.producer, g, len(out)) if len(shape) == len(out) else None
+        if axis is None or axis < 0 or shape[axis] != out[axis] or \
                 not isinstance(e.invars[1 - k], C.Var):
             continue
         while g not in ctx.leaves:
@@ -141,9 +145,32 @@ def _norm_start(ctx, e):
             g = p.invars[0]
         gdims = [d for d, n in enumerate(getattr(g, "aval", None).shape) if n != 1] \
             if g in ctx.leaves else []
-        if g in ctx.leaves and len(gdims) == 1:
+        if g in ctx.leaves and len(gdims) == 1 and g.aval.shape[gdims[0]] == out[axis]:
             why = _single_leaf(ctx, g, "the norm's scale")
-            return (why, ctx.leaves[g]) if why else (g, dims[0], gdims[0])
+            return (why, ctx.leaves[g]) if why else (g, axis, gdims[0])
+    return None
+
+
+def varying_axis(producer, v, rank: int):
+    """The one axis along which ``v`` (of rank ``rank``) varies, where it is a broadcast
+    of values with one non-unit axis (``jnp`` broadcasting a bias or a norm's scale to the
+    activations' shape); -1 where it varies along none; None otherwise."""
+    mapping = list(range(rank))            # v's axes -> the first value's
+    for _ in range(8):
+        shape = v.aval.shape
+        dims = [d for d, n in enumerate(shape) if n != 1]
+        if len(dims) <= 1:
+            return (mapping[dims[0]] if mapping[dims[0]] is not None else None) \
+                if dims else -1
+        p = producer.get(v)
+        if p is None or p.primitive.name != "broadcast_in_dim":
+            return None
+        src, bd = p.invars[0], p.params["broadcast_dimensions"]
+        if not isinstance(src, C.Var):
+            return None
+        mapping = [mapping[bd[i]] if src.aval.shape[i] == shape[bd[i]] else None
+                   for i in range(src.aval.ndim)]
+        v = src
     return None
 
 
@@ -244,6 +271,8 @@ def _second(ctx, e, pos, axis):
     if act_axis != axis:
         return f"the next {e.primitive.name} does not contract the channel axis"
     info = pat.inspect_root(e)
+    if getattr(info, "kernel_index", None) != 1 - pos:     # (the weight on the lhs: W @ x)
+        info = next((a for a in pat.alternatives(e) if a.kernel_index == 1 - pos), info)
     k2 = e.invars[1 - pos]
     if isinstance(info, Refusal) or k2 not in ctx.leaves or \
             getattr(info, "kernel_index", None) != 1 - pos:
@@ -290,7 +319,7 @@ def _bias(ctx, e, pos, axis):
     out = e.outvars[0].aval.shape
     shape = getattr(getattr(b, "aval", None), "shape", None)
     if shape is None or len(shape) != len(out) or shape[axis] != out[axis] or \
-            any(n != 1 for d, n in enumerate(shape) if d != axis):
+            varying_axis(ctx.producer, b, len(out)) != axis:
         return (f"{e.primitive.name} of a value that is not one per channel (a residual "
                 f"add ties channels)")
     found = _additive(ctx, b, out[axis], 0)

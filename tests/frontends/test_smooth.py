@@ -123,3 +123,59 @@ def test_multi_head_kernels():
     assert len(out.equalized[0].seconds) == 3
     assert any("DenseGeneral_2" in n.kernel and "multi-head kernel" in n.reason
                for n in out.not_equalized), str(out)
+
+
+def _outlier_inputs(shape, k):
+    x = np.random.default_rng(k).standard_normal(shape).astype(np.float32)
+    x[..., :2] *= 25
+    return jnp.asarray(x)
+
+
+def test_haiku_rmsnorm_linear():
+    import haiku as hk
+
+    def net(x):
+        h = hk.RMSNorm(-1)(x)
+        return jax.nn.relu(hk.Linear(24)(h)) @ hk.get_parameter("w2", (24, 16), init=jnp.ones)
+    t = hk.without_apply_rng(hk.transform(net))
+    x = _outlier_inputs((4, 16), 0)
+    p = jax.tree.map(lambda a: a * (1 + 0.3 * np.random.default_rng(1).random(a.shape))
+                     .astype(np.float32), t.init(jax.random.key(0), x))
+    smoothed(t.apply, p, (x,), [_outlier_inputs((4, 16), k) for k in (1, 2)], pairs=2)
+
+
+def test_equinox_layernorm_linear():
+    """Equinox's Linear computes ``W @ x`` (the weight on the left): its input columns."""
+    import equinox as eqx
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = (eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 24, key=k1), eqx.nn.Linear(24, 8, key=k2))
+    params, static = eqx.partition(model, eqx.is_array)
+    params = jax.tree.map(lambda a: a * (1 + 0.3 * np.random.default_rng(2).random(a.shape))
+                          .astype(np.float32), params)
+
+    def f(p, x):
+        n, a, b = eqx.combine(p, static)
+        return jax.vmap(lambda r: b(jax.nn.relu(a(n(r)))))(x)
+    x = _outlier_inputs((4, 16), 3)
+    out = smoothed(f, params, (x,), [_outlier_inputs((4, 16), k) for k in (4, 5)], pairs=2)
+    assert any(e.first.endswith(".weight") and len(e.biases) == 1 for e in out.equalized)
+
+
+def test_keras_layernorm_dense():
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    inp = keras.Input((16,))
+    h = keras.layers.LayerNormalization()(inp)
+    y = keras.layers.Dense(8)(keras.layers.ReLU()(keras.layers.Dense(24)(h)))
+    model = keras.Model(inp, y)
+    rng = np.random.default_rng(3)
+    for w in model.weights:
+        w.assign(np.asarray(w.value) + 0.3 * rng.random(w.shape))
+    tv = [w.value for w in model.trainable_variables]
+    f = lambda ws, x: model.stateless_call(ws, [], x)[0]          # noqa: E731
+    x = _outlier_inputs((4, 16), 6)
+    out = smoothed(f, tv, (x,), [_outlier_inputs((4, 16), k) for k in (7, 8)], pairs=1)
+    # Keras' LayerNormalization multiplies γ into a factor it applies to x and to the mean
+    # (x·inv + (β − mean·inv)): two readers, so the norm is left, saying so
+    assert any(n.kernel == "[0]" and "read 2 times" in n.reason for n in out.not_equalized)
