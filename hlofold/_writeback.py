@@ -46,6 +46,10 @@ class ParamChange:
     kernel: str                  # the rescaled kernel
     bias: str | None             # the leaf that carries the folded shift t, if any
     identity: list[str]          # leaves set to an identity (γ → 1, σ² → 1 − ε, μ, β → 0)
+    # what the site absorbed, as it was: path -> the original value of each identity leaf
+    # and of the bias slot (a BN's γ, β, μ, σ²; a norm's γ) — for a quantizer's own pass
+    # (high-bias absorption reads β and γ); top-level sites (a stack's are per layer)
+    absorbed: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -223,6 +227,11 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         for i, val in got.items():
             new[i] = _like(arr[i], val)
         eq = (eq[0] + more[0], eq[1] + more[1])
+    where = {p: i for i, p in enumerate(paths)}
+    for c in changes:
+        if c.site.layers is None:
+            c.absorbed = {p: np.array(known[where[p]]) if known[where[p]] is not None
+                          else None for p in [*c.identity, *([c.bias] if c.bias else [])]}
     out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq, rotation)
     _check(ref, run(*new, *arg_leaves), closed)
     del run

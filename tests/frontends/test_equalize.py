@@ -273,3 +273,15 @@ def test_layers_in_jitted_helpers_pair():
     p["head"] = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
     out = equalized(f, p, IMG, pairs=3)
     assert [e.biases for e in out.equalized] == [["['b0']"], ["['b1']"], ["['b2']"]]
+
+
+def test_each_change_says_what_it_absorbed():
+    """The BN parameters a folded site absorbed, by path, as they were (for a quantizer's own
+    passes: high-bias absorption reads β and γ)."""
+    f, v = mobile()
+    out = hlofold.fold_params(f, v, IMG)
+    c = out.changes[0]
+    got = {p.split("'")[-2]: a for p, a in c.absorbed.items()}
+    assert set(got) == {"mean", "var", "scale", "bias"}, c.absorbed
+    np.testing.assert_array_equal(got["scale"], v["params"]["BatchNorm_0"]["scale"])
+    np.testing.assert_array_equal(got["var"], v["batch_stats"]["BatchNorm_0"]["var"])
