@@ -128,8 +128,9 @@ def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alp
             m = a.reshape(-1, a.shape[-1]).max(axis=0)
             xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
     values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
-    new, scales = smooth(values, [f.pair for f in ok], xmax, alpha)
-    out = {int(k): v.astype(values[k].dtype) for k, v in new.items()}
+    new, scales = smooth(values, [f.pair for f in ok], xmax, alpha,
+                         store=lambda k, v: v.astype(values[k].dtype))   # (rounded per pair)
+    out = {int(k): v for k, v in new.items()}
     return (out, *_records(ok, scales, values, new, paths, refused, "smoothed"))
 
 

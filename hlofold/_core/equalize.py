@@ -153,16 +153,25 @@ def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
     return s
 
 
-def smooth(values: dict, pairs: list[Pair], xmax: list[np.ndarray], alpha: float
-           ) -> tuple[dict, list[np.ndarray]]:
-    """Each pair's smoothing scales applied once: the new float64 values, the scales."""
-    work = {k: np.asarray(values[k], np.float64) for p in pairs for k in p.keys()}
-    out = []
+def smooth(values: dict, pairs: list[Pair], xmax: list[np.ndarray], alpha: float,
+           store=None) -> tuple[dict, list[np.ndarray]]:
+    """Each pair's smoothing scales applied once, pair by pair: only that pair's leaves are
+    held in float64 (a 0.5 B decoder's kernels are not all copied at once); ``store(key,
+    value)`` takes each new value as its pair is done (and ``values`` is read for the
+    next pairs with it). Returns the new float64 values (``store`` None) and the scales."""
+    out, scales = {}, []
     for p, x in zip(pairs, xmax):
+        work = {k: np.asarray(out.get(k, values[k]), np.float64) for k in p.keys()}
         s = smoothing(np.asarray(x, np.float64), input_ranges(work, p, len(x)), alpha)
         apply(work, p, s)
-        out.append(s)
-    return work, out
+        scales.append(s)
+        for k, v in work.items():
+            if store is None:
+                out[k] = v
+            else:
+                out[k] = store(k, v)
+        del work
+    return out, scales
 
 
 def spread(values: dict, key: str, axis: int) -> float:
