@@ -150,10 +150,11 @@ def measure_equalize(f, params, x, qwix_run=None):
 
 
 def qwix_weights_per_tensor(f, x):
-    """Qwix's PTQ with int8 weights, one scale per tensor (``disable_channelwise_axes``),
-    activations in float: ``variables -> outputs``."""
+    """Qwix's PTQ with int8 weights with one scale per tensor (``disable_channelwise_axes``)
+    and int8 activations (Qwix quantizes a convolution's weights only with its
+    activations): ``variables -> outputs``."""
     import qwix
-    rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int8,
+    rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8,
                          disable_channelwise_axes=True)]
     ptq = qwix.quantize_model(f.__self__, qwix.PtqProvider(rules))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
@@ -165,7 +166,7 @@ def qwix_weights_per_tensor(f, x):
 
 
 def equalize_table(seeds, use_qwix: bool) -> list[str]:
-    what = "Qwix int8 weights per tensor" if use_qwix else "int8 weights per tensor"
+    what = "Qwix w8a8, weights per tensor" if use_qwix else "int8 weights per tensor"
     lines = [f"| model | {what}: unfolded | folded | folded + `equalize=True` | "
              "per channel, folded (plain quantizer) | equalized / folded | pairs |",
              "|---|---|---|---|---|---|---|"]
