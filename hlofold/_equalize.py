@@ -107,8 +107,8 @@ def equalize_leaves(jaxpr, leaves: list, paths: list[str]
     return (out, *_records(ok, scales, values, new, paths, refused))
 
 
-def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alpha: float
-                  ) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
+def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alpha: float,
+                  place=None) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
     """SmoothQuant's scales moved into the model: each norm's γ (and β) or layer's output
     channels divided, the layers reading them multiplied, by ``s_j = max|X_j|^α /
     max|W_j|^(1−α)`` where ``X`` is what those layers read on the ``calibration`` inputs
@@ -128,9 +128,11 @@ def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alp
             m = a.reshape(-1, a.shape[-1]).max(axis=0)
             xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
     values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
-    new, scales = smooth(values, [f.pair for f in ok], xmax, alpha,
-                         store=lambda k, v: v.astype(values[k].dtype))   # (rounded per pair)
-    out = {int(k): v for k, v in new.items()}
+    def store(k, v):                 # rounded per pair; placed at once where asked
+        v = v.astype(values[k].dtype)
+        return v if place is None else place(int(k), v)
+    new, scales = smooth(values, [f.pair for f in ok], xmax, alpha, store=store)
+    out = {} if place is not None else {int(k): v for k, v in new.items()}
     return (out, *_records(ok, scales, values, new, paths, refused, "smoothed"))
 
 
@@ -154,9 +156,11 @@ class Rotation:
                 f"{len(self.writers)} writing into it")
 
 
-def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0
+def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0, place=None
                   ) -> tuple[dict, Rotation]:
-    """The new values of the leaves rotating the residual stream changes, and the record."""
+    """The new values of the leaves rotating the residual stream changes, and the record.
+    ``place(i, value)`` (where given) takes each as it is made, and the dict stays empty:
+    one rotated leaf on the host at a time."""
     s = find_stream(jaxpr, len(leaves))
     if isinstance(s, str):
         return {}, Rotation(s)
@@ -165,14 +169,21 @@ def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0
         if g.size and not np.all(g == g.reshape(-1)[0]):
             return {}, Rotation(f"the norm scale {paths[i]} varies per channel (γ not "
                                 f"folded: fold_params folds it where all its readers fold)")
-    q, kind = orthogonal(s.width, seed)
-    out = {}
-    for i, axis in [s.embedding, *s.readers, *s.writers]:
-        if i in out:
-            return {}, Rotation(f"{paths[i]} both reads and writes the stream")
+    todo = [s.embedding, *s.readers, *s.writers]
+    if len({i for i, _ in todo}) < len(todo):
+        return {}, Rotation("a weight both reads and writes the stream")
+    for i, axis in todo:
         a = np.asarray(leaves[i])
         if not np.issubdtype(a.dtype, np.floating) or a.shape[axis] != s.width:
             return {}, Rotation(f"{paths[i]} is not a float weight over the stream's channels")
-        out[i] = rotate(a, axis, q).astype(a.dtype)
+    q, kind = orthogonal(s.width, seed)
+    out = {}
+    for i, axis in todo:
+        val = rotate(np.asarray(leaves[i]), axis, q)
+        if place is None:
+            out[i] = val
+        else:
+            place(i, val)
+        del val
     return out, Rotation(None, s.width, kind, paths[s.embedding[0]],
                          [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])

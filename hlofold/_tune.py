@@ -14,11 +14,15 @@ slower than the program compiled with XLA's defaults would be:
   compiling the option's executable in a background thread (XLA releases the GIL while it
   compiles; a program called once never pays for it, and the interpreter waits for a
   compile under way before it exits — a daemon thread inside XLA then would abort it);
-* until that is ready, calls run the defaults; then the next :data:`SAMPLES` calls of each
-  run the two in turn, each timed (so those calls wait for their results), and the option is
-  kept only where both its fastest and its median call beat the defaults' by more than
-  :data:`MARGIN` (a machine busy with other work while measuring keeps the defaults: a
-  wrong choice costs up to 1.7×);
+* until that is ready, calls run the defaults; then the two run in turn in bursts of
+  :data:`BURST` calls, all but the first of a burst timed (so those calls wait for their
+  results), until each has :data:`SAMPLES` timed calls, and the option is kept only where
+  both its fastest and its median call beat the defaults' by more than :data:`MARGIN` (a
+  machine busy with other work while measuring keeps the defaults: a wrong choice costs up
+  to 1.7×). Bursts, because an executable called right after the other one runs on caches
+  the other left (YNNPACK's packed weights among them): call by call in turn, both ran 2×
+  slower than either alone, and at one size the option measured faster that way and was
+  1.7× slower alone;
 * from then on every call runs the chosen executable alone (the steady path calls it
   directly); the report says what was measured (``compile_options``, ``compile_note``);
 * programs that donate inputs or have side effects keep the defaults (they cannot run twice).
@@ -41,7 +45,11 @@ from ._core.report import FoldReport
 # the option is kept only where it is this much faster than XLA's defaults (timing noise)
 MARGIN = 0.03
 # timed calls of each executable before the choice
-SAMPLES = 5
+SAMPLES = 6
+# consecutive calls of one executable while measuring (the first of them not timed)
+BURST = 3
+# the calls measuring takes, once the option's executable is ready
+MEASURING = 2 * BURST * -(-SAMPLES // (BURST - 1))
 # compile the option's executable in a background thread (False: on the first call)
 BACKGROUND = True
 
@@ -86,7 +94,7 @@ class Tuned:
         self._ready = threading.Event()  # the option's executable is compiled
         self._calls = 0                  # calls before the option's compile starts
         self._times: list[list[float]] = [[], []]
-        self._turn = 0
+        self._turn = 0                   # the measuring call's number (bursts of BURST)
         self.chosen: Callable | None = None
         self.chosen_options: dict | None = None
 
@@ -100,14 +108,16 @@ class Tuned:
             self._calls += 1
             if self._calls == 2 or (self._calls == 1 and not BACKGROUND):
                 self._compile_option(args)
-            k = self._turn if self._ready.is_set() and self.chosen is None else None
-            if k is not None:
-                self._turn = 1 - k
-        if k is None:                    # still compiling, or chosen meanwhile
+            n = self._turn if self._ready.is_set() and self.chosen is None else None
+            if n is not None:
+                self._turn = n + 1
+        if n is None:                    # still compiling, or chosen meanwhile
             return (self.chosen or self._fns[0])(*args)
+        k = (n // BURST) % 2
         t0 = time.perf_counter()
         out = jax.block_until_ready(self._fns[k](*args))
-        self._record(k, time.perf_counter() - t0)
+        if n % BURST:                    # (a burst's first call warms its caches)
+            self._record(k, time.perf_counter() - t0)
         return out
 
     def _compile_option(self, args: tuple) -> None:

@@ -210,10 +210,12 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         new[i] = _like(arr[i], writer.assign.pop(i))
     eq, rotation = ([], []), None
     flat = inlined(closed) if rotate or equalize or smooth is not None else None
+
+    def place(i, val):           # one leaf at a time: its host copy dropped once placed
+        new[i] = _like(arr[i], val)
+        return new[i]
     if rotate:                   # the stream first: smoothing then sees rotated channels
-        got, rotation = rotate_leaves(flat.jaxpr, [_host(a) for a in new], paths, seed)
-        for i, val in got.items():
-            new[i] = _like(arr[i], val)
+        _, rotation = rotate_leaves(flat.jaxpr, [_host(a) for a in new], paths, seed, place)
     if equalize:                 # on the folded leaves: the same program, other values
         got, *eq = equalize_leaves(flat.jaxpr, [_host(a) for a in new], paths)
         for i, val in got.items():
@@ -223,9 +225,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         if any(len(c) != len(arg_leaves) for c in calib):
             raise ValueError("hlofold.fold_params: each smooth= input must be the model's "
                              f"arguments after params ({len(arg_leaves)} array(s))")
-        got, *more = smooth_leaves(flat, [_host(a) for a in new], paths, calib, alpha)
-        for i, val in got.items():
-            new[i] = _like(arr[i], val)
+        _, *more = smooth_leaves(flat, [_host(a) for a in new], paths, calib, alpha, place)
         eq = (eq[0] + more[0], eq[1] + more[1])
     where = {p: i for i, p in enumerate(paths)}
     for c in changes:

@@ -27,9 +27,18 @@ def orthogonal(d: int, seed: int = 0) -> tuple[np.ndarray, str]:
     return q * np.sign(np.diag(r))[None, :], "random orthogonal (QR)"
 
 
-def rotate(w, axis: int, q: np.ndarray) -> np.ndarray:
+ROWS = 1 << 12          # rows of a weight rotated at once (its float64 part: ROWS × d)
+
+
+def rotate(w, axis: int, q: np.ndarray, dtype=None) -> np.ndarray:
     """``W`` with its ``axis`` multiplied by ``Q``: ``W·Q`` for the channels a layer writes
     (or an embedding's features), and ``Qᵀ·W`` for the rows a layer reads — the same
-    product, ``Σ_i W[.., i, ..]·Q[i, j]``."""
-    w = np.moveaxis(np.asarray(w, np.float64), axis, -1)
-    return np.moveaxis(w @ q, -1, axis)
+    product, ``Σ_i W[.., i, ..]·Q[i, j]`` — exact in float64, rounded once to ``dtype``
+    (``W``'s by default), :data:`ROWS` rows at a time (no float64 copy of a large weight)."""
+    w = np.asarray(w)
+    moved = np.moveaxis(w, axis, -1)
+    rows = moved.reshape(-1, moved.shape[-1])
+    out = np.empty(rows.shape, dtype or w.dtype)
+    for i in range(0, rows.shape[0], ROWS):
+        out[i:i + ROWS] = rows[i:i + ROWS].astype(np.float64) @ q
+    return np.moveaxis(out.reshape(moved.shape), -1, axis)

@@ -62,8 +62,8 @@ def measured(monkeypatch):
 
 def settle(f, *args):
     """Call ``f`` until its program has measured both executables (the first call, then
-    SAMPLES of each in turn); the outputs of every call."""
-    return [f(*args) for _ in range(1 + 2 * T.SAMPLES)]
+    SAMPLES of each in bursts); the outputs of every call."""
+    return [f(*args) for _ in range(1 + T.MEASURING)]
 
 
 @cpu_only
@@ -125,8 +125,9 @@ def test_the_defaults_are_kept_where_the_option_is_not_faster(repvgg, measured):
 @cpu_only
 def test_the_calls_measure_both_in_the_background_and_keep_one(repvgg, monkeypatch):
     """Unforced: the first call runs XLA's defaults while the option compiles in the
-    background; once it is ready, calls run the two in turn until each ran SAMPLES times,
-    then the faster alone — from eight threads calling at once too; every output right."""
+    background; once it is ready, calls run the two in turn, in bursts, until each ran
+    SAMPLES timed calls, then the faster alone — from eight threads calling at once too;
+    every output right."""
     import threading
     apply, v, x, ref = repvgg
     if not X.option_supported(X.YNN_FUSION, X.YNN_SINGLE_OPS):
@@ -230,7 +231,27 @@ def test_split_apply_under_the_users_jit_with_the_option_chosen(repvgg, measured
     f = hlofold.fold(apply)
     s = f.split(v, x)
     prepared = s.prepare(v, x)
-    for _ in range(1 + 2 * T.SAMPLES):
+    for _ in range(1 + T.MEASURING):
         assert_close(ref, s.apply(prepared, v, x), depth=12)
     assert f.report(v, x).compile_options
     assert_close(ref, jax.jit(lambda pr, x: s.apply(pr, v, x))(prepared, x), depth=12)
+
+
+@cpu_only
+def test_measuring_runs_each_executable_in_bursts(repvgg, measured, monkeypatch):
+    """Each executable runs BURST calls in a row while measuring, the first untimed: call by
+    call in turn, each ran on the caches the other left."""
+    apply, v, x, ref = repvgg
+    if not X.option_supported(X.YNN_FUSION, X.YNN_SINGLE_OPS):
+        pytest.skip("this jaxlib does not take the option")
+    measured(1e-3, 2e-3)
+    seen = []
+    real = T.Tuned._record
+    monkeypatch.setattr(T.Tuned, "_record", lambda self, k, dt: (seen.append(k),
+                                                                 real(self, k, dt)))
+    f = hlofold.fold(apply)
+    settle(f, v, x)
+    timed = T.BURST - 1
+    assert seen[:2 * timed] == [0] * timed + [1] * timed
+    assert seen.count(0) == seen.count(1) >= T.SAMPLES
+    assert f.report(v, x).compile_options == {}
