@@ -187,3 +187,38 @@ def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0, place=No
         del val
     return out, Rotation(None, s.width, kind, paths[s.embedding[0]],
                          [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])
+
+
+def calibration_inputs(smooth, n_args: int) -> list | None:
+    """``smooth=``'s calibration inputs as lists of the model's argument leaves (each item
+    the ``args`` of a call, or one array for a one-argument model); a clear error else."""
+    if smooth is None:
+        return None
+    calib = [jax.tree.leaves(c if isinstance(c, tuple) else (c,)) for c in smooth]
+    if not calib or any(len(c) != n_args for c in calib):
+        raise ValueError("hlofold.fold_params: each smooth= input must be the model's "
+                         f"arguments after params ({n_args} array(s)); got "
+                         f"{[len(c) for c in calib] or 'none'}")
+    return calib
+
+
+def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bool,
+            smooth: list | None, alpha: float, rotate: bool, seed: int) -> tuple:
+    """``fold_params``' rewrites after the fold, in order — the stream rotated (smoothing
+    then sees rotated channels), pairs equalized, then smoothed — each on the leaves as the
+    one before left them (``leaves``: changed through ``place(i, value)``; ``host(leaf)``:
+    its value on the host). Returns ``((equalized, not_equalized), rotation)``."""
+    eq, rotation = ([], []), None
+    if not (rotate or equalize or smooth is not None):
+        return eq, rotation
+    flat = inlined(closed)
+    if rotate:
+        _, rotation = rotate_leaves(flat.jaxpr, [host(a) for a in leaves], paths, seed, place)
+    if equalize:
+        got, *eq = equalize_leaves(flat.jaxpr, [host(a) for a in leaves], paths)
+        for i, val in got.items():
+            place(i, val)
+    if smooth is not None:
+        _, *more = smooth_leaves(flat, [host(a) for a in leaves], paths, smooth, alpha, place)
+        eq = (eq[0] + more[0], eq[1] + more[1])
+    return eq, rotation

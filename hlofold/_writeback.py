@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
-from ._equalize import equalize_leaves, inlined, rotate_leaves, smooth_leaves
+from ._equalize import calibration_inputs, rewrite
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
@@ -101,26 +101,14 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     (Orbax) or to hand to a quantizer. ``args`` are example inputs (shapes and dtypes matter,
     not values). Leaves that are not arrays (Equinox's static fields) are passed through.
 
-    ``equalize=True`` then equalizes the channels of each pair of layers joined by a
-    positively homogeneous path (conv/dot → bias, ReLU, pooling → conv/dot; Nagel et al.
-    2019, cross-layer equalization): the first kernel's output channels (and the biases on
-    the way) divided by per-channel scales the second kernel's input channels are multiplied
-    by — the same outputs, kernels whose channels have like ranges (for a per-tensor
-    quantizer). ``equalized`` / ``not_equalized`` say which pairs, and why not the rest.
-
-    ``smooth=[inputs, ...]`` (calibration inputs: each the ``args`` of a call, or one array
-    for a one-argument model) moves SmoothQuant's per-channel scales ``s_j = max|X_j|^α /
-    max|W_j|^(1−α)`` (``alpha``) out of the activations ``X`` the layers read into their
-    weights: a norm's γ and β (or the layer before, through a gated product or attention's
-    ``probs @ v``) divided by ``s``, the input rows of every layer reading them (q/k/v,
-    gate/up) multiplied — the same outputs, activations with smaller outliers.
-
-    ``rotate=True`` (a pre-RMSNorm decoder) rotates the residual stream by an orthogonal
-    ``Q`` (randomized Hadamard, ``seed``) once every norm's γ is folded: the embedding
-    ``E·Q``, every layer writing into the stream ``W·Q``, every layer reading it ``Qᵀ·W``
-    (QuaRot/SpinQuant's offline part) — the same outputs, outlier channels spread over all.
-    ``rotation`` says what was rotated, or why not (LayerNorm's centering, a γ not folded,
-    a tied embedding).
+    Then, each keeping the same outputs and making the tree quantize better
+    (``docs/quantization.md``): ``equalize=True`` equalizes the channels of each pair of
+    layers joined by a positively homogeneous path (cross-layer equalization; CNNs quantized
+    per tensor); ``smooth=[inputs, ...]`` (calibration inputs: each a call's ``args``, or one
+    array) moves SmoothQuant's scales ``max|X_j|^α / max|W_j|^(1−α)`` (``alpha``) from the
+    activations into the weights; ``rotate=True`` rotates a pre-RMSNorm decoder's residual
+    stream by an orthogonal ``Q`` (``seed``). ``equalized``, ``not_equalized`` and
+    ``rotation`` say what was done, and why not the rest.
 
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back
     as they are, with no changes, and the report says which change.
@@ -148,6 +136,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     arr = [l for (_, l), a in zip(leaves_p, is_arr) if a]
     paths = [jax.tree_util.keystr(p) for (p, _), a in zip(leaves_p, is_arr) if a]
     arg_leaves, arg_tree = jax.tree.flatten(args)
+    calib = calibration_inputs(smooth, len(arg_leaves))
 
     def rebuild(vals):
         it = iter(vals)
@@ -208,25 +197,11 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     new = list(arr)
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
-    eq, rotation = ([], []), None
-    flat = inlined(closed) if rotate or equalize or smooth is not None else None
-
     def place(i, val):           # one leaf at a time: its host copy dropped once placed
         new[i] = _like(arr[i], val)
         return new[i]
-    if rotate:                   # the stream first: smoothing then sees rotated channels
-        _, rotation = rotate_leaves(flat.jaxpr, [_host(a) for a in new], paths, seed, place)
-    if equalize:                 # on the folded leaves: the same program, other values
-        got, *eq = equalize_leaves(flat.jaxpr, [_host(a) for a in new], paths)
-        for i, val in got.items():
-            new[i] = _like(arr[i], val)
-    if smooth is not None:
-        calib = [jax.tree.leaves(c if isinstance(c, tuple) else (c,)) for c in smooth]
-        if any(len(c) != len(arg_leaves) for c in calib):
-            raise ValueError("hlofold.fold_params: each smooth= input must be the model's "
-                             f"arguments after params ({len(arg_leaves)} array(s))")
-        _, *more = smooth_leaves(flat, [_host(a) for a in new], paths, calib, alpha, place)
-        eq = (eq[0] + more[0], eq[1] + more[1])
+    eq, rotation = rewrite(closed, new, paths, place, _host, equalize=equalize, smooth=calib,
+                           alpha=alpha, rotate=rotate, seed=seed)
     where = {p: i for i, p in enumerate(paths)}
     for c in changes:
         if c.site.layers is None:

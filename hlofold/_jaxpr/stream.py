@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import _compat as C
-from .pairs import SHAPES, index_uses
+from .pair_rules import SHAPES, index_uses
 
 _CASTS = {"convert_element_type", "copy", "reduce_precision"}
 

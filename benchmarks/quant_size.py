@@ -1,0 +1,26 @@
+"""fold_params with rotate=/smooth= on the 0.54 B decoder: time, peak memory growth, outputs.
+
+``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth; one
+process each, so that the peak is the mode's own). Random weights made in code.
+"""
+import resource, time, sys
+import jax, jax.numpy as jnp, numpy as np
+import hlofold
+from hlofold import examples
+def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+p = examples.init_decoder(8, d=2048, ffn=5632, vocab=32000)
+n = sum(a.size for a in jax.tree.leaves(p)); gib = sum(a.nbytes for a in jax.tree.leaves(p)) / 2**30
+t = jnp.asarray(np.random.default_rng(0).integers(0, 32000, (1, 16)))
+calib = [jnp.asarray(np.random.default_rng(k).integers(0, 32000, (1, 16))) for k in (1, 2)]
+f = examples.decoder_apply
+ref = f(p, t); base = rss()
+print(f"{n/1e9:.3f} B params, {gib:.2f} GiB; peak RSS before {base:.2f} GiB", flush=True)
+modes = {"fold_params": {}, "rotate": {"rotate": True}, "smooth": {"smooth": calib},
+         "rotate+smooth": {"rotate": True, "smooth": calib}}
+for name, kw in [(sys.argv[1], modes[sys.argv[1]])]:
+    t0 = time.perf_counter(); out = hlofold.fold_params(f, p, t, **kw); dt = time.perf_counter() - t0
+    y = f(out.params, t)
+    rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    print(f"{name}: {dt:.1f} s, peak RSS {rss():.2f} GiB (+{rss()-base:.2f}), rel {rel:.2e}, "
+          f"pairs {len(out.equalized)}, rotation {out.rotation and out.rotation.reason}", flush=True)
+    del out, y

@@ -1,0 +1,272 @@
+"""The per-primitive rules of a pair's path (:mod:`hlofold._jaxpr.pairs`): how a positive
+per-channel scale on an equation's input reaches its output — the channel axis it moves to,
+or why the path stops there — one entry per primitive in :data:`RULES`; and the helpers the
+pair reader and the stream reader (:mod:`hlofold._jaxpr.stream`) share.
+
+A channel is an axis, or a tuple of axes (most significant first) where it is split over
+several (attention's heads).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import _compat as C
+
+CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+_PASS = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
+SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+NOT_HOMOGENEOUS = {"tanh", "logistic", "exp", "log", "erf", "integer_pow", "pow", "sqrt",
+                   "rsqrt", "abs", "sign", "sin", "cos", "log1p", "expm1", "clamp", "min",
+                   "erf_inv", "cbrt", "square"}
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What a rule reads: the jaxpr's uses and producers, the parameter leaves, the
+    biases a pair scales (filled as the path is read), a call body's literal inputs."""
+
+    jaxpr: object
+    uses: dict
+    producer: dict
+    leaves: dict                      # top-level leaf var -> index (empty in a body)
+    biases: list
+    literals: dict = dataclasses.field(default_factory=dict)   # a body's var -> value
+
+
+def index_uses(jaxpr):
+    uses, producer = {}, {}
+    for i, e in enumerate(jaxpr.eqns):
+        for k, v in enumerate(e.invars):
+            if isinstance(v, C.Var):
+                uses.setdefault(v, []).append((e, k))
+        for v in e.outvars:
+            producer[v] = e
+    for v in jaxpr.outvars:
+        if isinstance(v, C.Var):
+            uses.setdefault(v, []).append((None, -1))
+    return uses, producer
+
+
+def varying_axis(producer, v, rank: int):
+    """The one axis along which ``v`` (of rank ``rank``) varies, where it is a broadcast
+    of values with one non-unit axis (``jnp`` broadcasting a bias or a norm's scale to the
+    activations' shape); -1 where it varies along none; None otherwise."""
+    mapping = list(range(rank))            # v's axes -> the first value's
+    for _ in range(8):
+        shape = v.aval.shape
+        dims = [d for d, n in enumerate(shape) if n != 1]
+        if len(dims) <= 1:
+            return (mapping[dims[0]] if mapping[dims[0]] is not None else None) \
+                if dims else -1
+        p = producer.get(v)
+        if p is None or p.primitive.name != "broadcast_in_dim":
+            return None
+        src, bd = p.invars[0], p.params["broadcast_dimensions"]
+        if not isinstance(src, C.Var):
+            return None
+        mapping = [mapping[bd[i]] if src.aval.shape[i] == shape[bd[i]] else None
+                   for i in range(src.aval.ndim)]
+        v = src
+    return None
+
+
+def single_leaf(ctx, v, what: str):
+    if len(ctx.uses.get(v, [])) != 1:
+        return f"{what} is read {len(ctx.uses.get(v, []))} times (a shared weight)"
+    return None
+
+
+# ------------------------------------------------------------------ per-primitive rules
+
+def _other(e, pos):
+    return e.invars[1 - pos]
+
+
+def is_zero(ctx, x) -> bool:
+    """A literal zero (through casts and broadcasts; a call's body sees its operands)."""
+    for _ in range(8):
+        if isinstance(x, C.Literal):
+            return bool(np.all(np.asarray(x.val) == 0))
+        if x in ctx.literals:
+            return bool(np.all(np.asarray(ctx.literals[x]) == 0))
+        p = ctx.producer.get(x)
+        if p is None or p.primitive.name not in ("convert_element_type", "broadcast_in_dim"):
+            return False
+        x = p.invars[0]
+    return False
+
+
+def _bias(ctx, e, pos, axis):
+    """x ± b, b one value per channel: b is divided by the scale too — the leaves it is
+    linear in (:func:`_additive`), or nothing for a literal zero."""
+    if e.primitive.name == "sub" and pos == 1:
+        return "a subtraction from the channels"
+    b = _other(e, pos)
+    if is_zero(ctx, b):
+        return axis
+    if isinstance(axis, tuple):
+        return f"{e.primitive.name} of a value while the channels are split over axes"
+    out = e.outvars[0].aval.shape
+    shape = getattr(getattr(b, "aval", None), "shape", None)
+    if shape is None or len(shape) != len(out) or shape[axis] != out[axis] or \
+            varying_axis(ctx.producer, b, len(out)) != axis:
+        return (f"{e.primitive.name} of a value that is not one per channel (a residual "
+                f"add ties channels)")
+    found = _additive(ctx, b, out[axis], 0)
+    if isinstance(found, str):
+        return f"{e.primitive.name} of {found}"
+    for leaf, dim in found:
+        ctx.biases.append((ctx.leaves[leaf], dim))
+    return axis
+
+
+def _additive(ctx, v, channels: int, depth: int):
+    """The leaves a per-channel value is linear in (each scaled with the channels makes it
+    scaled: ``β − μ·γ/√(σ²+ε)`` through ``β`` and ``μ``): ``[(leaf, its channel axis)]``, or
+    what it is instead. Every value on the way is read once, each leaf nowhere else."""
+    if is_zero(ctx, v):
+        return []
+    if v in ctx.leaves:
+        why = single_leaf(ctx, v, "a bias on the way")
+        dims = [d for d, n in enumerate(v.aval.shape) if n != 1]
+        if why or len(dims) != 1 or v.aval.shape[dims[0]] != channels:
+            return why or "a bias leaf that is not one value per channel"
+        return [(v, dims[0])]
+    p = ctx.producer.get(v)
+    if p is None or depth > 16 or len(ctx.uses.get(v, [])) != 1:
+        return "a per-channel value that is not computed from parameter leaves alone"
+    name = p.primitive.name
+    if name in SHAPES or name == "neg":
+        return _additive(ctx, p.invars[0], channels, depth + 1)
+    if name in ("add", "sub"):
+        a = _additive(ctx, p.invars[0], channels, depth + 1)
+        b = _additive(ctx, p.invars[1], channels, depth + 1)
+        return a if isinstance(a, str) else b if isinstance(b, str) else a + b
+    if name in ("mul", "div"):        # (a linear term times a factor left as it is)
+        for k in ((0, 1) if name == "mul" else (0,)):
+            got = _additive(ctx, p.invars[k], channels, depth + 1)
+            if not isinstance(got, str):
+                return got
+    return f"a per-channel value computed by {name} (not linear in parameter leaves)"
+
+
+def _product(ctx, e, pos, axis):
+    """x·c, x/c: any factor that is not the scaled value commutes with the scale."""
+    if e.primitive.name == "div" and pos == 1:
+        return "a division by the channels"
+    return axis
+
+
+def _max(ctx, e, pos, axis):
+    """max(x, 0): ReLU."""
+    if is_zero(ctx, _other(e, pos)):
+        return axis
+    return "max with a value other than 0 (not a ReLU)"
+
+
+def _reduce(ctx, e, pos, axis):
+    axes = tuple(e.params["axes"])
+    if any(a in axes for a in each(axis)):
+        return f"{e.primitive.name} over the channels"
+    return one(tuple(a - sum(r < a for r in axes) for a in each(axis)))
+
+
+def _window(ctx, e, pos, axis):
+    """Pooling (sum, max): a window of one along the channels."""
+    p = e.params
+    if isinstance(axis, tuple):
+        return "pooling while the channels are split over axes"
+    if p["window_dimensions"][axis] != 1 or p["window_strides"][axis] != 1 or \
+            tuple(p["padding"][axis]) != (0, 0):
+        return "pooling across channels"
+    return axis
+
+
+def _pad(ctx, e, pos, axis):
+    if pos != 0 or not is_zero(ctx, e.invars[1]):
+        return "padding with a value other than 0"
+    if isinstance(axis, tuple):
+        return "padding while the channels are split over axes"
+    if tuple(e.params["padding_config"][axis]) != (0, 0, 0):
+        return "padding along the channels"
+    return axis
+
+
+def each(axis) -> tuple:
+    """The channel as a tuple of axes, most significant first (split over several axes —
+    attention's heads — it is ``(head axis, feature axis)``, in any positions)."""
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def one(axes: tuple):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _transpose(ctx, e, pos, axis):
+    perm = list(e.params["permutation"])
+    return one(tuple(perm.index(a) for a in each(axis)))
+
+
+def _reshape(ctx, e, pos, axis):
+    """A reshape that keeps the channels whole and in order (the sizes before and after
+    them unchanged): they may be split over consecutive axes (heads) or merged back."""
+    old, new = e.invars[0].aval.shape, e.outvars[0].aval.shape
+    ax = each(axis)
+    if list(ax) != list(range(ax[0], ax[0] + len(ax))):
+        return "a reshape of channels split over axes that are not together"
+    lo, hi = ax[0], ax[-1] + 1
+    before, size = int(np.prod(old[:lo])), int(np.prod(old[lo:hi]))
+    starts = [k for k in range(len(new) + 1) if int(np.prod(new[:k])) == before]
+    for k in reversed(starts):                 # (after any unit axes before them)
+        for m in range(k + 1, len(new) + 1):
+            if int(np.prod(new[k:m])) == size:
+                return one(tuple(range(k, m)))
+            if int(np.prod(new[k:m])) > size:
+                break
+    return "a reshape that merges the channels with another axis (a flatten)"
+
+
+def _broadcast(ctx, e, pos, axis):
+    """A broadcast copies each channel along new axes: the channel axis moves."""
+    return one(tuple(e.params["broadcast_dimensions"][a] for a in each(axis)))
+
+
+def call_rule(ctx, e, pos, axis):
+    """A jit or custom-derivative call (ReLU is one): followed through its body."""
+    body = C.call_body(e)[1]
+    if body is None or len(e.outvars) != 1:
+        return f"a {e.primitive.name} with several outputs"
+    inner = body.jaxpr
+    uses, producer = index_uses(inner)
+    lits = {iv: (o.val if isinstance(o, C.Literal) else ctx.literals[o])
+            for iv, o in zip(inner.invars, e.invars)
+            if isinstance(o, C.Literal) or o in ctx.literals}
+    sub = Ctx(inner, uses, producer, {}, [], lits)
+    v, a = inner.invars[pos], axis
+    for _ in range(1000):
+        u = uses.get(v, [])
+        if len(u) != 1:
+            return f"inside {e.primitive.name}: the channels are read {len(u)} times"
+        ie, ipos = u[0]
+        if ie is None:
+            return a
+        name = ie.primitive.name
+        rule = RULES.get(name) or (call_rule if name in CALLS else None)
+        if rule is None:
+            return f"{ie.primitive.name} (inside {e.params.get('name', e.primitive.name)}) " + \
+                ("is not positively homogeneous" if ie.primitive.name in NOT_HOMOGENEOUS
+                 else "is not one equalization passes through")
+        got = rule(sub, ie, ipos, a)
+        if isinstance(got, str):
+            return got
+        v, a = ie.outvars[0], got
+    return "the path is too long"
+
+
+RULES = {"add": _bias, "sub": _bias, "mul": _product, "div": _product, "max": _max,
+         "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_window_sum": _window,
+         "reduce_window_max": _window, "pad": _pad, "transpose": _transpose,
+         "reshape": _reshape, "squeeze": _reshape, "expand_dims": _reshape,
+         "broadcast_in_dim": _broadcast, **{p: (lambda ctx, e, pos, axis: axis) for p in _PASS}}
