@@ -204,15 +204,14 @@ def markdown(res: dict) -> str:
 def call_part(arch: str, size: int, rounds: int, calls: int) -> dict:
     """One batch-1 row: ``fold(f)`` called with the train-time tree, ``fold`` of ``f`` with
     that tree bound (``functools.partial``: a server's one model, the call takes the image
-    alone), the deploy form compiled as hlofold compiles the merged program (its own tree,
-    and the train-time tree too) and ``jax.jit(f)``; ratios paired round by round."""
+    alone), the deploy form as a user writes it under plain ``jax.jit`` (its own tree, and
+    the train-time tree too) and ``jax.jit(f)``; ratios paired round by round."""
     apply, v, x = R.make(arch, size=size, batch=1)
     dapply, w, _ = R.make_deploy(arch, size=size, batch=1)
     fns = {"jit": jax.jit(apply), "fold": hlofold.fold(apply),
            "fold, bound": hlofold.fold(functools.partial(apply, v)),
-           "deploy": jax.jit(dapply, compiler_options=SINGLE),
-           "deploy, train tree": jax.jit(lambda v, w, x: dapply(w, x),
-                                         compiler_options=SINGLE)}
+           "deploy": jax.jit(dapply),
+           "deploy, train tree": jax.jit(lambda v, w, x: dapply(w, x))}
     args = {"jit": (v, x), "fold": (v, x), "fold, bound": (x,), "deploy": (w, x),
             "deploy, train tree": (v, w, x)}
     settle(fns["fold"], v, x)
@@ -244,8 +243,8 @@ def batch1(rounds: int, calls: int, sizes: list, out: str) -> dict:
          f"`python -m benchmarks.branches --batch1 --rounds {rounds} --calls {calls}`: one "
          "run, interleaved rounds (each starting at the next variant). Left: ms per call, "
          "median (min–max); right: the ratio to the deploy form **in the same round**, "
-         "median (min–max) over rounds. `deploy`: the hand-written deploy form compiled as "
-         "hlofold compiles the merged program, called with its own parameters; `fold`: "
+         "median (min–max) over rounds. `deploy`: the hand-written deploy form under plain "
+         "`jax.jit` (XLA's defaults), called with its own parameters; `fold`: "
          "`hlofold.fold(apply)(variables, x)`, the train-time tree; `fold, bound`: "
          "`hlofold.fold(functools.partial(apply, variables))(x)`; `deploy, train tree`: the "
          "deploy form called with the train-time tree as well (unused: what taking that tree "
