@@ -38,10 +38,6 @@ class EqualizedPair:
     scale_range: tuple[float, float] = (1.0, 1.0)
     kind: str = "equalized"           # or "smoothed"
 
-    @property
-    def second(self) -> str:
-        return self.seconds[0]
-
 
 @dataclasses.dataclass
 class NotEqualized:

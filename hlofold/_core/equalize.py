@@ -57,10 +57,6 @@ class Pair:
     seconds: list
     biases: list = dataclasses.field(default_factory=list)
 
-    @property
-    def second(self) -> str:
-        return self.seconds[0].key
-
     def keys(self) -> list[str]:
         return [self.first, *(s.key for s in self.seconds), *(b for b, _ in self.biases)]
 

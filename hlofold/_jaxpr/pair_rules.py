@@ -72,6 +72,21 @@ def varying_axis(producer, v, rank: int):
     return None
 
 
+def leaf_of(v, leaves, producer, uses):
+    """The parameter leaf ``v`` is, through reshapes, broadcasts and casts each read once;
+    None otherwise (a computed value, a literal)."""
+    for _ in range(8):
+        if isinstance(v, C.Literal):
+            return None
+        if v in leaves:
+            return v
+        p = producer.get(v)
+        if p is None or p.primitive.name not in SHAPES or len(uses.get(v, [])) != 1:
+            return None
+        v = p.invars[0]
+    return None
+
+
 def single_leaf(ctx, v, what: str):
     if len(ctx.uses.get(v, [])) != 1:
         return f"{what} is read {len(ctx.uses.get(v, []))} times (a shared weight)"

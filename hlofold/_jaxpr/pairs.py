@@ -15,8 +15,8 @@ import dataclasses
 from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second
-from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, SHAPES, Ctx, call_rule, each,
-                         index_uses, is_zero, one, single_leaf, varying_axis)
+from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, each,
+                         index_uses, is_zero, leaf_of, one, single_leaf, varying_axis)
 from .patterns import PATTERNS
 
 
@@ -108,14 +108,9 @@ def _norm_start(ctx, e):
         if axis is None or axis < 0 or shape[axis] != out[axis] or \
                 not isinstance(e.invars[1 - k], C.Var):
             continue
-        while g not in ctx.leaves:
-            p = ctx.producer.get(g)
-            if p is None or p.primitive.name not in SHAPES or len(ctx.uses.get(g, [])) != 1:
-                break
-            g = p.invars[0]
-        gdims = [d for d, n in enumerate(getattr(g, "aval", None).shape) if n != 1] \
-            if g in ctx.leaves else []
-        if g in ctx.leaves and len(gdims) == 1 and g.aval.shape[gdims[0]] == out[axis]:
+        g = leaf_of(g, ctx.leaves, ctx.producer, ctx.uses)
+        gdims = [d for d, n in enumerate(g.aval.shape) if n != 1] if g is not None else []
+        if g is not None and len(gdims) == 1 and g.aval.shape[gdims[0]] == out[axis]:
             why = single_leaf(ctx, g, "the norm's scale")
             return (why, ctx.leaves[g]) if why else (g, axis, gdims[0])
     return None

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import _compat as C
-from .pair_rules import SHAPES, index_uses
+from .pair_rules import index_uses, leaf_of
 
 _CASTS = {"convert_element_type", "copy", "reduce_precision"}
 
@@ -31,20 +30,6 @@ class Stream:
     writers: list = dataclasses.field(default_factory=list)
     scales: list = dataclasses.field(default_factory=list)
     width: int = 0
-
-
-def _leaf(v, leaves, producer, uses):
-    """The leaf ``v`` is (through reshapes and casts, each read once), or None."""
-    for _ in range(8):
-        if isinstance(v, C.Literal):
-            return None
-        if v in leaves:
-            return v
-        p = producer.get(v)
-        if p is None or p.primitive.name not in SHAPES or len(uses.get(v, [])) != 1:
-            return None
-        v = p.invars[0]
-    return None
 
 
 def find_stream(jaxpr, n_leaves: int) -> Stream | str:
@@ -97,14 +82,14 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
     if name == "dot_general":
         (lc, rc), (lb, _) = e.params["dimension_numbers"]
         k = e.invars[1 - pos]
-        kernel = _leaf(k, leaves, producer, uses) if pos == 0 else None
+        kernel = leaf_of(k, leaves, producer, uses) if pos == 0 else None
         if kernel is None or tuple(lc) != (last,) or lb:
             return "a dot reads the residual stream other than as a layer with a parameter kernel"
         s.readers.append((leaves[kernel], rc[0]))
         return None
     if is_normed:
         if name == "mul":
-            g = _leaf(e.invars[1 - pos], leaves, producer, uses)
+            g = leaf_of(e.invars[1 - pos], leaves, producer, uses)
             if g is None:
                 return "the normalized stream is multiplied by a computed per-channel value"
             s.scales.append(leaves[g])
@@ -148,7 +133,7 @@ def _writer(v, last, s, leaves, producer, uses):
     while p is not None and p.primitive.name in _CASTS | {"add"}:
         if p.primitive.name == "add":
             for k in (0, 1):
-                b = _leaf(p.invars[k], leaves, producer, uses)
+                b = leaf_of(p.invars[k], leaves, producer, uses)
                 if b is not None and bias is None and b.aval.ndim == 1:
                     bias, v = leaves[b], p.invars[1 - k]
                     break
@@ -160,7 +145,7 @@ def _writer(v, last, s, leaves, producer, uses):
     if p is None or p.primitive.name != "dot_general" or len(uses.get(v, [])) != 1:
         return "something other than a layer's output is added into the residual stream"
     (lc, rc), (lb, rb) = p.params["dimension_numbers"]
-    k = _leaf(p.invars[1], leaves, producer, uses)
+    k = leaf_of(p.invars[1], leaves, producer, uses)
     free = [d for d in range(p.invars[1].aval.ndim) if d not in rc and d not in rb]
     if k is None or len(free) != 1 or lb:
         return "a layer writing into the residual stream has no parameter kernel of one output axis"
