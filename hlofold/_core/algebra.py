@@ -33,9 +33,20 @@ def kinds(steps) -> list[str]:
     return [st.kind for st in steps]
 
 
+# step kinds that add to ``t`` (a StableHLO ``batch_norm_inference`` step, "bn", both adds
+# and scales: it is sub μ, mul γ/√(σ²+ε), add β) and those that leave ``s`` as it is
+_SHIFTS = frozenset({"add", "sub", "rsub", "bn"})
+_NO_SCALE = frozenset({"add", "sub"})
+
+
 def has_shift(steps) -> bool:
     """Whether absorbed ``steps`` add to ``t`` (so a bias remains after the fold)."""
-    return any(st.kind in ("add", "sub", "rsub") for st in steps)
+    return any(st.kind in _SHIFTS for st in steps)
+
+
+def has_scale(steps) -> bool:
+    """Whether absorbed ``steps`` change ``s`` (so the kernel is rescaled)."""
+    return any(st.kind not in _NO_SCALE for st in steps)
 
 
 def collapse(kinds: Sequence[str], vals: list, channels: int, xp=np64):

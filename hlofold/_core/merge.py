@@ -13,7 +13,9 @@ offset, same dilation for windows wider than one tap; no input dilation; a group
 merged convolution can hold). This module is that rule for both IR adapters: each reads its
 IR into :class:`Term` s (a kernel in the canonical ``(O, I/G, *window)`` layout, the affine
 after it), and the core decides (:func:`plan`), builds the merged kernel and bias
-(:func:`merged_kernel`, :func:`merged_shift`) and describes the merge for the report.
+(:func:`merged_kernel`, :func:`merged_shift`) and describes the merge for the report. A
+per-channel affine after the whole sum (a BatchNorm of the block's output) joins every
+member (:func:`then_affine`) when the sum is the merged branches and known biases alone.
 
 Every branch kind is a convolution here: the identity is a depthwise 1×1 kernel of ones, an
 average pool a depthwise window of ones (its ``1/n`` is a scale after it), a 1×1 → k×k pair
@@ -301,6 +303,20 @@ def merged_shift(terms: Sequence[Term], p: Plan, xp=np) -> tuple[Any, Any]:
         if t.shift_map is not None:
             maps = t.shift_map if maps is None else maps + t.shift_map
     return vec, maps
+
+
+def then_affine(t: Term, scale, xp=np) -> Term:
+    """Term ``t`` followed by ``·scale`` per output channel (the sum's own affine, e.g. a
+    BatchNorm of the block's output, spread over its members): its scale, shift and
+    shift map times ``scale``. The affine's shift is added once, by the caller."""
+    if scale is None:
+        return t
+    s = xp.asarray(scale)
+    col = lambda a: s.reshape((-1,) + (1,) * (xp.ndim(a) - 1)) if s.ndim else s
+    return dataclasses.replace(
+        t, scale=s if t.scale is None else t.scale * s,
+        shift=None if t.shift is None else t.shift * s,
+        shift_map=None if t.shift_map is None else t.shift_map * col(t.shift_map))
 
 
 def compose(first: Term, second: Term, in_spatial: Sequence[int],

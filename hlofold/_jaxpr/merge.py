@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core import merge as M
-from .._core.algebra import collapse, np64
+from .._core.algebra import collapse, has_scale, has_shift, np64
 from .._core.chain_rules import Refusal
 from .._core.reasons import Reason
 from .merge_emit import drop_unreached, merge_group, splice, unreached_keys
@@ -72,6 +72,47 @@ def _walk_back(view, v):
         if not _single(view, v):
             break
     return v, chain
+
+
+@dataclasses.dataclass
+class After:
+    """A per-channel affine after a whole sum (a BatchNorm of the block's output): its
+    steps, and the variable the last one defines (the merged convolution's result then)."""
+
+    steps: list
+    out: C.Var
+    last: int                   # the index of the last step's equation
+    channels: int
+
+    def needs(self) -> list:
+        return [st.operand.source for st in self.steps if st.operand is not None]
+
+    def affine(self, get, xp):
+        return _affine(self.steps, [None if st.operand is None else get(st.operand)
+                                    for st in self.steps], self.channels, xp)
+
+
+def _walk_forward(view, v, axis, channels) -> After | None:
+    """From ``v`` forward through affine equations per channel along ``axis`` that read it
+    alone (each value read once), as far as they go; None: not one."""
+    steps, last = [], None
+    shape = tuple(v.aval.shape)
+    prod = lambda a: _producer(view, a)
+    while _single(view, v):
+        i, pos = view.uses[v][0]
+        e = view.jaxpr.eqns[i]
+        if e.primitive.name not in AFFINE_STEPS or tuple(e.outvars[0].aval.shape) != shape \
+                or e.outvars[0].aval.dtype != v.aval.dtype or \
+                (e.primitive.name != "neg" and (len(e.invars) != 2 or e.invars[1 - pos] is v
+                                                or not _param_like(view, e.invars[1 - pos],
+                                                                   shape))):
+            break
+        st = affine_step(e, pos, axis, prod)
+        if not isinstance(st, AffineStep):
+            break
+        steps.append(st)
+        v, last = e.outvars[0], i
+    return After(steps, v, last, channels) if steps else None
 
 
 def _read(view, leaf) -> M.Leaf:
@@ -263,9 +304,7 @@ def _affine(steps, vals, channels, xp):
     if not steps:
         return None, None
     s, t = collapse([st.kind for st in steps], vals, channels, xp=xp)
-    shifted = any(st.kind in ("add", "sub", "rsub") for st in steps)
-    scaled = any(st.kind not in ("add", "sub") for st in steps)
-    return (s if scaled else None), (t if shifted else None)
+    return (s if has_scale(steps) else None), (t if has_shift(steps) else None)
 
 
 def merge_scope(view, in_graph: str, path: str, sites: list,
@@ -282,7 +321,7 @@ def merge_scope(view, in_graph: str, path: str, sites: list,
             continue
         new = _merge_tree(view, e, in_graph, path, sites, constvars, consts, write, taken)
         if new is not None:
-            replaced[i] = new
+            replaced[_at(i, new[1])] = new[0]
     drop_unreached(sites, path, taken)
     if not replaced:
         return None
@@ -321,13 +360,24 @@ def _merge_tree(view, top, in_graph, path, sites, constvars, consts, write, unre
         # the sum's per-channel biases join the first merge's bias
         biases = {} if merges else {k: op for k, a in enumerate(atoms) if k not in ks and (
             op := _operand(view, a, shape, g.axis)) is not None}
-        m = merge_group(view, g, in_graph, path, sites, write, list(biases.values()))
+        # an affine after a sum of these branches and biases alone joins the merge
+        after = _walk_forward(view, top.outvars[0], g.axis, g.channels) if (
+            len(groups) == 1 and len(ks) + len(biases) == len(atoms)) else None
+        m = merge_group(view, g, in_graph, path, sites, write, list(biases.values()), after)
         if m is not None:
             merges.append(m)
             unreached.update(unreached_keys(m.members.values()))
+            if m.after is not None:
+                unreached.update((C.user_location(st.eqn), C.name_stack(st.eqn))
+                                 for st in m.after.steps)
             taken.update(k for k in ks if any(leaves[k] is lf for lf in m.members.values()))
             taken.update(k for k, op in biases.items() if op in m.biases)
     if not merges:
         return None
     return splice(view, top, merges, [a for k, a in enumerate(atoms) if k not in taken],
-                  constvars, consts)
+                  constvars, consts), merges
+
+
+def _at(top_index: int, merges) -> int:
+    """Where the merged equations go: the sum's place, or the last absorbed step's."""
+    return max([top_index] + [m.after.last for m in merges if m.after is not None])

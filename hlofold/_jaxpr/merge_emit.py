@@ -41,6 +41,7 @@ class Merge:
     needs: list = dataclasses.field(default_factory=list)
     members: dict = dataclasses.field(default_factory=dict)     # term index -> leaf
     biases: list = dataclasses.field(default_factory=list)      # the sum's biases taken
+    after: Any = None               # the affine after the sum it absorbed (``_jaxpr.merge``)
 
 
 def _names(view, atoms) -> list[str]:
@@ -64,11 +65,17 @@ NOT_WRITTEN = Reason("not-written", "not written back: the branches merge into o
                      "freeze=) or fold_stablehlo(..., params=)")
 
 
+def _known(view, a) -> bool:
+    src = a.source if isinstance(a, ChannelOperand) else a
+    return not isinstance(src, C.Var) or view.value(src) is not None
+
+
 def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = True,
-                biases=()) -> Merge | None:
+                biases=(), after=None) -> Merge | None:
     """Decide the merge of group ``g`` (``_jaxpr.merge._Group``) and record it (with
     ``write`` False, only say that it would merge and cannot be written back); ``biases``:
-    the sum's per-channel terms (ChannelOperands), added to the merged bias."""
+    the sum's per-channel terms (ChannelOperands), added to the merged bias; ``after``: the
+    affine after the sum (``_jaxpr.merge.After``), absorbed when every branch merges."""
     structs = [g.structure(lf) for lf in g.leaves]
     ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
     terms = [structs[i] for i in ok]
@@ -82,13 +89,22 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
     members = {j: g.leaves[ok[j]] for j in p.members}
     needs = list(dict.fromkeys(a for lf in members.values() for a in g.needs(lf)))
     # (a bias not known now stays added after, unless the merge is staged in the graph)
-    b_known = [b for b in biases if not isinstance(b.source, C.Var) or
-               view.value(b.source) is not None]
+    b_known = [b for b in biases if _known(view, b)]
+    # the affine after the sum applies to a sum merged whole; with the branches' values
+    # known, to one whose own values and biases are known too (or staged in the graph)
+    if after is not None and (len(members) < len(g.leaves) or (
+            in_graph not in IN_GRAPH and all(_known(view, a) for a in needs) and not (
+                len(b_known) == len(biases) and all(_known(view, a) for a in after.needs())))):
+        after = None
+    if after is not None:
+        needs = list(dict.fromkeys(needs + [a for a in after.needs() if isinstance(a, C.Var)]))
     kernels = [k for lf in members.values() for k in g.kernels(lf)]
     target = terms[p.target].handle
     tw = terms[p.target].window
     absorbed, note = M.describe(terms, p, [(M.leaf_label(lf.kind), st) for st, lf in zip(
         structs, g.leaves) if not isinstance(st, M.Term)])
+    if after is not None:
+        absorbed = absorbed + ["·".join(st.kind for st in after.steps) + " after the sum"]
     kw = dict(absorbed=absorbed, params=_names(view, [a for a in needs if a not in kernels]
                                                + [b.source for b in biases]),
               kernel=", ".join(_names(view, kernels)) or None)
@@ -98,15 +114,16 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
                 groups=tw.groups, **kw)
         return None
     m = Merge(g, p, terms, g.leaves[0].x, target, tw.groups, members=members,
-              biases=b_known)
+              biases=b_known, after=after)
     if not unknown:
         get = _host_get(view)
+        s_a, t_a = after.affine(get, np64) if after is not None else (None, None)
         for j, lf in members.items():
             t = g.term(lf, terms[j], get, np64)
             if isinstance(t, Reason):
                 _record(view, target, g, path, sites, REFUSED, reason=t, **kw)
                 return None
-            m.terms[j] = t
+            m.terms[j] = M.then_affine(t, s_a)
         k64 = M.merged_kernel(m.terms, p, np)
         spec = tuple(target.params["dimension_numbers"].rhs_spec)
         kd = np.dtype(target.invars[1].aval.dtype)
@@ -116,7 +133,10 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
             return None
         m.shift, m.shift_map = M.merged_shift(m.terms, p, np)
         for b in b_known:
-            m.shift = get(b) if m.shift is None else m.shift + get(b)
+            v = get(b) if s_a is None else get(b) * s_a
+            m.shift = v if m.shift is None else m.shift + v
+        if t_a is not None:
+            m.shift = t_a if m.shift is None else m.shift + t_a
         _record(view, target, g, path, sites, MERGED, note=note, rescale="constant",
                 groups=tw.groups, **kw)
         return m
@@ -175,26 +195,30 @@ def _traced_values(m: Merge, read):
 
     g, p = m.group, m.plan
     terms = list(m.terms)
+    s_a, t_a = m.after.affine(get, lax_arith(cdt)) if m.after is not None else (None, None)
     for j, lf in m.members.items():
         t = g.term(lf, terms[j], get, lax_arith(cdt))
         if isinstance(t, Reason):
             raise ValueError(f"a merge decided on its structure failed on values: {t}")
         if isinstance(t.kernel, np.ndarray):
             t.kernel = t.kernel.astype(cdt)
-        terms[j] = t
+        terms[j] = M.then_affine(t, s_a, jnp)
     k = M.merged_kernel(terms, p, jnp)
     spec = tuple(m.target.params["dimension_numbers"].rhs_spec)
     k = cast(jnp.transpose(k, tuple(np.argsort(spec))), kd)
     shift, smap = M.merged_shift(terms, p, jnp)
     for b in m.biases:
-        shift = get(b) if shift is None else shift + get(b)
+        v = get(b) if s_a is None else get(b) * s_a
+        shift = v if shift is None else shift + v
+    if t_a is not None:
+        shift = t_a if shift is None else shift + t_a
     return k, shift, smap
 
 
 def splice(view, top, merges: list[Merge], rest: list, constvars: list, consts: list) -> list:
     """The equations computing ``top``'s result as the merged convolutions plus the sum's
     other terms ``rest``; new constants are appended to ``constvars``/``consts``."""
-    out_var = top.outvars[0]
+    out_var = next((m.after.out for m in merges if m.after is not None), top.outvars[0])
     shape, dtype = tuple(out_var.aval.shape), out_var.aval.dtype
     atoms = list(dict.fromkeys([m.x for m in merges] +
                                [a for a in rest if isinstance(a, C.Var)] +

@@ -62,7 +62,7 @@ class SiteWriter:
                 new_k = self.convert(kc, kdt)
             # no shift absorbed: t is exactly 0, and no add is written (as on a jaxpr); a
             # bias known now is checked now (a finite one needs no run-time check)
-            add_t = add_t and (has_shift(real) or any(st.kind == "bn" for st in real) or
+            add_t = add_t and (has_shift(real) or
                                (fwd is not None and fwd.has_shift))
             t_of = lambda: self.convert(self.const_or(t_val, C_out), elem_type(end_value))
             guard = dec.guard        # s is known only at run time: check it there

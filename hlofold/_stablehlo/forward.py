@@ -41,7 +41,7 @@ from .._core.rules import WEIGHT_CONE, bias_map_refusal, weight_like
 
 ir, stablehlo, func_dialect = C.mlir()
 
-_AFFINE = frozenset(BINARY) | {"stablehlo.negate"}
+_AFFINE = frozenset(BINARY) | {"stablehlo.negate", "stablehlo.batch_norm_inference"}
 _KINDS = {**BINARY, "stablehlo.negate": "neg", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
 # ops computing each element from the same element of their operands (per-token stays so)
 _ELEMENTWISE = frozenset(f"stablehlo.{n}" for n in (

@@ -8,19 +8,24 @@ pair, ``x`` itself — is read into the core's terms, planned by the core
 (:func:`hlofold._core.merge.plan`) and rewritten as one ``convolution`` (attributes of the
 largest branch's) plus the summed bias. Weights must be known (constants, or bound with
 ``params=``); a sum of branches whose weights are module arguments is refused with the
-reason (``weights-not-known``).
+reason (``weights-not-known``). A per-channel affine after the whole sum (:func:`after_of`:
+a BatchNorm of the block's output) is read for the merge to absorb.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from .. import _compat as C
 from .._core import merge as M
+from .._core.chain import Absorb
 from .._core.chain_rules import Refusal
 from .._core.reasons import Reason
 from .build import GUARD, marked
 from .forward import op_ints
 from .ir import BINARY, op_name, owner_op, shape_of
+from .match import HLO_STEPS
 from .patterns import SHAPE_STEPS, resolve
 
 ir, stablehlo, _ = C.mlir()
@@ -68,6 +73,30 @@ def walk_back(v):
         if not single(v):
             break
     return v, chain
+
+
+def walk_forward(v):
+    """From ``v`` forward through affine ops that read it alone (each value read once):
+    ``[(op, operand position)]`` in program order, as far as they go."""
+    chain = []
+    shape, etype = shape_of(v), v.type
+    while single(v):
+        op = next(iter(v.uses)).owner
+        name = op_name(op)
+        if name not in _AFFINE or len(op.results) != 1 or op.results[0].type != etype:
+            break
+        if name in BINARY:
+            pos = [i for i, o in enumerate(op.operands) if o == v]
+            if len(pos) != 1 or not _param_like(op.operands[1 - pos[0]], shape):
+                break
+            pos = pos[0]
+        elif op.operands[0] == v:
+            pos = 0
+        else:
+            break
+        chain.append((op, pos))
+        v = op.results[0]
+    return chain
 
 
 def _is_pool(op, ev) -> bool:
@@ -162,3 +191,51 @@ WEIGHTS_ARGS = Reason("weights-not-known", "the branches' weights are module arg
                "with their values (fold_stablehlo(..., params=), hlofold fold --params)")
 
 
+def chain_steps(chain, axis):
+    """The steps of a branch's chain (``walk_back``'s, read in program order); None where
+    one is not per channel along ``axis``."""
+    steps, ops = _prefix(chain[::-1], axis)
+    return steps if len(steps) == len(chain) else None
+
+
+def _prefix(chain, axis) -> tuple[list, list]:
+    """The per-channel steps of ``chain`` (program order) as far as they go, and their ops."""
+    steps, ops = [], []
+    for op, pos in chain:
+        r = HLO_STEPS[op_name(op)](None, op, pos, op.operands[pos], axis)
+        if not isinstance(r, Absorb):
+            break
+        steps.append(r.step)
+        ops.append(op)
+    return steps, ops
+
+
+@dataclasses.dataclass
+class After:
+    """The per-channel affine after a sum: its steps and ops; the sum's bias terms (atom
+    index, operand), which a staged merge adds to its bias before the affine."""
+
+    steps: list
+    ops: list
+    biases: list
+
+
+def after_of(top, atoms, groups, leaves, vals, staged) -> After | None:
+    """The per-channel affine after the sum ``top`` when the sum is one group of branches
+    and per-channel biases alone (known ones, unless staged); else None."""
+    if len(groups) != 1:
+        return None
+    rest = [(k, a) for k, a in enumerate(atoms) if k not in groups[0]]
+    target = next((leaves[k].base for k in groups[0] if leaves[k].kind in (
+        "conv", "pair", "guarded") and op_name(leaves[k].base) == CONV), None)
+    if target is None:
+        return None
+    axis, shape = specs(target)[2][1], shape_of(top.results[0])
+    biases = []
+    for k, a in rest:
+        r = resolve(a, shape, axis, explain=False)
+        if r is None or isinstance(r, Refusal) or (not staged and vals.operand_np(r) is None):
+            return None
+        biases.append((k, r))
+    steps, ops = _prefix(walk_forward(top.results[0]), axis)
+    return After(steps, ops, biases) if steps else None

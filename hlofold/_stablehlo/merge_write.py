@@ -9,16 +9,15 @@ import numpy as np
 
 from .. import _compat as C
 from .._core import merge as M
-from .._core.algebra import collapse
-from .._core.chain import Absorb
+from .._core.algebra import collapse, has_scale, has_shift
 from .._core.patterns import conv_layout
 from .._core.reasons import Reason
 from .._core.report import MERGED, NOT_REACHED, REFUSED, FoldSite
 from .._core.rules import round_kernel
 from .build import IrArith, broadcast, make
 from .ir import elem_type, float_dtype, location, numpy_to_dense, op_name, owner_op, shape_of
-from .match import HLO_STEPS
-from .merge import CONV, NOT_MERGED, WEIGHTS_ARGS, read, single, specs, window
+from .merge import (CONV, NOT_MERGED, WEIGHTS_ARGS, after_of, chain_steps, read, single, specs,
+                    window)
 from .module import erase_unused
 from .patterns import Evaluator, resolve
 from .._core.chain_rules import Refusal
@@ -40,16 +39,8 @@ class Merged:
     kernel: np.ndarray
     shift: object
     shift_map: object
-
-
-def _steps(chain, axis):
-    out = []
-    for op, pos in reversed(chain):
-        r = HLO_STEPS[op_name(op)](None, op, pos, op.operands[pos], axis)
-        if not isinstance(r, Absorb):
-            return None
-        out.append(r.step)
-    return out
+    after: object = None            # the scale of an affine after the sum it absorbed (1: None)
+    end: object = None              # that affine's last op: its result is the merged one
 
 
 def _affine(steps, c, vals):
@@ -59,15 +50,14 @@ def _affine(steps, c, vals):
     if known is None:
         return "unknown"
     s, t = collapse(*known, c)
-    kinds = known[0]
-    return (s if any(k not in ("add", "sub") for k in kinds) else None,
-            t if any(k in ("add", "sub", "rsub") for k in kinds) else None)
+    return (s if has_scale(steps) else None), (t if has_shift(steps) else None)
 
 
-def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
+def merge_group(leaves, fname, ev, vals, sites, staged: bool = False, after=None):
     """Decide and record the merge of one input's branches: ``(Merged, member indices)``
     or None. ``staged``: weights that are arguments are merged in the graph, unguarded
-    (``split=``: the prepare module computes the merged kernel and checks it)."""
+    (``split=``: the prepare module computes the merged kernel and checks it); ``after``:
+    the affine after the sum (``merge.After``), absorbed when every branch merges."""
     target = next(lf.base for lf in leaves if lf.kind in ("conv", "pair", "guarded")
                   and op_name(lf.base) == CONV)
     ls, rs, os_ = specs(target)
@@ -98,16 +88,25 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
     tgt = terms[p.target].handle
     absorbed, note = M.describe(terms, p, [(M.leaf_label(lf.kind), st) for st, lf in zip(
         structs, leaves) if not isinstance(st, M.Term)])
+    aff = None if after is None or len(p.members) < len(leaves) else (
+        _affine(after.steps, c, vals) if not unknown else "staged")
+    if aff is not None and aff != "unknown":
+        absorbed = absorbed + ["·".join(st.kind for st in after.steps) + " after the sum"]
+    end = after.ops[-1] if aff is not None and aff != "unknown" else None
+    taken = [ok[j] for j in p.members]
     if unknown:
         members = {j: leaves[ok[j]] for j in p.members}
-        got = _staged(tgt, terms, p, members, axis, c, vals)
+        got = _staged(tgt, terms, p, members, axis, c, vals,
+                      after if end is not None else None)
         if isinstance(got, Reason):
             _record(target, fname, c, sites, REFUSED, reason=got, absorbed=absorbed)
             return None
         _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed,
                 rescale="in-graph", groups=tw.groups)
-        return Merged(leaves[0].x, tgt, tw.groups, *got, None), [ok[j] for j in p.members]
-    full = [values[i] if j in p.members else terms[j] for j, i in enumerate(ok)]
+        return Merged(leaves[0].x, tgt, tw.groups, *got, None, end=end), taken
+    s_a, t_a = aff if end is not None else (None, None)
+    full = [M.then_affine(values[i], s_a) if j in p.members else terms[j]
+            for j, i in enumerate(ok)]
     k64 = M.merged_kernel(full, p, np)
     trs = specs(tgt)[1]
     kd = float_dtype(elem_type(tgt.operands[1]))
@@ -116,13 +115,15 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False):
         _record(target, fname, c, sites, REFUSED, reason=why, absorbed=absorbed)
         return None
     shift, smap = M.merged_shift(full, p, np)
+    if t_a is not None:
+        shift = t_a if shift is None else shift + t_a
     _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed, rescale="constant",
             groups=tw.groups)
     x = leaves[0].x
-    return Merged(x, tgt, tw.groups, kernel, shift, smap), [ok[j] for j in p.members]
+    return Merged(x, tgt, tw.groups, kernel, shift, smap, s_a, end), taken
 
 
-def _staged(tgt, terms, p, members, axis, c, vals):
+def _staged(tgt, terms, p, members, axis, c, vals, after=None):
     """``(kernel, bias)`` of a merge computed in the graph (before the sum; inserted where
     the caller's insertion point is), each marked prepared; or why not."""
     trs = specs(tgt)[1]
@@ -149,12 +150,11 @@ def _staged(tgt, terms, p, members, axis, c, vals):
                                     tw.groups)
             k = stablehlo.ConstantOp(numpy_to_dense(np.ascontiguousarray(
                 np.transpose(canon, np.argsort(trs))), ct)).result
-        steps = _steps(lf.chain, axis)
+        steps = chain_steps(lf.chain, axis) or []
         sc, sh = (None, None) if not steps else collapse(*vals.ir_chain(steps, c), c, xp=arith)
-        kinds = [st.kind for st in steps or []]
-        if any(kd not in ("add", "sub") for kd in kinds):
+        if has_scale(steps):
             k = stablehlo.MulOp(k, broadcast(k.type, arith.value(sc), [trs[0]])).result
-        if any(kd in ("add", "sub", "rsub") for kd in kinds):
+        if has_shift(steps):
             shift = sh if shift is None else arith.add(shift, sh)
         lo = [0] * len(trs)
         hi = [0] * len(trs)
@@ -171,6 +171,17 @@ def _staged(tgt, terms, p, members, axis, c, vals):
                       "edge_padding_high": ir.DenseI64ArrayAttr.get(hi),
                       "interior_padding": ir.DenseI64ArrayAttr.get([0] * len(lo))}).result
         total = k if total is None else stablehlo.AddOp(total, k).result
+    if after is not None:          # the affine after the sum: kernel·s, (bias + b)·s + t
+        for _, r in after.biases:
+            b = vals.vector_ir(r, c)
+            shift = b if shift is None else arith.add(shift, b)
+        sc, sh = collapse(*vals.ir_chain(after.steps, c), c, xp=arith)
+        if has_scale(after.steps):
+            total = stablehlo.MulOp(total, broadcast(total.type, arith.value(sc),
+                                                     [trs[0]])).result
+            shift = None if shift is None else arith.mul(shift, sc)
+        if has_shift(after.steps):
+            shift = sh if shift is None else arith.add(shift, sh)
     kernel = vals.mark_prepared(vals.convert(total, ktype.element_type))
     bias = None if shift is None else vals.mark_prepared(arith.value(shift))
     return kernel, bias
@@ -180,7 +191,7 @@ def _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals):
     """``(structure, term with values or None when a weight is not known)``."""
     if lf.kind in NOT_MERGED:
         return NOT_MERGED[lf.kind], None
-    steps = _steps(lf.chain, axis)
+    steps = chain_steps(lf.chain, axis)
     if steps is None:
         return Reason("branches", "a branch's arithmetic is not per output channel"), None
     if lf.kind in ("identity", "pool") and tuple(ls) != tuple(os_):
@@ -201,7 +212,7 @@ def _term(lf, ls, rs, os_, axis, c, n, shape, ev, vals):
     aff = _affine(steps, c, vals)
     if lf.kind == "pair":
         w1 = window(lf.first.base, ls)
-        steps1 = _steps(lf.first.chain, specs(lf.first.base)[2][1])
+        steps1 = chain_steps(lf.first.chain, specs(lf.first.base)[2][1])
         if w1 is None or steps1 is None:
             return Reason("branches", "the first convolution of a pair has another layout "
                           "or arithmetic that is not per channel"), None
@@ -252,10 +263,12 @@ def _record(op, fname, c, sites, status, groups=None, **kw) -> None:
         dtype=str(elem_type(op.results[0])), **kw))
 
 
-def rewrite(top, merges: list[Merged], rest: list) -> None:
-    """``top``'s result computed as the merged convolutions plus ``rest``."""
+def rewrite(top, merges: list[Merged], rest: list):
+    """``top``'s result computed as the merged convolutions plus ``rest`` (or the result of
+    the affine after it they absorbed); returns the op now unused (erased by the caller,
+    once its function is done: the ops after it are still to be visited)."""
     rtype = top.results[0].type
-    with ir.InsertionPoint(top):
+    with ir.InsertionPoint(next((m.end for m in merges if m.end is not None), top)):
         y = None
         for m in merges:
             ktype = ir.RankedTensorType(m.target.operands[1].type)
@@ -289,8 +302,9 @@ def rewrite(top, merges: list[Merged], rest: list) -> None:
             y = stablehlo.AddOp(y, a).result
     if y.type != rtype:         # pragma: no cover (the leaves have the sum's type)
         raise AssertionError("merged sum of another type")
-    top.results[0].replace_all_uses_with(y)
-    erase_unused([top])
+    end = next((m.end for m in merges if m.end is not None), top)
+    end.results[0].replace_all_uses_with(y)
+    return end
 
 
 class _Values(HloValues):
@@ -311,9 +325,13 @@ def merge_module(module, fname_ops, sites: list, staged: bool = False,
         if not fop.regions[0].blocks:
             continue
         runs, n = len(ev.calls.get(fname, ())) if fname != "main" else 1, len(sites)
+        dead: list = []
         for op in list(fop.regions[0].blocks[0].operations):
-            if op_name(op) == "stablehlo.add" and _is_top(op):
-                _merge_tree(op, fname, ev, vals, sites, staged, taken.setdefault(fname, set()))
+            if op_name(op) == "stablehlo.add" and _is_top(op) and \
+                    next(iter(op.results[0].uses), None) is not None:   # (not dead)
+                _merge_tree(op, fname, ev, vals, sites, staged, taken.setdefault(fname, set()),
+                            dead)
+        erase_unused(dead)
         for r in sites[n:]:      # a function called per layer: once per call (as the pass)
             if runs > 1 and not r.layers:
                 r.layers = runs
@@ -336,28 +354,36 @@ def _tree_leaves(op) -> list:
     return out
 
 
-def _merge_tree(top, fname, ev, vals, sites, staged, unreached: set) -> None:
+def _merge_tree(top, fname, ev, vals, sites, staged, unreached: set, dead: list) -> None:
     shape = shape_of(top.results[0])
     atoms = _tree_leaves(top)
     leaves = [read(a, ev) if shape_of(a) == shape else None for a in atoms]
     groups = M.group_leaves(leaves, single)
     done = []
+    after = after_of(top, atoms, groups, leaves, vals, staged)
     for ks in groups:
-        with ir.InsertionPoint(top):           # (a staged merge's ops go before the sum)
-            res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites, staged)
+        # (a staged merge's ops go before the sum, or before the last op of its affine)
+        with ir.InsertionPoint(after.ops[-1] if after else top):
+            res = merge_group([leaves[k] for k in ks], fname, ev, vals, sites, staged, after)
         if res is not None:
             done.append((res[0], [ks[j] for j in res[1]]))
             unreached.update(location(op) for k in done[-1][1]
                              for part in (leaves[k], leaves[k].first) if part is not None
                              for op, _ in part.chain)
+            if res[0].end is not None:
+                unreached.update(location(op) for op in after.ops)
     if done:
         taken = {k for _, ks in done for k in ks}
-        m = done[0][0]                    # the sum's known per-channel biases join its bias
+        m = done[0][0]
+        if m.end is not None and staged:       # (its bias has the sum's biases)
+            taken.update(k for k, _ in after.biases)                    # the sum's known per-channel biases join its bias
         axis = specs(m.target)[2][1]
         for k, a in enumerate(atoms):
             r = None if k in taken else resolve(a, shape, axis, explain=False)
             val = None if r is None or isinstance(r, Refusal) else vals.operand_np(r)
             if val is not None:
+                val = val if m.after is None else val * m.after
                 m.shift = val if m.shift is None else m.shift + val
                 taken.add(k)
-        rewrite(top, [m for m, _ in done], [a for k, a in enumerate(atoms) if k not in taken])
+        dead.append(rewrite(top, [m for m, _ in done],
+                            [a for k, a in enumerate(atoms) if k not in taken]))

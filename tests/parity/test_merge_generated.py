@@ -4,7 +4,8 @@ A block is a sum, in a random order, of branches reading one input ``x``: convol
 random windows (k×k, 1×k, k×1), paddings that align with the largest window or are shifted
 off it, dilations, groups (dense, grouped, depthwise), an identity (``x`` or a BatchNorm of
 ``x``), an average pool, a 1×1 → k×k pair, a nonlinearity on a branch — each branch with a
-trained-looking BatchNorm — and sometimes a term of another input added after. Weights are
+trained-looking BatchNorm — and sometimes a term of another input added after, and a
+BatchNorm of the whole sum (it joins the merge where the sum is the merged branches alone). Weights are
 constants: the jaxpr path folds ``jax.make_jaxpr`` of the block, the StableHLO path its
 ``jax.export``. For every block: the two paths decide the same (the branch records' statuses
 and reason kinds), both compute the unfolded block's outputs within the tolerance model, and
@@ -52,6 +53,7 @@ class Block:
     order: tuple
     other: bool               # a term of another input added after the branches
     seed: int
+    after: bool = False       # a BatchNorm of the sum (joins the merge when it is whole)
 
     def aligned(self) -> bool:
         """Whether every branch sits in the merged window (an oracle written apart from
@@ -107,7 +109,7 @@ def blocks(draw):
     order = tuple(draw(st.permutations(range(n))))
     return Block(c, draw(st.sampled_from([7, 8])), draw(st.sampled_from(sorted(LAYOUTS))),
                  stride, target, tuple(out), order, draw(st.booleans()),
-                 draw(st.integers(0, 2 ** 16)))
+                 draw(st.integers(0, 2 ** 16)), draw(st.booleans()))
 
 
 def build(b: Block):
@@ -155,6 +157,7 @@ def build(b: Block):
         return lambda x: jnp.tanh(n(cv(x)))
 
     fns = [branch(br) for br in (b.target,) + b.branches]
+    outer = bn()
 
     def f(x):
         terms = [fn(x) for fn in fns]
@@ -163,15 +166,19 @@ def build(b: Block):
             y = y + terms[i]
         if b.other:
             y = y + jnp.sin(x if b.stride == 1 else y)
-        return y
+        return outer(y) if b.after else y
     x = jnp.asarray(np.random.default_rng(b.seed + 1).standard_normal(
         [2, c, b.hw, b.hw] if lhs == "NCHW" else [2, b.hw, b.hw, c]), jnp.float32)
     return f, x
 
 
 def decisions(report):
-    return collections.Counter((s.status, reason_kind(s.reason) if s.reason else None)
+    return collections.Counter((s.status, reason_kind(s.reason) if s.reason else None,
+                                AFTER in s.absorbed)
                                for s in report.sites if s.pattern == "branches")
+
+
+AFTER = "sub·mul·add after the sum"
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")      # no scope left unfolded
@@ -188,8 +195,14 @@ def test_generated_blocks_merge_alike_on_both_paths(b):
     assert_close(ref, out_j, depth=4)
     assert_close(ref, got.call(x), depth=4)
     convs = sum(e.primitive.name == "conv_general_dilated" for e in folded.jaxpr.eqns)
+    whole = b.after and not b.other
     if b.aligned():
-        assert [len(s.absorbed) for s in rep.merged] == [len(b.branches) + 1], rep
+        assert [len(s.absorbed) for s in rep.merged] == [len(b.branches) + 1 + whole], rep
         assert convs == 1
+        if whole:                 # the outer BatchNorm joined the merged convolution
+            assert rep.merged[0].absorbed[-1] == AFTER
+            assert not {"mul", "sub"} & {e.primitive.name for e in folded.jaxpr.eqns}
+    if b.other:
+        assert all(AFTER not in s.absorbed for s in rep.merged), rep
     if any(br.kind == "nonlinear" for br in b.branches) and not rep.merged:
-        assert ("refused", "branches") in decisions(rep)
+        assert ("refused", "branches", False) in decisions(rep)
