@@ -134,6 +134,8 @@ def cmd_fold(args) -> int:
     if args.prepare and args.params:
         raise _UsageError("--prepare makes a module for any weights, --params folds given "
                           "ones: use one of them")
+    if args.equalize and args.prepare:
+        raise _UsageError("--equalize needs the weights' values (--params), not --prepare")
     check_distinct({"the input": args.input, "--params": args.params, "--inputs": args.inputs},
                    {"-o": args.output, "--report": args.report,
                     "--prepared-out": args.prepared_out, "--prepare": args.prepare})
@@ -144,11 +146,13 @@ def cmd_fold(args) -> int:
     prepared = prepare = None
     if args.params:
         params = _read_params(args.params)
-        folded, report, prepared = fold_stablehlo(data, params=params, merge=args.merge)
+        folded, report, prepared = fold_stablehlo(data, params=params, merge=args.merge,
+                                                  equalize=args.equalize)
     elif args.prepare:
         folded, report, prepare = fold_stablehlo(data, split=args.per_call, merge=args.merge)
     else:
-        folded, report = fold_stablehlo(data, in_graph=args.in_graph, merge=args.merge)
+        folded, report = fold_stablehlo(data, in_graph=args.in_graph, merge=args.merge,
+                                        equalize=args.equalize)
     print(report)
     from . import _compat as C
     verify = args.verify if args.verify is not None else (
@@ -272,6 +276,11 @@ def main(argv=None) -> int:
     p_fold.add_argument("--per-call", type=lambda s: [a for a in s.split(",") if a],
                         help="with --prepare: the arguments that change per call (e.g. arg0); "
                         "the others are weights")
+    p_fold.add_argument("--equalize", action="store_true",
+                        help="after the fold, equalize the channel ranges of layers joined by "
+                        "ReLU, bias, pooling or padding (the outputs stay the same; per-tensor "
+                        "int8 of the weights then loses less); needs the weights' values: "
+                        "constants, or --params")
     p_fold.add_argument("--backends", **backends)
     p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
     p_ver.add_argument("original")

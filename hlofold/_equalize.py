@@ -15,37 +15,11 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._core.equalize import equalize, smooth, spread
+from ._core.equalize import EqualizedPair, NotEqualized, equalize, smooth, spread
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_calls
 from ._jaxpr.pairs import Refused, find_pairs
 from ._jaxpr.stream import find_stream
-
-
-@dataclasses.dataclass
-class EqualizedPair:
-    """Layers equalized (or smoothed): the kernels' pytree paths (for smoothing, the first
-    is a norm's γ or a layer's kernel), the biases divided with the first, each kernel's
-    output-channel spread (largest channel range / the median one: what a per-tensor
-    quantizer suffers) before and after, and the scales' range."""
-
-    first: str
-    seconds: list[str]
-    biases: list[str]
-    location: str
-    spread_before: tuple[float, float]
-    spread_after: tuple[float, float]
-    scale_range: tuple[float, float] = (1.0, 1.0)
-    kind: str = "equalized"           # or "smoothed"
-
-
-@dataclasses.dataclass
-class NotEqualized:
-    """A layer (or norm) whose output was not paired with the layers after it, and why."""
-
-    kernel: str
-    location: str
-    reason: str
 
 
 def inlined(closed):

@@ -177,3 +177,29 @@ def spread(values: dict, key: str, axis: int) -> float:
     r = k.reshape(k.shape[0], -1).max(axis=1)
     med = float(np.median(r))
     return float(r.max() / med) if med > 0 else float("inf")
+
+
+@dataclasses.dataclass
+class EqualizedPair:
+    """Layers equalized (or smoothed): the kernels' pytree paths (for smoothing, the first
+    is a norm's γ or a layer's kernel), the biases divided with the first, each kernel's
+    output-channel spread (largest channel range / the median one: what a per-tensor
+    quantizer suffers) before and after, and the scales' range."""
+
+    first: str
+    seconds: list[str]
+    biases: list[str]
+    location: str
+    spread_before: tuple[float, float]
+    spread_after: tuple[float, float]
+    scale_range: tuple[float, float] = (1.0, 1.0)
+    kind: str = "equalized"           # or "smoothed"
+
+
+@dataclasses.dataclass
+class NotEqualized:
+    """A layer (or norm) whose output was not paired with the layers after it, and why."""
+
+    kernel: str
+    location: str
+    reason: str

@@ -75,6 +75,10 @@ class FoldReport:
     compile_options: dict = dataclasses.field(default_factory=dict)
     # how they were chosen (measured on the first call: hlofold._tune), where there was a choice
     compile_note: str | None = None
+    # fold_stablehlo(..., equalize=True): the layer pairs equalized after the fold, and the
+    # layers left as they are, why (hlofold._core.equalize.EqualizedPair / NotEqualized)
+    equalized: list = dataclasses.field(default_factory=list)
+    not_equalized: list = dataclasses.field(default_factory=list)
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -108,6 +112,8 @@ class FoldReport:
                 "running": self.running, "compat": list(self.compat),
                 "compile_options": dict(self.compile_options),
                 "compile_note": self.compile_note,
+                "equalized": [dataclasses.asdict(e) for e in self.equalized],
+                "not_equalized": [dataclasses.asdict(e) for e in self.not_equalized],
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
@@ -131,6 +137,14 @@ class FoldReport:
             head += f"\nNOTE: compiled with {k}={v}"
         if self.compile_note:
             head += f"\nNOTE: {self.compile_note}"
+        if self.equalized or self.not_equalized:
+            head += (f"\nequalized: {len(self.equalized)} layer pairs; "
+                     f"{len(self.not_equalized)} layers left as they are")
+            for e in self.equalized:
+                head += (f"\n  {e.first} -> {', '.join(e.seconds)} ({e.location}): spread "
+                         f"{e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}")
+            for n in self.not_equalized:
+                head += f"\n  left: {n.kernel} ({n.location}): {n.reason}"
         p = self.precision
         if p and p.get("reference"):
             head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "

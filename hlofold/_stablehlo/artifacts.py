@@ -21,6 +21,7 @@ from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
 from .checked import checked
+from .equalize import equalize_function
 from .weights import argument_index, bind_and_fold, export_arguments
 
 ir, stablehlo, _ = C.mlir()
@@ -123,7 +124,7 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
 
 
 def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT,
-                   merge: bool = True):
+                   merge: bool = True, equalize: bool = False):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
@@ -154,6 +155,13 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     graph, guarded at run time, only with ``in_graph=True``: that recomputes ``K ⊙ s`` on
     every call. ``merge=False`` keeps sums of parallel branches (each branch's BN folds).
 
+    ``equalize=True`` (with ``params=``, or a module whose weights are constants): after the
+    fold, cross-layer equalization of each pair of layers joined by ReLU, bias, pooling or
+    padding (``hlofold._stablehlo.pairs``) — the same rule and sweeps as
+    ``fold_params(..., equalize=True)``; the outputs are the same in float, the kernels'
+    channel ranges equal (for per-tensor quantization). ``report.equalized`` /
+    ``report.not_equalized`` say which pairs, and why the other layers were left.
+
     On a JAX whose MLIR bindings changed what this pass reads (``hlofold._compat``), the
     artifact comes back as given (without ``params``/``split``; with them a
     ``CompatError`` says which change), its report naming the change.
@@ -161,11 +169,14 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     if params is not None and split is not None:
         raise ValueError("params= (fold for these weight values) and split= (a prepare "
                          "module for any weight values) exclude each other")
+    if equalize and split is not None:
+        raise ValueError("equalize= needs the weights' values: give them with params=, not "
+                         "split=")
     off = C.disabled("stablehlo")
     if off is None:
         art = read_artifact(data)          # bad input is the caller's: raised as it is
         try:
-            result = _fold(art, data, params, split, in_graph, merge)
+            result = _fold(art, data, params, split, in_graph, merge, equalize)
         except StableHLOError:
             raise
         except Exception as e:
@@ -200,9 +211,9 @@ def as_given(data):
     return bytes(data) if isinstance(data, (bytearray, memoryview)) else data
 
 
-def _fold(art: Artifact, data, params, split, in_graph, merge=True):
+def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=False):
     if params is not None:
-        return _fold_with_params(art, data, params, merge)
+        return _fold_with_params(art, data, params, merge, equalize)
     if split is not None:
         if art.kind == EXPORT:
             raise StableHLOError("split= makes two modules; a jax.export artifact is one "
@@ -211,7 +222,10 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True):
         prepare, apply, report = split_module(art.module, split, merge)
         return _write(apply, art), report, _write(prepare, art)
     module, report = fold_module_text(art.module, in_graph, merge)
-    if not report.num_folded:     # nothing folded: the artifact exactly as it was given
+    if equalize:
+        with module.context, ir.Location.unknown():
+            report.equalized, report.not_equalized = equalize_function(main_function(module))
+    if not report.num_folded and not report.equalized:   # the artifact exactly as given
         return as_given(data), report
     with module.context:
         if art.kind != EXPORT:
@@ -223,14 +237,14 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True):
     return bytes(new.serialize()), report
 
 
-def _fold_with_params(art: Artifact, data, params, merge=True):
+def _fold_with_params(art: Artifact, data, params, merge=True, equalize=False):
     if art.kind != EXPORT:
-        module, report, prepared, _ = bind_and_fold(art.module, params, merge)
+        module, report, prepared, _ = bind_and_fold(art.module, params, merge, equalize)
         with module.context:
             return _write(module, art), report, prepared
     exp = art.exported
     by_arg, lead = export_arguments(exp, params)
-    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge)
+    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge, equalize)
     with module.context:
         n_module = len(main_function(module).regions[0].blocks[0].arguments)
         assert len(kept) + len(prepared) == n_module and kept[:lead] == list(range(lead))

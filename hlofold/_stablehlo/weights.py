@@ -22,6 +22,7 @@ from .._core.report import FoldReport
 from . import blobs
 from .ir import StableHLOError, dense_to_numpy, element_dtype, numpy_to_dense
 from .module import main_function, parse_module
+from .equalize import equalize_function
 from .fold import fold_module
 from .shardings import argument_shardings, by_type, set_argument_shardings
 
@@ -53,11 +54,12 @@ def bound_values(params: Mapping[Any, Any]) -> dict[int, np.ndarray]:
     return values
 
 
-def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
-                  merge: bool = True) -> tuple[Any, FoldReport, list, list[int]]:
+def bind_and_fold(text_or_bytes, params: Mapping[Any, Any], merge: bool = True,
+                  equalize: bool = False) -> tuple[Any, FoldReport, list, list[int]]:
     """``(apply module, report, prepared values, kept)``: ``params`` (module argument →
-    value) bound and folded, the folded constants hoisted into trailing arguments.
-    ``kept``: the original argument numbers the apply module still takes first, in order."""
+    value) bound and folded (``equalize``: then its layer pairs equalized), the folded
+    constants hoisted into trailing arguments. ``kept``: the original argument numbers the
+    apply module still takes first, in order."""
     values = bound_values(params)
     module = parse_module(text_or_bytes)
     # the weights bound, and the constants the fold makes, held by reference (not copied
@@ -70,17 +72,21 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any],
             _check_value(i, v, block.arguments[i].type if i < n else None, n)
         shardings = argument_shardings(main)
         removed = [(block.arguments[i].type, shardings[i]) for i in sorted(values)]
+        names = {}
         with ir.InsertionPoint.at_block_begin(block):
             for i, v in sorted(values.items()):
                 arg = block.arguments[i]
                 const = stablehlo.ConstantOp(numpy_to_dense(
-                    v, ir.RankedTensorType(arg.type).element_type, given=True)).result
-                arg.replace_all_uses_with(const)
+                    v, ir.RankedTensorType(arg.type).element_type, given=True))
+                names[const.operation] = f"arg{i}"
+                arg.replace_all_uses_with(const.result)
         kept = [i for i in range(n) if i not in values]
         set_arguments(main, kept)
         # (a site whose weights are not all known now is left as it is: in the graph its
         # rescale would run on every call, slower than the module given)
         report = fold_module(module, in_graph=False, merge=merge)
+        if equalize:
+            report.equalized, report.not_equalized = equalize_function(main, names)
         prepared = _hoist(main)
         hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
         set_argument_shardings(main, {len(kept) + j: sh

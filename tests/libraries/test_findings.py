@@ -342,10 +342,15 @@ def test_unreached_after_a_guarded_site_on_the_stablehlo_path():
     assert rep.num_folded == 1 and rep.folded[0].guarded, str(rep)
     unreached = [s for s in rep.sites if s.status == "not-reached"]
     assert len(unreached) == 1 and "after add" in unreached[0].reason, str(rep)
-    # the jaxpr path says the same
-    jrep = hlofold.fold(f).report(P, X)
+    # the jaxpr path says the same where it folds in the graph too (guarded)
+    _, jrep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(P, X))
     assert [s.reason for s in jrep.sites if s.status == "not-reached"] == \
         [unreached[0].reason], str(jrep)
+    # with the weights known (hlofold.fold prepares them), ``y + conv(y, k2)`` is an
+    # identity and a conv branch: merged, and the BatchNorm after the sum joins the merge
+    jrep = hlofold.fold(f).report(P, X)
+    assert not [s for s in jrep.sites if s.status == "not-reached"], str(jrep)
+    assert jrep.merged[0].absorbed[-1] == "sub·mul·add after the sum", str(jrep)
 
 
 @pytest.mark.parametrize("weights", ["constants", "arguments", "arguments, in_graph"])

@@ -1,0 +1,271 @@
+"""The per-op rules of a pair's path on StableHLO (:mod:`hlofold._stablehlo.pairs`): how a
+positive per-channel scale on an op's input reaches its output — the channel axis it moves
+to, or why the path stops there — one entry per op in :data:`RULES` (the words of the jaxpr
+rules, ``hlofold._jaxpr.pair_rules``); and what reads a constant through shapes and calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import _compat as C
+from .._core.chain_rules import Refusal
+from .forward import op_ints
+from .ir import attr_dims, constant_values, op_name, owner_op, shape_of
+from .module import private_body
+from .patterns import resolve
+
+ir, stablehlo, _ = C.mlir()
+
+NOT_HOMOGENEOUS = frozenset(f"stablehlo.{n}" for n in (
+    "tanh", "logistic", "exponential", "log", "power", "sqrt", "rsqrt", "abs", "sign", "sine",
+    "cosine", "log_plus_one", "exponential_minus_one", "clamp", "minimum", "cbrt")) | {
+    "chlo.erf", "chlo.square"}
+
+
+@dataclasses.dataclass
+class Weight:
+    """A constant a pair scales: its op, for each axis of the value the layer reads the
+    constant's axis (a transpose between), and the op that reads it (where it is)."""
+
+    const: object
+    axes: tuple
+    reader: object = None
+
+
+@dataclasses.dataclass
+class Ctx:
+    weights: dict                 # key -> Weight (filled as pairs are read)
+    keys: dict                    # constant op -> key
+    biases: list                  # (key, axis) of the pair being read
+
+    def key(self, w: Weight) -> str:
+        k = self.keys.setdefault(w.const, f"c{len(self.keys)}")
+        self.weights[k] = w
+        return k
+
+
+
+def uses(v) -> list:
+    return [(u.owner, u.operand_number) for u in v.uses]
+
+
+def single(v) -> bool:
+    u = uses(v)
+    return len(u) == 1 and op_name(u[0][0]) != "func.return"
+
+
+def weight(v, reader=None) -> Weight | None:
+    """``v`` (read by ``reader``) as a constant read once (through transposes read once),
+    or None."""
+    axes = list(range(len(shape_of(v))))
+    while True:
+        if not single(v):
+            return None
+        op = owner_op(v)
+        if op is None:
+            return None
+        if op_name(op) == "stablehlo.constant":
+            return Weight(op, tuple(axes), reader)
+        if op_name(op) != "stablehlo.transpose":
+            return None
+        perm = attr_dims(op, "permutation")
+        axes = [perm[a] for a in axes]
+        v = op.operands[0]
+
+
+# a called function's arguments -> the values the call passes (while a call is followed)
+_PASSED: list = []
+
+
+def constant(v):
+    """The value of ``v`` where it is a constant (through broadcasts, converts, reshapes,
+    and into a call's operands; the values repeat), else None."""
+    for _ in range(16):
+        op = owner_op(v)
+        if op is None:
+            v = next((o for a, o in reversed(_PASSED) if a == v), None)
+            if v is None:
+                return None
+            continue
+        if op_name(op) == "stablehlo.constant":
+            return constant_values(op.attributes["value"])
+        if op_name(op) not in ("stablehlo.broadcast_in_dim", "stablehlo.convert",
+                               "stablehlo.reshape"):
+            return None
+        v = op.operands[0]
+    return None
+
+
+def is_zero(v) -> bool:
+    x = constant(v)
+    return x is not None and bool(np.all(x == 0))
+
+
+def _bias(ctx, op, pos, axis):
+    """x + b, x − b with b a constant vector per channel (divided by the scale too)."""
+    name = op_name(op).split(".")[-1]
+    if name == "subtract" and pos == 1:
+        return "a subtraction from the channels"
+    b = op.operands[1 - pos]
+    if is_zero(b):
+        return axis
+    shape = shape_of(op.results[0])
+    r = resolve(b, shape, axis, explain=False)
+    if isinstance(r, Refusal) or r.axis is None or r.block is not None:
+        return f"{name} of a value that is not one per channel (a residual add ties channels)"
+    v = b
+    for _ in range(16):                        # (every value on the way read once)
+        if v == r.value:
+            break
+        if not single(v) or owner_op(v) is None:
+            return f"{name} of a per-channel value read elsewhere too"
+        v = owner_op(v).operands[0]
+    w = weight(r.value, op)
+    if w is None:
+        return f"{name} of a per-channel value that is not a constant read once"
+    ctx.biases.append((ctx.key(w), w.axes[r.axis]))
+    return axis
+
+
+def _product(ctx, op, pos, axis):
+    if op_name(op) == "stablehlo.divide" and pos == 1:
+        return "a division by the channels"
+    return axis
+
+
+def _max(ctx, op, pos, axis):
+    return axis if is_zero(op.operands[1 - pos]) else \
+        "max with a value other than 0 (not a ReLU)"
+
+
+def _body(op) -> str | None:
+    ops = [op_name(o) for o in op.regions[0].blocks[0].operations]
+    return ops[0] if len(ops) == 2 else None
+
+
+def _window(ctx, op, pos, axis):
+    """Pooling (sum, max) with a window of one along the channels, from 0 or −∞."""
+    if pos != 0 or len(op.results) != 1 or _body(op) not in ("stablehlo.add",
+                                                             "stablehlo.maximum"):
+        return "a reduce_window that is not a pooling"
+    init = constant(op.operands[1])
+    if init is None or not (np.all(init == 0) or (_body(op) == "stablehlo.maximum"
+                                                  and np.all(np.isneginf(init)))):
+        return "pooling from a value other than 0"
+    r = len(shape_of(op.results[0]))
+    win = op_ints(op, "window_dimensions")
+    st = op_ints(op, "window_strides", [1] * r)
+    pad = op_ints(op, "padding", [0] * (2 * r))
+    if win[axis] != 1 or st[axis] != 1 or pad[2 * axis:2 * axis + 2] != [0, 0]:
+        return "pooling across channels"
+    return axis
+
+
+def _reduce(ctx, op, pos, axis):
+    if pos != 0 or len(op.results) != 1 or _body(op) not in ("stablehlo.add",
+                                                             "stablehlo.maximum"):
+        return "a reduce that is not a sum or a max"
+    init = constant(op.operands[1])
+    if init is None or not (np.all(init == 0) or (_body(op) == "stablehlo.maximum"
+                                                  and np.all(np.isneginf(init)))):
+        return "a reduction from a value other than 0"
+    dims = attr_dims(op, "dimensions")
+    if axis in dims:
+        return "a reduction over the channels"
+    return axis - sum(d < axis for d in dims)
+
+
+def _pad(ctx, op, pos, axis):
+    if pos != 0 or not is_zero(op.operands[1]):
+        return "padding with a value other than 0"
+    if any(attr_dims(op, a)[axis] for a in ("edge_padding_low", "edge_padding_high",
+                                            "interior_padding")):
+        return "padding along the channels"
+    return axis
+
+
+def _transpose(ctx, op, pos, axis):
+    return list(attr_dims(op, "permutation")).index(axis)
+
+
+def _broadcast(ctx, op, pos, axis):
+    a = attr_dims(op, "broadcast_dimensions")[axis]
+    if shape_of(op.results[0])[a] != shape_of(op.operands[0])[axis]:
+        return "a broadcast along the channels"
+    return a
+
+
+def _convert(ctx, op, pos, axis):
+    return axis
+
+
+def _call(ctx, op, pos, axis):
+    """A call of a private function (``jax.nn.relu`` exports as one): followed through its
+    body to its return."""
+    body = private_body(op)
+    if body is None or len(op.results) != 1:
+        return "a call of a function hlofold does not enter (public, or several results)"
+    passed = list(zip(body.arguments, op.operands))
+    _PASSED.extend(passed)
+    try:
+        v = body.arguments[pos]
+        for _ in range(1000):
+            u = uses(v)
+            if len(u) == 3 and (lk := leaky(u)) is not None:
+                v = lk
+                continue
+            if len(u) != 1:
+                return f"inside {op_name(op)}: the channels are read {len(u)} times"
+            inner, ipos = u[0]
+            if op_name(inner) == "func.return":
+                return axis
+            rule = RULES.get(op_name(inner))
+            if rule is None or len(inner.results) != 1:
+                return f"{op_name(inner)} (inside a called function) " + (
+                    "is not positively homogeneous" if op_name(inner) in NOT_HOMOGENEOUS
+                    else "is not one equalization passes through")
+            got = rule(ctx, inner, ipos, axis)
+            if isinstance(got, str):
+                return got
+            v, axis = inner.results[0], got
+        return "the path is too long"
+    finally:
+        del _PASSED[len(_PASSED) - len(passed):]
+
+
+RULES = {"stablehlo.add": _bias, "stablehlo.subtract": _bias, "stablehlo.multiply": _product,
+         "stablehlo.divide": _product, "stablehlo.maximum": _max, "stablehlo.negate": _convert,
+         "stablehlo.reduce_window": _window, "stablehlo.reduce": _reduce,
+         "stablehlo.pad": _pad, "stablehlo.transpose": _transpose,
+         "stablehlo.broadcast_in_dim": _broadcast, "stablehlo.convert": _convert,
+         "func.call": _call}
+
+
+def _is_select(op) -> bool:
+    """A ``select``, or a call of a private function that is one select of its arguments in
+    order (``jnp.where`` exports as one)."""
+    if op_name(op) == "stablehlo.select":
+        return True
+    body = private_body(op) if op_name(op) == "func.call" else None
+    ops = list(body.operations) if body is not None else []
+    return len(ops) == 2 and op_name(ops[0]) == "stablehlo.select" and \
+        list(ops[0].operands) == list(body.arguments) and ops[1].operands[0] == ops[0].result
+
+
+def leaky(u):
+    """LeakyReLU / PReLU, ``select(x >= 0, x, a·x)``: its result, or None."""
+    by = {("select" if _is_select(o) else op_name(o)): (o, p) for o, p in u}
+    cmp, mul, sel = by.get("stablehlo.compare"), by.get("stablehlo.multiply"), \
+        by.get("select")
+    if cmp is None or mul is None or sel is None or len(u) != 3 or cmp[1] != 0 or \
+            not is_zero(cmp[0].operands[1]) or str(ir.Attribute(
+                cmp[0].attributes["comparison_direction"])).split()[-1].rstrip(">") \
+            not in ("GE", "GT"):
+        return None
+    c, m, s = cmp[0].results[0], mul[0].results[0], sel[0]
+    if s.operands[0] != c or s.operands[2] != m or sel[1] != 1 or \
+            not single(c) or not single(m):
+        return None
+    return s.results[0]

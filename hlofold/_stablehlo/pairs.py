@@ -1,0 +1,162 @@
+"""Pairs for cross-layer equalization (:mod:`hlofold._core.equalize`) read from StableHLO:
+the twin of ``_jaxpr.pairs`` for a function whose weights are constants (bound with
+``params=``, or constants of the module; the fold's kernels and biases are constants too).
+
+A pair starts at a ``convolution`` or ``dot_general`` whose kernel is a constant (directly or
+through a ``transpose``: PyTorch's Linear) and follows its output channel, op by op, to the
+next convolutions or dots that read it as their activations, with constant kernels too.
+Each op on the way must commute with a positive per-channel scale: ``pair_rules.RULES`` has one
+entry per op (the channel axis it moves to, or why the pair stops there), with the words of
+the jaxpr rules. Every value on the way is read once (a residual add would see the scaled
+channels), and every constant scaled is read by the pair alone. Channels split over several
+axes (attention's heads) are not followed here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .. import _compat as C
+from .._core.chain_rules import Refusal
+from .._core.equalize import Pair, Second
+from .forward import input_channel
+from .ir import location, op_name, owner_op, shape_of
+from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
+from .patterns import root_info
+
+ir, stablehlo, _ = C.mlir()
+
+ROOTS = ("stablehlo.convolution", "stablehlo.dot_general", "stablehlo.dot")
+
+
+@dataclasses.dataclass
+class Found:
+    pair: Pair
+    op: object
+
+
+@dataclasses.dataclass
+class Refused:
+    key: str | None
+    op: object
+    reason: str
+
+
+
+def _second(ctx, op, pos, axis):
+    ch = input_channel(op, pos) if pos == 0 or op_name(op) != "stablehlo.convolution" else \
+        Refusal("a convolution reading the channels as its kernel")
+    if isinstance(ch, Refusal):
+        return f"the next {op_name(op)}: {ch.reason}"
+    act_axis, in_axis = ch
+    if act_axis != axis:
+        return f"the next {op_name(op)} does not contract the channel axis"
+    k = op.operands[1 - pos]
+    w = weight(k, op)
+    if w is None:
+        return f"the next {op_name(op)}'s kernel is not a constant read once"
+    info = root_info(op) if pos == 0 else None
+    if pos == 0 and (not isinstance(info, tuple) or not isinstance(info[2], int)):
+        return f"the next {op_name(op)}'s kernel has its output channels over several axes"
+    free = [a for a in range(len(shape_of(k))) if a != in_axis]
+    if pos == 1 and len(free) != 1:
+        return f"the next {op_name(op)}'s kernel (its lhs) has {len(free)} free dimensions"
+    out = info[2] if pos == 0 else free[0]
+    groups = ir.IntegerAttr(op.attributes["feature_group_count"]).value \
+        if "feature_group_count" in op.attributes else 1
+    return Second(ctx.key(w), w.axes[in_axis], w.axes[out], int(groups))
+
+
+def _follow(ctx, v, axis: int):
+    for _ in range(10_000):
+        u = uses(v)
+        if any(op_name(o) == "func.return" for o, _ in u):
+            return "its output is a program output before another layer reads it"
+        if len(u) == 3 and (lk := leaky(u)) is not None:
+            v = lk
+            continue
+        if len(u) > 1:
+            seconds = [_second(ctx, o, p, axis) if op_name(o) in ROOTS else "x"
+                       for o, p in u]
+            if all(not isinstance(x, str) for x in seconds):
+                return seconds
+            return (f"its output is read {len(u)} times, not only by layers (a residual or "
+                    f"another reader would see the scaled channels)")
+        if not u:
+            return "its output is not read"
+        op, pos = u[0]
+        name = op_name(op)
+        if name in ROOTS:
+            got = _second(ctx, op, pos, axis)
+            return [got] if not isinstance(got, str) else got
+        rule = RULES.get(name)
+        if rule is None:
+            why = "is not positively homogeneous" if name in NOT_HOMOGENEOUS else \
+                "is not one equalization passes through"
+            return f"{name} on the way {why}"
+        if len(op.results) != 1:
+            return f"{name} with several results"
+        got = rule(ctx, op, pos, axis)
+        if isinstance(got, str):
+            return got
+        v, axis = op.results[0], got
+    return "the path is too long"
+
+
+def _start(op):
+    """``(Weight, output channel axis, kernel output axis)`` of a layer whose kernel is a
+    constant read once; a reason for a shared or multi-head one; None for no layer."""
+    info = root_info(op)
+    if not isinstance(info, tuple) or op_name(op) not in ROOTS:
+        return None
+    if not isinstance(info[2], int):
+        return ("a multi-head kernel (its output channels over several axes) is not paired "
+                "as a first layer")
+    w = weight(op.operands[info[1]], op)
+    if w is None:
+        return ("its kernel is not a constant read once (a shared weight, or one computed "
+                "per call)") if owner_op(op.operands[info[1]]) is not None else None
+    return w, info[0], w.axes[info[2]]
+
+
+def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
+    """Every pair in ``func``'s body (top level), the starts refused, and the weights the
+    pairs name (key -> :class:`Weight`). Second layers claimed by an earlier pair are not
+    paired again."""
+    ctx = Ctx({}, {}, [])
+    found, refused, claimed = [], [], set()
+    for op in func.regions[0].blocks[0].operations:
+        start = _start(op) if op_name(op) in ROOTS else None
+        if start is None:
+            continue
+        if isinstance(start, str):
+            refused.append(Refused(None, op, start))
+            continue
+        w, axis, out_axis = start
+        ctx.biases = []
+        got = _follow(ctx, op.results[0], axis)
+        k1 = ctx.key(w)
+        if isinstance(got, str):
+            refused.append(Refused(k1, op, got))
+            continue
+        if any(s.key in claimed for s in got):
+            continue
+        claimed.update(s.key for s in got)
+        found.append(Found(Pair(k1, out_axis, got, list(ctx.biases)), op))
+    return found, refused, ctx.weights
+
+
+def layer(op) -> str:
+    """The layer ``op`` belongs to, for people: its name stack without the op's own name
+    (``Net/Conv_0``: Flax's module path, a Keras/TF/torch_xla layer), else the op's name."""
+    name = location(op)[2] or ""
+    parts = [p for p in name.split("/") if p and not p.startswith(("jit(", "pjit"))]
+    if parts and parts[-1].split("[")[0] in (op_name(op).split(".")[-1],
+                                             "conv_general_dilated", "dot_general"):
+        parts = parts[:-1]
+    return "/".join(parts) or op_name(op)
+
+
+def where(op) -> str:
+    file, line, _ = location(op)
+    return f"{layer(op)} ({os.path.basename(file)}:{line})" if file else layer(op)

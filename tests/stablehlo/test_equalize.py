@@ -1,0 +1,157 @@
+"""``fold_stablehlo(..., params=, equalize=True)``: cross-layer equalization on the StableHLO
+path (issue 51, item 4), the rule of ``fold_params(..., equalize=True)`` read from a module.
+
+The folded module computes the original outputs (rel ≤ 1e-5), finds the pairs the jaxpr path
+finds (generated chains, Flax MobileNet-style nets), equalizes them to the same channel
+spreads, so that per-tensor int8 of the prepared weights errs less; refusals say why; with
+constants in the module, from the CLI, and on timm's RepVGG-A0 exported by PyTorch/XLA."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+from hlofold._stablehlo.artifacts import input_specs, module_callable
+from tests.frontends.test_equalize import IMG, mobile, per_tensor, rel
+from tests.helpers import assert_close
+from tests.helpers.pair_programs import program
+from tests.helpers.torch_weights import weight
+
+EXACT = 1e-5
+DATA = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "stablehlo")
+
+
+def _exported(fn, params, x):
+    leaves, tree = jax.tree.flatten(params)
+    g = jax.jit(lambda *a: fn(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    return jax.export.export(g)(*leaves, x), leaves, g(*leaves, x)
+
+
+def _equalized(fn, params, x, **kw):
+    exp, leaves, ref = _exported(fn, params, x)
+    got, rep, prep = hlofold.fold_stablehlo(
+        exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, equalize=True, **kw)
+    out = got.call(x, *prep)
+    for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+        assert rel(r, o) <= EXACT, rel(r, o)
+    return got, rep, prep, ref
+
+
+def _quantized(prep):
+    """Every prepared kernel (ndim ≥ 2) in int8 with one scale per tensor."""
+    def q(w):
+        w64 = np.asarray(w, np.float64)
+        if w64.ndim < 2:
+            return w
+        s = np.abs(w64).max() / 127 or 1.0
+        return jnp.asarray(np.clip(np.round(w64 / s), -127, 127) * s, w.dtype)
+    return [q(w) for w in prep]
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_a_mobilenet_style_net_equalizes_as_on_the_jaxpr_path(pool):
+    fn, params = mobile(pool=pool)
+    x = IMG
+    got, rep, prep, ref = _equalized(fn, params, x)
+    on_jaxpr = hlofold.fold_params(fn, params, x, equalize=True)
+    assert len(rep.equalized) == len(on_jaxpr.equalized) == 4, (str(rep), str(on_jaxpr))
+    # the same rule and sweeps on the same folded values: the same spreads after (pairs in
+    # program order on both paths)
+    after = [e.spread_after for e in rep.equalized]
+    want = [e.spread_after for e in on_jaxpr.equalized]
+    np.testing.assert_allclose(after, want, rtol=1e-3)
+    assert all(e.spread_after[0] < e.spread_before[0] for e in rep.equalized
+               if e.spread_before[0] > 2), str(rep)       # (the wide ones come closer)
+    assert [e.first for e in rep.equalized] == [
+        f"the folded kernel of Net/{n}" for n in ("Conv_0", "Conv_1", "Conv_2", "Dense_0")]
+    # per-tensor int8 of the prepared kernels: closer to the original than without
+    plain, _, pplain = hlofold.fold_stablehlo(
+        _exported(fn, params, x)[0],
+        params={i: np.asarray(a) for i, a in enumerate(jax.tree.leaves(params))})
+    err_eq = rel(ref, got.call(x, *_quantized(prep)))
+    err_plain = rel(ref, plain.call(x, *_quantized(pplain)))
+    assert err_eq < 0.85 * err_plain, (err_eq, err_plain)
+    # ... and as much closer as on the jaxpr path (the same weights, quantized alike)
+    assert abs(err_eq / rel(ref, fn(per_tensor(on_jaxpr.params), x)) - 1) < 1e-3
+    assert "equalized: 4 layer pairs" in str(rep)
+    assert len(rep.to_dict()["equalized"]) == 4
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_generated_chains_pair_as_on_the_jaxpr_path(seed):
+    """The generated chains of the jaxpr path's differential test (passing and stopping
+    ops between dense, grouped and depthwise convolutions) exported with their weights as
+    arguments: the same pairs (a kernel the program also returns is shared on the jaxpr
+    path; after a BatchNorm folded into it, the module's kernel is a new constant: it may
+    pair there), the outputs within 1e-5."""
+    fn, p, x, expected, (layers, shared) = program(seed)
+    _, rep, _, _ = _equalized(fn, p, x)
+    if shared:
+        assert len(rep.equalized) >= expected, str(rep)
+    else:
+        assert len(rep.equalized) == expected, (layers, str(rep))
+
+
+@pytest.mark.parametrize("act, why", [
+    (lambda x: jax.nn.relu6(x), "not positively homogeneous"),
+    (jnp.tanh, "stablehlo.tanh on the way is not positively homogeneous"),
+    (lambda x: x + jnp.roll(x, 1, axis=-1), "read 2 times"),
+])
+def test_paths_that_do_not_commute_are_left_with_the_reason(act, why):
+    fn, params = mobile(act=act)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 8, 3)), jnp.float32)
+    _, rep, _, _ = _equalized(fn, params, x)
+    # (the pointwise conv -> mean -> Dense and Dense -> relu -> Dense pairs stay)
+    assert len(rep.equalized) == 2 and any(why in n.reason for n in rep.not_equalized), \
+        str(rep)
+
+
+def test_constants_in_the_module_and_the_cli(tmp_path):
+    fn, params = mobile()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 8, 3)), jnp.float32)
+    exp = jax.export.export(jax.jit(lambda x: fn(params, x)))(x)
+    got, rep = hlofold.fold_stablehlo(exp, equalize=True)
+    assert len(rep.equalized) == 4 and all(e.first.startswith("the folded kernel of Net/")
+                                           for e in rep.equalized), str(rep)
+    assert rel(fn(params, x), got.call(x)) <= EXACT
+    src, out, rpt = tmp_path / "m.mlir", tmp_path / "o.mlir", tmp_path / "r.json"
+    src.write_text(exp.mlir_module())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out),
+                           "--equalize", "--report", str(rpt)], capture_output=True,
+                          text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "equalized: 4 layer pairs" in proc.stdout
+    assert len(json.loads(rpt.read_text())["equalized"]) == 4
+    assert rel(fn(params, x), module_callable(out.read_text())(x)[0]) <= EXACT
+    proc = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o",
+                           str(tmp_path / "x.mlir"), "--equalize", "--prepare",
+                           str(tmp_path / "p.mlir"), "--per-call", "arg0"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "--equalize" in proc.stderr
+    assert not (tmp_path / "x.mlir").exists()
+    with pytest.raises(ValueError, match="equalize= needs the weights' values"):
+        hlofold.fold_stablehlo(exp.mlir_module(), split=["arg0"], equalize=True)
+
+
+def test_timm_repvgg_from_pytorch_xla_equalizes_its_merged_chain():
+    """RepVGG at inference is a plain chain conv → ReLU → conv: after the merge, every
+    block pairs with the next one (the last with the head through the global pool)."""
+    text = open(os.path.join(DATA, "repvgg_a0_torch_xla.mlir")).read()
+    names = json.load(open(os.path.join(DATA, "repvgg_a0_torch_xla.json")))["args"]
+    io = np.load(os.path.join(DATA, "repvgg_a0_torch_xla_io.npz"))
+    weights = {f"arg{i}": weight(n, sp.shape)
+               for i, (n, sp) in enumerate(zip(names, input_specs(text))) if n != "input"}
+    full = [weights.get(f"arg{i}", io["x"]) for i in range(len(names))]
+    ref = module_callable(text)(*full)[0]
+    apply, rep, prepared = hlofold.fold_stablehlo(text, params=weights, equalize=True)
+    assert len(rep.equalized) == 22, str(rep)
+    assert_close(ref, module_callable(apply)(io["x"], *prepared)[0], depth=40)
+    assert rel(ref, module_callable(apply)(io["x"], *prepared)[0]) <= EXACT
