@@ -75,8 +75,8 @@ class FoldReport:
     compile_options: dict = dataclasses.field(default_factory=dict)
     # how they were chosen (measured on the first call: hlofold._tune), where there was a choice
     compile_note: str | None = None
-    # fold_stablehlo(..., equalize=True): the layer pairs equalized after the fold, and the
-    # layers left as they are, why (hlofold._core.equalize.EqualizedPair / NotEqualized)
+    # fold_stablehlo(..., equalize=True / smooth=): the layer pairs equalized (or smoothed)
+    # after the fold, the layers left as they are, why (hlofold._core.equalize's records)
     equalized: list = dataclasses.field(default_factory=list)
     not_equalized: list = dataclasses.field(default_factory=list)
 
@@ -138,8 +138,10 @@ class FoldReport:
         if self.compile_note:
             head += f"\nNOTE: {self.compile_note}"
         if self.equalized or self.not_equalized:
-            head += (f"\nequalized: {len(self.equalized)} layer pairs; "
-                     f"{len(self.not_equalized)} layers left as they are")
+            kinds = {e.kind: sum(x.kind == e.kind for x in self.equalized)
+                     for e in self.equalized} or {"equalized": 0}
+            head += "\n" + "; ".join(f"{k}: {n} layer pairs" for k, n in kinds.items()) + \
+                f"; {len(self.not_equalized)} layers left as they are"
             for e in self.equalized:
                 head += (f"\n  {e.first} -> {', '.join(e.seconds)} ({e.location}): spread "
                          f"{e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}")

@@ -21,8 +21,9 @@ from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
 from .checked import checked
-from .equalize import equalize_function
-from .weights import argument_index, bind_and_fold, export_arguments
+from .equalize import equalize_function, smooth_function
+from .weights import (argument_index, bind_and_fold, export_arguments,
+                      export_calibration, hoist)
 
 ir, stablehlo, _ = C.mlir()
 
@@ -124,7 +125,8 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
 
 
 def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT,
-                   merge: bool = True, equalize: bool = False):
+                   merge: bool = True, equalize: bool = False, smooth=None,
+                   alpha: float = 0.5):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
@@ -161,6 +163,11 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     ``fold_params(..., equalize=True)``; the outputs are the same in float, the kernels'
     channel ranges equal (for per-tensor quantization). ``report.equalized`` /
     ``report.not_equalized`` say which pairs, and why the other layers were left.
+    ``smooth=[inputs, ...]`` (``alpha``): SmoothQuant's scales from the activations these
+    calibration inputs give (each the per-call inputs: an array, or a list of them in order),
+    moved into the weights: a norm's output gets ``·(1/s)`` (its γ is in the layers after the
+    fold), a layer before a gated product its output channels; the layers reading them
+    their input rows (records of kind ``"smoothed"``).
 
     On a JAX whose MLIR bindings changed what this pass reads (``hlofold._compat``), the
     artifact comes back as given (without ``params``/``split``; with them a
@@ -169,14 +176,19 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     if params is not None and split is not None:
         raise ValueError("params= (fold for these weight values) and split= (a prepare "
                          "module for any weight values) exclude each other")
-    if equalize and split is not None:
-        raise ValueError("equalize= needs the weights' values: give them with params=, not "
-                         "split=")
+    if (equalize or smooth is not None) and split is not None:
+        raise ValueError(f"{'equalize' if equalize else 'smooth'}= needs the weights' values: "
+                         "give them with params=, not split=")
+    if smooth is not None:
+        smooth = [list(c) if isinstance(c, (list, tuple)) else [c] for c in smooth]
+        if not smooth:
+            raise ValueError("smooth= needs at least one calibration input")
     off = C.disabled("stablehlo")
     if off is None:
         art = read_artifact(data)          # bad input is the caller's: raised as it is
         try:
-            result = _fold(art, data, params, split, in_graph, merge, equalize)
+            result = _fold(art, data, params, split, in_graph, merge, equalize,
+                           (smooth, alpha))
         except StableHLOError:
             raise
         except Exception as e:
@@ -211,9 +223,10 @@ def as_given(data):
     return bytes(data) if isinstance(data, (bytearray, memoryview)) else data
 
 
-def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=False):
+def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=False,
+          smoothing=(None, 0.5)):
     if params is not None:
-        return _fold_with_params(art, data, params, merge, equalize)
+        return _fold_with_params(art, data, params, merge, equalize, smoothing)
     if split is not None:
         if art.kind == EXPORT:
             raise StableHLOError("split= makes two modules; a jax.export artifact is one "
@@ -225,6 +238,13 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=Fal
     if equalize:
         with module.context, ir.Location.unknown():
             report.equalized, report.not_equalized = equalize_function(main_function(module))
+    if smoothing[0] is not None:
+        calib = smoothing[0] if art.kind != EXPORT else export_calibration(
+            art.exported, {}, smoothing[0])
+        with module.context, ir.Location.unknown():
+            done, left = smooth_function(module, {}, calib, smoothing[1], hoist)
+        report.equalized += done
+        report.not_equalized += left
     if not report.num_folded and not report.equalized:   # the artifact exactly as given
         return as_given(data), report
     with module.context:
@@ -237,14 +257,19 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=Fal
     return bytes(new.serialize()), report
 
 
-def _fold_with_params(art: Artifact, data, params, merge=True, equalize=False):
+def _fold_with_params(art: Artifact, data, params, merge=True, equalize=False,
+                      smoothing=(None, 0.5)):
     if art.kind != EXPORT:
-        module, report, prepared, _ = bind_and_fold(art.module, params, merge, equalize)
+        module, report, prepared, _ = bind_and_fold(art.module, params, merge, equalize,
+                                                    *smoothing)
         with module.context:
             return _write(module, art), report, prepared
     exp = art.exported
     by_arg, lead = export_arguments(exp, params)
-    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge, equalize)
+    calib = None if smoothing[0] is None else export_calibration(
+        exp, {argument_index(k) for k in params}, smoothing[0])
+    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge, equalize,
+                                                   calib, smoothing[1])
     with module.context:
         n_module = len(main_function(module).regions[0].blocks[0].arguments)
         assert len(kept) + len(prepared) == n_module and kept[:lead] == list(range(lead))

@@ -1,31 +1,80 @@
-"""Cross-layer equalization of a StableHLO function's constants: ``fold_stablehlo(...,
-params=, equalize=True)``.
+"""Cross-layer equalization and smoothing of a StableHLO function's constants:
+``fold_stablehlo(..., params=, equalize=True)`` and ``smooth=[inputs...]``.
 
-Run after the fold (BatchNorms are in the kernels and biases) and before the weights are
-hoisted into arguments: the pairs are read by :mod:`hlofold._stablehlo.pairs`, the scales
-computed by the core (:func:`hlofold._core.equalize.equalize`, float64, the same sweeps as
-``fold_params(..., equalize=True)``), and each changed constant written anew, rounded once
-to its type. The function computes the same outputs (the caller checks it).
+Run after the fold (BatchNorms are in the kernels and biases, a norm's γ in the layers it
+feeds) and before the weights are hoisted into arguments: the pairs are read by
+:mod:`hlofold._stablehlo.pairs`, the scales computed by the core
+(:mod:`hlofold._core.equalize`: the same sweeps, the same SmoothQuant scales as
+``fold_params``), and each changed constant written anew, rounded once to its type.
+Smoothing measures what each pair's second layers read on the calibration inputs (a copy of
+the function, its weights hoisted, those values returned too, run by JAX); where a norm's
+output feeds the layers (γ already moved into them by the fold), it puts ``·(1/s)`` there — a
+multiply, as the norm's γ was. The function computes the same outputs (the caller checks).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import EqualizedPair, NotEqualized, equalize, spread
-from .ir import dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name
-from .pairs import ROOTS, Refused, find_pairs, layer, where
+from .._core.equalize import EqualizedPair, NotEqualized, equalize, smooth, spread
+from .build import broadcast
+from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
+                 shape_of)
+from .module import main_function
+from .pairs import ROOTS, Refused, find_pairs, layer, norm_sites, where
 
-ir, stablehlo, _ = C.mlir()
+ir, stablehlo, func_dialect = C.mlir()
 
 
 def _name(w, names: dict) -> str:
     got = names.get(w.const)
     if got is None:
         role = "kernel" if w.reader is not None and op_name(w.reader) in ROOTS else "bias"
-        got = f"the folded {role} of {layer(w.reader)}" if w.reader is not None else \
-            "a constant"
+        named = w.reader is not None and layer(w.reader) != op_name(w.reader)
+        got = f"the folded {role} of " + (layer(w.reader) if named else where(w.reader)) \
+            if w.reader is not None else "a constant"
     return got
+
+
+def _readable(found, refused, weights):
+    """The pairs whose weights are floating point and readable, and their values."""
+    values, ok = {}, []
+    for f in found:
+        got = {k: dense_to_numpy(weights[k].const.attributes["value"]) for k in f.pair.keys()
+               if k in weights}
+        if any(v is None or float_dtype(elem_type(weights[k].const.results[0])) is None
+               for k, v in got.items()):
+            refused.append(Refused(f.pair.first, f.op, "a weight that is not floating point "
+                                   "(or not readable)"))
+            continue
+        values.update(got)
+        ok.append(f)
+    return values, ok
+
+
+def _write(weights: dict, new: dict, values: dict) -> None:
+    """Each changed constant written anew, rounded once to its type."""
+    for k, v in new.items():
+        if k not in weights:
+            continue
+        old = weights[k].const
+        with ir.InsertionPoint(old):
+            c = stablehlo.ConstantOp(numpy_to_dense(v.astype(values[k].dtype),
+                                                    elem_type(old.results[0]), given=True))
+        old.results[0].replace_all_uses_with(c.result)
+        old.erase()
+
+
+def _records(ok, scales, values, new, called, kind):
+    def sp(vals, p):
+        first = spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0
+        return first, spread(vals, p.seconds[0].key, p.seconds[0].out_axis)
+    return [EqualizedPair(called[f.pair.first], [called[s.key] for s in f.pair.seconds],
+                          [called[b] for b, _ in f.pair.biases], f.location,
+                          sp(values, f.pair), sp(new, f.pair),
+                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0),
+                          kind)
+            for f, s in zip(ok, scales)]
 
 
 def equalize_function(func, names: dict | None = None
@@ -34,16 +83,7 @@ def equalize_function(func, names: dict | None = None
     it (``"arg3"``: a bound argument). Returns what was equalized and what was not, why."""
     names = names or {}
     found, refused, weights = find_pairs(func)
-    values, ok = {}, []
-    for f in found:
-        got = {k: dense_to_numpy(weights[k].const.attributes["value"]) for k in f.pair.keys()}
-        if any(v is None or float_dtype(elem_type(weights[k].const.results[0])) is None
-               for k, v in got.items()):
-            refused.append(Refused(f.pair.first, f.op, "a weight that is not floating point "
-                                   "(or not readable)"))
-            continue
-        values.update(got)
-        ok.append(f)
+    values, ok = _readable(found, refused, weights)
     left = [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
                          where(r.op), r.reason) for r in refused]
     for f in ok:
@@ -52,20 +92,85 @@ def equalize_function(func, names: dict | None = None
         return [], left
     called = {k: _name(w, names) for k, w in weights.items()}    # (before a write)
     new, scales = equalize(values, [f.pair for f in ok])
-    rounded = {k: v.astype(values[k].dtype) for k, v in new.items()}
-    for k, v in rounded.items():
-        old = weights[k].const
-        with ir.InsertionPoint(old):
-            c = stablehlo.ConstantOp(numpy_to_dense(v, elem_type(old.results[0]), given=True))
-        old.results[0].replace_all_uses_with(c.result)
-        old.erase()
+    _write(weights, new, values)
+    return _records(ok, scales, values, new, called, "equalized"), left
 
-    def sp(vals, p):
-        first = spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0
-        return first, spread(vals, p.seconds[0].key, p.seconds[0].out_axis)
-    done = [EqualizedPair(called[f.pair.first], [called[s.key] for s in f.pair.seconds],
-                          [called[b] for b, _ in f.pair.biases], f.location,
-                          sp(values, f.pair), sp(new, f.pair),
-                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0))
-            for f, s in zip(ok, scales)]
-    return done, left
+
+def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
+                    ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
+    """SmoothQuant's scales ``s_j = max|X_j|^α / max|W_j|^(1−α)`` moved into the module's
+    ``@main``: each pair's first layer divided (or, after a norm, a ``·(1/s)`` put there),
+    its second layers' input rows multiplied. ``calibration``: argument lists of the
+    function's remaining (not bound) arguments; ``hoist``: the weights' hoisting
+    (``_stablehlo.weights``), used on a copy to run it."""
+    func = main_function(module)
+    found, refused, weights = find_pairs(func)
+    values, ok = _readable(found, refused, weights)
+    sites = norm_sites(func, weights, {s.key for f in ok for s in f.pair.seconds})
+    for f in sites:
+        values.update({s.key: dense_to_numpy(weights[s.key].const.attributes["value"])
+                       for s in f.pair.seconds})
+        values[f.pair.first] = np.ones(shape_of(f.end)[f.end_axis], np.float32)
+    left = [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
+                         where(r.op), r.reason) for r in refused]
+    order = {op: i for i, op in enumerate(func.regions[0].blocks[0].operations)}
+    every = sorted(ok + sites, key=lambda f: order[f.op])   # (program order: as fold_params)
+    for f in every:
+        f.location = where(f.op)
+    if not every:
+        return [], left
+    xmax = _calibrate(module, func, every, calibration, hoist)
+    called = {k: _name(w, names) for k, w in weights.items()}
+    called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
+    new, scales = smooth(values, [f.pair for f in every], xmax, alpha)
+    _write(weights, new, values)
+    for f in sites:                  # ·(1/s) where the norm's output is read
+        v, producer = f.end, owner_op(f.end)
+        readers = [u.owner for u in v.uses]
+        with ir.InsertionPoint(producer):
+            vec = stablehlo.ConstantOp(numpy_to_dense(new[f.pair.first], elem_type(v))).result
+            scale = broadcast(v.type, vec, [f.end_axis])
+            mul = stablehlo.MulOp(v, scale)
+        mul.operation.move_after(producer)
+        for r in readers:
+            for i, o in enumerate(r.operands):
+                if o == v:
+                    r.operands[i] = mul.result
+    return _records(every, scales, values, new, called, "smoothed"), left
+
+
+def _calibrate(module, func, found, calibration, hoist) -> list[np.ndarray]:
+    """Per pair, the largest ``|value|`` per channel its second layers read, over the
+    calibration inputs: a copy of the module returns those values too, its weights hoisted
+    (no large constant is printed), and JAX runs it."""
+    from .artifacts import module_callable
+    block = func.regions[0].blocks[0]
+    index = {op: i for i, op in enumerate(block.operations)}
+    where_ = [(index[owner_op(f.end)], ir.OpResult(f.end).result_number) for f in found]
+    copy = module.operation.clone()
+    cfunc = next(op for op in copy.regions[0].blocks[0].operations
+                 if op_name(op) == "func.func" and
+                 ir.StringAttr(op.attributes["sym_name"]).value == "main")
+    ops = list(cfunc.regions[0].blocks[0].operations)
+    watch = [ops[i].results[j] for i, j in where_]
+    ret = ops[-1]
+    with ir.InsertionPoint(ret):
+        func_dialect.ReturnOp(list(ret.operands) + watch)
+    ret.erase()
+    ftype = ir.FunctionType(ir.TypeAttr(cfunc.attributes["function_type"]).value)
+    cfunc.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        list(ftype.inputs), list(ftype.results) + [w.type for w in watch]))
+    if "res_attrs" in cfunc.attributes:
+        cfunc.attributes["res_attrs"] = ir.ArrayAttr.get(
+            list(ir.ArrayAttr(cfunc.attributes["res_attrs"])) +
+            [ir.DictAttr.get({})] * len(watch))
+    prepared = hoist(cfunc)
+    run = module_callable(str(copy))
+    xmax: list = [None] * len(found)
+    for args in calibration:
+        outs = run(*args, *prepared)[-len(found):]
+        for j, (f, x) in enumerate(zip(found, outs)):
+            a = np.abs(np.moveaxis(np.asarray(x, np.float64), f.end_axis, -1))
+            m = a.reshape(-1, a.shape[-1]).max(axis=0)
+            xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
+    return xmax

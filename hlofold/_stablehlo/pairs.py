@@ -20,7 +20,7 @@ from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second
 from .forward import input_channel
-from .ir import location, op_name, owner_op, shape_of
+from .ir import attr_dims, location, op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
 from .patterns import root_info
 
@@ -31,8 +31,14 @@ ROOTS = ("stablehlo.convolution", "stablehlo.dot_general", "stablehlo.dot")
 
 @dataclasses.dataclass
 class Found:
+    """A pair, the op it starts at, and the value its second layers read (its channel axis):
+    what calibration measures for smoothing. A norm site's start is the value itself (no
+    op: the smoothing scale goes into a multiply put there)."""
+
     pair: Pair
     op: object
+    end: object = None
+    end_axis: int = 0
 
 
 @dataclasses.dataclass
@@ -79,7 +85,7 @@ def _follow(ctx, v, axis: int):
             seconds = [_second(ctx, o, p, axis) if op_name(o) in ROOTS else "x"
                        for o, p in u]
             if all(not isinstance(x, str) for x in seconds):
-                return seconds
+                return seconds, v, axis
             return (f"its output is read {len(u)} times, not only by layers (a residual or "
                     f"another reader would see the scaled channels)")
         if not u:
@@ -88,7 +94,7 @@ def _follow(ctx, v, axis: int):
         name = op_name(op)
         if name in ROOTS:
             got = _second(ctx, op, pos, axis)
-            return [got] if not isinstance(got, str) else got
+            return ([got], v, axis) if not isinstance(got, str) else got
         rule = RULES.get(name)
         if rule is None:
             why = "is not positively homogeneous" if name in NOT_HOMOGENEOUS else \
@@ -113,10 +119,29 @@ def _start(op):
         return ("a multi-head kernel (its output channels over several axes) is not paired "
                 "as a first layer")
     w = weight(op.operands[info[1]], op)
-    if w is None:
-        return ("its kernel is not a constant read once (a shared weight, or one computed "
-                "per call)") if owner_op(op.operands[info[1]]) is not None else None
+    if w is None:           # a constant read elsewhere too; else no layer (q @ kᵀ)
+        return "its kernel is a constant read elsewhere too (a shared weight)" if \
+            _constant_behind(op.operands[info[1]]) else None
     return w, info[0], w.axes[info[2]]
+
+
+def _per_token(v, axis: int) -> bool:
+    """Whether ``v`` is the same along ``axis`` (a norm's ``rsqrt`` per token, broadcast)."""
+    op = owner_op(v)
+    if op is None or op_name(op) != "stablehlo.broadcast_in_dim":
+        return False
+    dims = attr_dims(op, "broadcast_dimensions")
+    return axis not in dims or shape_of(op.operands[0])[dims.index(axis)] == 1
+
+
+def _constant_behind(v) -> bool:
+    """Whether ``v`` is a constant, through transposes and converts."""
+    for _ in range(8):
+        op = owner_op(v)
+        if op is None or op_name(op) not in ("stablehlo.transpose", "stablehlo.convert"):
+            return op is not None and op_name(op) == "stablehlo.constant"
+        v = op.operands[0]
+    return False
 
 
 def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
@@ -139,11 +164,41 @@ def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
         if isinstance(got, str):
             refused.append(Refused(k1, op, got))
             continue
-        if any(s.key in claimed for s in got):
+        seconds, end, end_axis = got
+        if any(s.key in claimed for s in seconds):
             continue
-        claimed.update(s.key for s in got)
-        found.append(Found(Pair(k1, out_axis, got, list(ctx.biases)), op))
+        claimed.update(s.key for s in seconds)
+        found.append(Found(Pair(k1, out_axis, seconds, list(ctx.biases)), op, end, end_axis))
     return found, refused, ctx.weights
+
+
+def norm_sites(func, weights: dict, taken: set) -> list[Found]:
+    """Values a norm computes (a ``multiply`` by a value per token: after the fold, ``x·r``
+    with γ moved forward into the layers) read by layers alone, along one channel axis, with constant kernels
+    read once (keys not in ``taken``): smoothing puts ``·(1/s)`` there. Each site's start
+    key is ``"norm:<n>"`` (no weight yet: its values start as ones)."""
+    ctx = Ctx(weights, {w.const: k for k, w in weights.items()}, [])
+    out = []
+    for op in func.regions[0].blocks[0].operations:
+        if op_name(op) != "stablehlo.multiply":
+            continue
+        v = op.results[0]
+        u = uses(v)
+        if not u or any(op_name(o) not in ROOTS or o.parent != func for o, _ in u):
+            continue
+        o0, p0 = u[0]
+        ch = input_channel(o0, p0) if p0 == 0 or op_name(o0) != "stablehlo.convolution" \
+            else None
+        if ch is None or isinstance(ch, Refusal):
+            continue
+        if not any(_per_token(x, ch[0]) for x in op.operands):
+            continue                  # (a product of activations, a gate: no norm)
+        seconds = [_second(ctx, o, p, ch[0]) for o, p in u]
+        if any(isinstance(x, str) or x.key in taken for x in seconds):
+            continue
+        taken.update(x.key for x in seconds)
+        out.append(Found(Pair(f"norm:{len(out)}", 0, seconds), op, v, ch[0]))
+    return out
 
 
 def layer(op) -> str:

@@ -22,7 +22,7 @@ from .._core.report import FoldReport
 from . import blobs
 from .ir import StableHLOError, dense_to_numpy, element_dtype, numpy_to_dense
 from .module import main_function, parse_module
-from .equalize import equalize_function
+from .equalize import equalize_function, smooth_function
 from .fold import fold_module
 from .shardings import argument_shardings, by_type, set_argument_shardings
 
@@ -55,11 +55,13 @@ def bound_values(params: Mapping[Any, Any]) -> dict[int, np.ndarray]:
 
 
 def bind_and_fold(text_or_bytes, params: Mapping[Any, Any], merge: bool = True,
-                  equalize: bool = False) -> tuple[Any, FoldReport, list, list[int]]:
+                  equalize: bool = False, smooth=None, alpha: float = 0.5
+                  ) -> tuple[Any, FoldReport, list, list[int]]:
     """``(apply module, report, prepared values, kept)``: ``params`` (module argument →
-    value) bound and folded (``equalize``: then its layer pairs equalized), the folded
-    constants hoisted into trailing arguments. ``kept``: the original argument numbers the
-    apply module still takes first, in order."""
+    value) bound and folded (``equalize``: then its layer pairs equalized; ``smooth``: lists
+    of the remaining arguments to calibrate SmoothQuant's scales on), the folded constants
+    hoisted into trailing arguments. ``kept``: the original argument numbers the apply
+    module still takes first, in order."""
     values = bound_values(params)
     module = parse_module(text_or_bytes)
     # the weights bound, and the constants the fold makes, held by reference (not copied
@@ -87,7 +89,11 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any], merge: bool = True,
         report = fold_module(module, in_graph=False, merge=merge)
         if equalize:
             report.equalized, report.not_equalized = equalize_function(main, names)
-        prepared = _hoist(main)
+        if smooth is not None:
+            done, left = smooth_function(module, names, smooth, alpha, hoist)
+            report.equalized += done
+            report.not_equalized += [n for n in left if n not in report.not_equalized]
+        prepared = hoist(main)
         hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
         set_argument_shardings(main, {len(kept) + j: sh
                                       for j, sh in by_type(hoisted, removed).items()})
@@ -118,6 +124,21 @@ def export_arguments(exp, params) -> tuple[dict, int]:
     return out, lead
 
 
+def export_calibration(exp, bound: dict, calib: list) -> list:
+    """Calibration inputs given as an export's per-call inputs (those not in ``bound``, in
+    order), as its module's remaining arguments."""
+    if len(exp.platforms) > 1:
+        raise StableHLOError("smooth= runs the module to calibrate: export it for one "
+                             "platform")
+    rest = [i for i in range(len(exp.in_avals)) if i not in bound]
+    used = [i for i in exp.module_kept_var_idx if i not in bound]
+    for c in calib:
+        if len(c) != len(rest):
+            raise StableHLOError(f"a calibration input has {len(c)} arrays; the export takes "
+                                 f"{len(rest)} per call")
+    return [[c[rest.index(i)] for i in used] for c in calib]
+
+
 def _check_value(i: int, v: np.ndarray, arg_type, n: int) -> None:
     if arg_type is None:
         raise StableHLOError(f"arg{i}: the module's @main takes {n} arguments")
@@ -133,7 +154,7 @@ def _check_value(i: int, v: np.ndarray, arg_type, n: int) -> None:
         raise StableHLOError(f"arg{i}: dtype {v.dtype}, the module expects {t.element_type}")
 
 
-def _hoist(main) -> list:
+def hoist(main) -> list:
     """Non-splat constants of ``main``'s body (not nested regions) with at least
     ``MIN_HOISTED`` elements become trailing arguments; returns their values."""
     block = main.regions[0].blocks[0]
