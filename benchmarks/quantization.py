@@ -17,6 +17,7 @@ quantizer).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 
@@ -228,6 +229,8 @@ def smooth_case(name: str, seed: int, outliers: float = 30.0):
     """A pre-RMSNorm decoder whose residual stream carries a few massive channels (as real
     LLMs do): the built-in decoder (d = 128, 2 layers) or the Flax block."""
     rng = np.random.default_rng(300 + seed)
+    if name == "keras_llama":
+        return _keras_llama(rng, seed, outliers)
     if name == "decoder":
         from hlofold import examples
         p = examples.init_decoder(2, d=128, vocab=256, seed=seed)
@@ -253,6 +256,37 @@ def smooth_case(name: str, seed: int, outliers: float = 30.0):
     return f, p, inputs(seed), [inputs(1000 + 10 * seed + j) for j in range(4)]
 
 
+def _keras_llama(rng, seed: int, outliers: float):
+    """keras_hub's Llama (2 layers, d = 128, GQA), its embedding with 3 massive channels;
+    keras_hub is not a dependency of the suite (see ``benchmarks/keras_hub_models.py``)."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    import keras_hub
+    keras.utils.set_random_seed(seed)
+    bb = keras_hub.models.LlamaBackbone(vocabulary_size=256, num_layers=2, hidden_dim=128,
+                                        intermediate_dim=256, num_query_heads=4,
+                                        num_key_value_heads=2)
+    massive = rng.choice(128, 3, replace=False)
+    for w in bb.weights:
+        path = w.path.lower()
+        if "embeddings" in path and len(w.shape) == 2:
+            e = np.array(w.value)
+            e[:, massive] *= outliers
+            w.assign(e)
+        elif len(w.shape) == 1 and ("norm" in path or path.endswith("scale")):
+            w.assign((10 ** rng.uniform(-0.3, 0.3, w.shape)).astype("float32"))
+
+    def f(params, ids):
+        return bb.stateless_call(params[0], params[1], {
+            "token_ids": ids, "padding_mask": jnp.ones(ids.shape, jnp.int32)})[0]
+    params = ([v.value for v in bb.trainable_variables],
+              [v.value for v in bb.non_trainable_variables])
+
+    def inputs(k):
+        return (jnp.asarray(np.random.default_rng(k).integers(0, 256, (4, 16)), jnp.int32),)
+    return f, params, inputs(seed), [inputs(1000 + 10 * seed + j) for j in range(4)]
+
+
 def measure_smooth(f, params, x, calib, wbits: int, run=None):
     """Errors: original, folded, + smooth, + rotate, + rotate and smooth (nan where the
     stream is not rotated); pairs smoothed. ``run``: a quantized model (Qwix) in place of
@@ -269,16 +303,23 @@ def measure_smooth(f, params, x, calib, wbits: int, run=None):
         [len(sm.equalized)]
 
 
-def smooth_table(seeds, use_qwix: bool = False) -> list[str]:
+SMOOTH_CASES = (("decoder", "built-in decoder, d = 128, 2 layers, 3 massive residual "
+                             "channels ×30"),
+                ("RMSNorm", "Flax block, RMSNorm, 3 massive channels ×30"),
+                ("LayerNorm", "Flax block, LayerNorm, 3 massive channels ×30"),
+                ("keras_llama", "keras_hub LlamaBackbone, d = 128, 2 layers, GQA, 3 massive "
+                                "channels ×30 (its output: the final norm's, no head)"))
+
+
+def smooth_table(seeds, use_qwix: bool = False, only=None) -> list[str]:
     lines = ["| model | quantizer | original | folded | + `smooth=` (α = 0.5) | "
              "+ `rotate=True` | + rotate and smooth | best / original | best / folded | "
              "pairs smoothed |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, label in (("decoder", "built-in decoder, d = 128, 2 layers, 3 massive "
-                                    "residual channels ×30"),
-                        ("RMSNorm", "Flax block, RMSNorm, 3 massive channels ×30"),
-                        ("LayerNorm", "Flax block, LayerNorm, 3 massive channels ×30")):
-        if use_qwix and name == "decoder":
+    for name, label in SMOOTH_CASES:
+        if (only and name not in only) or (use_qwix and name in ("decoder", "keras_llama")):
             continue                    # (Qwix quantizes Flax modules, not plain functions)
+        if name == "keras_llama" and importlib.util.find_spec("keras_hub") is None:
+            continue                    # (not a dependency: benchmarks/keras_hub_models.py)
         for wbits in ((8,) if use_qwix else (8, 4)):
             rows = []
             for s in seeds:
@@ -320,12 +361,14 @@ def main(argv=None):
                     help="cross-layer equalization: per-tensor int8 weights of BN CNNs")
     ap.add_argument("--smooth", action="store_true",
                     help="smoothing: w8a8 / w4a8 of decoders with massive channels")
+    ap.add_argument("--only", nargs="*", help="with --smooth: these cases only "
+                    f"({', '.join(n for n, _ in SMOOTH_CASES)})")
     a = ap.parse_args(argv)
     if a.smooth:
         text = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} "
                 f"CPUs, jax {jax.__version__}, {a.seeds} seeds (median, range); error "
                 f"‖y_q − y‖/‖y‖ of the outputs.\n\n" +
-                "\n".join(smooth_table(range(a.seeds), a.qwix)) + "\n")
+                "\n".join(smooth_table(range(a.seeds), a.qwix, a.only)) + "\n")
         print(text)
         if a.out:
             with open(a.out, "w") as fh:

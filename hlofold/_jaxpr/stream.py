@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from .. import _compat as C
 from .pair_rules import index_uses, leaf_of
 
 _CASTS = {"convert_element_type", "copy", "reduce_precision"}
@@ -106,8 +109,9 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
             return why
         more(o)
         return None
-    if name in ("square", "integer_pow", "mul") and \
+    if name in ("square", "integer_pow", "mul", "pow") and \
             (name != "integer_pow" or e.params.get("y") == 2) and \
+            (name != "pow" or (pos == 0 and _is_two(e.invars[1]))) and \
             (name != "mul" or e.invars[0] is e.invars[1]):
         u = uses.get(o, [])
         if len(u) == 1 and u[0][0] is not None and u[0][0].primitive.name == "reduce_sum" \
@@ -124,6 +128,11 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
     if name == "reduce_sum":
         return "a sum over the residual stream's channels (LayerNorm's mean: rotate RMSNorm models)"
     return f"{name} reads the residual stream"
+
+
+def _is_two(x) -> bool:
+    """A literal 2 (Keras' RMSNorm squares with ``ops.power(x, 2)``)."""
+    return isinstance(x, C.Literal) and np.ndim(x.val) == 0 and float(x.val) == 2.0
 
 
 def _writer(v, last, s, leaves, producer, uses):

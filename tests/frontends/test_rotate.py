@@ -81,6 +81,20 @@ def test_tiny_rms_decoder_rotates():
     assert sorted(out.rotation.readers) == ["['head']", "['w']"] and out.rotation.writers == ["['o']"]
 
 
+@pytest.mark.parametrize("square", ["pow", "integer_pow", "square"])
+def test_rms_written_with_a_power_rotates(square):
+    """Keras' RMSNorm squares with ``ops.power(x, 2)`` (``pow`` by a literal 2; keras_hub's
+    Llama): read as the square it is; ``x ** 3`` is not."""
+    sq = {"pow": lambda x: jax.lax.pow(x, 2.0), "integer_pow": lambda x: x ** 2,
+          "square": jnp.square}[square]
+
+    def rms(x, g):
+        return x * jax.lax.rsqrt(sq(x).mean(-1, keepdims=True) + 1e-6) * g
+    rotated(*_tiny(rms))
+    _not_rotated(*_tiny(lambda x, g: x * jax.lax.rsqrt(jnp.abs(jax.lax.pow(x, 3.0)).mean(
+        -1, keepdims=True) + 1e-6) * g), "reads the residual stream")
+
+
 def test_layernorm_refused():
     def ln(x, g):
         c = x - x.mean(-1, keepdims=True)
