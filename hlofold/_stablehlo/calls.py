@@ -30,13 +30,16 @@ def inline_weighted_calls(module, ev) -> int:
     Returns how many calls were inlined."""
     symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
                for op in module.body.operations if op_name(op) == "func.func"}
+    holding = {name for name, fop in symbols.items() if fop.regions[0].blocks and
+               "sym_visibility" in fop.attributes and
+               ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and
+               _holds_root(fop)}
+    if not holding:          # (no function to inline: the module's calls are not walked)
+        return 0
     n = 0
     for name, calls in call_sites(module).items():
         fop = symbols.get(name)
-        if fop is None or len(calls) < 2 or not fop.regions[0].blocks or \
-                "sym_visibility" not in fop.attributes or \
-                ir.StringAttr(fop.attributes["sym_visibility"]).value != "private" or \
-                not _holds_root(fop):
+        if name not in holding or len(calls) < 2:
             continue
         for call in calls:
             if not any(np.ndim(v) for a in call.operands if (v := ev(a)) is not None):

@@ -324,7 +324,7 @@ def merge_module(module, fname_ops, sites: list, staged: bool = False,
     for fname, fop in fname_ops.items():
         if not fop.regions[0].blocks:
             continue
-        runs, n = len(ev.calls.get(fname, ())) if fname != "main" else 1, len(sites)
+        n = len(sites)
         dead: list = []
         for op in list(fop.regions[0].blocks[0].operations):
             if op_name(op) == "stablehlo.add" and _is_top(op) and \
@@ -332,6 +332,7 @@ def merge_module(module, fname_ops, sites: list, staged: bool = False,
                 _merge_tree(op, fname, ev, vals, sites, staged, taken.setdefault(fname, set()),
                             dead)
         erase_unused(dead)
+        runs = len(ev.calls.get(fname, ())) if fname != "main" and len(sites) > n else 1
         for r in sites[n:]:      # a function called per layer: once per call (as the pass)
             if runs > 1 and not r.layers:
                 r.layers = runs
