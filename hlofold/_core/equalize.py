@@ -61,6 +61,13 @@ class Pair:
         return [self.first, *(s.key for s in self.seconds), *(b for b, _ in self.biases)]
 
 
+def stops_here(op: str, not_homogeneous: bool, where: str) -> str:
+    """Why a pair's path ends at ``op`` (``where``: "on the way", "(inside f)"), in the
+    words both adapters use."""
+    return f"{op} {where} " + ("is not positively homogeneous" if not_homogeneous else
+                                "is not one equalization passes through")
+
+
 def channel_of(kernel_shape, in_axis: int, out_axis: int, groups: int) -> np.ndarray:
     """For a second kernel of ``groups`` groups: the input channel each (input row, output
     column) entry reads, shaped ``(rows, columns)``. Group ``g`` owns the columns

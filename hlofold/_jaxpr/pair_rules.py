@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from .. import _compat as C
+from .._core.equalize import stops_here
 
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _PASS = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
@@ -270,9 +271,8 @@ def call_rule(ctx, e, pos, axis):
         name = ie.primitive.name
         rule = RULES.get(name) or (call_rule if name in CALLS else None)
         if rule is None:
-            return f"{ie.primitive.name} (inside {e.params.get('name', e.primitive.name)}) " + \
-                ("is not positively homogeneous" if ie.primitive.name in NOT_HOMOGENEOUS
-                 else "is not one equalization passes through")
+            return stops_here(name, name in NOT_HOMOGENEOUS,
+                              f"(inside {e.params.get('name', e.primitive.name)})")
         got = rule(sub, ie, ipos, a)
         if isinstance(got, str):
             return got

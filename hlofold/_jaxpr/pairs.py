@@ -14,7 +14,7 @@ import dataclasses
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.equalize import Pair, Second
+from .._core.equalize import Pair, Second, stops_here
 from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, each,
                          index_uses, is_zero, leaf_of, one, single_leaf, varying_axis)
 from .patterns import PATTERNS
@@ -149,9 +149,7 @@ def _follow(ctx, v, axis: int):
         if rule is None and name in CALLS:
             rule = call_rule
         if rule is None:
-            why = "is not positively homogeneous" if name in NOT_HOMOGENEOUS else \
-                "is not one equalization passes through"
-            return f"{name} on the way {why}"
+            return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")
         got = rule(ctx, e, pos, axis)
         if isinstance(got, str):
             return got

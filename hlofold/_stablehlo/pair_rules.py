@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
+from .._core.equalize import stops_here
 from .forward import op_ints
 from .ir import attr_dims, constant_values, op_name, owner_op, shape_of
 from .module import private_body
@@ -145,15 +146,24 @@ def _body(op) -> str | None:
     return ops[0] if len(ops) == 2 else None
 
 
-def _window(ctx, op, pos, axis):
-    """Pooling (sum, max) with a window of one along the channels, from 0 or −∞."""
+def _sum_or_max(op, pos, what: str) -> str | None:
+    """Why a ``reduce``/``reduce_window`` does not commute with a positive scale: not a sum
+    or a max of its operand, or from a value other than 0 (−∞ for a max); None if it does."""
     if pos != 0 or len(op.results) != 1 or _body(op) not in ("stablehlo.add",
                                                              "stablehlo.maximum"):
-        return "a reduce_window that is not a pooling"
+        return f"a {what} that is not a sum or a max"
     init = constant(op.operands[1])
     if init is None or not (np.all(init == 0) or (_body(op) == "stablehlo.maximum"
                                                   and np.all(np.isneginf(init)))):
-        return "pooling from a value other than 0"
+        return f"a {what} from a value other than 0"
+    return None
+
+
+def _window(ctx, op, pos, axis):
+    """Pooling (sum, max) with a window of one along the channels, from 0 or −∞."""
+    why = _sum_or_max(op, pos, "pooling")
+    if why:
+        return why
     r = len(shape_of(op.results[0]))
     win = op_ints(op, "window_dimensions")
     st = op_ints(op, "window_strides", [1] * r)
@@ -164,13 +174,9 @@ def _window(ctx, op, pos, axis):
 
 
 def _reduce(ctx, op, pos, axis):
-    if pos != 0 or len(op.results) != 1 or _body(op) not in ("stablehlo.add",
-                                                             "stablehlo.maximum"):
-        return "a reduce that is not a sum or a max"
-    init = constant(op.operands[1])
-    if init is None or not (np.all(init == 0) or (_body(op) == "stablehlo.maximum"
-                                                  and np.all(np.isneginf(init)))):
-        return "a reduction from a value other than 0"
+    why = _sum_or_max(op, pos, "reduction")
+    if why:
+        return why
     dims = attr_dims(op, "dimensions")
     if axis in dims:
         return "a reduction over the channels"
@@ -223,9 +229,8 @@ def _call(ctx, op, pos, axis):
                 return axis
             rule = RULES.get(op_name(inner))
             if rule is None or len(inner.results) != 1:
-                return f"{op_name(inner)} (inside a called function) " + (
-                    "is not positively homogeneous" if op_name(inner) in NOT_HOMOGENEOUS
-                    else "is not one equalization passes through")
+                return stops_here(op_name(inner), op_name(inner) in NOT_HOMOGENEOUS,
+                                  "(inside a called function)")
             got = rule(ctx, inner, ipos, axis)
             if isinstance(got, str):
                 return got

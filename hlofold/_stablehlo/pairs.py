@@ -18,7 +18,7 @@ import os
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.equalize import Pair, Second
+from .._core.equalize import Pair, Second, stops_here
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
@@ -97,9 +97,7 @@ def _follow(ctx, v, axis: int):
             return ([got], v, axis) if not isinstance(got, str) else got
         rule = RULES.get(name)
         if rule is None:
-            why = "is not positively homogeneous" if name in NOT_HOMOGENEOUS else \
-                "is not one equalization passes through"
-            return f"{name} on the way {why}"
+            return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")
         if len(op.results) != 1:
             return f"{name} with several results"
         got = rule(ctx, op, pos, axis)
