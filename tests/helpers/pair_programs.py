@@ -154,4 +154,5 @@ def decoder_program(seed: int):
         x[..., :2] *= 20
         return jnp.asarray(x)
     expected = 3 + (stop_v is None) + (stop_up is None)
+    fn.stops = (stop_v, stop_up)         # (what the test of the StableHLO path reads)
     return fn, p, inputs(seed), [inputs(seed + 100 + j) for j in range(3)], expected

@@ -88,13 +88,16 @@ def test_a_mobilenet_style_net_equalizes_as_on_the_jaxpr_path(pool):
 def test_generated_chains_pair_as_on_the_jaxpr_path(seed):
     """The generated chains of the jaxpr path's differential test (passing and stopping
     ops between dense, grouped and depthwise convolutions) exported with their weights as
-    arguments: the same pairs (a kernel the program also returns is shared on the jaxpr
-    path; after a BatchNorm folded into it, the module's kernel is a new constant: it may
-    pair there), the outputs within 1e-5."""
+    arguments: the same pairs, the outputs within 1e-5 — but where the module's folded
+    constants free a layer the tree ties (a kernel the program also returns; a constant
+    added after a layer, folded into its bias)."""
     fn, p, x, expected, (layers, shared) = program(seed)
     _, rep, _, _ = _equalized(fn, p, x)
-    if shared:
-        assert len(rep.equalized) >= expected, str(rep)
+    # a constant added after a layer (x + 0.5) is part of its folded bias here, which the
+    # parameter tree cannot scale: those layers pair here
+    more = sum("add_const" in ops for _, ops in layers)      # (one stopping op at most)
+    if shared or more:
+        assert expected <= len(rep.equalized) <= expected + more + 2 * shared, str(rep)
     else:
         assert len(rep.equalized) == expected, (layers, str(rep))
 
