@@ -61,6 +61,27 @@ def _read_params(path: str) -> dict:
     return params
 
 
+def _read_calibration(path: str, data, params: dict | None) -> list:
+    """``--smooth``: for each per-call argument (``argK``, those ``--params`` does not give)
+    an array whose first axis runs over the calibration inputs; as lists of arguments."""
+    from ._stablehlo.artifacts import input_specs
+    from ._stablehlo.weights import argument_index
+    bound = {argument_index(k) for k in params or {}}
+    calib = _read_params(path)
+    want = [i for i in range(len(input_specs(data))) if i not in bound]
+    given = sorted(argument_index(k) for k in calib)
+    if given != want:
+        raise _UsageError(f"{path}: give the per-call arguments "
+                          f"{', '.join(f'arg{i}' for i in want)} (a first axis over the "
+                          f"calibration inputs); it has {', '.join(sorted(calib)) or 'none'}")
+    by = {argument_index(k): v for k, v in calib.items()}
+    n = {len(v) for v in by.values()}
+    if len(n) != 1 or 0 in n:
+        raise _UsageError(f"{path}: every argument needs the same number (≥ 1) of calibration "
+                          "inputs along its first axis")
+    return [[by[i][j] for i in want] for j in range(n.pop())]
+
+
 def _npz_bytes(arrays: dict) -> bytes:
     import io
     import numpy as np
@@ -134,9 +155,11 @@ def cmd_fold(args) -> int:
     if args.prepare and args.params:
         raise _UsageError("--prepare makes a module for any weights, --params folds given "
                           "ones: use one of them")
-    if args.equalize and args.prepare:
-        raise _UsageError("--equalize needs the weights' values (--params), not --prepare")
-    check_distinct({"the input": args.input, "--params": args.params, "--inputs": args.inputs},
+    if (args.equalize or args.smooth) and args.prepare:
+        raise _UsageError(f"{'--equalize' if args.equalize else '--smooth'} needs the weights' "
+                          "values (--params), not --prepare")
+    check_distinct({"the input": args.input, "--params": args.params, "--inputs": args.inputs,
+                    "--smooth": args.smooth},
                    {"-o": args.output, "--report": args.report,
                     "--prepared-out": args.prepared_out, "--prepare": args.prepare})
     for out in (args.output, args.report, args.prepared_out, args.prepare):
@@ -144,15 +167,17 @@ def cmd_fold(args) -> int:
     _check_backends(args.backends)
     data = _load(args.input)
     prepared = prepare = None
+    params = _read_params(args.params) if args.params else None
+    calib = _read_calibration(args.smooth, data, params) if args.smooth else None
+    smoothing = dict(smooth=calib, alpha=args.alpha)
     if args.params:
-        params = _read_params(args.params)
         folded, report, prepared = fold_stablehlo(data, params=params, merge=args.merge,
-                                                  equalize=args.equalize)
+                                                  equalize=args.equalize, **smoothing)
     elif args.prepare:
         folded, report, prepare = fold_stablehlo(data, split=args.per_call, merge=args.merge)
     else:
         folded, report = fold_stablehlo(data, in_graph=args.in_graph, merge=args.merge,
-                                        equalize=args.equalize)
+                                        equalize=args.equalize, **smoothing)
     print(report)
     from . import _compat as C
     verify = args.verify if args.verify is not None else (
@@ -281,6 +306,12 @@ def main(argv=None) -> int:
                         "ReLU, bias, pooling or padding (the outputs stay the same; per-tensor "
                         "int8 of the weights then loses less); needs the weights' values: "
                         "constants, or --params")
+    p_fold.add_argument("--smooth", help="SmoothQuant's scales moved into the weights, from "
+                        "the activations these calibration inputs give: an .npz with each "
+                        "per-call argument (argK) and a first axis over the inputs; needs "
+                        "the weights' values: constants, or --params")
+    p_fold.add_argument("--alpha", type=float, default=0.5,
+                        help="with --smooth: how much of each outlier moves into the weights")
     p_fold.add_argument("--backends", **backends)
     p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
     p_ver.add_argument("original")

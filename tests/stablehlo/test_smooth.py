@@ -102,3 +102,34 @@ def test_bad_calibration_inputs_and_split_are_errors():
     const = jax.export.export(jax.jit(lambda x: f(p, x)))(*x)
     got, rep = hlofold.fold_stablehlo(const, smooth=calib)
     assert len(rep.equalized) == 3 and rel(f(p, *x), got.call(*x)) <= EXACT
+
+
+def test_the_cli_smooths_with_calibration_inputs(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from hlofold._stablehlo.artifacts import module_callable
+    f, p, x, calib = smooth_case("RMSNorm", 0)
+    leaves, tree = jax.tree.flatten(p)
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    n = len(leaves)
+    src, out, w, c, prep = (tmp_path / k for k in ("m.mlir", "o.mlir", "w.npz", "c.npz",
+                                                    "p.npz"))
+    src.write_text(jax.export.export(g)(*leaves, *x).mlir_module())
+    np.savez(w, **{f"arg{i}": np.asarray(a) for i, a in enumerate(leaves)})
+    np.savez(c, **{f"arg{n}": np.stack([np.asarray(k[0]) for k in calib])})
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = lambda *extra: subprocess.run(                                  # noqa: E731
+        [sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out), "--params",
+         str(w), "--prepared-out", str(prep), *extra], capture_output=True, text=True, env=env)
+    proc = run("--smooth", str(c), "--alpha", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    assert "smoothed: 3 layer pairs" in proc.stdout
+    with np.load(prep) as z:
+        prepared = [z[k] for k in sorted(z.files, key=lambda k: int(k[3:]))]
+    assert rel(g(*leaves, *x), module_callable(out.read_text())(*x, *prepared)[0]) <= EXACT
+    np.savez(c, **{"arg0": np.stack([np.asarray(k[0]) for k in calib])})   # a weight's name
+    out.unlink()
+    proc = run("--smooth", str(c))
+    assert proc.returncode == 2 and f"give the per-call arguments arg{n}" in proc.stderr
+    assert not out.exists()
