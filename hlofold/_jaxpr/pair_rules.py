@@ -16,7 +16,7 @@ from .. import _compat as C
 from .._core.equalize import stops_here
 
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
-_PASS = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
+_PASS = {"copy", "copy_p", "neg", "reduce_precision"}
 SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
 NOT_HOMOGENEOUS = {"tanh", "logistic", "exp", "log", "erf", "integer_pow", "pow", "sqrt",
                    "rsqrt", "abs", "sign", "sin", "cos", "log1p", "expm1", "clamp", "min",
@@ -280,8 +280,17 @@ def call_rule(ctx, e, pos, axis):
     return "the path is too long"
 
 
+def _cast(ctx, e, pos, axis):
+    """A cast between float types keeps the channels; one to an integer type rounds."""
+    if not (np.issubdtype(e.params["new_dtype"], np.floating) and
+            np.issubdtype(e.invars[0].aval.dtype, np.floating)):
+        return f"convert_element_type to {np.dtype(e.params['new_dtype']).name} (not a float)"
+    return axis
+
+
 RULES = {"add": _bias, "sub": _bias, "mul": _product, "div": _product, "max": _max,
          "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_window_sum": _window,
          "reduce_window_max": _window, "pad": _pad, "transpose": _transpose,
          "reshape": _reshape, "squeeze": _reshape, "expand_dims": _reshape,
-         "broadcast_in_dim": _broadcast, **{p: (lambda ctx, e, pos, axis: axis) for p in _PASS}}
+         "broadcast_in_dim": _broadcast, "convert_element_type": _cast,
+         **{p: (lambda ctx, e, pos, axis: axis) for p in _PASS}}

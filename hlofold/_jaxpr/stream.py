@@ -80,6 +80,8 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
             (normed if norm else stream).add(x)
             work.append(x)
     if name in _CASTS:
+        if not np.issubdtype(o.aval.dtype, np.floating):
+            return f"{name} of the residual stream to {o.aval.dtype} (not a float)"
         more(o, is_normed)
         return None
     if name == "dot_general":

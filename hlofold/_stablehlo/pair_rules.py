@@ -13,7 +13,7 @@ from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import stops_here
 from .forward import op_ints
-from .ir import attr_dims, constant_values, op_name, owner_op, shape_of
+from .ir import attr_dims, constant_values, is_float, op_name, owner_op, shape_of
 from .module import private_body
 from .patterns import resolve
 
@@ -203,7 +203,11 @@ def _broadcast(ctx, op, pos, axis):
     return a
 
 
-def _convert(ctx, op, pos, axis):
+def _same(ctx, op, pos, axis):
+    """Negation, a cast between float types: the channels stay (a cast to an integer type
+    rounds: no path)."""
+    if not is_float(op.results[0]):
+        return f"{op_name(op)} to a type that is not floating point"
     return axis
 
 
@@ -241,10 +245,10 @@ def _call(ctx, op, pos, axis):
 
 
 RULES = {"stablehlo.add": _bias, "stablehlo.subtract": _bias, "stablehlo.multiply": _product,
-         "stablehlo.divide": _product, "stablehlo.maximum": _max, "stablehlo.negate": _convert,
+         "stablehlo.divide": _product, "stablehlo.maximum": _max, "stablehlo.negate": _same,
          "stablehlo.reduce_window": _window, "stablehlo.reduce": _reduce,
          "stablehlo.pad": _pad, "stablehlo.transpose": _transpose,
-         "stablehlo.broadcast_in_dim": _broadcast, "stablehlo.convert": _convert,
+         "stablehlo.broadcast_in_dim": _broadcast, "stablehlo.convert": _same,
          "func.call": _call}
 
 

@@ -113,3 +113,13 @@ def test_tied_embedding_refused():
     from tests.helpers.blocks import decoder
     f, p = decoder("llama")
     _not_rotated(f, p, (jnp.asarray([[1, 2, 3]]),), "tied")
+
+
+def test_a_cast_of_the_stream_to_an_integer_is_refused():
+    """Rotating across ``astype(int32)`` would round rotated values: refused, said."""
+    def rms(x, g):
+        x = x.astype(jnp.int32).astype(jnp.float32)
+        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * g
+    f, p, t = _tiny(rms)
+    p = dict(p, embed=p["embed"] * 100)              # (values an integer cast keeps)
+    _not_rotated(f, p, t, "(not a float)")

@@ -158,3 +158,30 @@ def test_timm_repvgg_from_pytorch_xla_equalizes_its_merged_chain():
     assert len(rep.equalized) == 22, str(rep)
     assert_close(ref, module_callable(apply)(io["x"], *prepared)[0], depth=40)
     assert rel(ref, module_callable(apply)(io["x"], *prepared)[0]) <= EXACT
+
+
+def test_a_cast_to_an_integer_between_layers_stops_the_pair_on_both_paths():
+    """``y.astype(int32).astype(float32)`` rounds: a scale moved across it changes the
+    outputs. Before, the jaxpr path passed every cast, and fold_params' own check raised
+    "please report this"; now both paths leave the pair, with the reason."""
+    from jax import lax
+    rng = np.random.default_rng(0)
+
+    def conv(x, k):
+        return lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    p = {"k0": jnp.asarray(rng.standard_normal((3, 3, 3, 8)) * 10 ** rng.uniform(-1, 1, 8),
+                           jnp.float32),
+         "k1": jnp.asarray(rng.standard_normal((3, 3, 8, 4)), jnp.float32)}
+
+    def f(p, x):
+        y = jax.nn.relu(conv(x, p["k0"])).astype(jnp.int32).astype(jnp.float32)
+        return conv(y, p["k1"]).mean((1, 2))
+    x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)) * 3, jnp.float32)
+    out = hlofold.fold_params(f, p, x, equalize=True)
+    assert not out.equalized and any("int32 (not a float)" in n.reason
+                                     for n in out.not_equalized), str(out)
+    np.testing.assert_array_equal(f(p, x), f(out.params, x))
+    _, rep, _, _ = _equalized(f, p, x)
+    assert not rep.equalized and any("not floating point" in n.reason
+                                     for n in rep.not_equalized), str(rep)
