@@ -1,6 +1,7 @@
 """The fold report: one record per candidate site, printable and JSON-ready."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from typing import Any
@@ -138,8 +139,7 @@ class FoldReport:
         if self.compile_note:
             head += f"\nNOTE: {self.compile_note}"
         if self.equalized or self.not_equalized:
-            kinds = {e.kind: sum(x.kind == e.kind for x in self.equalized)
-                     for e in self.equalized} or {"equalized": 0}
+            kinds = collections.Counter(e.kind for e in self.equalized) or {"equalized": 0}
             head += "\n" + "; ".join(f"{k}: {n} layer pairs" for k, n in kinds.items()) + \
                 f"; {len(self.not_equalized)} layers left as they are"
             for e in self.equalized:

@@ -90,11 +90,12 @@ def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = Tr
     needs = list(dict.fromkeys(a for lf in members.values() for a in g.needs(lf)))
     # (a bias not known now stays added after, unless the merge is staged in the graph)
     b_known = [b for b in biases if _known(view, b)]
-    # the affine after the sum applies to a sum merged whole; with the branches' values
-    # known, to one whose own values and biases are known too (or staged in the graph)
-    if after is not None and (len(members) < len(g.leaves) or (
-            in_graph not in IN_GRAPH and all(_known(view, a) for a in needs) and not (
-                len(b_known) == len(biases) and all(_known(view, a) for a in after.needs())))):
+    # the affine after the sum joins a merge of every branch; merged on the host, with its
+    # own values and the sum's biases known too (values not known yet: the refusal below
+    # names them, to be prepared; staged in the graph: computed there)
+    on_host = in_graph not in IN_GRAPH and all(_known(view, a) for a in needs)
+    if after is not None and (len(members) < len(g.leaves) or (on_host and not (
+            len(b_known) == len(biases) and all(_known(view, a) for a in after.needs())))):
         after = None
     if after is not None:
         needs = list(dict.fromkeys(needs + [a for a in after.needs() if isinstance(a, C.Var)]))

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from .. import _compat as C
+from .._core.chain_rules import is_float
 from .._core.equalize import stops_here
 
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
@@ -282,8 +283,7 @@ def call_rule(ctx, e, pos, axis):
 
 def _cast(ctx, e, pos, axis):
     """A cast between float types keeps the channels; one to an integer type rounds."""
-    if not (np.issubdtype(e.params["new_dtype"], np.floating) and
-            np.issubdtype(e.invars[0].aval.dtype, np.floating)):
+    if not (is_float(e.params["new_dtype"]) and is_float(e.invars[0].aval.dtype)):
         return f"convert_element_type to {np.dtype(e.params['new_dtype']).name} (not a float)"
     return axis
 

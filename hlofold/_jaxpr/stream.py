@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from .. import _compat as C
+from .._core.chain_rules import is_float
 from .pair_rules import index_uses, leaf_of
 
 _CASTS = {"convert_element_type", "copy", "reduce_precision"}
@@ -80,7 +81,7 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
             (normed if norm else stream).add(x)
             work.append(x)
     if name in _CASTS:
-        if not np.issubdtype(o.aval.dtype, np.floating):
+        if not is_float(o.aval.dtype):
             return f"{name} of the residual stream to {o.aval.dtype} (not a float)"
         more(o, is_normed)
         return None

@@ -21,7 +21,7 @@ from .module import main_function
 from .fold import fold_module_text
 from .split import split_module
 from .checked import checked
-from .equalize import equalize_function, smooth_function
+from .equalize import quantization_ready
 from .weights import (argument_index, bind_and_fold, export_arguments,
                       export_calibration, hoist)
 
@@ -235,16 +235,10 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=Fal
         prepare, apply, report = split_module(art.module, split, merge)
         return _write(apply, art), report, _write(prepare, art)
     module, report = fold_module_text(art.module, in_graph, merge)
-    if equalize:
-        with module.context, ir.Location.unknown():
-            report.equalized, report.not_equalized = equalize_function(main_function(module))
-    if smoothing[0] is not None:
-        calib = smoothing[0] if art.kind != EXPORT else export_calibration(
-            art.exported, {}, smoothing[0])
-        with module.context, ir.Location.unknown():
-            done, left = smooth_function(module, {}, calib, smoothing[1], hoist)
-        report.equalized += done
-        report.not_equalized += left
+    calib = smoothing[0] if smoothing[0] is None or art.kind != EXPORT else \
+        export_calibration(art.exported, {}, smoothing[0])
+    with module.context, ir.Location.unknown():
+        quantization_ready(module, report, {}, equalize, calib, smoothing[1], hoist)
     if not report.num_folded and not report.equalized:   # the artifact exactly as given
         return as_given(data), report
     with module.context:

@@ -174,3 +174,16 @@ def _calibrate(module, func, found, calibration, hoist) -> list[np.ndarray]:
             m = a.reshape(-1, a.shape[-1]).max(axis=0)
             xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
     return xmax
+
+
+def quantization_ready(module, report, names: dict, equalize: bool, smooth, alpha: float,
+                       hoist) -> None:
+    """``equalize=`` then ``smooth=`` on the module's ``@main`` (its weights constants, the
+    fold done), their records added to ``report``."""
+    if equalize:
+        report.equalized, report.not_equalized = equalize_function(main_function(module),
+                                                                   names)
+    if smooth is not None:
+        done, left = smooth_function(module, names, smooth, alpha, hoist)
+        report.equalized += done
+        report.not_equalized += [n for n in left if n not in report.not_equalized]

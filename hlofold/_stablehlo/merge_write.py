@@ -88,11 +88,14 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False, after=None
     tgt = terms[p.target].handle
     absorbed, note = M.describe(terms, p, [(M.leaf_label(lf.kind), st) for st, lf in zip(
         structs, leaves) if not isinstance(st, M.Term)])
-    aff = None if after is None or len(p.members) < len(leaves) else (
-        _affine(after.steps, c, vals) if not unknown else "staged")
-    if aff is not None and aff != "unknown":
-        absorbed = absorbed + ["·".join(st.kind for st in after.steps) + " after the sum"]
-    end = after.ops[-1] if aff is not None and aff != "unknown" else None
+    # the affine after the sum joins a merge of every branch: staged in the graph, or with
+    # its values known (then ``aff``: its (s, t))
+    aff, end = (None, None), None
+    if after is not None and len(p.members) == len(leaves):
+        got = None if unknown else _affine(after.steps, c, vals)
+        if got != "unknown":
+            aff, end = got or (None, None), after.ops[-1]
+            absorbed = absorbed + ["·".join(st.kind for st in after.steps) + " after the sum"]
     taken = [ok[j] for j in p.members]
     if unknown:
         members = {j: leaves[ok[j]] for j in p.members}
@@ -104,7 +107,7 @@ def merge_group(leaves, fname, ev, vals, sites, staged: bool = False, after=None
         _record(tgt, fname, c, sites, MERGED, note=note, absorbed=absorbed,
                 rescale="in-graph", groups=tw.groups)
         return Merged(leaves[0].x, tgt, tw.groups, *got, None, end=end), taken
-    s_a, t_a = aff if end is not None else (None, None)
+    s_a, t_a = aff
     full = [M.then_affine(values[i], s_a) if j in p.members else terms[j]
             for j, i in enumerate(ok)]
     k64 = M.merged_kernel(full, p, np)
@@ -375,9 +378,9 @@ def _merge_tree(top, fname, ev, vals, sites, staged, unreached: set, dead: list)
                 unreached.update(location(op) for op in after.ops)
     if done:
         taken = {k for _, ks in done for k in ks}
-        m = done[0][0]
-        if m.end is not None and staged:       # (its bias has the sum's biases)
-            taken.update(k for k, _ in after.biases)                    # the sum's known per-channel biases join its bias
+        m = done[0][0]                    # the sum's known per-channel biases join its bias
+        if m.end is not None and staged:  # (staged, with the affine after: joined already)
+            taken.update(k for k, _ in after.biases)
         axis = specs(m.target)[2][1]
         for k, a in enumerate(atoms):
             r = None if k in taken else resolve(a, shape, axis, explain=False)

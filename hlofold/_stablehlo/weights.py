@@ -22,7 +22,7 @@ from .._core.report import FoldReport
 from . import blobs
 from .ir import StableHLOError, dense_to_numpy, element_dtype, numpy_to_dense
 from .module import main_function, parse_module
-from .equalize import equalize_function, smooth_function
+from .equalize import quantization_ready
 from .fold import fold_module
 from .shardings import argument_shardings, by_type, set_argument_shardings
 
@@ -87,12 +87,7 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any], merge: bool = True,
         # (a site whose weights are not all known now is left as it is: in the graph its
         # rescale would run on every call, slower than the module given)
         report = fold_module(module, in_graph=False, merge=merge)
-        if equalize:
-            report.equalized, report.not_equalized = equalize_function(main, names)
-        if smooth is not None:
-            done, left = smooth_function(module, names, smooth, alpha, hoist)
-            report.equalized += done
-            report.not_equalized += [n for n in left if n not in report.not_equalized]
+        quantization_ready(module, report, names, equalize, smooth, alpha, hoist)
         prepared = hoist(main)
         hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
         set_argument_shardings(main, {len(kept) + j: sh
