@@ -61,6 +61,16 @@ def _read_params(path: str) -> dict:
     return params
 
 
+def _alpha(text: str) -> float:
+    """``--alpha``: a number from 0 to 1."""
+    from ._core.equalize import check_alpha
+    try:
+        return check_alpha(float(text), "--alpha")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}"
+                                         ) from None
+
+
 def _read_calibration(path: str, data, params: dict | None) -> list:
     """``--smooth``: for each per-call argument (``argK``, those ``--params`` does not give)
     an array whose first axis runs over the calibration inputs; as lists of arguments."""
@@ -310,8 +320,9 @@ def main(argv=None) -> int:
                         "the activations these calibration inputs give: an .npz with each "
                         "per-call argument (argK) and a first axis over the inputs; needs "
                         "the weights' values: constants, or --params")
-    p_fold.add_argument("--alpha", type=float, default=0.5,
-                        help="with --smooth: how much of each outlier moves into the weights")
+    p_fold.add_argument("--alpha", type=_alpha, default=0.5,
+                        help="with --smooth: how much of each outlier moves into the weights "
+                        "(0 to 1)")
     p_fold.add_argument("--backends", **backends)
     p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
     p_ver.add_argument("original")

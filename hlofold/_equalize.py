@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._core.equalize import EqualizedPair, NotEqualized, equalize, smooth, spread
+from ._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, smooth,
+                             spread)
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_calls
 from ._jaxpr.pairs import Refused, find_pairs
@@ -49,7 +50,7 @@ def _float_pairs(found, refused, leaves):
     return ok
 
 
-def _records(ok, scales, values, new, paths, refused, kind="equalized"):
+def _records(ok, scales, values, new, paths, refused, kind="equalized", alphas=None):
     def sp(vals, f):
         p = f.pair
         return (spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0,
@@ -57,8 +58,9 @@ def _records(ok, scales, values, new, paths, refused, kind="equalized"):
     done = [EqualizedPair(paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
                           [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn),
                           sp(values, f), sp(new, f),
-                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0), kind)
-            for f, s in zip(ok, scales)]
+                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0), kind,
+                          None if alphas is None else alphas[j])
+            for j, (f, s) in enumerate(zip(ok, scales))]
     left = [NotEqualized(paths[r.kernel], "" if r.eqn is None else _where(r.eqn), r.reason)
             for r in refused]
     return done, left
@@ -91,19 +93,17 @@ def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alp
     hoisted, consts = C.hoist_consts(closed)       # (the same equations and values)
     run = jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
                                             [f.end for f in ok])))
-    xmax = [None] * len(ok)
+    seen = [Observed() for _ in ok]
     for args in calibration:
-        for j, (f, x) in enumerate(zip(ok, run(*consts, *leaves, *args))):
-            a = np.abs(np.moveaxis(np.asarray(x, np.float64), f.end_axis, -1))
-            m = a.reshape(-1, a.shape[-1]).max(axis=0)
-            xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
+        for f, x, o in zip(ok, run(*consts, *leaves, *args), seen):
+            o.add(x, f.end_axis)
     values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
     def store(k, v):                 # rounded per pair; placed at once where asked
         v = v.astype(values[k].dtype)
         return v if place is None else place(int(k), v)
-    new, scales = smooth(values, [f.pair for f in ok], xmax, alpha, store=store)
+    new, scales, alphas = smooth(values, [f.pair for f in ok], seen, alpha, store=store)
     out = {} if place is not None else {int(k): v for k, v in new.items()}
-    return (out, *_records(ok, scales, values, new, paths, refused, "smoothed"))
+    return (out, *_records(ok, scales, values, new, paths, refused, "smoothed", alphas))
 
 
 @dataclasses.dataclass

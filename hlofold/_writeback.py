@@ -33,6 +33,7 @@ from ._jaxpr.merge import merge_scope
 from ._core.stacks import stacked_view
 from ._core.rescale import aligned_empty
 from ._core.reasons import Reason, reason_kind
+from ._core.equalize import check_alpha
 from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import output_profiles
@@ -75,8 +76,9 @@ class FoldedParams:
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
         for e in self.equalized:
+            alpha = "" if e.alpha is None else f"α {e.alpha:g}, "
             lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
-                         f"scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
+                         f"{alpha}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
         for e in self.not_equalized:
@@ -137,6 +139,8 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     paths = [jax.tree_util.keystr(p) for (p, _), a in zip(leaves_p, is_arr) if a]
     arg_leaves, arg_tree = jax.tree.flatten(args)
     calib = calibration_inputs(smooth, len(arg_leaves))
+    if calib is not None:
+        alpha = check_alpha(alpha, "hlofold.fold_params")
 
     def rebuild(vals):
         it = iter(vals)

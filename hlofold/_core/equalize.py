@@ -156,25 +156,49 @@ def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
     return s
 
 
-def smooth(values: dict, pairs: list[Pair], xmax: list[np.ndarray], alpha: float,
-           store=None) -> tuple[dict, list[np.ndarray]]:
+def check_alpha(alpha, who: str) -> float:
+    """``alpha`` as a float in [0, 1], or a clear error naming ``who``."""
+    if isinstance(alpha, (int, float, np.floating, np.integer)) and \
+            not isinstance(alpha, bool) and 0.0 <= float(alpha) <= 1.0:
+        return float(alpha)
+    raise ValueError(f"{who}: alpha= must be a number from 0 to 1; got {alpha!r}")
+
+
+class Observed:
+    """What the calibration inputs gave where a pair's second layers read: each channel's
+    largest ``|x|``."""
+
+    def __init__(self):
+        self.max = None
+
+    def add(self, x, axis: int) -> None:
+        a = np.abs(np.moveaxis(np.asarray(x, np.float64), axis, -1))
+        m = a.reshape(-1, a.shape[-1]).max(axis=0)
+        self.max = m if self.max is None else np.maximum(self.max, m)
+
+
+def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
+           store=None) -> tuple[dict, list[np.ndarray], list[float]]:
     """Each pair's smoothing scales applied once, pair by pair: only that pair's leaves are
     held in float64 (a 0.5 B decoder's kernels are not all copied at once); ``store(key,
     value)`` takes each new value as its pair is done (and ``values`` is read for the
-    next pairs with it). Returns the new float64 values (``store`` None) and the scales."""
-    out, scales = {}, []
-    for p, x in zip(pairs, xmax):
+    next pairs with it). Returns the new float64 values (``store`` None), the scales and
+    each pair's α."""
+    out, scales, alphas = {}, [], []
+    for p, x in zip(pairs, seen):
         work = {k: np.asarray(out.get(k, values[k]), np.float64) for k in p.keys()}
-        s = smoothing(np.asarray(x, np.float64), input_ranges(work, p, len(x)), alpha)
+        a = float(alpha)
+        s = smoothing(np.asarray(x.max, np.float64), input_ranges(work, p, len(x.max)), a)
         apply(work, p, s)
         scales.append(s)
+        alphas.append(a)
         for k, v in work.items():
             if store is None:
                 out[k] = v
             else:
                 out[k] = store(k, v)
         del work
-    return out, scales
+    return out, scales, alphas
 
 
 def spread(values: dict, key: str, axis: int) -> float:
@@ -201,6 +225,7 @@ class EqualizedPair:
     spread_after: tuple[float, float]
     scale_range: tuple[float, float] = (1.0, 1.0)
     kind: str = "equalized"           # or "smoothed"
+    alpha: float | None = None        # smoothed: the α its scales were computed with
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from .. import _compat as C
+from .._core.equalize import check_alpha
 from .._core.report import FoldReport
 from .ir import StableHLOError, element_dtype
 from .module import main_function
@@ -180,6 +181,7 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
         raise ValueError(f"{'equalize' if equalize else 'smooth'}= needs the weights' values: "
                          "give them with params=, not split=")
     if smooth is not None:
+        alpha = check_alpha(alpha, "hlofold.fold_stablehlo")
         smooth = [list(c) if isinstance(c, (list, tuple)) else [c] for c in smooth]
         if not smooth:
             raise ValueError("smooth= needs at least one calibration input")

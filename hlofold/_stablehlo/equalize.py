@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import EqualizedPair, NotEqualized, equalize, smooth, spread
+from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, smooth,
+                              spread)
 from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
@@ -65,7 +66,7 @@ def _write(weights: dict, new: dict, values: dict) -> None:
         old.erase()
 
 
-def _records(ok, scales, values, new, called, kind):
+def _records(ok, scales, values, new, called, kind, alphas=None):
     def sp(vals, p):
         first = spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0
         return first, spread(vals, p.seconds[0].key, p.seconds[0].out_axis)
@@ -73,8 +74,8 @@ def _records(ok, scales, values, new, called, kind):
                           [called[b] for b, _ in f.pair.biases], f.location,
                           sp(values, f.pair), sp(new, f.pair),
                           (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0),
-                          kind)
-            for f, s in zip(ok, scales)]
+                          kind, None if alphas is None else alphas[j])
+            for j, (f, s) in enumerate(zip(ok, scales))]
 
 
 def equalize_function(func, names: dict | None = None
@@ -119,10 +120,10 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
         f.location = where(f.op)
     if not every:
         return [], left
-    xmax = _calibrate(module, func, every, calibration, hoist)
+    seen = _calibrate(module, func, every, calibration, hoist)
     called = {k: _name(w, names) for k, w in weights.items()}
     called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
-    new, scales = smooth(values, [f.pair for f in every], xmax, alpha)
+    new, scales, alphas = smooth(values, [f.pair for f in every], seen, alpha)
     _write(weights, new, values)
     for f in sites:                  # ·(1/s) where the norm's output is read
         v, producer = f.end, owner_op(f.end)
@@ -136,10 +137,10 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
             for i, o in enumerate(r.operands):
                 if o == v:
                     r.operands[i] = mul.result
-    return _records(every, scales, values, new, called, "smoothed"), left
+    return _records(every, scales, values, new, called, "smoothed", alphas), left
 
 
-def _calibrate(module, func, found, calibration, hoist) -> list[np.ndarray]:
+def _calibrate(module, func, found, calibration, hoist) -> list[Observed]:
     """Per pair, the largest ``|value|`` per channel its second layers read, over the
     calibration inputs: a copy of the module returns those values too, its weights hoisted
     (no large constant is printed), and JAX runs it."""
@@ -166,14 +167,11 @@ def _calibrate(module, func, found, calibration, hoist) -> list[np.ndarray]:
             [ir.DictAttr.get({})] * len(watch))
     prepared = hoist(cfunc)
     run = module_callable(str(copy))
-    xmax: list = [None] * len(found)
+    seen = [Observed() for _ in found]
     for args in calibration:
-        outs = run(*args, *prepared)[-len(found):]
-        for j, (f, x) in enumerate(zip(found, outs)):
-            a = np.abs(np.moveaxis(np.asarray(x, np.float64), f.end_axis, -1))
-            m = a.reshape(-1, a.shape[-1]).max(axis=0)
-            xmax[j] = m if xmax[j] is None else np.maximum(xmax[j], m)
-    return xmax
+        for f, x, o in zip(found, run(*args, *prepared)[-len(found):], seen):
+            o.add(x, f.end_axis)
+    return seen
 
 
 def quantization_ready(module, report, names: dict, equalize: bool, smooth, alpha: float,

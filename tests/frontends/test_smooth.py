@@ -64,6 +64,15 @@ def test_alpha_moves_more_into_weights():
     hi = smoothed(f, p, x, calib, pairs=4, alpha=0.75)
     span = lambda o: max(e.scale_range[1] / e.scale_range[0] for e in o.equalized)  # noqa: E731
     assert span(hi) > span(lo)
+    assert {e.alpha for e in lo.equalized} == {0.25} and {e.alpha for e in hi.equalized} == {0.75}
+    assert "α 0.75, scales" in str(hi)
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan"), "0.5", True, None])
+def test_alpha_outside_0_1_is_an_error(alpha):
+    f, p, x, calib = smooth_case("RMSNorm", 0)
+    with pytest.raises(ValueError, match="alpha= must be a number from 0 to 1"):
+        hlofold.fold_params(f, p, *x, smooth=calib, alpha=alpha)
 
 
 def test_post_norm_residual_refused():

@@ -95,6 +95,8 @@ def test_bad_calibration_inputs_and_split_are_errors():
         hlofold.fold_stablehlo(exp, params=params, smooth=[])
     with pytest.raises(StableHLOError, match="calibration input has 2 arrays"):
         hlofold.fold_stablehlo(exp, params=params, smooth=[(x[0], x[0])])
+    with pytest.raises(ValueError, match="alpha= must be a number from 0 to 1"):
+        hlofold.fold_stablehlo(exp, params=params, smooth=calib, alpha=2.0)
     with pytest.raises(ValueError, match="smooth= needs the weights' values"):
         hlofold.fold_stablehlo(exp.mlir_module(), split=[f"arg{len(leaves)}"],
                                smooth=[x])
@@ -102,6 +104,7 @@ def test_bad_calibration_inputs_and_split_are_errors():
     const = jax.export.export(jax.jit(lambda x: f(p, x)))(*x)
     got, rep = hlofold.fold_stablehlo(const, smooth=calib)
     assert len(rep.equalized) == 3 and rel(f(p, *x), got.call(*x)) <= EXACT
+    assert {e.alpha for e in rep.equalized} == {0.5}
 
 
 def test_the_cli_smooths_with_calibration_inputs(tmp_path):
@@ -133,3 +136,6 @@ def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     proc = run("--smooth", str(c))
     assert proc.returncode == 2 and f"give the per-call arguments arg{n}" in proc.stderr
     assert not out.exists()
+    proc = run("--smooth", str(c), "--alpha", "1.5")
+    assert proc.returncode == 2 and "expected a number from 0 to 1, got '1.5'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
