@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from . import _compat as C
-from ._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, smooth,
-                             spread)
+from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha, equalize,
+                             smooth, spread)
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_calls
 from ._jaxpr.pairs import Refused, find_pairs
@@ -159,11 +159,13 @@ def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0, place=No
                          [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])
 
 
-def calibration_inputs(smooth, n_args: int) -> list | None:
+def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:
     """``smooth=``'s calibration inputs as lists of the model's argument leaves (each item
-    the ``args`` of a call, or one array for a one-argument model); a clear error else."""
+    the ``args`` of a call, or one array for a one-argument model); a clear error else (or
+    for an ``alpha`` outside [0, 1])."""
     if smooth is None:
         return None
+    check_alpha(alpha, "hlofold.fold_params")
     calib = [jax.tree.leaves(c if isinstance(c, tuple) else (c,)) for c in smooth]
     if not calib or any(len(c) != n_args for c in calib):
         raise ValueError("hlofold.fold_params: each smooth= input must be the model's "

@@ -33,7 +33,6 @@ from ._jaxpr.merge import merge_scope
 from ._core.stacks import stacked_view
 from ._core.rescale import aligned_empty
 from ._core.reasons import Reason, reason_kind
-from ._core.equalize import check_alpha
 from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import output_profiles
@@ -138,9 +137,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     arr = [l for (_, l), a in zip(leaves_p, is_arr) if a]
     paths = [jax.tree_util.keystr(p) for (p, _), a in zip(leaves_p, is_arr) if a]
     arg_leaves, arg_tree = jax.tree.flatten(args)
-    calib = calibration_inputs(smooth, len(arg_leaves))
-    if calib is not None:
-        alpha = check_alpha(alpha, "hlofold.fold_params")
+    calib = calibration_inputs(smooth, len(arg_leaves), alpha)
 
     def rebuild(vals):
         it = iter(vals)

@@ -4,7 +4,7 @@ or why the path stops there — one entry per primitive in :data:`RULES`; and th
 pair reader and the stream reader (:mod:`hlofold._jaxpr.stream`) share.
 
 A channel is an axis, or a tuple of axes (most significant first) where it is split over
-several (attention's heads).
+several (attention's heads; :mod:`hlofold._core.channel_axes`).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import is_float
+from .._core.channel_axes import each, one, permuted, reshaped
 from .._core.equalize import stops_here
 
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
@@ -211,38 +212,14 @@ def _pad(ctx, e, pos, axis):
     return axis
 
 
-def each(axis) -> tuple:
-    """The channel as a tuple of axes, most significant first (split over several axes —
-    attention's heads — it is ``(head axis, feature axis)``, in any positions)."""
-    return axis if isinstance(axis, tuple) else (axis,)
-
-
-def one(axes: tuple):
-    return axes[0] if len(axes) == 1 else axes
-
-
 def _transpose(ctx, e, pos, axis):
-    perm = list(e.params["permutation"])
-    return one(tuple(perm.index(a) for a in each(axis)))
+    return permuted(e.params["permutation"], axis)
 
 
 def _reshape(ctx, e, pos, axis):
-    """A reshape that keeps the channels whole and in order (the sizes before and after
-    them unchanged): they may be split over consecutive axes (heads) or merged back."""
-    old, new = e.invars[0].aval.shape, e.outvars[0].aval.shape
-    ax = each(axis)
-    if list(ax) != list(range(ax[0], ax[0] + len(ax))):
-        return "a reshape of channels split over axes that are not together"
-    lo, hi = ax[0], ax[-1] + 1
-    before, size = int(np.prod(old[:lo])), int(np.prod(old[lo:hi]))
-    starts = [k for k in range(len(new) + 1) if int(np.prod(new[:k])) == before]
-    for k in reversed(starts):                 # (after any unit axes before them)
-        for m in range(k + 1, len(new) + 1):
-            if int(np.prod(new[k:m])) == size:
-                return one(tuple(range(k, m)))
-            if int(np.prod(new[k:m])) > size:
-                break
-    return "a reshape that merges the channels with another axis (a flatten)"
+    """A reshape that keeps the channels whole and in order: split over consecutive axes
+    (heads) or merged back (:func:`hlofold._core.channel_axes.reshaped`)."""
+    return reshaped(e.invars[0].aval.shape, e.outvars[0].aval.shape, axis)
 
 
 def _broadcast(ctx, e, pos, axis):

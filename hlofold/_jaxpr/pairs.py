@@ -15,8 +15,9 @@ import dataclasses
 from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second, stops_here
-from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, each,
-                         index_uses, is_zero, leaf_of, one, single_leaf, varying_axis)
+from .._core.channel_axes import through_dot
+from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses, is_zero,
+                         leaf_of, single_leaf, varying_axis)
 from .patterns import PATTERNS
 
 
@@ -180,16 +181,7 @@ def _through_dot(ctx, e, pos, axis):
     if e.primitive.name != "dot_general" or e.invars[1 - pos] in ctx.leaves:
         return None
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-    contract, batch = (lc, lb) if pos == 0 else (rc, rb)
-    if any(a in contract for a in each(axis)):
-        return None
-    nd = [len(x.aval.shape) for x in e.invars]
-    free = [d for d in range(nd[pos]) if d not in contract and d not in batch]
-    n_lhs_free = nd[0] - len(lc) - len(lb)
-    # output: the batch axes (a head axis among them), the lhs's free axes, the rhs's
-    return one(tuple(list(batch).index(a) if a in batch else
-                      len(lb) + (0 if pos == 0 else n_lhs_free) + free.index(a)
-                      for a in each(axis)))
+    return through_dot([len(x.aval.shape) for x in e.invars], (lc, rc), (lb, rb), pos, axis)
 
 
 def _second(ctx, e, pos, axis):

@@ -2,6 +2,8 @@
 positive per-channel scale on an op's input reaches its output — the channel axis it moves
 to, or why the path stops there — one entry per op in :data:`RULES` (the words of the jaxpr
 rules, ``hlofold._jaxpr.pair_rules``); and what reads a constant through shapes and calls.
+A channel is an axis, or a tuple of axes where it is split over several (attention's heads;
+:mod:`hlofold._core.channel_axes`).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
+from .._core.channel_axes import each, one, permuted, reshaped
 from .._core.equalize import stops_here
 from .forward import op_ints
 from .ir import attr_dims, constant_values, is_float, op_name, owner_op, shape_of
@@ -112,6 +115,8 @@ def _bias(ctx, op, pos, axis):
     b = op.operands[1 - pos]
     if is_zero(b):
         return axis
+    if isinstance(axis, tuple):
+        return f"{name} of a value while the channels are split over axes"
     shape = shape_of(op.results[0])
     r = resolve(b, shape, axis, explain=False)
     if isinstance(r, Refusal) or r.axis is None or r.block is not None:
@@ -164,6 +169,8 @@ def _window(ctx, op, pos, axis):
     why = _sum_or_max(op, pos, "pooling")
     if why:
         return why
+    if isinstance(axis, tuple):
+        return "pooling while the channels are split over axes"
     r = len(shape_of(op.results[0]))
     win = op_ints(op, "window_dimensions")
     st = op_ints(op, "window_strides", [1] * r)
@@ -178,14 +185,16 @@ def _reduce(ctx, op, pos, axis):
     if why:
         return why
     dims = attr_dims(op, "dimensions")
-    if axis in dims:
+    if any(a in dims for a in each(axis)):
         return "a reduction over the channels"
-    return axis - sum(d < axis for d in dims)
+    return one(tuple(a - sum(d < a for d in dims) for a in each(axis)))
 
 
 def _pad(ctx, op, pos, axis):
     if pos != 0 or not is_zero(op.operands[1]):
         return "padding with a value other than 0"
+    if isinstance(axis, tuple):
+        return "padding while the channels are split over axes"
     if any(attr_dims(op, a)[axis] for a in ("edge_padding_low", "edge_padding_high",
                                             "interior_padding")):
         return "padding along the channels"
@@ -193,14 +202,21 @@ def _pad(ctx, op, pos, axis):
 
 
 def _transpose(ctx, op, pos, axis):
-    return list(attr_dims(op, "permutation")).index(axis)
+    return permuted(attr_dims(op, "permutation"), axis)
+
+
+def _reshape(ctx, op, pos, axis):
+    """A reshape that keeps the channels whole and in order: split over consecutive axes
+    (heads) or merged back (:func:`hlofold._core.channel_axes.reshaped`)."""
+    return reshaped(shape_of(op.operands[0]), shape_of(op.results[0]), axis)
 
 
 def _broadcast(ctx, op, pos, axis):
-    a = attr_dims(op, "broadcast_dimensions")[axis]
-    if shape_of(op.results[0])[a] != shape_of(op.operands[0])[axis]:
+    dims = attr_dims(op, "broadcast_dimensions")
+    if any(shape_of(op.results[0])[dims[a]] != shape_of(op.operands[0])[a]
+           for a in each(axis)):
         return "a broadcast along the channels"
-    return a
+    return one(tuple(dims[a] for a in each(axis)))
 
 
 def _same(ctx, op, pos, axis):
@@ -248,6 +264,7 @@ RULES = {"stablehlo.add": _bias, "stablehlo.subtract": _bias, "stablehlo.multipl
          "stablehlo.divide": _product, "stablehlo.maximum": _max, "stablehlo.negate": _same,
          "stablehlo.reduce_window": _window, "stablehlo.reduce": _reduce,
          "stablehlo.pad": _pad, "stablehlo.transpose": _transpose,
+         "stablehlo.reshape": _reshape,
          "stablehlo.broadcast_in_dim": _broadcast, "stablehlo.convert": _same,
          "func.call": _call}
 

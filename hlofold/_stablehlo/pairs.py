@@ -9,7 +9,8 @@ Each op on the way must commute with a positive per-channel scale: ``pair_rules.
 entry per op (the channel axis it moves to, or why the pair stops there), with the words of
 the jaxpr rules. Every value on the way is read once (a residual add would see the scaled
 channels), and every constant scaled is read by the pair alone. Channels split over several
-axes (attention's heads) are not followed here.
+axes (attention's heads: a reshape, transposes, a batch axis of ``probs @ v``, merged back)
+are followed as on the jaxpr path (:mod:`hlofold._core.channel_axes`).
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import os
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
+from .._core.channel_axes import through_dot
 from .._core.equalize import Pair, Second, stops_here
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
-from .patterns import root_info
+from .patterns import dot_dims, root_info
 
 ir, stablehlo, _ = C.mlir()
 
@@ -50,6 +52,8 @@ class Refused:
 
 
 def _second(ctx, op, pos, axis):
+    if isinstance(axis, tuple):
+        return f"the next {op_name(op)} reads the channels split over axes"
     ch = input_channel(op, pos) if pos == 0 or op_name(op) != "stablehlo.convolution" else \
         Refusal("a convolution reading the channels as its kernel")
     if isinstance(ch, Refusal):
@@ -73,6 +77,16 @@ def _second(ctx, op, pos, axis):
     return Second(ctx.key(w), w.axes[in_axis], w.axes[out], int(groups))
 
 
+def _through_dot(op, pos, axis):
+    """A ``dot_general`` of two activations that contracts none of the channel axes
+    (attention's ``probs @ v``, heads a batch axis): linear in each channel, which moves to
+    its output position; else None."""
+    if op_name(op) != "stablehlo.dot_general" or _constant_behind(op.operands[1 - pos]):
+        return None
+    lb, lc, rb, rc = dot_dims(op)
+    return through_dot([len(shape_of(o)) for o in op.operands], (lc, rc), (lb, rb), pos, axis)
+
+
 def _follow(ctx, v, axis: int):
     for _ in range(10_000):
         u = uses(v)
@@ -94,7 +108,13 @@ def _follow(ctx, v, axis: int):
         name = op_name(op)
         if name in ROOTS:
             got = _second(ctx, op, pos, axis)
-            return ([got], v, axis) if not isinstance(got, str) else got
+            if not isinstance(got, str):
+                return [got], v, axis
+            through = _through_dot(op, pos, axis)
+            if through is None:
+                return got
+            v, axis = op.results[0], through
+            continue
         rule = RULES.get(name)
         if rule is None:
             return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")

@@ -1,0 +1,65 @@
+"""Where a pair's channel goes through reshapes and dots of activations: the shape
+arithmetic both adapters' pair rules (``_jaxpr.pair_rules``, ``_stablehlo.pair_rules``) use.
+
+A channel is an axis, or a tuple of axes (most significant first) where it is split over
+several — attention's heads: ``(…, d) → (…, heads, head_dim)``, transposed, a batch axis of
+``probs @ v``, merged back before the output projection.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def each(axis) -> tuple:
+    """The channel as a tuple of axes, most significant first (split over several axes —
+    attention's heads — it is ``(head axis, feature axis)``, in any positions)."""
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def one(axes: tuple):
+    """A channel over one axis as that axis; over several, the tuple."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def permuted(perm: Sequence[int], axis):
+    """The channel's axes after a transpose by ``perm``."""
+    perm = list(perm)
+    return one(tuple(perm.index(a) for a in each(axis)))
+
+
+def reshaped(old: Sequence[int], new: Sequence[int], axis):
+    """The channel's axes after a reshape from ``old`` to ``new`` that keeps the channels
+    whole and in order (the sizes before and after them unchanged): they may be split over
+    consecutive axes (heads) or merged back; else why not."""
+    ax = each(axis)
+    if list(ax) != list(range(ax[0], ax[0] + len(ax))):
+        return "a reshape of channels split over axes that are not together"
+    lo, hi = ax[0], ax[-1] + 1
+    before, size = int(np.prod(old[:lo])), int(np.prod(old[lo:hi]))
+    starts = [k for k in range(len(new) + 1) if int(np.prod(new[:k])) == before]
+    for k in reversed(starts):                 # (after any unit axes before them)
+        for m in range(k + 1, len(new) + 1):
+            if int(np.prod(new[k:m])) == size:
+                return one(tuple(range(k, m)))
+            if int(np.prod(new[k:m])) > size:
+                break
+    return "a reshape that merges the channels with another axis (a flatten)"
+
+
+def through_dot(ranks: Sequence[int], contracting: Sequence[Sequence[int]],
+                batch: Sequence[Sequence[int]], pos: int, axis):
+    """The channel's axes in the output of a dot of two activations (attention's ``probs @
+    v``, the heads a batch axis) whose operand ``pos`` carries it, with these dimension
+    numbers (``contracting``/``batch``: the lhs's, the rhs's); None where the dot contracts
+    a channel axis (then it is no path). The output's axes: the batch axes, the lhs's free
+    axes, the rhs's."""
+    contract, bat = contracting[pos], batch[pos]
+    if any(a in contract for a in each(axis)):
+        return None
+    free = [d for d in range(ranks[pos]) if d not in contract and d not in bat]
+    n_lhs_free = ranks[0] - len(contracting[0]) - len(batch[0])
+    return one(tuple(list(bat).index(a) if a in bat else
+                     len(batch[0]) + (0 if pos == 0 else n_lhs_free) + free.index(a)
+                     for a in each(axis)))
