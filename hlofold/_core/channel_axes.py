@@ -63,3 +63,15 @@ def through_dot(ranks: Sequence[int], contracting: Sequence[Sequence[int]],
     return one(tuple(list(bat).index(a) if a in bat else
                      len(batch[0]) + (0 if pos == 0 else n_lhs_free) + free.index(a)
                      for a in each(axis)))
+
+
+def contracted(act_dims: Sequence[int], kernel_dims: Sequence[int], axis):
+    """The kernel's axes a dot contracting the activation's ``act_dims`` with the kernel's
+    ``kernel_dims`` (pairwise) reads the channel from, in the channel's order (an output
+    projection reading (heads, head_dim)); None unless it contracts exactly the channel's
+    axes."""
+    ax = each(axis)
+    if sorted(act_dims) != sorted(ax):
+        return None
+    by = dict(zip(act_dims, kernel_dims))
+    return one(tuple(by[a] for a in ax))

@@ -28,6 +28,8 @@ import dataclasses
 
 import numpy as np
 
+from .channel_axes import each
+
 SWEEPS = 50          # chains settle in a few sweeps; this bounds a pathological one
 SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the iteration
 
@@ -35,7 +37,9 @@ SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the it
 @dataclasses.dataclass(frozen=True)
 class Second:
     """A layer after the path: its kernel's key, input-channel axis and output-channel axis,
-    with ``groups`` groups (a depthwise layer: as many groups as channels)."""
+    with ``groups`` groups (a depthwise layer: as many groups as channels). The input
+    channel may span several axes (a tuple, most significant first: an output projection
+    contracting (heads, head_dim)); a first kernel's ``out_axis`` too."""
 
     key: str
     in_axis: int
@@ -77,6 +81,25 @@ def channel_of(kernel_shape, in_axis: int, out_axis: int, groups: int) -> np.nda
     return (np.arange(cols)[None, :] // per) * rows + np.arange(rows)[:, None]
 
 
+def channel_max(k: np.ndarray, axes) -> np.ndarray:
+    """``max|k|`` per channel along ``axes`` (an axis, or a tuple of axes most significant
+    first: a multi-head kernel's (heads, head_dim)), over every other axis."""
+    ax = each(axes)
+    a = np.abs(np.moveaxis(np.asarray(k), ax, tuple(range(len(ax)))))
+    return a.reshape(int(np.prod(a.shape[:len(ax)])), -1).max(axis=1)
+
+
+def along(s: np.ndarray, shape, axes) -> np.ndarray:
+    """``s`` (one value per channel along ``axes``) shaped to broadcast against an array of
+    ``shape``."""
+    ax = each(axes)
+    t = s.reshape([shape[a] for a in ax]).transpose(np.argsort(ax))
+    full = [1] * len(shape)
+    for a in ax:
+        full[a] = shape[a]
+    return t.reshape(full)
+
+
 def _two_axes(k: np.ndarray, in_axis: int, out_axis: int) -> np.ndarray:
     """``max|k|`` over every axis but these two, shaped ``(in, out)``."""
     a = np.abs(np.moveaxis(k, (in_axis, out_axis), (0, 1)))
@@ -86,9 +109,7 @@ def _two_axes(k: np.ndarray, in_axis: int, out_axis: int) -> np.ndarray:
 def ranges(values: dict, pair: Pair, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """``(r1, r2)``: each channel's range in the first kernel's output and in the second
     kernel's input."""
-    k1 = np.asarray(values[pair.first], np.float64)
-    a = np.abs(np.moveaxis(k1, pair.out_axis, 0)).reshape(k1.shape[pair.out_axis], -1)
-    return a.max(axis=1), input_ranges(values, pair, channels)
+    return channel_max(values[pair.first], pair.out_axis), input_ranges(values, pair, channels)
 
 
 def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
@@ -96,6 +117,9 @@ def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
     r2 = np.zeros(channels)
     for sec in pair.seconds:
         k2 = np.asarray(values[sec.key], np.float64)
+        if sec.groups == 1:         # (in_axis: an axis or a tuple of them)
+            r2 = np.maximum(r2, channel_max(k2, sec.in_axis))
+            continue
         m = _two_axes(k2, sec.in_axis, sec.out_axis)
         np.maximum.at(r2, channel_of(k2.shape, sec.in_axis, sec.out_axis, sec.groups), m)
     return r2
@@ -112,9 +136,8 @@ def scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
 def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
     """Divide the first kernel's output channels and the biases by ``s``; multiply the
     second kernel's input channels by it (``values`` float64, changed in place)."""
-    shape = [1] * values[pair.first].ndim
-    shape[pair.out_axis] = -1
-    values[pair.first] = values[pair.first] / s.reshape(shape)
+    k1 = values[pair.first]
+    values[pair.first] = k1 / along(s, k1.shape, pair.out_axis)
     for key, axis in pair.biases:
         b = values[key]
         shape = [1] * b.ndim
@@ -122,6 +145,9 @@ def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
         values[key] = b / s.reshape(shape)
     for sec in pair.seconds:
         k2 = values[sec.key]
+        if sec.groups == 1:
+            values[sec.key] = k2 * along(s, k2.shape, sec.in_axis)
+            continue
         idx = channel_of(k2.shape, sec.in_axis, sec.out_axis, sec.groups)
         f = np.moveaxis(s[idx].reshape(idx.shape + (1,) * (k2.ndim - 2)), (0, 1),
                         (sec.in_axis, sec.out_axis))
@@ -133,7 +159,7 @@ def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[np.ndarray]]:
     changed); returns the new float64 values of every key a pair touches, and each pair's
     total scale."""
     work = {k: np.asarray(values[k], np.float64) for p in pairs for k in p.keys()}
-    total = [np.ones(work[p.first].shape[p.out_axis]) for p in pairs]
+    total = [np.ones(channel_max(work[p.first], p.out_axis).shape) for p in pairs]
     for _ in range(SWEEPS):
         moved = 0.0
         for j, p in enumerate(pairs):
@@ -171,9 +197,9 @@ class Observed:
     def __init__(self):
         self.max = None
 
-    def add(self, x, axis: int) -> None:
-        a = np.abs(np.moveaxis(np.asarray(x, np.float64), axis, -1))
-        m = a.reshape(-1, a.shape[-1]).max(axis=0)
+    def add(self, x, axis) -> None:
+        """``x``'s channels along ``axis`` (an axis or a tuple of them)."""
+        m = channel_max(np.asarray(x, np.float64), axis)
         self.max = m if self.max is None else np.maximum(self.max, m)
 
 
@@ -204,8 +230,7 @@ def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
 def spread(values: dict, key: str, axis: int) -> float:
     """How unequal a kernel's channels are along ``axis``: the largest channel range over the
     median one (what a per-tensor quantizer suffers)."""
-    k = np.abs(np.moveaxis(np.asarray(values[key], np.float64), axis, 0))
-    r = k.reshape(k.shape[0], -1).max(axis=1)
+    r = channel_max(np.asarray(values[key], np.float64), axis)
     med = float(np.median(r))
     return float(r.max() / med) if med > 0 else float("inf")
 

@@ -15,7 +15,7 @@ import dataclasses
 from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second, stops_here
-from .._core.channel_axes import through_dot
+from .._core.channel_axes import contracted, through_dot
 from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses, is_zero,
                          leaf_of, single_leaf, varying_axis)
 from .patterns import PATTERNS
@@ -90,11 +90,12 @@ def _layer_start(ctx, e):
         if info is None:
             return None
         k1 = e.invars[info.kernel_index]
-    if not isinstance(info.kernel_axis, int):
-        return ("a multi-head kernel (its output channels over several axes) is not paired "
-                "as a first layer", ctx.leaves[k1])
     why = single_leaf(ctx, k1, "its kernel")
-    return (why, ctx.leaves[k1]) if why else (k1, info.channel_axis, info.kernel_axis)
+    if why:
+        return why, ctx.leaves[k1]
+    if not isinstance(info.kernel_axis, int):    # a multi-head kernel: channels over a Block
+        return k1, tuple(info.channel_axis.axes), tuple(info.kernel_axis.axes)
+    return k1, info.channel_axis, info.kernel_axis
 
 
 def _norm_start(ctx, e):
@@ -184,12 +185,28 @@ def _through_dot(ctx, e, pos, axis):
     return through_dot([len(x.aval.shape) for x in e.invars], (lc, rc), (lb, rb), pos, axis)
 
 
+def _second_over_axes(ctx, e, pos, axis):
+    """A dot reading channels split over axes, contracting exactly those (an output
+    projection's (heads, head_dim, d) kernel): a second layer, its input rows over them."""
+    k2 = e.invars[1 - pos]
+    if e.primitive.name != "dot_general" or k2 not in ctx.leaves:
+        return f"the next {e.primitive.name} reads the channels split over axes"
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    in_axes = contracted(*((lc, rc) if pos == 0 else (rc, lc)), axis)
+    own = (rc, rb) if pos == 0 else (lc, lb)
+    free = [d for d in range(len(k2.aval.shape)) if d not in own[0] and d not in own[1]]
+    if lb or in_axes is None or not free:
+        return f"the next {e.primitive.name} reads the channels split over axes"
+    return single_leaf(ctx, k2, "the next layer's kernel") or \
+        Second(str(ctx.leaves[k2]), in_axes, free[0])
+
+
 def _second(ctx, e, pos, axis):
     pat = PATTERNS.get(e.primitive.name)
     if pat is None:
         return f"{e.primitive.name} reads it besides the layers"
     if isinstance(axis, tuple):
-        return f"the next {e.primitive.name} reads the channels split over axes"
+        return _second_over_axes(ctx, e, pos, axis)
     ch = pat.input_channel(e, pos)
     if isinstance(ch, Refusal):
         return f"the next {e.primitive.name}: {ch.reason}"

@@ -19,7 +19,7 @@ import os
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.channel_axes import through_dot
+from .._core.channel_axes import contracted, each, through_dot
 from .._core.equalize import Pair, Second, stops_here
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
@@ -51,9 +51,28 @@ class Refused:
 
 
 
+def _second_over_axes(ctx, op, pos, axis):
+    """A dot reading channels split over axes, contracting exactly those (an output
+    projection's (heads, head_dim, d) kernel): a second layer, its input rows over them."""
+    why = f"the next {op_name(op)} reads the channels split over axes"
+    if op_name(op) != "stablehlo.dot_general":
+        return why
+    k = op.operands[1 - pos]
+    lb, lc, rb, rc = dot_dims(op)
+    in_axes = contracted(*((lc, rc) if pos == 0 else (rc, lc)), axis)
+    own = (rc, rb) if pos == 0 else (lc, lb)
+    free = [d for d in range(len(shape_of(k))) if d not in own[0] and d not in own[1]]
+    if lb or in_axes is None or not free:
+        return why
+    w = weight(k, op)
+    if w is None:
+        return f"the next {op_name(op)}'s kernel is not a constant read once"
+    return Second(ctx.key(w), tuple(w.axes[a] for a in each(in_axes)), w.axes[free[0]])
+
+
 def _second(ctx, op, pos, axis):
     if isinstance(axis, tuple):
-        return f"the next {op_name(op)} reads the channels split over axes"
+        return _second_over_axes(ctx, op, pos, axis)
     ch = input_channel(op, pos) if pos == 0 or op_name(op) != "stablehlo.convolution" else \
         Refusal("a convolution reading the channels as its kernel")
     if isinstance(ch, Refusal):
@@ -66,12 +85,14 @@ def _second(ctx, op, pos, axis):
     if w is None:
         return f"the next {op_name(op)}'s kernel is not a constant read once"
     info = root_info(op) if pos == 0 else None
-    if pos == 0 and (not isinstance(info, tuple) or not isinstance(info[2], int)):
-        return f"the next {op_name(op)}'s kernel has its output channels over several axes"
+    if pos == 0 and not isinstance(info, tuple):
+        return f"the next {op_name(op)}'s kernel is not read as a layer's"
     free = [a for a in range(len(shape_of(k))) if a != in_axis]
     if pos == 1 and len(free) != 1:
         return f"the next {op_name(op)}'s kernel (its lhs) has {len(free)} free dimensions"
-    out = info[2] if pos == 0 else free[0]
+    # (a multi-head kernel, (d, heads, head_dim): its input rows are what is scaled; any of
+    # its output axes serves to read them, as on the jaxpr path)
+    out = (info[2] if isinstance(info[2], int) else info[2].axes[0]) if pos == 0 else free[0]
     groups = ir.IntegerAttr(op.attributes["feature_group_count"]).value \
         if "feature_group_count" in op.attributes else 1
     return Second(ctx.key(w), w.axes[in_axis], w.axes[out], int(groups))
@@ -129,17 +150,17 @@ def _follow(ctx, v, axis: int):
 
 def _start(op):
     """``(Weight, output channel axis, kernel output axis)`` of a layer whose kernel is a
-    constant read once; a reason for a shared or multi-head one; None for no layer."""
+    constant read once (a multi-head kernel's: tuples of axes); a reason for a shared one;
+    None for no layer."""
     info = root_info(op)
     if not isinstance(info, tuple) or op_name(op) not in ROOTS:
         return None
-    if not isinstance(info[2], int):
-        return ("a multi-head kernel (its output channels over several axes) is not paired "
-                "as a first layer")
     w = weight(op.operands[info[1]], op)
     if w is None:           # a constant read elsewhere too; else no layer (q @ kᵀ)
         return "its kernel is a constant read elsewhere too (a shared weight)" if \
             _constant_behind(op.operands[info[1]]) else None
+    if not isinstance(info[2], int):    # a multi-head kernel: channels over a Block
+        return w, tuple(info[0].axes), tuple(w.axes[a] for a in info[2].axes)
     return w, info[0], w.axes[info[2]]
 
 

@@ -106,32 +106,23 @@ def test_generated_decoders(seed):
     smoothed(fn, p, (x,), calib, pairs=expected)
 
 
-def test_multi_head_kernels():
+@pytest.mark.parametrize("bias", [True, False])
+def test_multi_head_kernels(bias):
     """Flax DenseGeneral q/k/v with (d, heads, head_dim) kernels read a norm: their input
-    rows are smoothed; v's multi-head output as a first layer is left, said."""
-    import flax.linen as nn
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.RMSNorm()(x)
-            q, k, v = (nn.DenseGeneral((2, 8))(h) for _ in range(3))
-            a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
-            return x + nn.DenseGeneral(16, axis=(-2, -1))(jnp.einsum("bhqk,bkhd->bqhd", a, v))
-    m = Block()
-    rng = np.random.default_rng(4)
-
-    def inputs(k):
-        x = np.random.default_rng(k).standard_normal((2, 5, 16)).astype(np.float32)
-        x[..., :2] *= 25
-        return jnp.asarray(x)
-    x = inputs(0)
-    v = m.init(jax.random.key(0), x)
-    v = jax.tree.map(lambda a: a * jnp.asarray(1 + 0.3 * rng.random(a.shape), a.dtype), v)
-    out = smoothed(m.apply, v, (x,), [inputs(k) for k in (1, 2)], pairs=1)
-    assert len(out.equalized[0].seconds) == 3
-    assert any("DenseGeneral_2" in n.kernel and "multi-head kernel" in n.reason
-               for n in out.not_equalized), str(out)
+    rows are smoothed; v's multi-head output (its channels over (heads, head_dim)) pairs with
+    the output projection's (heads, head_dim, d) kernel through attention — unless a bias
+    over (heads, head_dim) is on the way, which is said."""
+    from tests.helpers.blocks import flax_multi_head_block
+    f, v, x, calib = flax_multi_head_block(bias)
+    out = smoothed(f, v, (x,), calib, pairs=2 - bias)
+    assert sorted(len(e.seconds) for e in out.equalized) == [1, 3][bias:]
+    if bias:
+        assert any("DenseGeneral_2" in n.kernel and "split over axes" in n.reason
+                   for n in out.not_equalized), str(out)
+    else:
+        vo = next(e for e in out.equalized if len(e.seconds) == 1)
+        assert "DenseGeneral_2" in vo.first and "DenseGeneral_3" in vo.seconds[0], str(out)
+        assert vo.scale_range[1] / vo.scale_range[0] > 1.5
 
 
 def _outlier_inputs(shape, k):

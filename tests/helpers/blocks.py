@@ -68,3 +68,30 @@ def decoder(spelling, layers=2, vocab=32):
                      "v": w(D, D), "o": w(D, D), "gate": w(D, F), "up": w(D, F),
                      "down": w(F, D)} for _ in range(layers)]}
     return f, p
+
+
+def flax_multi_head_block(bias: bool):
+    """``(apply, variables, x, calibration)``: an RMSNorm read by Flax DenseGeneral q/k/v with
+    (d, heads, head_dim) kernels, attention, and a DenseGeneral output projection contracting
+    (heads, head_dim); two massive input channels."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.RMSNorm()(x)
+            q, k, v = (nn.DenseGeneral((2, 8), use_bias=bias)(h) for _ in range(3))
+            a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+            return x + nn.DenseGeneral(16, axis=(-2, -1))(jnp.einsum("bhqk,bkhd->bqhd", a, v))
+    m = Block()
+    rng = np.random.default_rng(4)
+
+    def inputs(k):
+        x = np.random.default_rng(k).standard_normal((2, 5, 16)).astype(np.float32)
+        x[..., :2] *= 25
+        return jnp.asarray(x)
+    x = inputs(0)
+    v = m.init(jax.random.key(0), x)
+    v = jax.tree.map(lambda a: (a * (1 + 0.3 * rng.random(a.shape)) +
+                                0.1 * rng.standard_normal(a.shape)).astype(a.dtype), v)
+    return m.apply, v, x, [inputs(k) for k in (1, 2)]     # (biases not zero)
