@@ -75,3 +75,20 @@ def contracted(act_dims: Sequence[int], kernel_dims: Sequence[int], axis):
         return None
     by = dict(zip(act_dims, kernel_dims))
     return one(tuple(by[a] for a in ax))
+
+
+def as_block(axis, shape):
+    """Channels split over consecutive axes, in order, as the fold's
+    :class:`~hlofold._core.chain_rules.Block` (what the per-channel operand rule reads);
+    None for channels on one axis, or over axes apart or reordered (no bias can follow)."""
+    from .chain_rules import Block
+    ax = each(axis)
+    if len(ax) < 2 or list(ax) != list(range(ax[0], ax[0] + len(ax))):
+        return None
+    return Block(tuple(ax), tuple(int(shape[a]) for a in ax))
+
+
+def whole_block(operand, block) -> bool:
+    """Whether a per-channel operand (``chain_rules.ChannelOperand``) varies over the whole
+    ``block`` (one value per channel: a bias it divides by the scale)."""
+    return operand.block is not None and tuple(operand.block) == tuple(block.dims)

@@ -140,9 +140,7 @@ def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
     values[pair.first] = k1 / along(s, k1.shape, pair.out_axis)
     for key, axis in pair.biases:
         b = values[key]
-        shape = [1] * b.ndim
-        shape[axis] = -1
-        values[key] = b / s.reshape(shape)
+        values[key] = b / along(s, b.shape, axis)
     for sec in pair.seconds:
         k2 = values[sec.key]
         if sec.groups == 1:

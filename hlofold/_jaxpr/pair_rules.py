@@ -13,9 +13,10 @@ import dataclasses
 import numpy as np
 
 from .. import _compat as C
-from .._core.chain_rules import is_float
-from .._core.channel_axes import each, one, permuted, reshaped
+from .._core.chain_rules import Refusal, is_float
+from .._core.channel_axes import as_block, each, one, permuted, reshaped, whole_block
 from .._core.equalize import stops_here
+from .steps import resolve_operand
 
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _PASS = {"copy", "copy_p", "neg", "reduce_precision"}
@@ -125,7 +126,7 @@ def _bias(ctx, e, pos, axis):
     if is_zero(ctx, b):
         return axis
     if isinstance(axis, tuple):
-        return f"{e.primitive.name} of a value while the channels are split over axes"
+        return _bias_over_axes(ctx, e, b, axis)
     out = e.outvars[0].aval.shape
     shape = getattr(getattr(b, "aval", None), "shape", None)
     if shape is None or len(shape) != len(out) or shape[axis] != out[axis] or \
@@ -137,6 +138,29 @@ def _bias(ctx, e, pos, axis):
         return f"{e.primitive.name} of {found}"
     for leaf, dim in found:
         ctx.biases.append((ctx.leaves[leaf], dim))
+    return axis
+
+
+def _bias_over_axes(ctx, e, b, axis):
+    """x ± b with the channels over (heads, head_dim) and b a leaf with one value per
+    channel (a multi-head projection's bias, reshaped or broadcast), read once."""
+    why = f"{e.primitive.name} of a value while the channels are split over axes"
+    out = e.outvars[0].aval.shape
+    blk = as_block(axis, out)
+    r = resolve_operand(b, out, blk, ctx.producer.get) if blk is not None else None
+    if r is None or isinstance(r, Refusal) or not whole_block(r, blk) or \
+            r.source not in ctx.leaves:
+        return why
+    v = b
+    while v is not r.source:                    # (every value on the way read once)
+        if len(ctx.uses.get(v, [])) != 1:
+            return f"{e.primitive.name} of a per-channel value read elsewhere too"
+        v = ctx.producer[v].invars[0]
+    why = single_leaf(ctx, r.source, "a bias on the way")
+    if why:
+        return why
+    dims = tuple(d for d, n in enumerate(r.source.aval.shape) if n != 1)
+    ctx.biases.append((ctx.leaves[r.source], dims))
     return axis
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.channel_axes import each, one, permuted, reshaped
+from .._core.channel_axes import as_block, each, one, permuted, reshaped, whole_block
 from .._core.equalize import stops_here
 from .forward import op_ints
 from .ir import attr_dims, constant_values, is_float, op_name, owner_op, shape_of
@@ -115,12 +115,17 @@ def _bias(ctx, op, pos, axis):
     b = op.operands[1 - pos]
     if is_zero(b):
         return axis
-    if isinstance(axis, tuple):
-        return f"{name} of a value while the channels are split over axes"
     shape = shape_of(op.results[0])
-    r = resolve(b, shape, axis, explain=False)
-    if isinstance(r, Refusal) or r.axis is None or r.block is not None:
-        return f"{name} of a value that is not one per channel (a residual add ties channels)"
+    blk = as_block(axis, shape) if isinstance(axis, tuple) else None
+    if isinstance(axis, tuple):
+        r = resolve(b, shape, blk, explain=False) if blk is not None else None
+        if r is None or isinstance(r, Refusal) or not whole_block(r, blk):
+            return f"{name} of a value while the channels are split over axes"
+    else:
+        r = resolve(b, shape, axis, explain=False)
+        if isinstance(r, Refusal) or r.axis is None or r.block is not None:
+            return (f"{name} of a value that is not one per channel (a residual add ties "
+                    f"channels)")
     v = b
     for _ in range(16):                        # (every value on the way read once)
         if v == r.value:
@@ -128,10 +133,18 @@ def _bias(ctx, op, pos, axis):
         if not single(v) or owner_op(v) is None:
             return f"{name} of a per-channel value read elsewhere too"
         v = owner_op(v).operands[0]
-    w = weight(r.value, op)
+    src = r.value
+    if blk is not None and single(src) and owner_op(src) is not None and \
+            op_name(owner_op(src)) == "stablehlo.reshape":
+        src = owner_op(src).operands[0]     # (a folded bias, flat: row-major over the block)
+    w = weight(src, op)
     if w is None:
         return f"{name} of a per-channel value that is not a constant read once"
-    ctx.biases.append((ctx.key(w), w.axes[r.axis]))
+    if blk is None:
+        ctx.biases.append((ctx.key(w), w.axes[r.axis]))
+    else:                              # (its axes over the block, in order)
+        dims = [d for d, n in enumerate(shape_of(src)) if n != 1]
+        ctx.biases.append((ctx.key(w), one(tuple(w.axes[d] for d in dims))))
     return axis
 
 

@@ -110,19 +110,33 @@ def test_generated_decoders(seed):
 def test_multi_head_kernels(bias):
     """Flax DenseGeneral q/k/v with (d, heads, head_dim) kernels read a norm: their input
     rows are smoothed; v's multi-head output (its channels over (heads, head_dim)) pairs with
-    the output projection's (heads, head_dim, d) kernel through attention — unless a bias
-    over (heads, head_dim) is on the way, which is said."""
+    the output projection's (heads, head_dim, d) kernel through attention, its bias over
+    (heads, head_dim) divided with it."""
     from tests.helpers.blocks import flax_multi_head_block
     f, v, x, calib = flax_multi_head_block(bias)
-    out = smoothed(f, v, (x,), calib, pairs=2 - bias)
-    assert sorted(len(e.seconds) for e in out.equalized) == [1, 3][bias:]
-    if bias:
-        assert any("DenseGeneral_2" in n.kernel and "split over axes" in n.reason
-                   for n in out.not_equalized), str(out)
-    else:
-        vo = next(e for e in out.equalized if len(e.seconds) == 1)
-        assert "DenseGeneral_2" in vo.first and "DenseGeneral_3" in vo.seconds[0], str(out)
-        assert vo.scale_range[1] / vo.scale_range[0] > 1.5
+    out = smoothed(f, v, (x,), calib, pairs=2)
+    assert sorted(len(e.seconds) for e in out.equalized) == [1, 3]
+    vo = next(e for e in out.equalized if len(e.seconds) == 1)
+    assert "DenseGeneral_2" in vo.first and "DenseGeneral_3" in vo.seconds[0], str(out)
+    assert vo.biases == (["['params']['DenseGeneral_2']['bias']"] if bias else [])
+    assert vo.scale_range[1] / vo.scale_range[0] > 1.5
+
+
+def test_multi_head_bias_read_elsewhere_stops_the_pair():
+    """A (heads, head_dim) bias that something else reads too cannot be divided: said."""
+    def f(p, x):
+        v = jnp.einsum("btd,dhk->bthk", x, p["v"]) + p["b"]
+        probs = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", x, x), -1)
+        o = jnp.einsum("bqk,bkhe->bqhe", probs, v)
+        return jnp.einsum("bqhe,hed->bqd", o, p["o"]) + p["b"].sum()
+    rng = np.random.default_rng(0)
+    p = {"v": jnp.asarray(rng.standard_normal((8, 2, 4)), jnp.float32),
+         "b": jnp.asarray(rng.standard_normal((2, 4)), jnp.float32),
+         "o": jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+    out = smoothed(f, p, (x,), [x], pairs=0)
+    assert any(n.kernel == "['v']" and "read 2 times" in n.reason
+               for n in out.not_equalized), str(out)
 
 
 def _outlier_inputs(shape, k):

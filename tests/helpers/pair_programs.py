@@ -120,6 +120,14 @@ def decoder_program(seed: int):
          "o": w(d, d), "gate": w(d, f), "up": w(d, f), "down": w(f, d), "head": w(d, 7)}
     if beta:
         p["b1"] = jnp.asarray(rng.standard_normal(d) * 0.1, jnp.float32)
+    # v and o as multi-head kernels (Flax DenseGeneral, Keras EinsumDense): (d, heads,
+    # head_dim) and (heads, head_dim, d), sometimes with a bias over (heads, head_dim)
+    multi = rng.random() < 0.4
+    if multi:
+        hd = d // heads
+        p["v"], p["o"] = p["v"].reshape(d, heads, hd), p["o"].reshape(heads, hd, d)
+        if rng.random() < 0.5:
+            p["bv"] = jnp.asarray(rng.standard_normal((heads, hd)) * 0.1, jnp.float32)
 
     def norm(x, gamma, b=None):
         h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * gamma
@@ -128,20 +136,25 @@ def decoder_program(seed: int):
     def fn(params, x):
         b, t, _ = x.shape
         h = norm(x, params["n1"], params.get("b1"))
-        v = h @ params["v"]
+        if multi:
+            v = jnp.einsum("btd,dhe->bthe", h, params["v"]) + params.get("bv", 0.0)
+        else:
+            v = h @ params["v"]
         q = h @ params["q"] if readers > 1 else x @ params["q"]
         k = h @ params["k"] if readers > 2 else x @ params["k"]
         if stop_v:
             v = _op(stop_v, v, params, "")
         split = lambda a: a.reshape(b, t, heads, d // heads)            # noqa: E731
+        split_v = (lambda a: a) if multi else split                     # noqa: E731
         s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k))
         a = jax.nn.softmax(s, -1)
         if transposed:
             o = jnp.transpose(jnp.einsum("bhqk,bhkd->bhqd", a,
-                                         jnp.transpose(split(v), (0, 2, 1, 3))), (0, 2, 1, 3))
+                                         jnp.transpose(split_v(v), (0, 2, 1, 3))), (0, 2, 1, 3))
         else:
-            o = jnp.einsum("bhqk,bkhd->bqhd", a, split(v))
-        x = x + o.reshape(b, t, d) @ params["o"]
+            o = jnp.einsum("bhqk,bkhd->bqhd", a, split_v(v))
+        x = x + (jnp.einsum("bqhe,hed->bqd", o, params["o"]) if multi else
+                 o.reshape(b, t, d) @ params["o"])
         h = norm(x, params["n2"])
         u = h @ params["up"]
         if stop_up:
@@ -155,4 +168,5 @@ def decoder_program(seed: int):
         return jnp.asarray(x)
     expected = 3 + (stop_v is None) + (stop_up is None)
     fn.stops = (stop_v, stop_up)         # (what the test of the StableHLO path reads)
+    fn.multi = multi
     return fn, p, inputs(seed), [inputs(seed + 100 + j) for j in range(3)], expected
