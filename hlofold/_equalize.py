@@ -9,6 +9,7 @@ the same outputs with the new leaves (the caller checks it).
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 
 from . import _compat as C
 from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha, equalize,
-                             smooth, spread)
+                             record, smooth)
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_calls
 from ._jaxpr.pairs import Refused, find_pairs
@@ -39,34 +40,61 @@ def _where(eqn) -> str:
     return f"{file}:{line}" if file else C.name_stack(eqn) or eqn.primitive.name
 
 
+def _dtype(leaves, i: int) -> np.dtype:
+    """A leaf's dtype, without reading it onto the host."""
+    return np.dtype((leaves.live if isinstance(leaves, HostLeaves) else leaves)[i].dtype)
+
+
 def _float_pairs(found, refused, leaves):
     ok = []
     for f in found:
-        if all(np.issubdtype(np.asarray(leaves[int(k)]).dtype, np.floating)
-               for k in f.pair.keys()):
+        if all(np.issubdtype(_dtype(leaves, int(k)), np.floating) for k in f.pair.keys()):
             ok.append(f)
         else:
             refused.append(Refused(int(f.pair.first), f.eqn, "a weight that is not floating point"))
     return ok
 
 
-def _records(ok, scales, values, new, paths, refused, kind="equalized", alphas=None):
-    def sp(vals, f):
-        p = f.pair
-        return (spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0,
-                spread(vals, p.seconds[0].key, p.seconds[0].out_axis))
-    done = [EqualizedPair(paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
-                          [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn),
-                          sp(values, f), sp(new, f),
-                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0), kind,
-                          None if alphas is None else alphas[j])
-            for j, (f, s) in enumerate(zip(ok, scales))]
+def _records(ok, done, paths, refused, kind="equalized"):
+    recs = [record(d, paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
+                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn), kind)
+            for f, d in zip(ok, done)]
     left = [NotEqualized(paths[r.kernel], "" if r.eqn is None else _where(r.eqn), r.reason)
             for r in refused]
-    return done, left
+    return recs, left
 
 
-def equalize_leaves(jaxpr, leaves: list, paths: list[str]
+class HostLeaves(collections.abc.Sequence):
+    """The caller's live leaves (``place`` replaces them as they are rewritten), each read
+    on the host when asked: nothing here holds a leaf another rewrite has replaced."""
+
+    def __init__(self, live: list, host):
+        self.live, self.host = live, host
+
+    def __getitem__(self, i):
+        return self.host(self.live[i])
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+
+class _Keyed(collections.abc.Mapping):
+    """``leaves`` by the pairs' keys (leaf indices as strings), read when asked."""
+
+    def __init__(self, leaves, keys):
+        self.leaves, self.keys_ = leaves, list(dict.fromkeys(keys))
+
+    def __getitem__(self, k):
+        return np.asarray(self.leaves[int(k)])
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+
+def equalize_leaves(jaxpr, leaves, paths: list[str]
                     ) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
     """The new values (leaf index -> array of the leaf's dtype) of the leaves the pairs of
     ``jaxpr`` (its first inputs: ``leaves``, host arrays) scale; what was equalized; what
@@ -74,36 +102,42 @@ def equalize_leaves(jaxpr, leaves: list, paths: list[str]
     found, refused = find_pairs(jaxpr, len(leaves))
     ok = _float_pairs(found, refused, leaves)
     values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
-    new, scales = equalize(values, [f.pair for f in ok]) if ok else ({}, [])
+    new, done = equalize(values, [f.pair for f in ok]) if ok else ({}, [])
     out = {int(k): v.astype(values[k].dtype) for k, v in new.items()}
-    return (out, *_records(ok, scales, values, new, paths, refused))
+    return (out, *_records(ok, done, paths, refused))
 
 
-def smooth_leaves(closed, leaves: list, paths: list[str], calibration: list, alpha: float,
-                  place=None) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
+def smooth_leaves(closed, leaves, paths: list[str], calibration: list, alpha: float,
+                  place=None, device=None) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
     """SmoothQuant's scales moved into the model: each norm's γ (and β) or layer's output
     channels divided, the layers reading them multiplied, by ``s_j = max|X_j|^α /
     max|W_j|^(1−α)`` where ``X`` is what those layers read on the ``calibration`` inputs
-    (each a list of the program's non-parameter input leaves)."""
+    (each a list of the program's non-parameter input leaves). ``leaves``: host arrays
+    (read pair by pair: a :class:`HostLeaves` holds none of them); ``device``: the same
+    leaves as the program runs them (the calibration takes them as they are, without a
+    copy), else ``leaves``."""
     jaxpr = closed.jaxpr
     found, refused = find_pairs(jaxpr, len(leaves), norms=True)
     ok = _float_pairs(found, refused, leaves)
     if not ok:
-        return ({}, *_records([], [], {}, {}, paths, refused, "smoothed"))
+        return ({}, *_records([], [], paths, refused, "smoothed"))
     hoisted, consts = C.hoist_consts(closed)       # (the same equations and values)
     run = jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
                                             [f.end for f in ok])))
     seen = [Observed() for _ in ok]
     for args in calibration:
-        for f, x, o in zip(ok, run(*consts, *leaves, *args), seen):
+        for f, x, o in zip(ok, run(*consts, *(device if device is not None else leaves),
+                                   *args), seen):
             o.add(x, f.end_axis)
-    values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
+    values = _Keyed(leaves, [k for f in ok for k in f.pair.keys()])
+    dtypes = {k: _dtype(leaves, int(k)) for k in values}
+
     def store(k, v):                 # rounded per pair; placed at once where asked
-        v = v.astype(values[k].dtype)
+        v = v.astype(dtypes[k])
         return v if place is None else place(int(k), v)
-    new, scales, alphas = smooth(values, [f.pair for f in ok], seen, alpha, store=store)
+    new, done = smooth(values, [f.pair for f in ok], seen, alpha, store=store)
     out = {} if place is not None else {int(k): v for k, v in new.items()}
-    return (out, *_records(ok, scales, values, new, paths, refused, "smoothed", alphas))
+    return (out, *_records(ok, done, paths, refused, "smoothed"))
 
 
 @dataclasses.dataclass
@@ -184,13 +218,14 @@ def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bo
     if not (rotate or equalize or smooth is not None):
         return eq, rotation
     flat = inlined(closed)
+    view = HostLeaves(leaves, host)      # (each leaf read when a rewrite asks for it)
     if rotate:
-        _, rotation = rotate_leaves(flat.jaxpr, [host(a) for a in leaves], paths, seed, place)
+        _, rotation = rotate_leaves(flat.jaxpr, view, paths, seed, place)
     if equalize:
-        got, *eq = equalize_leaves(flat.jaxpr, [host(a) for a in leaves], paths)
+        got, *eq = equalize_leaves(flat.jaxpr, view, paths)
         for i, val in got.items():
             place(i, val)
     if smooth is not None:
-        _, *more = smooth_leaves(flat, [host(a) for a in leaves], paths, smooth, alpha, place)
+        _, *more = smooth_leaves(flat, view, paths, smooth, alpha, place, device=leaves)
         eq = (eq[0] + more[0], eq[1] + more[1])
     return eq, rotation

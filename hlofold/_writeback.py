@@ -75,9 +75,8 @@ class FoldedParams:
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
         for e in self.equalized:
-            alpha = "" if e.alpha is None else f"α {e.alpha:g}, "
             lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
-                         f"{alpha}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
+                         f"{'' if e.alpha is None else f'α {e.alpha:g}, '}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
         for e in self.not_equalized:
@@ -198,6 +197,8 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     new = list(arr)
     for i in list(writer.assign):          # one leaf at a time: its host copy dropped at once
         new[i] = _like(arr[i], writer.assign.pop(i))
+    for site in scope.site_at_end.values():   # (the plan's copies of the folded kernels:
+        site.kernel_const = None              # a later rewrite replaces the leaves)
     def place(i, val):           # one leaf at a time: its host copy dropped once placed
         new[i] = _like(arr[i], val)
         return new[i]

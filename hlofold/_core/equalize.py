@@ -135,28 +135,53 @@ def scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
 
 def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
     """Divide the first kernel's output channels and the biases by ``s``; multiply the
-    second kernel's input channels by it (``values`` float64, changed in place)."""
+    second kernel's input channels by it (``values``: float64 arrays of the caller's own,
+    changed in place — no second copy of a large kernel)."""
     k1 = values[pair.first]
-    values[pair.first] = k1 / along(s, k1.shape, pair.out_axis)
+    k1 /= along(s, k1.shape, pair.out_axis)
     for key, axis in pair.biases:
         b = values[key]
-        values[key] = b / along(s, b.shape, axis)
+        b /= along(s, b.shape, axis)
     for sec in pair.seconds:
         k2 = values[sec.key]
         if sec.groups == 1:
-            values[sec.key] = k2 * along(s, k2.shape, sec.in_axis)
+            k2 *= along(s, k2.shape, sec.in_axis)
             continue
         idx = channel_of(k2.shape, sec.in_axis, sec.out_axis, sec.groups)
-        f = np.moveaxis(s[idx].reshape(idx.shape + (1,) * (k2.ndim - 2)), (0, 1),
-                        (sec.in_axis, sec.out_axis))
-        values[sec.key] = k2 * f
+        k2 *= np.moveaxis(s[idx].reshape(idx.shape + (1,) * (k2.ndim - 2)), (0, 1),
+                          (sec.in_axis, sec.out_axis))
 
 
-def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[np.ndarray]]:
+def _own(x) -> np.ndarray:
+    """``x`` as a float64 array of this module's own (:func:`apply` changes it in place)."""
+    return np.array(x, dtype=np.float64, copy=True)
+
+
+@dataclasses.dataclass
+class Done:
+    """What equalizing or smoothing did to one pair: its total scale, both kernels' channel
+    spreads (:func:`spread`) before and after, and (smoothing) the α."""
+
+    scale: np.ndarray
+    before: tuple
+    after: tuple
+    alpha: float | None = None
+
+
+def spreads(values: dict, pair: Pair) -> tuple[float, float]:
+    """The first kernel's output-channel spread (1 for a vector: a norm's γ) and the first
+    second layer's."""
+    first = values[pair.first]
+    return (spread(values, pair.first, pair.out_axis) if np.ndim(first) > 1 else 1.0,
+            spread(values, pair.seconds[0].key, pair.seconds[0].out_axis))
+
+
+def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[Done]]:
     """Sweep ``pairs`` (in order) until the scales settle. ``values``: key -> array (not
-    changed); returns the new float64 values of every key a pair touches, and each pair's
-    total scale."""
-    work = {k: np.asarray(values[k], np.float64) for p in pairs for k in p.keys()}
+    changed); returns the new float64 values of every key a pair touches, and what was
+    done to each pair."""
+    work = {k: _own(values[k]) for p in pairs for k in p.keys()}
+    before = [spreads(work, p) for p in pairs]
     total = [np.ones(channel_max(work[p.first], p.out_axis).shape) for p in pairs]
     for _ in range(SWEEPS):
         moved = 0.0
@@ -167,7 +192,7 @@ def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[np.ndarray]]:
             moved = max(moved, float(np.max(np.abs(s - 1.0), initial=0.0)))
         if moved < SETTLED:
             break
-    return work, total
+    return work, [Done(t, b, spreads(work, p)) for t, b, p in zip(total, before, pairs)]
 
 
 def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
@@ -202,27 +227,25 @@ class Observed:
 
 
 def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
-           store=None) -> tuple[dict, list[np.ndarray], list[float]]:
+           store=None) -> tuple[dict, list[Done]]:
     """Each pair's smoothing scales applied once, pair by pair: only that pair's leaves are
     held in float64 (a 0.5 B decoder's kernels are not all copied at once); ``store(key,
     value)`` takes each new value as its pair is done (and ``values`` is read for the
-    next pairs with it). Returns the new float64 values (``store`` None), the scales and
-    each pair's α."""
-    out, scales, alphas = {}, [], []
+    next pairs with it: it may read the caller's live leaves, nothing is kept from one
+    pair to the next). Returns the new float64 values (``store`` None) and what was done
+    to each pair."""
+    out, done = {}, []
     for p, x in zip(pairs, seen):
-        work = {k: np.asarray(out.get(k, values[k]), np.float64) for k in p.keys()}
-        a = float(alpha)
-        s = smoothing(np.asarray(x.max, np.float64), input_ranges(work, p, len(x.max)), a)
+        work = {k: _own(out.get(k, values[k])) for k in p.keys()}
+        before = spreads(work, p)
+        s = smoothing(np.asarray(x.max, np.float64), input_ranges(work, p, len(x.max)),
+                      float(alpha))
         apply(work, p, s)
-        scales.append(s)
-        alphas.append(a)
+        done.append(Done(s, before, spreads(work, p), float(alpha)))
         for k, v in work.items():
-            if store is None:
-                out[k] = v
-            else:
-                out[k] = store(k, v)
+            out[k] = v if store is None else store(k, v)
         del work
-    return out, scales, alphas
+    return out, done
 
 
 def spread(values: dict, key: str, axis: int) -> float:
@@ -249,6 +272,15 @@ class EqualizedPair:
     scale_range: tuple[float, float] = (1.0, 1.0)
     kind: str = "equalized"           # or "smoothed"
     alpha: float | None = None        # smoothed: the α its scales were computed with
+
+
+def record(done: Done, first: str, seconds: list, biases: list, location: str,
+           kind: str) -> EqualizedPair:
+    """The report's record of a pair (its kernels named as the adapter names them)."""
+    s = done.scale
+    rng = (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0)
+    return EqualizedPair(first, seconds, biases, location, done.before, done.after, rng, kind,
+                         done.alpha)
 
 
 @dataclasses.dataclass

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, smooth,
-                              spread)
+from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, record,
+                              smooth)
 from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
@@ -66,16 +66,10 @@ def _write(weights: dict, new: dict, values: dict) -> None:
         old.erase()
 
 
-def _records(ok, scales, values, new, called, kind, alphas=None):
-    def sp(vals, p):
-        first = spread(vals, p.first, p.out_axis) if vals[p.first].ndim > 1 else 1.0
-        return first, spread(vals, p.seconds[0].key, p.seconds[0].out_axis)
-    return [EqualizedPair(called[f.pair.first], [called[s.key] for s in f.pair.seconds],
-                          [called[b] for b, _ in f.pair.biases], f.location,
-                          sp(values, f.pair), sp(new, f.pair),
-                          (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0),
-                          kind, None if alphas is None else alphas[j])
-            for j, (f, s) in enumerate(zip(ok, scales))]
+def _records(ok, done, called, kind):
+    return [record(d, called[f.pair.first], [called[s.key] for s in f.pair.seconds],
+                   [called[b] for b, _ in f.pair.biases], f.location, kind)
+            for f, d in zip(ok, done)]
 
 
 def equalize_function(func, names: dict | None = None
@@ -92,9 +86,9 @@ def equalize_function(func, names: dict | None = None
     if not ok:
         return [], left
     called = {k: _name(w, names) for k, w in weights.items()}    # (before a write)
-    new, scales = equalize(values, [f.pair for f in ok])
+    new, done = equalize(values, [f.pair for f in ok])
     _write(weights, new, values)
-    return _records(ok, scales, values, new, called, "equalized"), left
+    return _records(ok, done, called, "equalized"), left
 
 
 def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
@@ -123,7 +117,7 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
     seen = _calibrate(module, func, every, calibration, hoist)
     called = {k: _name(w, names) for k, w in weights.items()}
     called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
-    new, scales, alphas = smooth(values, [f.pair for f in every], seen, alpha)
+    new, done = smooth(values, [f.pair for f in every], seen, alpha)
     _write(weights, new, values)
     for f in sites:                  # ·(1/s) where the norm's output is read
         v, producer = f.end, owner_op(f.end)
@@ -137,7 +131,7 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
             for i, o in enumerate(r.operands):
                 if o == v:
                     r.operands[i] = mul.result
-    return _records(every, scales, values, new, called, "smoothed", alphas), left
+    return _records(every, done, called, "smoothed"), left
 
 
 def _calibrate(module, func, found, calibration, hoist) -> list[Observed]:
