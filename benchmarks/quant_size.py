@@ -1,7 +1,9 @@
-"""fold_params with rotate=/smooth= on the 0.54 B decoder: time, peak memory growth, outputs.
+"""fold_params with rotate=/smooth= on the 0.54 B decoder: time, peak memory growth, outputs;
+and fold_stablehlo(params=, smooth=) on its jax.export module.
 
-``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth; one
-process each, so that the peak is the mode's own). Random weights made in code.
+``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth,
+stablehlo, stablehlo+smooth; one process each, so that the peak is the mode's own). Random
+weights made in code.
 """
 import resource, time, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -13,14 +15,29 @@ n = sum(a.size for a in jax.tree.leaves(p)); gib = sum(a.nbytes for a in jax.tre
 t = jnp.asarray(np.random.default_rng(0).integers(0, 32000, (1, 16)))
 calib = [jnp.asarray(np.random.default_rng(k).integers(0, 32000, (1, 16))) for k in (1, 2)]
 f = examples.decoder_apply
-ref = f(p, t); base = rss()
+mode = sys.argv[1]
+if mode.startswith("stablehlo"):       # the module takes the weights as arguments
+    leaves, tree = jax.tree.flatten(p)
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    exp = jax.export.export(g)(*leaves, t)
+    params = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    ref = g(*leaves, t)
+else:
+    ref = f(p, t)
+base = rss()
 print(f"{n/1e9:.3f} B params, {gib:.2f} GiB; peak RSS before {base:.2f} GiB", flush=True)
 modes = {"fold_params": {}, "rotate": {"rotate": True}, "smooth": {"smooth": calib},
-         "rotate+smooth": {"rotate": True, "smooth": calib}}
-for name, kw in [(sys.argv[1], modes[sys.argv[1]])]:
-    t0 = time.perf_counter(); out = hlofold.fold_params(f, p, t, **kw); dt = time.perf_counter() - t0
-    y = f(out.params, t)
-    rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-    print(f"{name}: {dt:.1f} s, peak RSS {rss():.2f} GiB (+{rss()-base:.2f}), rel {rel:.2e}, "
-          f"pairs {len(out.equalized)}, rotation {out.rotation and out.rotation.reason}", flush=True)
-    del out, y
+         "rotate+smooth": {"rotate": True, "smooth": calib}, "stablehlo": {},
+         "stablehlo+smooth": {"smooth": calib}}
+t0 = time.perf_counter()
+if mode.startswith("stablehlo"):
+    got, rep, prep = hlofold.fold_stablehlo(exp, params=params, **modes[mode])
+    dt = time.perf_counter() - t0
+    y, pairs, rot = got.call(t, *prep), len(rep.equalized), None
+else:
+    out = hlofold.fold_params(f, p, t, **modes[mode])
+    dt = time.perf_counter() - t0
+    y, pairs, rot = f(out.params, t), len(out.equalized), out.rotation and out.rotation.reason
+rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+print(f"{mode}: {dt:.1f} s, peak RSS {rss():.2f} GiB (+{rss()-base:.2f}), rel {rel:.2e}, "
+      f"pairs {pairs}, rotation {rot}", flush=True)

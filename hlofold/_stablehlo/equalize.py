@@ -41,8 +41,8 @@ def _readable(found, refused, weights):
     """The pairs whose weights are floating point and readable, and their values."""
     values, ok = {}, []
     for f in found:
-        got = {k: dense_to_numpy(weights[k].const.attributes["value"]) for k in f.pair.keys()
-               if k in weights}
+        got = {k: dense_to_numpy(weights[k].const.attributes["value"], copy=False)
+               for k in f.pair.keys() if k in weights}      # (views: read pair by pair)
         if any(v is None or float_dtype(elem_type(weights[k].const.results[0])) is None
                for k, v in got.items()):
             refused.append(Refused(f.pair.first, f.op, "a weight that is not floating point "
@@ -56,14 +56,19 @@ def _readable(found, refused, weights):
 def _write(weights: dict, new: dict, values: dict) -> None:
     """Each changed constant written anew, rounded once to its type."""
     for k, v in new.items():
-        if k not in weights:
-            continue
+        _write_one(weights, k, v.astype(values[k].dtype))
+
+
+def _write_one(weights: dict, k: str, v: np.ndarray) -> np.ndarray:
+    """Constant ``k`` replaced by one of ``v`` (its dtype already); ``v`` back."""
+    if k in weights:
         old = weights[k].const
         with ir.InsertionPoint(old):
-            c = stablehlo.ConstantOp(numpy_to_dense(v.astype(values[k].dtype),
-                                                    elem_type(old.results[0]), given=True))
+            c = stablehlo.ConstantOp(numpy_to_dense(v, elem_type(old.results[0])))
         old.results[0].replace_all_uses_with(c.result)
         old.erase()
+        weights[k].const = c.operation       # (a later pair writes it again)
+    return v
 
 
 def _records(ok, done, called, kind):
@@ -103,8 +108,8 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
     values, ok = _readable(found, refused, weights)
     sites = norm_sites(func, weights, {s.key for f in ok for s in f.pair.seconds})
     for f in sites:
-        values.update({s.key: dense_to_numpy(weights[s.key].const.attributes["value"])
-                       for s in f.pair.seconds})
+        values.update({s.key: dense_to_numpy(weights[s.key].const.attributes["value"],
+                                             copy=False) for s in f.pair.seconds})
         values[f.pair.first] = np.ones(shape_of(f.end)[f.end_axis], np.float32)
     left = [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
                          where(r.op), r.reason) for r in refused]
@@ -117,8 +122,9 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
     seen = _calibrate(module, func, every, calibration, hoist)
     called = {k: _name(w, names) for k, w in weights.items()}
     called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
-    new, done = smooth(values, [f.pair for f in every], seen, alpha)
-    _write(weights, new, values)
+    # each pair's constants written as it is done (no float64 copy of the model held)
+    new, done = smooth(values, [f.pair for f in every], seen, alpha,
+                       store=lambda k, v: _write_one(weights, k, v.astype(values[k].dtype)))
     for f in sites:                  # ·(1/s) where the norm's output is read
         v, producer = f.end, owner_op(f.end)
         readers = [u.owner for u in v.uses]
@@ -159,7 +165,7 @@ def _calibrate(module, func, found, calibration, hoist) -> list[Observed]:
         cfunc.attributes["res_attrs"] = ir.ArrayAttr.get(
             list(ir.ArrayAttr(cfunc.attributes["res_attrs"])) +
             [ir.DictAttr.get({})] * len(watch))
-    prepared = hoist(cfunc)
+    prepared = hoist(cfunc, copy=False)
     run = module_callable(str(copy))
     seen = [Observed() for _ in found]
     for args in calibration:

@@ -149,9 +149,10 @@ def _check_value(i: int, v: np.ndarray, arg_type, n: int) -> None:
         raise StableHLOError(f"arg{i}: dtype {v.dtype}, the module expects {t.element_type}")
 
 
-def hoist(main) -> list:
+def hoist(main, copy: bool = True) -> list:
     """Non-splat constants of ``main``'s body (not nested regions) with at least
-    ``MIN_HOISTED`` elements become trailing arguments; returns their values."""
+    ``MIN_HOISTED`` elements become trailing arguments; returns their values (``copy=False``:
+    read-only views, for a run inside the fold)."""
     block = main.regions[0].blocks[0]
     values, moved = [], []
     for op in list(block.operations):
@@ -160,7 +161,7 @@ def hoist(main) -> list:
         attr = op.attributes["value"]
         if blobs.value(attr) is None and ir.DenseElementsAttr(attr).is_splat:
             continue
-        val = dense_to_numpy(attr)
+        val = dense_to_numpy(attr, copy=copy)
         if val is None or val.size < MIN_HOISTED:
             continue                  # unreadable (bf16) or tiny: stays in the module
         moved.append(op)
