@@ -8,6 +8,7 @@ A channel is an axis, or a tuple of axes where it is split over several (attenti
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -79,8 +80,17 @@ def weight(v, reader=None) -> Weight | None:
         v = op.operands[0]
 
 
-# a called function's arguments -> the values the call passes (while a call is followed)
-_PASSED: list = []
+# a called function's arguments -> the values the call passes (while a call is followed);
+# one list per thread: folds in several threads follow their calls at the same time
+_LOCAL = threading.local()
+
+
+def passed() -> list:
+    """This thread's ``(argument, value passed)`` of the calls being followed."""
+    got = getattr(_LOCAL, "passed", None)
+    if got is None:
+        got = _LOCAL.passed = []
+    return got
 
 
 def constant(v):
@@ -89,7 +99,7 @@ def constant(v):
     for _ in range(16):
         op = owner_op(v)
         if op is None:
-            v = next((o for a, o in reversed(_PASSED) if a == v), None)
+            v = next((o for a, o in reversed(passed()) if a == v), None)
             if v is None:
                 return None
             continue
@@ -246,8 +256,8 @@ def _call(ctx, op, pos, axis):
     body = private_body(op)
     if body is None or len(op.results) != 1:
         return "a call of a function hlofold does not enter (public, or several results)"
-    passed = list(zip(body.arguments, op.operands))
-    _PASSED.extend(passed)
+    args, stack = list(zip(body.arguments, op.operands)), passed()
+    stack.extend(args)
     try:
         v = body.arguments[pos]
         for _ in range(1000):
@@ -270,7 +280,7 @@ def _call(ctx, op, pos, axis):
             v, axis = inner.results[0], got
         return "the path is too long"
     finally:
-        del _PASSED[len(_PASSED) - len(passed):]
+        del stack[len(stack) - len(args):]
 
 
 RULES = {"stablehlo.add": _bias, "stablehlo.subtract": _bias, "stablehlo.multiply": _product,

@@ -185,3 +185,52 @@ def test_a_cast_to_an_integer_between_layers_stops_the_pair_on_both_paths():
     _, rep, _, _ = _equalized(f, p, x)
     assert not rep.equalized and any("not floating point" in n.reason
                                      for n in rep.not_equalized), str(rep)
+
+
+def test_equalize_and_smooth_from_eight_threads_as_from_one():
+    """Folds in several threads follow private calls at the same time (a jitted block per
+    layer, ``jax.nn.relu``): each thread keeps its own record of the arguments a call
+    passes, and every thread gets the single-threaded pairs and prepared weights."""
+    import threading
+    from hlofold._stablehlo import pair_rules
+    from benchmarks.quantization import smooth_case
+
+    @jax.jit
+    def block(x, w, b):
+        return jax.nn.relu(x @ w + b)
+    rng = np.random.default_rng(0)
+    p = [(jnp.asarray(rng.standard_normal((16, 16)) * (1 + 3 * rng.random(16)), jnp.float32),
+          jnp.asarray(rng.standard_normal(16), jnp.float32)) for _ in range(4)]
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    chain = _exported(lambda p, x: block(block(block(x, *p[0]), *p[1]), *p[2]) @ p[3][0],
+                      p, x)
+    f, dp, dx, calib = smooth_case("decoder", 0)
+    dec = _exported(f, dp, dx[0])
+    jobs = [(chain, dict(equalize=True)), (dec, dict(smooth=calib))]
+
+    def run(job):
+        (exp, leaves, _), kw = job
+        _, rep, prep = hlofold.fold_stablehlo(
+            exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
+        return len(rep.equalized), [np.asarray(a) for a in prep]
+    want = [run(j) for j in jobs]
+    assert want[0][0] == 3 and want[1][0] > 5
+    got, seen = [], []
+
+    def work(k):
+        seen.append(id(pair_rules.passed()))
+        for _ in range(2):
+            got.append((k % 2, run(jobs[k % 2])))
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert len(set(seen)) == 8 and len(got) == 16          # (one record per thread)
+    for k, (n, prep) in got:
+        assert n == want[k][0] and all(np.array_equal(a, b) for a, b in zip(prep, want[k][1]))
