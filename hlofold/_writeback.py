@@ -18,7 +18,6 @@ The result is checked: the model run with the new tree against the original.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -30,63 +29,15 @@ from ._equalize import calibration_inputs, rewrite
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
+from ._jaxpr.roles import site_roles
+from ._jaxpr.steps import AffineStep
 from ._core.stacks import stacked_view
 from ._core.rescale import aligned_empty
 from ._core.reasons import Reason, reason_kind
-from ._core.report import FOLDED, REFUSED, FoldReport, FoldSite
+from ._core.report import FOLDED, REFUSED, FoldReport
+from ._folded_params import NOT_WRITTEN, FoldedParams, ParamChange
 from ._core.tolerance import compare
 from ._jaxpr.accumulation import output_profiles
-
-
-@dataclasses.dataclass
-class ParamChange:
-    """One site written back: which leaves (pytree paths) changed, and how."""
-
-    site: FoldSite
-    kernel: str                  # the rescaled kernel
-    bias: str | None             # the leaf that carries the folded shift t, if any
-    identity: list[str]          # leaves set to an identity (γ → 1, σ² → 1 − ε, μ, β → 0)
-    # what the site absorbed, as it was: path -> the original value of each identity leaf
-    # and of the bias slot (a BN's γ, β, μ, σ²; a norm's γ) — for a quantizer's own pass
-    # (high-bias absorption reads β and γ); top-level sites (a stack's are per layer)
-    absorbed: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class FoldedParams:
-    """What :func:`fold_params` returns."""
-
-    params: Any                  # the same pytree, folded
-    changes: list[ParamChange]
-    report: FoldReport           # every site; folded ones not written back are REFUSED
-    # equalize=True: the layer pairs equalized, and the layers left with the reason
-    equalized: list = dataclasses.field(default_factory=list)
-    not_equalized: list = dataclasses.field(default_factory=list)
-    rotation: Any = None         # rotate=True: what was rotated, or why not
-
-    def __str__(self) -> str:
-        lines = [f"hlofold.fold_params: {len(self.changes)} site(s) written back"]
-        for c in self.changes:
-            where = f"{c.site.file}:{c.site.line}" if c.site.file else c.site.scope
-            lines.append(f"  {c.site.pattern:12s} {where}: kernel {c.kernel}; "
-                         f"bias {c.bias or '-'}; identity {', '.join(c.identity) or '-'}")
-        kept = [s for s in self.report.sites if s.status == REFUSED and
-                (s.reason or "").startswith(_NOT_WRITTEN)]
-        for s in kept:
-            lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
-        for e in self.equalized:
-            lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
-                         f"{'' if e.alpha is None else f'α {e.alpha:g}, '}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
-                         f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
-                         f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
-        for e in self.not_equalized:
-            lines.append(f"  not paired {e.kernel} ({e.location}): {e.reason}")
-        if self.rotation is not None:
-            lines.append(f"  {self.rotation}")
-        return "\n".join(lines)
-
-
-_NOT_WRITTEN = "not written back: "
 
 
 def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
@@ -169,15 +120,20 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
             for site in group:
                 for r in (site.record, site.fwd and site.fwd.record):
                     if r is not None:
-                        r.status, r.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + got)
+                        r.status, r.reason = REFUSED, Reason("not-written", NOT_WRITTEN + got)
             continue
         for site, (kernel, bias, identity) in zip(group, got):
             written.update(id(r) for r in (site.record, site.fwd and site.fwd.record) if r)
+            roles, eps = site_roles(
+                [s for s in site.steps + (site.fwd.steps if site.fwd else [])
+                 if isinstance(s, AffineStep)], lambda v: scope.producer.get(v, (0, None))[1],
+                writer.leaf, scope.value)
             changes.append(ParamChange(
                 site.record or site.fwd.record, paths[kernel],
                 None if bias is None else paths[bias],
                 sorted({paths[i] for i in identity} - {paths[kernel]} -
-                       ({paths[bias]} if bias is not None else set()))))
+                       ({paths[bias]} if bias is not None else set())),
+                roles={paths[i]: r for i, r in roles.items() if i != kernel}, epsilon=eps))
     stacked, stack_changes = _write_stacks(scope, closed.jaxpr.invars[:n], paths)
     changes += stack_changes
     writer.assign.update(stacked)
@@ -186,7 +142,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         nested = sum(p in ("scan", "while") for p in (s.scope or "").split("/")) > 1
         if (s.status == FOLDED and id(s) not in written) or (
                 nested and s.status == REFUSED and reason_kind(s.reason) == "weights-not-known"):
-            s.status, s.reason = REFUSED, Reason("not-written", _NOT_WRITTEN + (
+            s.status, s.reason = REFUSED, Reason("not-written", NOT_WRITTEN + (
                 f"the site is inside {s.scope}; fold_params writes the program's top level "
                 f"and one level of scanned layer stacks, not a stack inside a stack "
                 f"(hlofold.fold folds it in the program)"))
@@ -269,7 +225,7 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
                     for r in (site.record, site.fwd and site.fwd.record):
                         if r is not None:
                             r.status = REFUSED
-                            r.reason = Reason("not-written", _NOT_WRITTEN + reason)
+                            r.reason = Reason("not-written", NOT_WRITTEN + reason)
                 continue
             for site, (kernel, bias, identity) in zip(group, per_layer[0][1][g]):
                 leaf = lambda j: paths[top[eqn.invars[pos[j]]]]      # noqa: E731

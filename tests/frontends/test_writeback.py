@@ -70,6 +70,21 @@ def test_flax_linen_batchnorm():
     assert np.all(np.asarray(out.params["params"]["BatchNorm_0"]["scale"]) == 1)
     # σ² + ε is 1 in float32: the BN computes x·1 + β exactly
     np.testing.assert_array_equal(np.float32(bs["var"]) + np.float32(1e-5), np.float32(1))
+    # what each absorbed leaf was, by role, and ε (for a quantizer's own passes)
+    assert first.roles == {"['params']['BatchNorm_0']['scale']": "scale",
+                           "['params']['BatchNorm_0']['bias']": "shift",
+                           "['batch_stats']['BatchNorm_0']['mean']": "mean",
+                           "['batch_stats']['BatchNorm_0']['var']": "variance"}, first.roles
+    assert first.epsilon == float(np.float32(1e-5))
+    assert second.roles["['params']['Conv_1']['bias']"] == "shift"  # (the conv's bias too)
+
+
+def roles(change) -> dict:
+    """role -> the paths with it."""
+    out: dict = {}
+    for path, role in change.roles.items():
+        out.setdefault(role, []).append(path)
+    return out
 
 
 def test_flax_nnx_batchnorm():
@@ -99,6 +114,11 @@ def test_haiku_batchnorm():
     f = lambda ps, x: t.apply(ps[0], ps[1], x, False)[0]
     out = check(f, (params, state), IMG, sites=1)
     assert any("mean_ema" in p for p in out.changes[0].identity)
+    r = roles(out.changes[0])
+    assert sorted(r) == ["mean", "scale", "shift", "variance"], r
+    assert "mean_ema" in r["mean"][0] and "var_ema" in r["variance"][0]
+    assert "offset" in r["shift"][0] and "'scale'" in r["scale"][0]
+    assert out.changes[0].epsilon == float(np.float32(1e-5))
 
 
 def test_equinox_batchnorm():
@@ -114,7 +134,10 @@ def test_equinox_batchnorm():
         return jax.vmap(lambda img: b(c(img), st)[0], axis_name="batch")(x)
 
     x = jnp.transpose(IMG, (0, 3, 1, 2))
-    check(f, params, x, sites=1)
+    out = check(f, params, x, sites=1)
+    r = roles(out.changes[0])      # the conv's bias and the BN's both shifts
+    assert sorted(r) == ["mean", "scale", "shift", "variance"] and len(r["shift"]) == 2, r
+    assert out.changes[0].epsilon == float(np.float32(1e-5))
 
 
 def test_keras_batchnorm():
@@ -128,6 +151,16 @@ def test_keras_batchnorm():
     ntv = [w.value for w in model.non_trainable_variables]
     f = lambda ws, x: model.stateless_call(ws[0], ws[1], x)[0]
     out = check(f, (tv, ntv), IMG, sites=1)
+    # Keras writes x·inv + (β − μ·inv): each leaf's role read all the same (the paths here
+    # are list indices: [0][k] trainable, [1][k] not)
+    bn = model.layers[-1]
+    index = {id(w): f"[{j}][{k}]" for j, ws in enumerate((model.trainable_variables,
+                                                           model.non_trainable_variables))
+             for k, w in enumerate(ws)}
+    assert out.changes[0].roles == {index[id(bn.gamma)]: "scale", index[id(bn.beta)]: "shift",
+                                    index[id(bn.moving_mean)]: "mean",
+                                    index[id(bn.moving_variance)]: "variance"}
+    assert out.changes[0].epsilon == float(np.float32(bn.epsilon))
     for w, v in zip(model.trainable_variables + model.non_trainable_variables,
                     jax.tree.leaves(out.params)):   # hand them to the model's variables
         w.assign(v)
@@ -152,6 +185,9 @@ def test_flax_norms_into_projections(kind):
         assert "no bias parameter" in str(out)
     norm = [p for c in out.changes for p in c.identity if "scale" in p]
     assert norm and all(np.all(np.asarray(leaf(out.params, p)) == 1) for p in norm)
+    for c in out.changes:          # γ a scale, β a shift; the norm's ε is no parameter's
+        assert {r for p, r in c.roles.items() if "Norm" in p} <= {"scale", "shift"}, c.roles
+        assert any(r == "scale" for r in c.roles.values()) and c.epsilon is None
 
 
 def test_decoder_tied_head_is_kept():
