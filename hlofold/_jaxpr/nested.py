@@ -148,13 +148,13 @@ def subjaxprs(eqn):
 def contains_root(eqn) -> bool:
     """Whether a nested jaxpr of ``eqn`` holds a pattern root (searched once per jaxpr)."""
     for j in subjaxprs(eqn):
-        key = id(j)
-        if key not in _ROOT_CACHE:
+        got = _ROOT_CACHE.get(id(j))     # (read once: another thread may clear it)
+        if got is None or got[0] is not j:
             if len(_ROOT_CACHE) > 4096:
                 _ROOT_CACHE.clear()
-            _ROOT_CACHE[key] = (j, any(e.primitive.name in PATTERNS or contains_root(e)
-                                       for e in j.eqns))
-        if _ROOT_CACHE[key][1]:
+            got = (j, any(e.primitive.name in PATTERNS or contains_root(e) for e in j.eqns))
+            _ROOT_CACHE[id(j)] = got
+        if got[1]:
             return True
     return False
 
