@@ -9,7 +9,6 @@ import copy
 import pickle
 import subprocess
 import sys
-import threading
 import warnings
 
 import jax
@@ -20,7 +19,7 @@ from jax import lax
 
 import hlofold
 from hlofold import examples
-from tests.helpers import ROOT, assert_close, primitives
+from tests.helpers import ROOT, assert_close, in_threads, primitives
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -63,16 +62,7 @@ def test_many_threads_many_parameter_sets_and_shapes_get_their_own_answers():
         except Exception as e:      # noqa: BLE001 -- reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)         # switch threads often: interleave the slow path
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    in_threads(work)                    # switch threads often: interleave the slow path
     assert not errors, errors[0]
     assert not wrong, f"{len(wrong)} calls returned another parameter set's answer"
     for (i, j), r in ref.items():                      # and nothing stuck afterwards

@@ -187,3 +187,20 @@ def flat_resnet(seed: int = 3):
     def f(*a):
         return examples.resnet_apply(jax.tree.unflatten(tree, a[:-1]), a[-1])
     return f, P, leaves, x
+
+
+def in_threads(work, n: int = 8, interval: float = 1e-6) -> None:
+    """``work(k)`` for ``k < n``, each in a thread of its own, started together, with
+    CPython switching threads every ``interval`` seconds (interleaving their slow paths)."""
+    import sys
+    import threading
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)

@@ -20,7 +20,7 @@ import pytest
 import hlofold
 from hlofold._stablehlo.artifacts import input_specs, module_callable
 from tests.frontends.test_equalize import IMG, mobile, per_tensor, rel
-from tests.helpers import assert_close
+from tests.helpers import assert_close, in_threads
 from tests.helpers.pair_programs import program
 from tests.helpers.torch_weights import weight
 
@@ -191,7 +191,6 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
     """Folds in several threads follow private calls at the same time (a jitted block per
     layer, ``jax.nn.relu``): each thread keeps its own record of the arguments a call
     passes, and every thread gets the single-threaded pairs and prepared weights."""
-    import threading
     from hlofold._stablehlo import pair_rules
     from benchmarks.quantization import smooth_case
 
@@ -221,16 +220,7 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
         seen.append(id(pair_rules.passed()))
         for _ in range(2):
             got.append((k % 2, run(jobs[k % 2])))
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    in_threads(work, 8, 1e-5)
     assert len(set(seen)) == 8 and len(got) == 16          # (one record per thread)
     for k, (n, prep) in got:
         assert n == want[k][0] and all(np.array_equal(a, b) for a, b in zip(prep, want[k][1]))
