@@ -32,10 +32,12 @@ def permuted(perm: Sequence[int], axis):
 def reshaped(old: Sequence[int], new: Sequence[int], axis):
     """The channel's axes after a reshape from ``old`` to ``new`` that keeps the channels
     whole and in order (the sizes before and after them unchanged): they may be split over
-    consecutive axes (heads) or merged back; else why not."""
+    consecutive axes (heads) or merged back (with unit axes between them); else why not."""
     ax = each(axis)
-    if list(ax) != list(range(ax[0], ax[0] + len(ax))):
-        return "a reshape of channels split over axes that are not together"
+    if list(ax) != sorted(ax) or any(old[a] != 1 for a in range(ax[0], ax[-1] + 1)
+                                     if a not in ax):   # (unit axes between them are none)
+        return ("a reshape of channels split over axes that are not together (as where "
+                "grouped-query attention repeats the kv heads)")
     lo, hi = ax[0], ax[-1] + 1
     before, size = int(np.prod(old[:lo])), int(np.prod(old[lo:hi]))
     starts = [k for k in range(len(new) + 1) if int(np.prod(new[:k])) == before]

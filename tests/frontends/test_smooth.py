@@ -122,6 +122,21 @@ def test_multi_head_kernels(bias):
     assert vo.scale_range[1] / vo.scale_range[0] > 1.5
 
 
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_grouped_query_attention_leaves_v_o_with_the_reason(repeat):
+    """Grouped-query attention repeats the kv heads (``jnp.repeat`` along the head axis):
+    o's input rows then read each v channel several times, so v -> o is left, saying why;
+    with one query head per kv head (``repeat=1``) it pairs."""
+    from tests.helpers.blocks import gqa_block
+    f, p, x, calib = gqa_block(repeat)
+    out = smoothed(f, p, (x,), calib, pairs=2 - repeat)
+    if repeat > 1:
+        assert any(n.kernel == "['v']" and "grouped-query attention" in n.reason
+                   for n in out.not_equalized), str(out)
+    else:
+        assert out.equalized[0].first == "['v']" and out.equalized[0].seconds == ["['o']"]
+
+
 def test_multi_head_bias_read_elsewhere_stops_the_pair():
     """A (heads, head_dim) bias that something else reads too cannot be divided: said."""
     def f(p, x):

@@ -95,3 +95,28 @@ def flax_multi_head_block(bias: bool):
     v = jax.tree.map(lambda a: (a * (1 + 0.3 * rng.random(a.shape)) +
                                 0.1 * rng.standard_normal(a.shape)).astype(a.dtype), v)
     return m.apply, v, x, [inputs(k) for k in (1, 2)]     # (biases not zero)
+
+
+def gqa_block(repeat: int):
+    """``(fn, params, x, calibration)``: an RMSNorm-free attention block whose v has
+    ``4 // repeat`` kv heads, repeated ``repeat`` times to the 4 query heads (``jnp.repeat``
+    along the head axis, as Llama-style grouped-query attention does), then o; massive
+    input channels."""
+    rng = np.random.default_rng(7)
+    d, hd, kvh = 16, 4, 4 // repeat
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    p = {"q": w(d, 4 * hd), "k": w(d, kvh * hd), "v": w(d, kvh * hd), "o": w(4 * hd, d)}
+
+    def fn(p, x):
+        b, t, _ = x.shape
+        q = (x @ p["q"]).reshape(b, t, 4, hd)
+        k = jnp.repeat((x @ p["k"]).reshape(b, t, kvh, hd), repeat, axis=2)
+        v = jnp.repeat((x @ p["v"]).reshape(b, t, kvh, hd), repeat, axis=2)
+        a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+        return x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, 4 * hd) @ p["o"]
+
+    def inputs(k):
+        x = np.random.default_rng(k).standard_normal((2, 5, d)).astype(np.float32)
+        x[..., :2] *= 20
+        return jnp.asarray(x)
+    return fn, p, inputs(0), [inputs(k) for k in (1, 2)]

@@ -112,6 +112,18 @@ def test_multi_head_kernels_on_stablehlo(bias):
                    for a in prep), (want.shape, str(rep))
 
 
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_grouped_query_attention_on_stablehlo(repeat):
+    """As on the jaxpr path: v -> o is left with the reason where the kv heads are repeated,
+    and pairs where they are not."""
+    from tests.helpers.blocks import gqa_block
+    f, p, x, calib = gqa_block(repeat)
+    rep, _, _ = _smoothed(f, p, (x,), calib)
+    assert len(rep.equalized) == 2 - repeat, str(rep)
+    if repeat > 1:
+        assert any("grouped-query attention" in n.reason for n in rep.not_equalized), str(rep)
+
+
 def test_bad_calibration_inputs_and_split_are_errors():
     f, p, x, calib = smooth_case("RMSNorm", 0)
     leaves, tree = jax.tree.flatten(p)
