@@ -40,15 +40,10 @@ def _where(eqn) -> str:
     return f"{file}:{line}" if file else C.name_stack(eqn) or eqn.primitive.name
 
 
-def _dtype(leaves, i: int) -> np.dtype:
-    """A leaf's dtype, without reading it onto the host."""
-    return np.dtype((leaves.live if isinstance(leaves, HostLeaves) else leaves)[i].dtype)
-
-
 def _float_pairs(found, refused, leaves):
     ok = []
     for f in found:
-        if all(np.issubdtype(_dtype(leaves, int(k)), np.floating) for k in f.pair.keys()):
+        if all(np.issubdtype(leaves.dtype(k), np.floating) for k in f.pair.keys()):
             ok.append(f)
         else:
             refused.append(Refused(int(f.pair.first), f.eqn, "a weight that is not floating point"))
@@ -66,35 +61,24 @@ def _records(ok, done, paths, refused, kind="equalized"):
 
 class HostLeaves(collections.abc.Sequence):
     """The caller's live leaves (``place`` replaces them as they are rewritten), each read
-    on the host when asked: nothing here holds a leaf another rewrite has replaced."""
+    on the host when asked (by index, or by a pair's key: the index as a string): nothing
+    here holds a leaf another rewrite has replaced."""
 
     def __init__(self, live: list, host):
         self.live, self.host = live, host
 
     def __getitem__(self, i):
-        return self.host(self.live[i])
+        return self.host(self.live[int(i)])
 
     def __len__(self) -> int:
         return len(self.live)
 
-
-class _Keyed(collections.abc.Mapping):
-    """``leaves`` by the pairs' keys (leaf indices as strings), read when asked."""
-
-    def __init__(self, leaves, keys):
-        self.leaves, self.keys_ = leaves, list(dict.fromkeys(keys))
-
-    def __getitem__(self, k):
-        return np.asarray(self.leaves[int(k)])
-
-    def __iter__(self):
-        return iter(self.keys_)
-
-    def __len__(self) -> int:
-        return len(self.keys_)
+    def dtype(self, i) -> np.dtype:
+        """A leaf's dtype, without reading it onto the host."""
+        return np.dtype(self.live[int(i)].dtype)
 
 
-def equalize_leaves(jaxpr, leaves, paths: list[str]
+def equalize_leaves(jaxpr, leaves: HostLeaves, paths: list[str]
                     ) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
     """The new values (leaf index -> array of the leaf's dtype) of the leaves the pairs of
     ``jaxpr`` (its first inputs: ``leaves``, host arrays) scale; what was equalized; what
@@ -107,37 +91,29 @@ def equalize_leaves(jaxpr, leaves, paths: list[str]
     return (out, *_records(ok, done, paths, refused))
 
 
-def smooth_leaves(closed, leaves, paths: list[str], calibration: list, alpha: float,
-                  place=None, device=None) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
+def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: list,
+                  alpha: float, place) -> tuple[list[EqualizedPair], list[NotEqualized]]:
     """SmoothQuant's scales moved into the model: each norm's γ (and β) or layer's output
     channels divided, the layers reading them multiplied, by ``s_j = max|X_j|^α /
     max|W_j|^(1−α)`` where ``X`` is what those layers read on the ``calibration`` inputs
-    (each a list of the program's non-parameter input leaves). ``leaves``: host arrays
-    (read pair by pair: a :class:`HostLeaves` holds none of them); ``device``: the same
-    leaves as the program runs them (the calibration takes them as they are, without a
-    copy), else ``leaves``."""
+    (each a list of the program's non-parameter input leaves), the calibration running the
+    live leaves as they are. Each pair's leaves are read when it comes to them and placed
+    (``place(i, value)``) when it is done."""
     jaxpr = closed.jaxpr
     found, refused = find_pairs(jaxpr, len(leaves), norms=True)
     ok = _float_pairs(found, refused, leaves)
     if not ok:
-        return ({}, *_records([], [], paths, refused, "smoothed"))
+        return _records([], [], paths, refused, "smoothed")
     hoisted, consts = C.hoist_consts(closed)       # (the same equations and values)
     run = jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
                                             [f.end for f in ok])))
     seen = [Observed() for _ in ok]
     for args in calibration:
-        for f, x, o in zip(ok, run(*consts, *(device if device is not None else leaves),
-                                   *args), seen):
+        for f, x, o in zip(ok, run(*consts, *leaves.live, *args), seen):
             o.add(x, f.end_axis)
-    values = _Keyed(leaves, [k for f in ok for k in f.pair.keys()])
-    dtypes = {k: _dtype(leaves, int(k)) for k in values}
-
-    def store(k, v):                 # rounded per pair; placed at once where asked
-        v = v.astype(dtypes[k])
-        return v if place is None else place(int(k), v)
-    new, done = smooth(values, [f.pair for f in ok], seen, alpha, store=store)
-    out = {} if place is not None else {int(k): v for k, v in new.items()}
-    return (out, *_records(ok, done, paths, refused, "smoothed"))
+    _, done = smooth(leaves, [f.pair for f in ok], seen, alpha,    # (rounded per pair)
+                     store=lambda k, v: place(int(k), v.astype(leaves.dtype(k))))
+    return _records(ok, done, paths, refused, "smoothed")
 
 
 @dataclasses.dataclass
@@ -160,37 +136,29 @@ class Rotation:
                 f"{len(self.writers)} writing into it")
 
 
-def rotate_leaves(jaxpr, leaves: list, paths: list[str], seed: int = 0, place=None
-                  ) -> tuple[dict, Rotation]:
-    """The new values of the leaves rotating the residual stream changes, and the record.
-    ``place(i, value)`` (where given) takes each as it is made, and the dict stays empty:
-    one rotated leaf on the host at a time."""
+def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation:
+    """The residual stream rotated: each leaf it changes handed to ``place(i, value)`` as it
+    is made (one rotated leaf on the host at a time); the record, or why not."""
     s = find_stream(jaxpr, len(leaves))
     if isinstance(s, str):
-        return {}, Rotation(s)
+        return Rotation(s)
     for i in s.scales:
         g = np.asarray(leaves[i])
         if g.size and not np.all(g == g.reshape(-1)[0]):
-            return {}, Rotation(f"the norm scale {paths[i]} varies per channel (γ not "
-                                f"folded: fold_params folds it where all its readers fold)")
+            return Rotation(f"the norm scale {paths[i]} varies per channel (γ not "
+                            f"folded: fold_params folds it where all its readers fold)")
     todo = [s.embedding, *s.readers, *s.writers]
     if len({i for i, _ in todo}) < len(todo):
-        return {}, Rotation("a weight both reads and writes the stream")
+        return Rotation("a weight both reads and writes the stream")
     for i, axis in todo:
         a = np.asarray(leaves[i])
         if not np.issubdtype(a.dtype, np.floating) or a.shape[axis] != s.width:
-            return {}, Rotation(f"{paths[i]} is not a float weight over the stream's channels")
+            return Rotation(f"{paths[i]} is not a float weight over the stream's channels")
     q, kind = orthogonal(s.width, seed)
-    out = {}
     for i, axis in todo:
-        val = rotate(np.asarray(leaves[i]), axis, q)
-        if place is None:
-            out[i] = val
-        else:
-            place(i, val)
-        del val
-    return out, Rotation(None, s.width, kind, paths[s.embedding[0]],
-                         [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])
+        place(i, rotate(np.asarray(leaves[i]), axis, q))
+    return Rotation(None, s.width, kind, paths[s.embedding[0]],
+                    [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])
 
 
 def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:
@@ -220,12 +188,12 @@ def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bo
     flat = inlined(closed)
     view = HostLeaves(leaves, host)      # (each leaf read when a rewrite asks for it)
     if rotate:
-        _, rotation = rotate_leaves(flat.jaxpr, view, paths, seed, place)
+        rotation = rotate_leaves(flat.jaxpr, view, paths, seed, place)
     if equalize:
         got, *eq = equalize_leaves(flat.jaxpr, view, paths)
         for i, val in got.items():
             place(i, val)
     if smooth is not None:
-        _, *more = smooth_leaves(flat, view, paths, smooth, alpha, place, device=leaves)
-        eq = (eq[0] + more[0], eq[1] + more[1])
+        done, left = smooth_leaves(flat, view, paths, smooth, alpha, place)
+        eq = (eq[0] + done, eq[1] + left)
     return eq, rotation

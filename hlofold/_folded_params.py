@@ -49,8 +49,9 @@ class FoldedParams:
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
         for e in self.equalized:
+            alpha = "" if e.alpha is None else f"α {e.alpha:g}, "
             lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
-                         f"{'' if e.alpha is None else f'α {e.alpha:g}, '}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
+                         f"{alpha}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
         for e in self.not_equalized:

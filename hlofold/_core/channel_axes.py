@@ -67,16 +67,20 @@ def through_dot(ranks: Sequence[int], contracting: Sequence[Sequence[int]],
                      for a in each(axis)))
 
 
-def contracted(act_dims: Sequence[int], kernel_dims: Sequence[int], axis):
-    """The kernel's axes a dot contracting the activation's ``act_dims`` with the kernel's
-    ``kernel_dims`` (pairwise) reads the channel from, in the channel's order (an output
-    projection reading (heads, head_dim)); None unless it contracts exactly the channel's
-    axes."""
+def read_by_kernel(contracting: Sequence[Sequence[int]], batch: Sequence[Sequence[int]],
+                   kernel_rank: int, pos: int, axis):
+    """``(kernel input axes, a kernel output axis)`` of a dot whose operand ``pos`` carries
+    channels split over axes and whose other operand is a kernel contracting exactly those
+    (an output projection reading (heads, head_dim)), in the channel's order; None
+    otherwise (a batch axis, other axes contracted, no output axis). ``contracting`` /
+    ``batch``: the lhs's, the rhs's."""
+    act, ker = contracting[pos], contracting[1 - pos]
     ax = each(axis)
-    if sorted(act_dims) != sorted(ax):
+    free = [d for d in range(kernel_rank) if d not in ker]
+    if batch[0] or batch[1] or sorted(act) != sorted(ax) or not free:
         return None
-    by = dict(zip(act_dims, kernel_dims))
-    return one(tuple(by[a] for a in ax))
+    by = dict(zip(act, ker))
+    return one(tuple(by[a] for a in ax)), free[0]
 
 
 def as_block(axis, shape):

@@ -182,7 +182,8 @@ def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[Done]]:
     done to each pair."""
     work = {k: _own(values[k]) for p in pairs for k in p.keys()}
     before = [spreads(work, p) for p in pairs]
-    total = [np.ones(channel_max(work[p.first], p.out_axis).shape) for p in pairs]
+    total = [np.ones(int(np.prod([work[p.first].shape[a] for a in each(p.out_axis)])))
+             for p in pairs]
     for _ in range(SWEEPS):
         moved = 0.0
         for j, p in enumerate(pairs):
@@ -222,7 +223,7 @@ class Observed:
 
     def add(self, x, axis) -> None:
         """``x``'s channels along ``axis`` (an axis or a tuple of them)."""
-        m = channel_max(np.asarray(x, np.float64), axis)
+        m = channel_max(np.asarray(x), axis).astype(np.float64)   # (exact: a max of |x|)
         self.max = m if self.max is None else np.maximum(self.max, m)
 
 
@@ -251,7 +252,7 @@ def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
 def spread(values: dict, key: str, axis: int) -> float:
     """How unequal a kernel's channels are along ``axis``: the largest channel range over the
     median one (what a per-tensor quantizer suffers)."""
-    r = channel_max(np.asarray(values[key], np.float64), axis)
+    r = channel_max(values[key], axis).astype(np.float64)
     med = float(np.median(r))
     return float(r.max() / med) if med > 0 else float("inf")
 

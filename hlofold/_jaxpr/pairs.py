@@ -15,7 +15,7 @@ import dataclasses
 from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second, stops_here
-from .._core.channel_axes import contracted, through_dot
+from .._core.channel_axes import read_by_kernel, through_dot
 from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses, is_zero,
                          leaf_of, single_leaf, varying_axis)
 from .patterns import PATTERNS
@@ -192,13 +192,11 @@ def _second_over_axes(ctx, e, pos, axis):
     if e.primitive.name != "dot_general" or k2 not in ctx.leaves:
         return f"the next {e.primitive.name} reads the channels split over axes"
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-    in_axes = contracted(*((lc, rc) if pos == 0 else (rc, lc)), axis)
-    own = (rc, rb) if pos == 0 else (lc, lb)
-    free = [d for d in range(len(k2.aval.shape)) if d not in own[0] and d not in own[1]]
-    if lb or in_axes is None or not free:
+    got = read_by_kernel((lc, rc), (lb, rb), len(k2.aval.shape), pos, axis)
+    if got is None:
         return f"the next {e.primitive.name} reads the channels split over axes"
     return single_leaf(ctx, k2, "the next layer's kernel") or \
-        Second(str(ctx.leaves[k2]), in_axes, free[0])
+        Second(str(ctx.leaves[k2]), *got)
 
 
 def _second(ctx, e, pos, axis):

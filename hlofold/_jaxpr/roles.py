@@ -6,8 +6,8 @@ AIMET's high-bias absorption, read β and γ by their roles, whatever the leaves
 A step's operand gives its leaves a role by the step's kind (:data:`ROLE_OF_STEP`); inside
 that computation, leaves under ``rsqrt``/``sqrt`` are the variance (a constant added to it is
 ε), and inside a shift a term subtracted or multiplied by the scale is a mean (Keras writes
-a BN as ``x·inv + (−μ·inv + β)``, TF as ``x·inv + (β − μ·inv)``). Multiplicative steps are read first, so a leaf read by
-several steps keeps the role of its scale.
+a BN as ``x·inv + (−μ·inv + β)``, TF as ``x·inv + (β − μ·inv)``). Multiplicative steps are
+read first, so a leaf read by several steps keeps the role of its scale.
 """
 from __future__ import annotations
 

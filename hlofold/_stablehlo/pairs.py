@@ -19,7 +19,7 @@ import os
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.channel_axes import contracted, each, through_dot
+from .._core.channel_axes import each, one, read_by_kernel, through_dot
 from .._core.equalize import Pair, Second, stops_here
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
@@ -59,15 +59,13 @@ def _second_over_axes(ctx, op, pos, axis):
         return why
     k = op.operands[1 - pos]
     lb, lc, rb, rc = dot_dims(op)
-    in_axes = contracted(*((lc, rc) if pos == 0 else (rc, lc)), axis)
-    own = (rc, rb) if pos == 0 else (lc, lb)
-    free = [d for d in range(len(shape_of(k))) if d not in own[0] and d not in own[1]]
-    if lb or in_axes is None or not free:
+    got = read_by_kernel((lc, rc), (lb, rb), len(shape_of(k)), pos, axis)
+    if got is None:
         return why
     w = weight(k, op)
     if w is None:
         return f"the next {op_name(op)}'s kernel is not a constant read once"
-    return Second(ctx.key(w), tuple(w.axes[a] for a in each(in_axes)), w.axes[free[0]])
+    return Second(ctx.key(w), one(tuple(w.axes[a] for a in each(got[0]))), w.axes[got[1]])
 
 
 def _second(ctx, op, pos, axis):
@@ -213,8 +211,8 @@ def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
 
 def norm_sites(func, weights: dict, taken: set) -> list[Found]:
     """Values a norm computes (a ``multiply`` by a value per token: after the fold, ``x·r``
-    with γ moved forward into the layers) read by layers alone, along one channel axis, with constant kernels
-    read once (keys not in ``taken``): smoothing puts ``·(1/s)`` there. Each site's start
+    with γ moved forward into the layers) read by layers alone, along one channel axis, with
+    constant kernels read once (keys not in ``taken``): smoothing puts ``·(1/s)`` there. Each site's start
     key is ``"norm:<n>"`` (no weight yet: its values start as ones)."""
     ctx = Ctx(weights, {w.const: k for k, w in weights.items()}, [])
     out = []
