@@ -18,21 +18,12 @@ import numpy as np
 from . import _compat as C
 from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha, equalize,
                              record, smooth)
+from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
-from ._jaxpr.nested import inline_calls
+from ._jaxpr.nested import inline_all
 from ._jaxpr.pairs import Refused, find_pairs
+from ._jaxpr.scan_pairs import ScanPairs, calibration_run, scan_pairs
 from ._jaxpr.stream import find_stream
-
-
-def inlined(closed):
-    """``closed`` with its jit calls inlined (bodies within bodies too, up to a depth of
-    16): the layers of a ``@jax.jit`` helper pair with those around it."""
-    for _ in range(16):
-        at = {i for i, e in enumerate(closed.jaxpr.eqns) if C.inlinable_call(e)}
-        if not at:
-            break
-        closed = inline_calls(closed, at)
-    return closed
 
 
 def _where(eqn) -> str:
@@ -50,13 +41,16 @@ def _float_pairs(found, refused, leaves):
     return ok
 
 
-def _records(ok, done, paths, refused, kind="equalized"):
-    recs = [record(d, paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
-                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn), kind)
+def _records(ok, done, paths, where="", kind="equalized"):
+    return [record(d, paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
+                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn) + where, kind)
             for f, d in zip(ok, done)]
-    left = [NotEqualized(paths[r.kernel], "" if r.eqn is None else _where(r.eqn), r.reason)
+
+
+def _left(refused, paths):
+    return [NotEqualized(paths[r.kernel], ("" if r.eqn is None else _where(r.eqn)) + r.where,
+                         r.reason)
             for r in refused]
-    return recs, left
 
 
 class HostLeaves(collections.abc.Sequence):
@@ -78,17 +72,61 @@ class HostLeaves(collections.abc.Sequence):
         return np.dtype(self.live[int(i)].dtype)
 
 
+@dataclasses.dataclass
+class _Group:
+    """Pairs rewritten together: those of the top level (``scan`` None), or of one scan's
+    body — layer by layer (``layers``) or, their leaves shared by every layer, as a whole."""
+
+    found: list
+    layers: int | None = None
+    scan: ScanPairs | None = None
+    where: str = ""
+
+    def pairs(self) -> list:
+        return [f.pair for f in self.found]
+
+
+def _groups(jaxpr, leaves: HostLeaves, norms: bool) -> tuple[list[_Group], list]:
+    """The pairs of the top level and of each top-level scan's body; the refusals."""
+    found, refused = find_pairs(jaxpr, len(leaves), norms=norms)
+    groups = [_Group(_float_pairs(found, refused, leaves))]
+    for sp in scan_pairs(jaxpr, len(leaves), norms):
+        refused += sp.refused
+        groups.append(_Group(_float_pairs(sp.shared, refused, leaves), None, sp,
+                             " (in a scanned stack: one scale for every layer)"))
+        groups.append(_Group(_float_pairs(sp.stacked, refused, leaves), sp.layers, sp,
+                             f" (in a scanned stack: each of its {sp.layers} layers its "
+                             f"own scales)"))
+    return [g for g in groups if g.found], refused
+
+
+def _rows_of(leaves: HostLeaves, pairs: list) -> dict:
+    return {k: leaves[k] for p in pairs for k in p.keys()}
+
+
 def equalize_leaves(jaxpr, leaves: HostLeaves, paths: list[str]
                     ) -> tuple[dict, list[EqualizedPair], list[NotEqualized]]:
     """The new values (leaf index -> array of the leaf's dtype) of the leaves the pairs of
-    ``jaxpr`` (its first inputs: ``leaves``, host arrays) scale; what was equalized; what
-    was not and why."""
-    found, refused = find_pairs(jaxpr, len(leaves))
-    ok = _float_pairs(found, refused, leaves)
-    values = {k: np.asarray(leaves[int(k)]) for f in ok for k in f.pair.keys()}
-    new, done = equalize(values, [f.pair for f in ok]) if ok else ({}, [])
-    out = {int(k): v.astype(values[k].dtype) for k, v in new.items()}
-    return (out, *_records(ok, done, paths, refused))
+    ``jaxpr`` (its first inputs: ``leaves``) scale — those of scanned stacks layer by
+    layer; what was equalized; what was not and why."""
+    groups, refused = _groups(jaxpr, leaves, norms=False)
+    out, recs = {}, []
+    for g in groups:
+        pairs = g.pairs()
+        if g.layers is None:
+            new, done = equalize(leaves, pairs)
+            out.update({int(k): v.astype(leaves.dtype(k)) for k, v in new.items()})
+        else:
+            done = by_layer(_rows_of(leaves, pairs), g.layers,
+                            lambda rows, _: equalize(rows, pairs), leaves.dtype,
+                            lambda k, v: out.__setitem__(int(k), v))
+        recs += _records(g.found, done, paths, g.where)
+    return out, recs, _left(refused, paths)
+
+
+def _shifted(axis):
+    """A body value's channel axis in its rows stacked over the layers."""
+    return tuple(a + 1 for a in axis) if isinstance(axis, tuple) else axis + 1
 
 
 def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: list,
@@ -97,23 +135,44 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
     channels divided, the layers reading them multiplied, by ``s_j = max|X_j|^α /
     max|W_j|^(1−α)`` where ``X`` is what those layers read on the ``calibration`` inputs
     (each a list of the program's non-parameter input leaves), the calibration running the
-    live leaves as they are. Each pair's leaves are read when it comes to them and placed
-    (``place(i, value)``) when it is done."""
-    jaxpr = closed.jaxpr
-    found, refused = find_pairs(jaxpr, len(leaves), norms=True)
-    ok = _float_pairs(found, refused, leaves)
-    if not ok:
-        return _records([], [], paths, refused, "smoothed")
-    hoisted, consts = C.hoist_consts(closed)       # (the same equations and values)
-    run = jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
-                                            [f.end for f in ok])))
-    seen = [Observed() for _ in ok]
+    live leaves as they are; in a scanned stack, each layer by its own rows and
+    activations. Each pair's leaves are read when it comes to them and placed (``place(i,
+    value)``) when it is done."""
+    groups, refused = _groups(closed.jaxpr, leaves, norms=True)
+    if not groups:
+        return [], _left(refused, paths)
+    scans: dict = {}
+    for g in groups:
+        if g.scan is not None:
+            scans.setdefault(g.scan.index, (g.scan.body, []))[1].extend(g.found)
+    top = [f for g in groups if g.scan is None for f in g.found]
+    run = calibration_run(closed, top, scans)     # (outputs in the order of ``groups``)
+    _, consts = C.hoist_consts(closed)
+    seen = [[[Observed() for _ in range(g.layers)] if g.layers else Observed()
+             for _ in g.found] for g in groups]
     for args in calibration:
-        for f, x, o in zip(ok, run(*consts, *leaves.live, *args), seen):
-            o.add(x, f.end_axis)
-    _, done = smooth(leaves, [f.pair for f in ok], seen, alpha,    # (rounded per pair)
-                     store=lambda k, v: place(int(k), v.astype(leaves.dtype(k))))
-    return _records(ok, done, paths, refused, "smoothed")
+        got = iter(run(*consts, *leaves.live, *args))
+        for g, obs in zip(groups, seen):
+            for f, o in zip(g.found, obs):
+                x = np.asarray(next(got))
+                if g.layers:
+                    for layer, ol in enumerate(o):
+                        ol.add(x[layer], f.end_axis)
+                else:
+                    o.add(x, f.end_axis if g.scan is None else _shifted(f.end_axis))
+    recs = []
+    for g, obs in zip(groups, seen):
+        pairs = g.pairs()
+        if g.layers is None:          # (rounded per pair)
+            _, done = smooth(leaves, pairs, obs, alpha,
+                             store=lambda k, v: place(int(k), v.astype(leaves.dtype(k))))
+        else:
+            done = by_layer(_rows_of(leaves, pairs), g.layers,
+                            lambda rows, layer: smooth(rows, pairs, [o[layer] for o in obs],
+                                                       alpha),
+                            leaves.dtype, lambda k, v: place(int(k), v))
+        recs += _records(g.found, done, paths, g.where, "smoothed")
+    return recs, _left(refused, paths)
 
 
 @dataclasses.dataclass
@@ -185,7 +244,7 @@ def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bo
     eq, rotation = ([], []), None
     if not (rotate or equalize or smooth is not None):
         return eq, rotation
-    flat = inlined(closed)
+    flat = inline_all(closed)
     view = HostLeaves(leaves, host)      # (each leaf read when a rewrite asks for it)
     if rotate:
         rotation = rotate_leaves(flat.jaxpr, view, paths, seed, place)

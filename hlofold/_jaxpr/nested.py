@@ -222,3 +222,15 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
     new = jaxpr.replace(constvars=constvars, eqns=eqns,
                         outvars=[read(a) for a in jaxpr.outvars])
     return C.closed_jaxpr(new, consts)
+
+
+def inline_all(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """``closed`` with its inlinable calls (:func:`hlofold._compat.inlinable_call`) inlined,
+    bodies within bodies too, up to a depth of 16: the layers of a ``@jax.jit`` helper pair
+    with those around it."""
+    for _ in range(16):
+        at = {i for i, e in enumerate(closed.jaxpr.eqns) if C.inlinable_call(e)}
+        if not at:
+            break
+        closed = inline_calls(closed, at)
+    return closed

@@ -37,6 +37,7 @@ class Ctx:
     leaves: dict                      # top-level leaf var -> index (empty in a body)
     biases: list
     literals: dict = dataclasses.field(default_factory=dict)   # a body's var -> value
+    outputs: str = "a program output"   # what the jaxpr's outputs are, in the reasons
 
 
 def index_uses(jaxpr):

@@ -29,6 +29,7 @@ class Refused:
     kernel: int
     eqn: object
     reason: str
+    where: str = ""          # (a scan body's: which stack)
 
 
 @dataclasses.dataclass
@@ -42,18 +43,21 @@ class Found:
     end_axis: int
 
 
-def find_pairs(jaxpr, n_leaves: int, norms: bool = False
-               ) -> tuple[list[Found], list[Refused]]:
+def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = None,
+               outputs: str = "a program output") -> tuple[list[Found], list[Refused]]:
     """Every pair of the top level of ``jaxpr`` whose inputs begin with ``n_leaves``
     parameter leaves (keys of the pairs: leaf indices), starting at a layer (a convolution
     or dot whose kernel is a leaf) — and with ``norms``, at a norm's scale too (a leaf
     vector multiplied into the activations: γ); and the starts refused. Second layers
-    claimed by an earlier pair are not paired again."""
+    claimed by an earlier pair are not paired again. ``leaves`` (var -> leaf index) says
+    which variables are leaves instead (a scan body's rows of them); ``outputs`` names
+    what the jaxpr's outputs are in the reasons."""
     uses, producer = index_uses(jaxpr)
-    leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
+    if leaves is None:
+        leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
     found, refused, claimed = [], [], set()
     for e in jaxpr.eqns:
-        ctx = Ctx(jaxpr, uses, producer, leaves, [])
+        ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
         start = _layer_start(ctx, e) or (_norm_start(ctx, e) if norms else None)
         if start is None:
             continue
@@ -124,7 +128,7 @@ def _follow(ctx, v, axis: int):
     for _ in range(10_000):
         u = ctx.uses.get(v, [])
         if any(e is None for e, _ in u):
-            return "its output is a program output before another layer reads it"
+            return f"its output is {ctx.outputs} before another layer reads it"
         if len(u) == 3 and (leaky := _leaky(ctx, u)) is not None:
             v = leaky                               # (the channel axis stays)
             continue

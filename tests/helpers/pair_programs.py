@@ -133,7 +133,7 @@ def decoder_program(seed: int):
         h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * gamma
         return h if b is None else h + b
 
-    def fn(params, x):
+    def layer(params, x):
         b, t, _ = x.shape
         h = norm(x, params["n1"], params.get("b1"))
         if multi:
@@ -159,8 +159,13 @@ def decoder_program(seed: int):
         u = h @ params["up"]
         if stop_up:
             u = _op(stop_up, u, params, "")
-        x = x + (jax.nn.silu(h @ params["gate"]) * u) @ params["down"]
+        return x + (jax.nn.silu(h @ params["gate"]) * u) @ params["down"]
+
+    def final(params, x):
         return norm(x, params["nf"]) @ params["head"]
+
+    def fn(params, x):
+        return final(params, layer(params, x))
 
     def inputs(k):
         x = np.random.default_rng(k).standard_normal((2, 5, d)).astype(np.float32)
@@ -169,4 +174,33 @@ def decoder_program(seed: int):
     expected = 3 + (stop_v is None) + (stop_up is None)
     fn.stops = (stop_v, stop_up)         # (what the test of the StableHLO path reads)
     fn.multi = multi
+    fn.layer, fn.final = layer, final    # (scanned_decoder_program stacks the layer)
     return fn, p, inputs(seed), [inputs(seed + 100 + j) for j in range(3)], expected
+
+
+def scanned_decoder_program(seed: int, layers: int, reverse: bool, unroll):
+    """:func:`decoder_program`'s layer run ``layers`` times by ``lax.scan`` over its
+    parameters stacked (each layer's own values: the drawn ones times per-channel factors),
+    forward or reversed, ``unroll`` 1, 2 or whole — and the same layers unrolled, each with
+    leaves of its own. Returns ``(scanned, stacked params, unrolled, its params, x,
+    calibration, pairs per layer)``."""
+    fn, p, x, calib, expected = decoder_program(seed)
+    rng = np.random.default_rng(seed + 7)
+    top = {k: p[k] for k in ("nf", "head")}
+    per = [{k: v * jnp.asarray(10 ** rng.uniform(-0.3, 0.3, v.shape), v.dtype)
+            for k, v in p.items() if k not in top} for _ in range(layers)]
+    order = list(range(layers))[::-1] if reverse else list(range(layers))
+
+    def scanned(params, x):
+        x, _ = lax.scan(lambda h, lp: (fn.layer(lp, h), None), x, params["layers"],
+                        reverse=reverse, unroll=unroll)
+        return fn.final(params, x)
+
+    def unrolled(params, x):
+        for i in order:
+            x = fn.layer(params["layers"][i], x)
+        return fn.final(params, x)
+    stacked = {"layers": jax.tree.map(lambda *a: jnp.stack(a), *per), **top}
+    fn_multi = fn.multi
+    scanned.multi = unrolled.multi = fn_multi
+    return scanned, stacked, unrolled, {"layers": per, **top}, x, calib, expected - 1
