@@ -22,7 +22,8 @@ from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
 from .module import main_function
-from .pairs import ROOTS, Refused, find_pairs, layer, norm_sites, where
+from .pairs import (LOOP_LAYERS, ROOTS, Refused, find_pairs, layer, loop_layers,
+                    norm_sites, where)
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -77,6 +78,14 @@ def _records(ok, done, called, kind):
             for f, d in zip(ok, done)]
 
 
+def _left(func, refused, weights, names) -> list[NotEqualized]:
+    """The starts refused, and the layers of each loop (not read here), with the reasons."""
+    return [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
+                         where(r.op), r.reason) for r in refused] + [
+        NotEqualized("the layers of a loop", where(op), LOOP_LAYERS.format(n=n))
+        for op, n in loop_layers(func)]
+
+
 def equalize_function(func, names: dict | None = None
                       ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
     """Equalize the pairs of ``func`` in place; ``names``: constant op -> what the user calls
@@ -84,8 +93,7 @@ def equalize_function(func, names: dict | None = None
     names = names or {}
     found, refused, weights = find_pairs(func)
     values, ok = _readable(found, refused, weights)
-    left = [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
-                         where(r.op), r.reason) for r in refused]
+    left = _left(func, refused, weights, names)
     for f in ok:
         f.location = where(f.op)
     if not ok:
@@ -111,8 +119,7 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
         values.update({s.key: dense_to_numpy(weights[s.key].const.attributes["value"],
                                              copy=False) for s in f.pair.seconds})
         values[f.pair.first] = np.ones(shape_of(f.end)[f.end_axis], np.float32)
-    left = [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
-                         where(r.op), r.reason) for r in refused]
+    left = _left(func, refused, weights, names)
     order = {op: i for i, op in enumerate(func.regions[0].blocks[0].operations)}
     every = sorted(ok + sites, key=lambda f: order[f.op])   # (program order: as fold_params)
     for f in every:

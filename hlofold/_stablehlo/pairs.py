@@ -252,3 +252,27 @@ def layer(op) -> str:
 def where(op) -> str:
     file, line, _ = location(op)
     return f"{layer(op)} ({os.path.basename(file)}:{line})" if file else layer(op)
+
+
+LOOP_LAYERS = ("{n} convolution/dot op(s) inside this loop (a scanned layer stack) are not paired: the "
+               "StableHLO path pairs a function's top level; fold_params(..., equalize=True "
+               "or smooth=) pairs each scanned layer with its own scales")
+
+
+def loop_layers(func) -> list:
+    """Each top-level ``while`` of ``func`` with convolutions or dots in its body (nested
+    regions too): ``(the loop, how many)``, to be reported as not paired."""
+    out = []
+    for op in func.regions[0].blocks[0].operations:
+        if op_name(op) != "stablehlo.while":
+            continue
+        n, todo = 0, [op]
+        while todo:
+            for region in todo.pop().regions:
+                for block in region.blocks:
+                    for inner in block.operations:
+                        n += op_name(inner) in ROOTS
+                        todo.append(inner)
+        if n:
+            out.append((op, n))
+    return out

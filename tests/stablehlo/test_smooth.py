@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hlofold
+from hlofold import examples
 from benchmarks.quantization import smooth_case
 from hlofold._stablehlo.ir import StableHLOError
 from tests.frontends.test_equalize import rel
@@ -178,3 +179,24 @@ def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     proc = run("--smooth", str(c), "--alpha", "1.5")
     assert proc.returncode == 2 and "expected a number from 0 to 1, got '1.5'" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+def test_scanned_stack_is_left_with_the_reason(rewrite):
+    """The built-in decoder as one scan over stacked layers: its layers are inside a
+    ``while`` on StableHLO, which this path does not pair (fold_params does, per layer:
+    tests/frontends/test_scan_pairs.py) — the report says so; the top-level pair (the final
+    norm -> head) is smoothed; the outputs stay exact."""
+    f0, p, x, calib = smooth_case("decoder", 0)
+    sp = examples.stack_decoder(p)
+    leaves, tree = jax.tree.flatten(sp)
+    g = jax.jit(lambda *a: examples.scanned_decoder_apply(jax.tree.unflatten(tree, a[:-1]),
+                                                           a[-1]))
+    exp = jax.export.export(g)(*leaves, *x)
+    kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
+    got, rep, prep = hlofold.fold_stablehlo(
+        exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
+    assert len(rep.equalized) == (rewrite == "smooth"), str(rep)
+    loops = [n for n in rep.not_equalized if "inside this loop" in n.reason]
+    assert len(loops) == 1 and "fold_params" in loops[0].reason, str(rep)
+    assert rel(g(*leaves, *x), got.call(*x, *prep)) <= EXACT
