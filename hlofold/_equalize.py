@@ -13,10 +13,12 @@ import collections.abc
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
 from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha, equalize,
+                             exact_in,
                              record, smooth)
 from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
@@ -34,7 +36,7 @@ def _where(eqn) -> str:
 def _float_pairs(found, refused, leaves):
     ok = []
     for f in found:
-        if all(np.issubdtype(leaves.dtype(k), np.floating) for k in f.pair.keys()):
+        if all(jnp.issubdtype(leaves.dtype(k), jnp.floating) for k in f.pair.keys()):
             ok.append(f)
         else:
             refused.append(Refused(int(f.pair.first), f.eqn, "a weight that is not floating point"))
@@ -85,6 +87,11 @@ class _Group:
     def pairs(self) -> list:
         return [f.pair for f in self.found]
 
+    def pow2(self, leaves: "HostLeaves") -> bool:
+        """Whether a weight is of a low-precision float (bfloat16): then every scale is a
+        power of two, and the rescaled weights are exact in their dtype."""
+        return any(exact_in(leaves.dtype(k)) for f in self.found for k in f.pair.keys())
+
 
 def _groups(jaxpr, leaves: HostLeaves, norms: bool) -> tuple[list[_Group], list]:
     """The pairs of the top level and of each top-level scan's body; the refusals."""
@@ -112,13 +119,13 @@ def equalize_leaves(jaxpr, leaves: HostLeaves, paths: list[str]
     groups, refused = _groups(jaxpr, leaves, norms=False)
     out, recs = {}, []
     for g in groups:
-        pairs = g.pairs()
+        pairs, pow2 = g.pairs(), g.pow2(leaves)
         if g.layers is None:
-            new, done = equalize(leaves, pairs)
+            new, done = equalize(leaves, pairs, pow2)
             out.update({int(k): v.astype(leaves.dtype(k)) for k, v in new.items()})
         else:
             done = by_layer(_rows_of(leaves, pairs), g.layers,
-                            lambda rows, _: equalize(rows, pairs), leaves.dtype,
+                            lambda rows, _: equalize(rows, pairs, pow2), leaves.dtype,
                             lambda k, v: out.__setitem__(int(k), v))
         recs += _records(g.found, done, paths, g.where)
     return out, recs, _left(refused, paths)
@@ -162,14 +169,15 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
                     o.add(x, f.end_axis if g.scan is None else _shifted(f.end_axis))
     recs = []
     for g, obs in zip(groups, seen):
-        pairs = g.pairs()
+        pairs, pow2 = g.pairs(), g.pow2(leaves)
         if g.layers is None:          # (rounded per pair)
             _, done = smooth(leaves, pairs, obs, alpha,
-                             store=lambda k, v: place(int(k), v.astype(leaves.dtype(k))))
+                             store=lambda k, v: place(int(k), v.astype(leaves.dtype(k))),
+                             pow2=pow2)
         else:
             done = by_layer(_rows_of(leaves, pairs), g.layers,
                             lambda rows, layer: smooth(rows, pairs, [o[layer] for o in obs],
-                                                       alpha),
+                                                       alpha, pow2=pow2),
                             leaves.dtype, lambda k, v: place(int(k), v))
         recs += _records(g.found, done, paths, g.where, "smoothed")
     return recs, _left(refused, paths)
@@ -201,6 +209,12 @@ def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation
     s = find_stream(jaxpr, len(leaves))
     if isinstance(s, str):
         return Rotation(s)
+    low = [i for i in [*s.scales, *(j for j, _ in [s.embedding, *s.readers, *s.writers])]
+           if exact_in(leaves.dtype(i)) and jnp.issubdtype(leaves.dtype(i), jnp.floating)]
+    if low:
+        return Rotation(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation rounds "
+                        f"every weight it touches in that dtype (not exact); rotate the "
+                        f"float32 weights and cast after")
     for i in s.scales:
         g = np.asarray(leaves[i])
         if g.size and not np.all(g == g.reshape(-1)[0]):

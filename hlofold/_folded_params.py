@@ -53,7 +53,9 @@ class FoldedParams:
             lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
                          f"{alpha}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
-                         f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}")
+                         f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}" +
+                         ("; scales powers of two (low-precision weights: exact)"
+                          if e.powers_of_two else ""))
         for e in self.not_equalized:
             lines.append(f"  not paired {e.kernel} ({e.location}): {e.reason}")
         if self.rotation is not None:

@@ -125,12 +125,28 @@ def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
     return r2
 
 
-def scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
-    """``s = √(r1·r2) / r2``, 1 where either range is zero (a dead channel stays)."""
+def scales(r1: np.ndarray, r2: np.ndarray, pow2: bool = False) -> np.ndarray:
+    """``s = √(r1·r2) / r2``, 1 where either range is zero (a dead channel stays); with
+    ``pow2``, each rounded to the nearest power of two (:func:`powers_of_two`)."""
     ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
     s = np.ones_like(r1)
     s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
-    return s
+    return powers_of_two(s) if pow2 else s
+
+
+def powers_of_two(s: np.ndarray) -> np.ndarray:
+    """``s`` rounded to the nearest power of two (in log scale). Multiplying and dividing
+    by a power of two is exact in every binary float format (short of overflow and
+    subnormals), so weights of a low-precision dtype (bfloat16, float16) rescaled by such
+    scales are rounded not at all, and the model computes what it computed, bit for bit:
+    within √2 of the ideal scale, for no rounding."""
+    return np.exp2(np.round(np.log2(s)))
+
+
+def exact_in(dtype) -> bool:
+    """Whether rescaled weights of ``dtype`` round too coarsely for arbitrary scales (a
+    float of fewer than 32 bits: its scales are powers of two)."""
+    return np.dtype(dtype).itemsize < 4
 
 
 def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
@@ -166,6 +182,7 @@ class Done:
     before: tuple
     after: tuple
     alpha: float | None = None
+    pow2: bool = False
 
 
 def spreads(values: dict, pair: Pair) -> tuple[float, float]:
@@ -176,10 +193,11 @@ def spreads(values: dict, pair: Pair) -> tuple[float, float]:
             spread(values, pair.seconds[0].key, pair.seconds[0].out_axis))
 
 
-def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[Done]]:
+def equalize(values: dict, pairs: list[Pair], pow2: bool = False
+             ) -> tuple[dict, list[Done]]:
     """Sweep ``pairs`` (in order) until the scales settle. ``values``: key -> array (not
     changed); returns the new float64 values of every key a pair touches, and what was
-    done to each pair."""
+    done to each pair. ``pow2``: every scale a power of two (low-precision weights)."""
     work = {k: _own(values[k]) for p in pairs for k in p.keys()}
     before = [spreads(work, p) for p in pairs]
     total = [np.ones(int(np.prod([work[p.first].shape[a] for a in each(p.out_axis)])))
@@ -187,23 +205,26 @@ def equalize(values: dict, pairs: list[Pair]) -> tuple[dict, list[Done]]:
     for _ in range(SWEEPS):
         moved = 0.0
         for j, p in enumerate(pairs):
-            s = scales(*ranges(work, p, len(total[j])))
+            s = scales(*ranges(work, p, len(total[j])), pow2)
             apply(work, p, s)
             total[j] = total[j] * s
             moved = max(moved, float(np.max(np.abs(s - 1.0), initial=0.0)))
         if moved < SETTLED:
             break
-    return work, [Done(t, b, spreads(work, p)) for t, b, p in zip(total, before, pairs)]
+    return work, [Done(t, b, spreads(work, p), None, pow2)
+                  for t, b, p in zip(total, before, pairs)]
 
 
-def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
+def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float, pow2: bool = False
+              ) -> np.ndarray:
     """SmoothQuant's scales ``s = max|X|^α / max|W|^(1−α)`` per channel (``xmax``: the
     largest activation the calibration inputs gave; ``wmax``: the second layers' largest
-    input-row entry); 1 where either is zero or not finite."""
+    input-row entry); 1 where either is zero or not finite; with ``pow2`` each rounded to a
+    power of two."""
     ok = (xmax > 0) & (wmax > 0) & np.isfinite(xmax) & np.isfinite(wmax)
     s = np.ones_like(xmax, dtype=np.float64)
     s[ok] = xmax[ok] ** alpha / wmax[ok] ** (1 - alpha)
-    return s
+    return powers_of_two(s) if pow2 else s
 
 
 def check_alpha(alpha, who: str) -> float:
@@ -228,21 +249,21 @@ class Observed:
 
 
 def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
-           store=None) -> tuple[dict, list[Done]]:
+           store=None, pow2: bool = False) -> tuple[dict, list[Done]]:
     """Each pair's smoothing scales applied once, pair by pair: only that pair's leaves are
     held in float64 (a 0.5 B decoder's kernels are not all copied at once); ``store(key,
     value)`` takes each new value as its pair is done (and ``values`` is read for the
     next pairs with it: it may read the caller's live leaves, nothing is kept from one
     pair to the next). Returns the new float64 values (``store`` None) and what was done
-    to each pair."""
+    to each pair. ``pow2``: every scale a power of two (low-precision weights)."""
     out, done = {}, []
     for p, x in zip(pairs, seen):
         work = {k: _own(out.get(k, values[k])) for k in p.keys()}
         before = spreads(work, p)
         s = smoothing(np.asarray(x.max, np.float64), input_ranges(work, p, len(x.max)),
-                      float(alpha))
+                      float(alpha), pow2)
         apply(work, p, s)
-        done.append(Done(s, before, spreads(work, p), float(alpha)))
+        done.append(Done(s, before, spreads(work, p), float(alpha), pow2))
         for k, v in work.items():
             out[k] = v if store is None else store(k, v)
         del work
@@ -273,6 +294,7 @@ class EqualizedPair:
     scale_range: tuple[float, float] = (1.0, 1.0)
     kind: str = "equalized"           # or "smoothed"
     alpha: float | None = None        # smoothed: the α its scales were computed with
+    powers_of_two: bool = False       # scales rounded to powers of two (bfloat16 weights)
 
 
 def record(done: Done, first: str, seconds: list, biases: list, location: str,
@@ -281,7 +303,7 @@ def record(done: Done, first: str, seconds: list, biases: list, location: str,
     s = done.scale
     rng = (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0)
     return EqualizedPair(first, seconds, biases, location, done.before, done.after, rng, kind,
-                         done.alpha)
+                         done.alpha, done.pow2)
 
 
 @dataclasses.dataclass
