@@ -88,9 +88,13 @@ class _Group:
         return [f.pair for f in self.found]
 
     def pow2(self, leaves: "HostLeaves") -> bool:
-        """Whether a weight is of a low-precision float (bfloat16): then every scale is a
-        power of two, and the rescaled weights are exact in their dtype."""
-        return any(exact_in(leaves.dtype(k)) for f in self.found for k in f.pair.keys())
+        """Whether a weight is of a low-precision float (bfloat16), or the layers compute in
+        one (a float32 weight cast to bfloat16): then every scale is a power of two, and
+        the rescaled weights — and what the model computes from them — are exact."""
+        return any(exact_in(leaves.dtype(k)) for f in self.found for k in f.pair.keys()) or \
+            any(exact_in(v.aval.dtype) for f in self.found
+                for v in (f.end, *f.eqn.outvars[:1]) if jnp.issubdtype(v.aval.dtype,
+                                                                       jnp.floating))
 
 
 def _groups(jaxpr, leaves: HostLeaves, norms: bool) -> tuple[list[_Group], list]:

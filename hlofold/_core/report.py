@@ -144,7 +144,9 @@ class FoldReport:
                 f"; {len(self.not_equalized)} layers left as they are"
             for e in self.equalized:
                 head += (f"\n  {e.first} -> {', '.join(e.seconds)} ({e.location}): spread "
-                         f"{e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}")
+                         f"{e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}" +
+                         ("; scales powers of two (low-precision: exact)"
+                          if e.powers_of_two else ""))
             for n in self.not_equalized:
                 head += f"\n  left: {n.kernel} ({n.location}): {n.reason}"
         p = self.precision

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat as C
@@ -87,6 +88,24 @@ def leaf_of(v, leaves, producer, uses):
             return v
         p = producer.get(v)
         if p is None or p.primitive.name not in SHAPES or len(uses.get(v, [])) != 1:
+            return None
+        v = p.invars[0]
+    return None
+
+
+def cast_leaf(ctx, v):
+    """The parameter leaf ``v`` is, directly or through float-to-float converts each read
+    once (a float32 weight cast to the bfloat16 the layer computes in), or None."""
+    for _ in range(4):
+        if not isinstance(v, C.Var):
+            return None
+        if v in ctx.leaves:
+            return v
+        p = ctx.producer.get(v)
+        if p is None or p.primitive.name != "convert_element_type" or \
+                len(ctx.uses.get(v, [])) != 1 or \
+                not jnp.issubdtype(p.params["new_dtype"], jnp.floating) or \
+                not jnp.issubdtype(p.invars[0].aval.dtype, jnp.floating):
             return None
         v = p.invars[0]
     return None

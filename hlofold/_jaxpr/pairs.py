@@ -16,8 +16,8 @@ from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second, stops_here
 from .._core.channel_axes import read_by_kernel, through_dot
-from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses, is_zero,
-                         leaf_of, single_leaf, varying_axis)
+from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, cast_leaf, index_uses,
+                         is_zero, leaf_of, single_leaf, varying_axis)
 from .patterns import PATTERNS
 
 
@@ -87,13 +87,13 @@ def _layer_start(ctx, e):
     info = pat.inspect_root(e)
     if isinstance(info, Refusal):
         return None
-    k1 = e.invars[info.kernel_index]
-    if k1 not in ctx.leaves:       # (the weight on the lhs: Equinox's W @ x)
-        info = next((a for a in pat.alternatives(e) if e.invars[a.kernel_index] in ctx.leaves),
-                    None)
+    k1 = cast_leaf(ctx, e.invars[info.kernel_index])
+    if k1 is None:                 # (the weight on the lhs: Equinox's W @ x)
+        info = next((a for a in pat.alternatives(e)
+                     if cast_leaf(ctx, e.invars[a.kernel_index]) is not None), None)
         if info is None:
             return None
-        k1 = e.invars[info.kernel_index]
+        k1 = cast_leaf(ctx, e.invars[info.kernel_index])
     why = single_leaf(ctx, k1, "its kernel")
     if why:
         return why, ctx.leaves[k1]
@@ -183,7 +183,7 @@ def _through_dot(ctx, e, pos, axis):
     """A dot of two activations that contracts none of the channel axes (attention's
     ``probs @ v``, heads a batch axis): linear in each channel, which moves to its output
     position; else None."""
-    if e.primitive.name != "dot_general" or e.invars[1 - pos] in ctx.leaves:
+    if e.primitive.name != "dot_general" or cast_leaf(ctx, e.invars[1 - pos]) is not None:
         return None
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
     return through_dot([len(x.aval.shape) for x in e.invars], (lc, rc), (lb, rb), pos, axis)
@@ -192,8 +192,8 @@ def _through_dot(ctx, e, pos, axis):
 def _second_over_axes(ctx, e, pos, axis):
     """A dot reading channels split over axes, contracting exactly those (an output
     projection's (heads, head_dim, d) kernel): a second layer, its input rows over them."""
-    k2 = e.invars[1 - pos]
-    if e.primitive.name != "dot_general" or k2 not in ctx.leaves:
+    k2 = cast_leaf(ctx, e.invars[1 - pos])
+    if e.primitive.name != "dot_general" or k2 is None:
         return f"the next {e.primitive.name} reads the channels split over axes"
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
     got = read_by_kernel((lc, rc), (lb, rb), len(k2.aval.shape), pos, axis)
@@ -218,8 +218,8 @@ def _second(ctx, e, pos, axis):
     info = pat.inspect_root(e)
     if getattr(info, "kernel_index", None) != 1 - pos:     # (the weight on the lhs: W @ x)
         info = next((a for a in pat.alternatives(e) if a.kernel_index == 1 - pos), info)
-    k2 = e.invars[1 - pos]
-    if isinstance(info, Refusal) or k2 not in ctx.leaves or \
+    k2 = cast_leaf(ctx, e.invars[1 - pos])
+    if isinstance(info, Refusal) or k2 is None or \
             getattr(info, "kernel_index", None) != 1 - pos:
         return f"the next {e.primitive.name}'s kernel is not a parameter leaf as it is"
     why = single_leaf(ctx, k2, "the next layer's kernel")

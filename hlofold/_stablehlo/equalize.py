@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, record,
-                              smooth)
+from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, exact_in,
+                              record, smooth)
 from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
@@ -72,6 +72,21 @@ def _write_one(weights: dict, k: str, v: np.ndarray) -> np.ndarray:
     return v
 
 
+def _pow2(found, weights: dict, values: dict) -> bool:
+    """Whether a weight is of a low-precision float, or is widened from one, or a norm site
+    multiplies such activations: then every scale is a power of two (exact in any float
+    type: the module computes what it computed, bit for bit)."""
+    for f in found:
+        for k in f.pair.keys():
+            w = weights.get(k)
+            if (w is not None and w.converted) or exact_in(np.asarray(values[k]).dtype):
+                return True
+        if f.pair.first.startswith("norm:") and \
+                exact_in(float_dtype(elem_type(f.end)) or np.float32):
+            return True
+    return False
+
+
 def _records(ok, done, called, kind):
     return [record(d, called[f.pair.first], [called[s.key] for s in f.pair.seconds],
                    [called[b] for b, _ in f.pair.biases], f.location, kind)
@@ -99,7 +114,7 @@ def equalize_function(func, names: dict | None = None
     if not ok:
         return [], left
     called = {k: _name(w, names) for k, w in weights.items()}    # (before a write)
-    new, done = equalize(values, [f.pair for f in ok])
+    new, done = equalize(values, [f.pair for f in ok], _pow2(ok, weights, values))
     _write(weights, new, values)
     return _records(ok, done, called, "equalized"), left
 
@@ -131,7 +146,8 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
     called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
     # each pair's constants written as it is done (no float64 copy of the model held)
     new, done = smooth(values, [f.pair for f in every], seen, alpha,
-                       store=lambda k, v: _write_one(weights, k, v.astype(values[k].dtype)))
+                       store=lambda k, v: _write_one(weights, k, v.astype(values[k].dtype)),
+                       pow2=_pow2(every, weights, values))
     for f in sites:                  # ·(1/s) where the norm's output is read
         v, producer = f.end, owner_op(f.end)
         readers = [u.owner for u in v.uses]

@@ -37,6 +37,7 @@ class Weight:
     const: object
     axes: tuple
     reader: object = None
+    converted: bool = False       # read through a float-to-float convert (bf16 -> f32)
 
 
 @dataclasses.dataclass
@@ -62,9 +63,10 @@ def single(v) -> bool:
 
 
 def weight(v, reader=None) -> Weight | None:
-    """``v`` (read by ``reader``) as a constant read once (through transposes read once),
-    or None."""
+    """``v`` (read by ``reader``) as a constant read once (through transposes and float
+    converts read once: a bfloat16 weight widened for the layer), or None."""
     axes = list(range(len(shape_of(v))))
+    converted = False
     while True:
         if not single(v):
             return None
@@ -72,7 +74,10 @@ def weight(v, reader=None) -> Weight | None:
         if op is None:
             return None
         if op_name(op) == "stablehlo.constant":
-            return Weight(op, tuple(axes), reader)
+            return Weight(op, tuple(axes), reader, converted)
+        if op_name(op) == "stablehlo.convert" and is_float(v) and is_float(op.operands[0]):
+            v, converted = op.operands[0], True       # (scaled by powers of two: exact)
+            continue
         if op_name(op) != "stablehlo.transpose":
             return None
         perm = attr_dims(op, "permutation")

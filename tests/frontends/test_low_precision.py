@@ -106,3 +106,51 @@ def test_the_check_measures_a_bfloat16_fold_against_the_float32_computation():
         _check([noisy], [jnp.asarray(wrong, jnp.bfloat16)], closed, wide)
     with pytest.raises(RuntimeError, match="change the model's outputs"):
         _check([noisy], [near], closed, lambda: 1 / 0)   # (no float32 run: no second say)
+
+
+def mixed_precision_block(seed=0):
+    """A pre-norm MLP block with float32 parameters that computes in bfloat16 (each weight
+    cast where it is read, as mixed-precision training leaves a model): ``(f, params, x,
+    calibration)``."""
+    rng = np.random.default_rng(seed)
+    d, h = 32, 64
+    p = {"g": jnp.asarray(10 ** rng.uniform(-0.5, 0.5, d), jnp.float32),
+         "up": jnp.asarray(rng.standard_normal((d, h)) / np.sqrt(d), jnp.float32),
+         "down": jnp.asarray(rng.standard_normal((h, d)) / np.sqrt(h), jnp.float32),
+         "head": jnp.asarray(rng.standard_normal((d, 5)) / np.sqrt(d), jnp.float32)}
+
+    def f(p, x):
+        bf = jnp.bfloat16
+        x = x.astype(bf)
+        n = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"].astype(bf)
+        x = x + jax.nn.relu(n @ p["up"].astype(bf)) @ p["down"].astype(bf)
+        return (x @ p["head"].astype(bf)).astype(jnp.float32)
+
+    def inputs(k):
+        x = np.random.default_rng(k).standard_normal((4, 8, d)).astype(np.float32)
+        x[..., :2] *= 20
+        return jnp.asarray(x)
+    return f, p, inputs(seed), [inputs(seed + 1 + j) for j in range(3)]
+
+
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+def test_float32_weights_computing_in_bfloat16(rewrite):
+    """Float32 weights cast to bfloat16 where the layers read them: the pairs are read
+    through the casts and their scales are powers of two (the products are bfloat16), so
+    the outputs are the fold's, bit for bit — on both paths."""
+    f, p, x, calib = mixed_precision_block()
+    kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
+    base = hlofold.fold_params(f, p, x)
+    out = hlofold.fold_params(f, p, x, **kw)
+    assert len(out.equalized) == (2 if rewrite == "smooth" else 1), str(out)
+    assert all(e.powers_of_two for e in out.equalized)
+    np.testing.assert_array_equal(np.asarray(f(out.params, x)), np.asarray(f(base.params, x)))
+    leaves, tree = jax.tree.flatten(p)
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    exp = jax.export.export(g)(*leaves, x)
+    params = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    sbase, _, bprep = hlofold.fold_stablehlo(exp, params=params)
+    got, rep, prep = hlofold.fold_stablehlo(exp, params=params, **kw)
+    assert len(rep.equalized) >= 1 and all(e.powers_of_two for e in rep.equalized), str(rep)
+    np.testing.assert_array_equal(np.asarray(got.call(x, *prep)),
+                                  np.asarray(sbase.call(x, *bprep)))

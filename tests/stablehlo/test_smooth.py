@@ -200,3 +200,25 @@ def test_scanned_stack_is_left_with_the_reason(rewrite):
     loops = [n for n in rep.not_equalized if "inside this loop" in n.reason]
     assert len(loops) == 1 and "fold_params" in loops[0].reason, str(rep)
     assert rel(g(*leaves, *x), got.call(*x, *prep)) <= EXACT
+
+
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+def test_bfloat16_weights_rewritten_bit_for_bit(rewrite):
+    """The built-in decoder with bfloat16 weights, exported: its layers read the weights
+    through converts (bf16 -> f32), which the pairs follow; every scale is a power of two,
+    so the module computes what the fold alone computes, bit for bit (the jaxpr path's rule:
+    tests/frontends/test_low_precision.py)."""
+    import jax.numpy as jnp
+    f, p, x, calib = smooth_case("decoder", 0)
+    leaves, tree = jax.tree.flatten(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    exp = jax.export.export(g)(*leaves, *x)
+    params = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
+    base, _, bprep = hlofold.fold_stablehlo(exp, params=params)
+    got, rep, prep = hlofold.fold_stablehlo(exp, params=params, **kw)
+    assert len(rep.equalized) >= 4 and all(e.powers_of_two for e in rep.equalized), str(rep)
+    assert not any("floating point" in n.reason or "shared weight" in n.reason
+                   for n in rep.not_equalized), str(rep)
+    np.testing.assert_array_equal(np.asarray(got.call(*x, *prep), np.float32),
+                                  np.asarray(base.call(*x, *bprep), np.float32))
