@@ -24,7 +24,7 @@ from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_all
 from ._jaxpr.pairs import Refused, find_pairs
-from ._jaxpr.scan_pairs import ScanPairs, calibration_run, scan_pairs
+from ._jaxpr.scan_pairs import LOOP_LAYERS, ScanPairs, calibration_run, loop_layers, scan_pairs
 from ._jaxpr.stream import find_stream
 
 
@@ -49,10 +49,12 @@ def _records(ok, done, paths, where="", kind="equalized"):
             for f, d in zip(ok, done)]
 
 
-def _left(refused, paths):
+def _left(refused, paths, jaxpr=None):
+    """The starts refused, and (``jaxpr``) the layers of its while loops, with the reasons."""
     return [NotEqualized(paths[r.kernel], ("" if r.eqn is None else _where(r.eqn)) + r.where,
-                         r.reason)
-            for r in refused]
+                         r.reason) for r in refused] + [
+        NotEqualized("the layers of a loop", _where(e), LOOP_LAYERS.format(n=n))
+        for e, n in (loop_layers(jaxpr) if jaxpr is not None else [])]
 
 
 class HostLeaves(collections.abc.Sequence):
@@ -132,7 +134,7 @@ def equalize_leaves(jaxpr, leaves: HostLeaves, paths: list[str]
                             lambda rows, _: equalize(rows, pairs, pow2), leaves.dtype,
                             lambda k, v: out.__setitem__(int(k), v))
         recs += _records(g.found, done, paths, g.where)
-    return out, recs, _left(refused, paths)
+    return out, recs, _left(refused, paths, jaxpr)
 
 
 def _shifted(axis):
@@ -151,7 +153,7 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
     value)``) when it is done."""
     groups, refused = _groups(closed.jaxpr, leaves, norms=True)
     if not groups:
-        return [], _left(refused, paths)
+        return [], _left(refused, paths, closed.jaxpr)
     scans: dict = {}
     for g in groups:
         if g.scan is not None:
@@ -184,7 +186,7 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
                                                        alpha, pow2=pow2),
                             leaves.dtype, lambda k, v: place(int(k), v))
         recs += _records(g.found, done, paths, g.where, "smoothed")
-    return recs, _left(refused, paths)
+    return recs, _left(refused, paths, closed.jaxpr)
 
 
 @dataclasses.dataclass

@@ -147,3 +147,26 @@ def _tapped_scan(eqn, body, found: list[Found], vals: list) -> tuple[list, list]
     carry, (ys, ends) = jax.lax.scan(step, list(vals[nc:nc + ncarry]), list(vals[nc + ncarry:]),
                                      length=length, reverse=C.scan_reverse(eqn))
     return [*carry, *ys], list(ends)
+
+
+LOOP_LAYERS = ("{n} convolution/dot equation(s) inside this while loop are not paired: pairs are "
+               "read at the top level and in the bodies of scans over stacked leaves "
+               "(lax.scan, nn.scan)")
+
+
+def loop_layers(jaxpr) -> list[tuple[object, int]]:
+    """Each top-level ``while`` of ``jaxpr`` with convolutions or dots in its body (nested
+    bodies too): ``(the equation, how many)``, to be reported as not paired."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name != "while":
+            continue
+        n, todo = 0, [sub for sub, _ in C.param_jaxprs(e)]
+        while todo:
+            sub = todo.pop()
+            for inner in getattr(sub, "jaxpr", sub).eqns:
+                n += inner.primitive.name in ("conv_general_dilated", "dot_general")
+                todo.extend(x for x, _ in C.param_jaxprs(inner))
+        if n:
+            out.append((e, n))
+    return out

@@ -93,30 +93,43 @@ def _records(ok, done, called, kind):
             for f, d in zip(ok, done)]
 
 
+def _left_starts(refused, weights, names) -> list[NotEqualized]:
+    return [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
+                         where(r.op), r.reason) for r in refused]
+
+
 def _left(func, refused, weights, names) -> list[NotEqualized]:
     """The starts refused, and the layers of each loop (not read here), with the reasons."""
-    return [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
-                         where(r.op), r.reason) for r in refused] + [
+    return _left_starts(refused, weights, names) + [
         NotEqualized("the layers of a loop", where(op), LOOP_LAYERS.format(n=n))
         for op, n in loop_layers(func)]
 
 
-def equalize_function(func, names: dict | None = None
+def equalize_function(func, names: dict | None = None, loops: bool = True
                       ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
     """Equalize the pairs of ``func`` in place; ``names``: constant op -> what the user calls
-    it (``"arg3"``: a bound argument). Returns what was equalized and what was not, why."""
-    names = names or {}
+    it (``"arg3"``: a bound argument). Returns what was equalized and what was not, why
+    (``loops``: the layers of its loops among the latter)."""
+    ok, done, called, left = equalized_pairs(func, names or {}, loops)
+    return _records(ok, done, called, "equalized"), left
+
+
+def equalized_pairs(func, names: dict, loops: bool = True) -> tuple[list, list, dict, list]:
+    """:func:`equalize_function`'s work: ``(the pairs equalized, what was done to each
+    (:class:`~hlofold._core.equalize.Done`), what the weights are called, what was left)``
+    — a scanned stack's layers (:mod:`.loop_pairs`) merged per pair from these."""
     found, refused, weights = find_pairs(func)
     values, ok = _readable(found, refused, weights)
-    left = _left(func, refused, weights, names)
+    left = _left(func, refused, weights, names) if loops else _left_starts(refused, weights,
+                                                                            names)
     for f in ok:
         f.location = where(f.op)
     if not ok:
-        return [], left
+        return [], [], {}, left
     called = {k: _name(w, names) for k, w in weights.items()}    # (before a write)
     new, done = equalize(values, [f.pair for f in ok], _pow2(ok, weights, values))
     _write(weights, new, values)
-    return _records(ok, done, called, "equalized"), left
+    return ok, done, called, left
 
 
 def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
@@ -200,10 +213,14 @@ def _calibrate(module, func, found, calibration, hoist) -> list[Observed]:
 def quantization_ready(module, report, names: dict, equalize: bool, smooth, alpha: float,
                        hoist) -> None:
     """``equalize=`` then ``smooth=`` on the module's ``@main`` (its weights constants, the
-    fold done), their records added to ``report``."""
+    fold done), their records added to ``report``: equalization in its scanned stacks too
+    (:mod:`.loop_pairs`, per layer), smoothing at its top level."""
     if equalize:
-        report.equalized, report.not_equalized = equalize_function(main_function(module),
-                                                                   names)
+        from .loop_pairs import equalize_loops, unmark_loops     # (it builds on this module)
+        recs, left = equalize_loops(module, names)
+        top, top_left = equalize_function(main_function(module), names)
+        unmark_loops(module)
+        report.equalized, report.not_equalized = top + recs, top_left + left
     if smooth is not None:
         done, left = smooth_function(module, names, smooth, alpha, hoist)
         report.equalized += done

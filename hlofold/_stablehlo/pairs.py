@@ -21,6 +21,7 @@ from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.channel_axes import each, one, read_by_kernel, through_dot
 from .._core.equalize import Pair, Second, stops_here
+from .build import STACK, marked
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
@@ -254,9 +255,10 @@ def where(op) -> str:
     return f"{layer(op)} ({os.path.basename(file)}:{line})" if file else layer(op)
 
 
-LOOP_LAYERS = ("{n} convolution/dot op(s) inside this loop (a scanned layer stack) are not paired: the "
-               "StableHLO path pairs a function's top level; fold_params(..., equalize=True "
-               "or smooth=) pairs each scanned layer with its own scales")
+LOOP_LAYERS = ("{n} convolution/dot op(s) inside this loop (a scanned layer stack) are not "
+               "paired: on StableHLO equalization reads the layers of a counted loop over "
+               "known stacks, smoothing a function's top level; fold_params(..., "
+               "equalize=True or smooth=) pairs each scanned layer with its own scales")
 
 
 def loop_layers(func) -> list:
@@ -264,8 +266,8 @@ def loop_layers(func) -> list:
     regions too): ``(the loop, how many)``, to be reported as not paired."""
     out = []
     for op in func.regions[0].blocks[0].operations:
-        if op_name(op) != "stablehlo.while":
-            continue
+        if op_name(op) != "stablehlo.while" or marked(op, STACK):
+            continue                   # (a loop whose layers were paired: .loop_pairs)
         n, todo = 0, [op]
         while todo:
             for region in todo.pop().regions:

@@ -35,7 +35,7 @@ from .patterns import Evaluator
 ir, stablehlo, func_dialect = C.mlir()
 
 
-def _constants(fop) -> tuple[Any, list, list]:
+def layer_constants(fop) -> tuple[Any, list, list]:
     """A folded layer up to the values of its constants: (key, values, ops). The values are
     those of its top-level constants and of those inside ``case``/``if`` branches (rows of a
     stack read outside them); constants elsewhere (a nested loop's, a reduction's) are part
@@ -161,7 +161,7 @@ def _fold_loop(w, loop: Loop, symbols: dict, ev: Evaluator, fold: Callable, stag
         if layer == 0 and not any(r.status == FOLDED for r in recs):
             return None
         records.append(recs)
-        key, values, ops = _constants(fop)
+        key, values, ops = layer_constants(fop)
         why = stack.add(key, values)
         if why is not None:
             return first_difference(records[0], recs, layer)

@@ -195,12 +195,10 @@ def test_weights_shared_by_every_layer_take_one_scale():
     _exact(f, p, out, xs[1])
 
 
-def test_cnn_stack_folds_then_equalizes_per_layer():
+def cnn_stack(L: int = 3, c: int = 4):
     """conv → BatchNorm → ReLU → conv → BatchNorm, plus the input, per layer of a scan over
-    stacked kernels and BN statistics: fold_params folds every layer's BNs into its stacked
-    kernels and biases, then equalizes conv1 → conv2 per layer, as the unrolled stack."""
+    stacked kernels and BN statistics: ``(scanned, params, x)``, and ``scanned.layer``."""
     rng = np.random.default_rng(3)
-    L, c = 3, 4
 
     def conv(h, k):
         return lax.conv_general_dilated(h, k, (1, 1), "SAME",
@@ -223,10 +221,19 @@ def test_cnn_stack_folds_then_equalizes_per_layer():
 
     def scanned(p, x):
         return lax.scan(lambda h, lp: (layer(h, lp), None), x, p)[0]
+    scanned.layer = layer
+    return scanned, p, x
+
+
+def test_cnn_stack_folds_then_equalizes_per_layer():
+    """The stack of :func:`cnn_stack`: fold_params folds every layer's BNs into its stacked
+    kernels and biases, then equalizes conv1 → conv2 per layer, as the unrolled stack."""
+    L = 3
+    scanned, p, x = cnn_stack(L)
 
     def unrolled(ps, x):
         for lp in ps:
-            x = layer(x, lp)
+            x = scanned.layer(x, lp)
         return x
     per = [jax.tree.map(lambda a, i=i: a[i], p) for i in range(L)]
     out = hlofold.fold_params(scanned, p, x, equalize=True)

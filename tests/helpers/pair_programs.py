@@ -201,6 +201,6 @@ def scanned_decoder_program(seed: int, layers: int, reverse: bool, unroll):
             x = fn.layer(params["layers"][i], x)
         return fn.final(params, x)
     stacked = {"layers": jax.tree.map(lambda *a: jnp.stack(a), *per), **top}
-    fn_multi = fn.multi
-    scanned.multi = unrolled.multi = fn_multi
+    scanned.multi = unrolled.multi = fn.multi
+    scanned.stops = unrolled.stops = fn.stops
     return scanned, stacked, unrolled, {"layers": per, **top}, x, calib, expected - 1

@@ -224,3 +224,81 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
     assert len(set(seen)) == 8 and len(got) == 16          # (one record per thread)
     for k, (n, prep) in got:
         assert n == want[k][0] and all(np.array_equal(a, b) for a, b in zip(prep, want[k][1]))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_generated_scanned_stacks_equalize_per_layer_as_on_the_jaxpr_path(seed):
+    """decoder_program's layer scanned 1–4 deep (forward or reversed; unrolled by 2: two
+    layers an iteration): the loop's layers are equalized one by one — the pairs of
+    fold_params(..., equalize=True) on the same scan — and the module stays exact. (The
+    spreads may differ: where fold_params cannot write a fold back — no bias leaf for a
+    norm's β — the kernels it equalizes are not the folded ones StableHLO equalizes.)"""
+    from tests.helpers.pair_programs import scanned_decoder_program
+    rng = np.random.default_rng(seed)
+    layers, unroll = [(1, 1), (2, 1), (3, 1), (4, 2)][seed % 4]
+    fn, sp, _, _, x, _, _ = scanned_decoder_program(seed, layers, bool(rng.integers(2)),
+                                                    unroll)
+    got, rep, prep, ref = _equalized(fn, sp, x)
+    want = hlofold.fold_params(fn, sp, x, equalize=True)
+    stacked = [e for e in want.equalized if "scanned stack" in e.location]
+    inside = [e for e in rep.equalized if "scanned stack" in e.location]
+    # (one difference, asserted as for the unscanned decoders: a constant added after v or
+    # up is part of its folded bias here, so v -> o, up -> down pair here)
+    more = sum(s == "add_const" for s in fn.stops)
+    assert len(inside) == (len(stacked) + more) * unroll, (str(rep), str(want))
+    assert not any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+
+
+def test_scanned_cnn_stack_folds_then_equalizes_per_layer():
+    """conv → BN → ReLU → conv → BN plus the input, per layer of a scan over stacked kernels
+    and statistics: the fold restacks the folded kernels, then each layer's conv1 → conv2 is
+    equalized, as fold_params does."""
+    from tests.frontends.test_scan_pairs import cnn_stack
+    scanned, p, x = cnn_stack()
+    got, rep, prep, ref = _equalized(scanned, p, x)
+    want = hlofold.fold_params(scanned, p, x, equalize=True)
+    assert len(rep.equalized) == len(want.equalized) == 1, str(rep)
+    assert "each of its 3 layers" in rep.equalized[0].location
+    assert rep.equalized[0].spread_after == pytest.approx(want.equalized[0].spread_after,
+                                                          rel=1e-4)
+
+
+def test_builtin_scanned_decoder_equalizes_as_on_the_jaxpr_path():
+    """The built-in scanned decoder (DenseGeneral q/k/v/o over stacked layers): v -> o and
+    up -> down in each layer, with the channel spreads fold_params reaches on the scan."""
+    from benchmarks.quantization import smooth_case
+    from hlofold import examples
+    _, p, x, _ = smooth_case("decoder", 0)
+    sp = examples.stack_decoder(p)
+    got, rep, prep, ref = _equalized(examples.scanned_decoder_apply, sp, *x)
+    want = hlofold.fold_params(examples.scanned_decoder_apply, sp, *x, equalize=True)
+    assert len(rep.equalized) == len(want.equalized) == 2, str(rep)
+    for a, b in zip(sorted(rep.equalized, key=lambda e: e.spread_before),
+                    sorted(want.equalized, key=lambda e: e.spread_before)):
+        assert "each of its 2 layers its own scales" in a.location
+        assert a.spread_before == pytest.approx(b.spread_before, rel=1e-4)
+        assert a.spread_after == pytest.approx(b.spread_after, rel=1e-4)
+
+
+def test_a_loop_that_is_not_counted_is_left_with_the_reason():
+    """Layers in a ``while_loop`` whose trip count is an input (not a counted loop over
+    known stacks): not equalized, and the report says so, on both paths; the outputs stay
+    exact."""
+    from jax import lax
+    rng = np.random.default_rng(0)
+    p = {"k1": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32),
+         "k2": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32)}
+
+    def f(p, x):
+        def body(c):
+            i, h = c
+            return i + 1, h + jax.nn.relu(h @ p["k1"][i % 3]) @ p["k2"][i % 3]
+        return lax.while_loop(lambda c: c[0] < x.shape[0] + jnp.int32(x[0, 0] > 99), body,
+                              (jnp.int32(0), x))[1]
+    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    got, rep, prep, ref = _equalized(f, p, x)
+    assert rep.equalized == [], str(rep)
+    assert any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+    out = hlofold.fold_params(f, p, x, equalize=True)          # (the jaxpr path: the same)
+    assert out.equalized == [] and any("inside this while loop" in n.reason
+                                       for n in out.not_equalized), str(out)

@@ -181,12 +181,13 @@ def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+@pytest.mark.parametrize("rewrite", ["smooth"])
 def test_scanned_stack_is_left_with_the_reason(rewrite):
     """The built-in decoder as one scan over stacked layers: its layers are inside a
-    ``while`` on StableHLO, which this path does not pair (fold_params does, per layer:
-    tests/frontends/test_scan_pairs.py) — the report says so; the top-level pair (the final
-    norm -> head) is smoothed; the outputs stay exact."""
+    ``while`` on StableHLO, which this path does not smooth (fold_params does, per layer:
+    tests/frontends/test_scan_pairs.py; equalization does here: test_equalize.py) — the
+    report says so; the top-level pair (the final norm -> head) is smoothed; the outputs
+    stay exact."""
     f0, p, x, calib = smooth_case("decoder", 0)
     sp = examples.stack_decoder(p)
     leaves, tree = jax.tree.flatten(sp)
