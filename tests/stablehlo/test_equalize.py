@@ -302,3 +302,20 @@ def test_a_loop_that_is_not_counted_is_left_with_the_reason():
     out = hlofold.fold_params(f, p, x, equalize=True)          # (the jaxpr path: the same)
     assert out.equalized == [] and any("inside this while loop" in n.reason
                                        for n in out.not_equalized), str(out)
+
+
+def test_scanned_stack_with_constants_from_the_cli(tmp_path):
+    """The CLI on a module whose scanned stack's weights are constants (``jax.export`` of the
+    model with its parameters closed over): the loop's pairs equalized per layer."""
+    from tests.frontends.test_scan_pairs import cnn_stack
+    scanned, p, x = cnn_stack()
+    exp = jax.export.export(jax.jit(lambda x: scanned(p, x)))(x)
+    src, out, rpt = tmp_path / "m.mlir", tmp_path / "o.mlir", tmp_path / "r.json"
+    src.write_text(exp.mlir_module())
+    proc = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out),
+                           "--equalize", "--report", str(rpt)], capture_output=True,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    eq = json.loads(rpt.read_text())["equalized"]
+    assert len(eq) == 1 and "each of its 3 layers its own scales" in eq[0]["location"], eq
+    assert rel(scanned(p, x), module_callable(out.read_text())(x)[0]) <= EXACT
