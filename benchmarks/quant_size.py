@@ -3,8 +3,9 @@ and fold_stablehlo(params=, smooth=) on its jax.export module.
 
 ``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth,
 stablehlo, stablehlo+smooth; scan, scan+smooth: the same decoder as one scan over stacked
-layers, ``examples.scanned_decoder_apply``; one process each, so that the peak is the mode's
-own). Random weights made in code.
+layers, ``examples.scanned_decoder_apply``; stablehlo+scan, stablehlo+scan+equalize: that
+scan's module, folded, then equalized per layer of its loop; one process each, so that the
+peak is the mode's own). Random weights made in code.
 """
 import resource, time, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -26,7 +27,7 @@ t = jnp.asarray(np.random.default_rng(0).integers(0, 32000, (1, 16)))
 calib = [jnp.asarray(np.random.default_rng(k).integers(0, 32000, (1, 16))) for k in (1, 2)]
 f = examples.decoder_apply
 mode = sys.argv[1]
-if mode.startswith("scan"):            # one scan over the stacked layers
+if "scan" in mode:                     # one scan over the stacked layers
     p, f = examples.stack_decoder(p), examples.scanned_decoder_apply
 if mode.startswith("stablehlo"):       # the module takes the weights as arguments
     leaves, tree = jax.tree.flatten(p)
@@ -40,7 +41,8 @@ base = rss()
 print(f"{n/1e9:.3f} B params, {gib:.2f} GiB; peak RSS before {base:.2f} GiB", flush=True)
 modes = {"fold_params": {}, "rotate": {"rotate": True}, "smooth": {"smooth": calib},
          "rotate+smooth": {"rotate": True, "smooth": calib}, "stablehlo": {},
-         "stablehlo+smooth": {"smooth": calib}, "scan": {}, "scan+smooth": {"smooth": calib}}
+         "stablehlo+smooth": {"smooth": calib}, "scan": {}, "scan+smooth": {"smooth": calib},
+         "stablehlo+scan": {}, "stablehlo+scan+equalize": {"equalize": True}}
 start = now(); sampler = Sampled(); sampler.start()
 t0 = time.perf_counter()
 if mode.startswith("stablehlo"):
