@@ -17,10 +17,10 @@ from .. import _compat as C
 from .._core.equalize import EqualizedPair, NotEqualized, record
 from .._core.layer_pairs import merged
 from .._core.stacks import Restack
-from .build import STACK, int_constant, marked, unmark
+from .build import STACK, marked, unmark
 from .equalize import equalized_pairs
 from .ir import numpy_to_dense, op_name, owner_op, shape_of
-from .loops import Loop, layer_module, loop_form, rebuild_loop
+from .loops import Loop, layer_counters, layer_module, loop_form, rebuild_loop
 from .module import erase_unused, main_function
 from .patterns import Evaluator
 from .stacks import layer_constants
@@ -103,19 +103,10 @@ def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
             return None
         module, fop = built
         entry = fop.regions[0].blocks[0]
-        counters = []
-        with ir.InsertionPoint.at_block_begin(entry):
-            for k, (a, st) in loop.counters.items():
-                arg = entry.arguments[k]
-                c = int_constant(arg.type, a + layer * st)
-                arg.replace_all_uses_with(c)
-                counters.append((c, arg))
         given = {entry.arguments[k]: v for k, v in loop.known.items()}
         stacks = {entry.arguments[k]: w.operands[k] for k in loop.known}
-        called_rows = _rows_as_constants(fop, Evaluator(module, given), stacks, names)
-        for c, arg in counters:
-            c.replace_all_uses_with(arg)
-            c.owner.erase()
+        with layer_counters(fop, loop, layer):     # (the rows read at them: constants)
+            called_rows = _rows_as_constants(fop, Evaluator(module, given), stacks, names)
         ok, did, called, refused = equalized_pairs(fop, called_rows, loops=False)
         if layer == 0:
             if not ok:

@@ -9,6 +9,8 @@ number; :func:`row_of` reads one row of a stack (``hoist.py`` builds on these fo
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .. import _compat as C
@@ -189,6 +191,27 @@ def layer_module(w, loop: Loop, symbols: dict, ev: Evaluator):
         func_dialect.ReturnOp([mapping.get(ret.operands[k], ret.operands[k]) for k in carried])
     copy_callees(module, symbols)
     return module, fop
+
+
+@contextlib.contextmanager
+def layer_counters(fop, loop: Loop, layer: int):
+    """Within: the loop's counters are layer ``layer``'s constants in its layer module
+    ``fop`` (a value computed from a counter is not one from an argument: the scale read at
+    the counter and the activations share no lineage); the arguments again after."""
+    entry = fop.regions[0].blocks[0]
+    counters = []
+    with ir.InsertionPoint.at_block_begin(entry):
+        for k, (a, st) in loop.counters.items():
+            arg = entry.arguments[k]
+            c = int_constant(arg.type, a + layer * st)
+            arg.replace_all_uses_with(c)
+            counters.append((c, arg))
+    try:
+        yield
+    finally:
+        for c, arg in counters:
+            c.replace_all_uses_with(arg)
+            c.owner.erase()
 
 
 def copy_callees(module, symbols: dict) -> None:

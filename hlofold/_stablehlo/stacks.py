@@ -24,11 +24,11 @@ from .._core.reasons import Reason
 from .._core.report import FOLDED
 from .._core.stacks import Restack, first_difference, layer_records, layers_differ
 from . import blobs
-from .build import STACK, int_constant, marked
+from .build import STACK, marked
 from .ir import dense_to_numpy, op_name, parent_of
 from .hoist import hoist_prepared
-from .loops import (Loop, callees_changed, layer_module, loop_form, nested_constants,
-                    rebuild_loop, walk)
+from .loops import (Loop, callees_changed, layer_counters, layer_module, loop_form,
+                    nested_constants, rebuild_loop, walk)
 from .module import drop_uncalled_private, erase_unused
 from .patterns import Evaluator
 
@@ -140,21 +140,9 @@ def _fold_loop(w, loop: Loop, symbols: dict, ev: Evaluator, fold: Callable, stag
             return None
         module, fop = built
         entry = fop.regions[0].blocks[0]
-        # the counters as this layer's constants while it folds (a value computed from a
-        # counter is not one from an argument: the scale read at the counter and the
-        # activations share no lineage), the arguments again after
-        counters = []
-        with ir.InsertionPoint.at_block_begin(entry):
-            for k, (a, st) in loop.counters.items():
-                arg = entry.arguments[k]
-                c = int_constant(arg.type, a + layer * st)
-                arg.replace_all_uses_with(c)
-                counters.append((c, arg))
         given = {entry.arguments[k]: v for k, v in loop.known.items()}
-        recs = fold(module, given).sites
-        for c, arg in counters:
-            c.replace_all_uses_with(arg)
-            c.owner.erase()
+        with layer_counters(fop, loop, layer):     # (the counters this layer's constants)
+            recs = fold(module, given).sites
         if callees_changed(module, symbols):
             return None        # a fold inside a function the body calls: not restacked
         erase_unused([o for o in entry.operations][:-1])   # (the slices no fold reads)
