@@ -226,7 +226,8 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
         assert n == want[k][0] and all(np.array_equal(a, b) for a, b in zip(prep, want[k][1]))
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", [*range(4), *(pytest.param(s, marks=pytest.mark.slow)
+                                                for s in range(4, 8))])
 def test_generated_scanned_stacks_equalize_per_layer_as_on_the_jaxpr_path(seed):
     """decoder_program's layer scanned 1–4 deep (forward or reversed; unrolled by 2: two
     layers an iteration): the loop's layers are equalized one by one — the pairs of
