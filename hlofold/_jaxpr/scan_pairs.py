@@ -113,6 +113,9 @@ def calibration_run(closed, top: list[Found], scans: dict[int, tuple[object, lis
     up to the last equation it needs; the scans among them run by ``lax.scan`` over their
     bodies with those ends as outputs too."""
     hoisted, _ = C.hoist_consts(closed)
+    if not scans:          # (no scan to run with extra outputs: the equations as they are)
+        return jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
+                                                 [f.end for f in top])))
     made = {v: i for i, e in enumerate(hoisted.eqns) for v in e.outvars}
     last = max([*scans, *(made.get(f.end, -1) for f in top), -1])
 
