@@ -94,9 +94,7 @@ class _Group:
         one (a float32 weight cast to bfloat16): then every scale is a power of two, and
         the rescaled weights — and what the model computes from them — are exact."""
         return any(exact_in(leaves.dtype(k)) for f in self.found for k in f.pair.keys()) or \
-            any(exact_in(v.aval.dtype) for f in self.found
-                for v in (f.end, *f.eqn.outvars[:1]) if jnp.issubdtype(v.aval.dtype,
-                                                                       jnp.floating))
+            any(exact_in(v.aval.dtype) for f in self.found for v in (f.end, *f.eqn.outvars[:1]))
 
 
 def _groups(jaxpr, leaves: HostLeaves, norms: bool) -> tuple[list[_Group], list]:
@@ -159,8 +157,7 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
         if g.scan is not None:
             scans.setdefault(g.scan.index, (g.scan.body, []))[1].extend(g.found)
     top = [f for g in groups if g.scan is None for f in g.found]
-    run = calibration_run(closed, top, scans)     # (outputs in the order of ``groups``)
-    _, consts = C.hoist_consts(closed)
+    run, consts = calibration_run(closed, top, scans)   # (outputs in ``groups``' order)
     seen = [[[Observed() for _ in range(g.layers)] if g.layers else Observed()
              for _ in g.found] for g in groups]
     for args in calibration:
@@ -216,7 +213,7 @@ def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation
     if isinstance(s, str):
         return Rotation(s)
     low = [i for i in [*s.scales, *(j for j, _ in [s.embedding, *s.readers, *s.writers])]
-           if exact_in(leaves.dtype(i)) and jnp.issubdtype(leaves.dtype(i), jnp.floating)]
+           if exact_in(leaves.dtype(i))]
     if low:
         return Rotation(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation rounds "
                         f"every weight it touches in that dtype (not exact); rotate the "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from .channel_axes import each
@@ -144,9 +145,10 @@ def powers_of_two(s: np.ndarray) -> np.ndarray:
 
 
 def exact_in(dtype) -> bool:
-    """Whether rescaled weights of ``dtype`` round too coarsely for arbitrary scales (a
-    float of fewer than 32 bits: its scales are powers of two)."""
-    return np.dtype(dtype).itemsize < 4
+    """Whether ``dtype`` is a float of fewer than 32 bits (bfloat16, float16): rescaled by
+    arbitrary scales its values would round, so its scales are powers of two."""
+    dt = np.dtype(dtype)
+    return dt.itemsize < 4 and bool(jnp.issubdtype(dt, jnp.floating))
 
 
 def apply(values: dict, pair: Pair, s: np.ndarray) -> None:

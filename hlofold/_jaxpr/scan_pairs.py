@@ -106,16 +106,16 @@ def _why_not(keys: list[int], rows: set, outside: set) -> str | None:
 
 
 def calibration_run(closed, top: list[Found], scans: dict[int, tuple[object, list[Found]]]):
-    """A jitted ``run(*consts, *invars)`` (``closed``'s constants hoisted first, as
-    :func:`hlofold._compat.hoist_consts` gives them) returning what each pair's second
+    """A jitted ``run(*consts, *invars)`` and ``consts`` (``closed``'s constants, hoisted
+    as :func:`hlofold._compat.hoist_consts` gives them), ``run`` returning what each pair's second
     layers read: the values of ``top``'s ends, then for each scan of ``scans`` (its index
     -> its body and pairs, in order) its pairs' ends, one row per layer. The program runs
     up to the last equation it needs; the scans among them run by ``lax.scan`` over their
     bodies with those ends as outputs too."""
-    hoisted, _ = C.hoist_consts(closed)
+    hoisted, consts = C.hoist_consts(closed)
     if not scans:          # (no scan to run with extra outputs: the equations as they are)
         return jax.jit(C.jaxpr_as_fun(C.jaxpr_of(hoisted.invars, hoisted.eqns,
-                                                 [f.end for f in top])))
+                                                 [f.end for f in top]))), consts
     made = {v: i for i, e in enumerate(hoisted.eqns) for v in e.outvars}
     last = max([*scans, *(made.get(f.end, -1) for f in top), -1])
 
@@ -132,7 +132,7 @@ def calibration_run(closed, top: list[Found], scans: dict[int, tuple[object, lis
                 outs = C.bind_eqn(e, vals)
             env.update(zip(e.outvars, outs))
         return [*(read(f.end) for f in top), *rows]
-    return jax.jit(run)
+    return jax.jit(run), consts
 
 
 def _tapped_scan(eqn, body, found: list[Found], vals: list) -> tuple[list, list]:

@@ -93,7 +93,7 @@ def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
     """``(records, refusals)`` of ``w``'s layers equalized and the loop rebuilt; or None
     (no pair in its first layer, an unknown value read from outside the loop, or layers
     whose bodies differ: the loop is left as it was)."""
-    stack, first, done, where_ = Restack(loop.length), None, [], ""
+    stack, first, done = Restack(loop.length), None, []
     suffix = (f" (in a scanned stack: each of its {loop.length} layers its own scales)"
               if _one_row(w, loop) else f" (in a scanned stack: each of its {loop.length} "
               f"iterations, several layers each, its own scales)")
@@ -112,7 +112,6 @@ def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
             if not ok:
                 return None
             first_pairs, first_called, left = ok, called, refused
-            where_ = [f.location for f in ok]
         elif len(ok) != len(first_pairs):
             return None                       # (the layers pair differently)
         done.append(did)
@@ -129,7 +128,7 @@ def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
         d = merged([layer_done[j] for layer_done in done])
         recs.append(record(d, first_called[f.pair.first],
                            [first_called[s.key] for s in f.pair.seconds],
-                           [first_called[b] for b, _ in f.pair.biases], where_[j] + suffix,
+                           [first_called[b] for b, _ in f.pair.biases], f.location + suffix,
                            "equalized"))
     return recs, [NotEqualized(n.kernel, n.location + f" (in a scanned stack of "
                                f"{loop.length} layers)", n.reason) for n in left]
