@@ -3,9 +3,9 @@ and fold_stablehlo(params=, smooth=) on its jax.export module.
 
 ``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth,
 stablehlo, stablehlo+smooth; scan, scan+smooth: the same decoder as one scan over stacked
-layers, ``examples.scanned_decoder_apply``; stablehlo+scan, stablehlo+scan+equalize: that
-scan's module, folded, then equalized per layer of its loop; one process each, so that the
-peak is the mode's own). Random weights made in code.
+layers, ``examples.scanned_decoder_apply``; stablehlo+scan, stablehlo+scan+equalize,
+stablehlo+scan+smooth: that scan's module, folded, then equalized or smoothed per layer of its
+loop; one process each, so that the peak is the mode's own). Random weights made in code.
 """
 import resource, time, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -42,7 +42,8 @@ print(f"{n/1e9:.3f} B params, {gib:.2f} GiB; peak RSS before {base:.2f} GiB", fl
 modes = {"fold_params": {}, "rotate": {"rotate": True}, "smooth": {"smooth": calib},
          "rotate+smooth": {"rotate": True, "smooth": calib}, "stablehlo": {},
          "stablehlo+smooth": {"smooth": calib}, "scan": {}, "scan+smooth": {"smooth": calib},
-         "stablehlo+scan": {}, "stablehlo+scan+equalize": {"equalize": True}}
+         "stablehlo+scan": {}, "stablehlo+scan+equalize": {"equalize": True},
+         "stablehlo+scan+smooth": {"smooth": calib}}
 start = now(); sampler = Sampled(); sampler.start()
 t0 = time.perf_counter()
 if mode.startswith("stablehlo"):

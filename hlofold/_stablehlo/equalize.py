@@ -13,6 +13,8 @@ multiply, as the norm's γ was. The function computes the same outputs (the call
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import _compat as C
@@ -132,14 +134,23 @@ def equalized_pairs(func, names: dict, loops: bool = True) -> tuple[list, list, 
     return ok, done, called, left
 
 
-def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
-                    ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
-    """SmoothQuant's scales ``s_j = max|X_j|^α / max|W_j|^(1−α)`` moved into the module's
-    ``@main``: each pair's first layer divided (or, after a norm, a ``·(1/s)`` put there),
-    its second layers' input rows multiplied. ``calibration``: argument lists of the
-    function's remaining (not bound) arguments; ``hoist``: the weights' hoisting
-    (``_stablehlo.weights``), used on a copy to run it."""
-    func = main_function(module)
+@dataclasses.dataclass
+class Sites:
+    """What smoothing a function reads: its pairs and norm sites in program order (as
+    ``fold_params`` takes them), the weights they name and their values, what the weights
+    are called, and what was left (with the reasons)."""
+
+    every: list
+    sites: list
+    weights: dict
+    values: dict
+    called: dict
+    left: list
+
+
+def smoothing_sites(func, names: dict, loops: bool = True) -> Sites:
+    """The pairs of ``func`` to smooth (``loops``: the layers of its loops among those
+    left)."""
     found, refused, weights = find_pairs(func)
     values, ok = _readable(found, refused, weights)
     sites = norm_sites(func, weights, {s.key for f in ok for s in f.pair.seconds})
@@ -147,21 +158,27 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
         values.update({s.key: dense_to_numpy(weights[s.key].const.attributes["value"],
                                              copy=False) for s in f.pair.seconds})
         values[f.pair.first] = np.ones(shape_of(f.end)[f.end_axis], np.float32)
-    left = _left(func, refused, weights, names)
+    left = _left(func, refused, weights, names) if loops else \
+        _left_starts(refused, weights, names)
     order = {op: i for i, op in enumerate(func.regions[0].blocks[0].operations)}
     every = sorted(ok + sites, key=lambda f: order[f.op])   # (program order: as fold_params)
     for f in every:
         f.location = where(f.op)
-    if not every:
-        return [], left
-    seen = _calibrate(module, func, every, calibration, hoist)
-    called = {k: _name(w, names) for k, w in weights.items()}
+    called = {k: _name(w, names) for k, w in weights.items()}      # (before a write)
     called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
-    # each pair's constants written as it is done (no float64 copy of the model held)
-    new, done = smooth(values, [f.pair for f in every], seen, alpha,
+    return Sites(every, sites, weights, values, called, left)
+
+
+def apply_smoothing(s: Sites, seen: list[Observed], alpha: float) -> list:
+    """SmoothQuant's scales from what the calibration saw (``seen``, one per pair of
+    ``s.every``) written into the function: each pair's constants as it is done (no float64
+    copy of the model held), a ``·(1/s)`` multiply where a norm's output is read. Returns
+    what was done to each pair."""
+    weights, values = s.weights, s.values
+    new, done = smooth(values, [f.pair for f in s.every], seen, alpha,
                        store=lambda k, v: _write_one(weights, k, v.astype(values[k].dtype)),
-                       pow2=_pow2(every, weights, values))
-    for f in sites:                  # ·(1/s) where the norm's output is read
+                       pow2=_pow2(s.every, weights, values))
+    for f in s.sites:                  # ·(1/s) where the norm's output is read
         v, producer = f.end, owner_op(f.end)
         readers = [u.owner for u in v.uses]
         with ir.InsertionPoint(producer):
@@ -173,55 +190,89 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
             for i, o in enumerate(r.operands):
                 if o == v:
                     r.operands[i] = mul.result
-    return _records(every, done, called, "smoothed"), left
+    return done
 
 
-def _calibrate(module, func, found, calibration, hoist) -> list[Observed]:
-    """Per pair, the largest ``|value|`` per channel its second layers read, over the
-    calibration inputs: a copy of the module returns those values too, its weights hoisted
-    (no large constant is printed), and JAX runs it."""
-    from .artifacts import module_callable
+def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
+                    ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
+    """SmoothQuant's scales ``s_j = max|X_j|^α / max|W_j|^(1−α)`` moved into the module's
+    ``@main``: each pair's first layer divided (or, after a norm, a ``·(1/s)`` put there),
+    its second layers' input rows multiplied. ``calibration``: argument lists of the
+    function's remaining (not bound) arguments; ``hoist``: the weights' hoisting
+    (``_stablehlo.weights``), used on a copy to run it."""
+    func = main_function(module)
+    s = smoothing_sites(func, names)
+    if not s.every:
+        return [], s.left
+    seen = [Observed() for _ in s.every]
+    for got in watched_runs(module, func, [f.end for f in s.every], calibration, hoist):
+        for f, x, o in zip(s.every, got, seen):
+            o.add(x, f.end_axis)
+    done = apply_smoothing(s, seen, alpha)
+    return _records(s.every, done, s.called, "smoothed"), s.left
+
+
+def returning_also(fop, values: list) -> None:
+    """``fop`` returns ``values`` (of its body) after what it returns."""
+    ret = list(fop.regions[0].blocks[0].operations)[-1]
+    with ir.InsertionPoint(ret):
+        func_dialect.ReturnOp(list(ret.operands) + list(values))
+    ret.erase()
+    ftype = ir.FunctionType(ir.TypeAttr(fop.attributes["function_type"]).value)
+    fop.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        list(ftype.inputs), list(ftype.results) + [v.type for v in values]))
+    if "res_attrs" in fop.attributes:
+        fop.attributes["res_attrs"] = ir.ArrayAttr.get(
+            list(ir.ArrayAttr(fop.attributes["res_attrs"])) +
+            [ir.DictAttr.get({})] * len(values))
+
+
+def watching_copy(module, func, watch: list):
+    """A copy of ``module`` whose ``func`` (found by name) also returns the values ``watch``
+    (of ``func``'s top block: op results or its arguments): ``(copy, its func)``."""
     block = func.regions[0].blocks[0]
     index = {op: i for i, op in enumerate(block.operations)}
-    where_ = [(index[owner_op(f.end)], ir.OpResult(f.end).result_number) for f in found]
+    at = [("arg", ir.BlockArgument(v).arg_number) if owner_op(v) is None else
+          (index[owner_op(v)], ir.OpResult(v).result_number) for v in watch]
+    name = ir.StringAttr(func.attributes["sym_name"]).value
     copy = module.operation.clone()
     cfunc = next(op for op in copy.regions[0].blocks[0].operations
                  if op_name(op) == "func.func" and
-                 ir.StringAttr(op.attributes["sym_name"]).value == "main")
-    ops = list(cfunc.regions[0].blocks[0].operations)
-    watch = [ops[i].results[j] for i, j in where_]
-    ret = ops[-1]
-    with ir.InsertionPoint(ret):
-        func_dialect.ReturnOp(list(ret.operands) + watch)
-    ret.erase()
-    ftype = ir.FunctionType(ir.TypeAttr(cfunc.attributes["function_type"]).value)
-    cfunc.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
-        list(ftype.inputs), list(ftype.results) + [w.type for w in watch]))
-    if "res_attrs" in cfunc.attributes:
-        cfunc.attributes["res_attrs"] = ir.ArrayAttr.get(
-            list(ir.ArrayAttr(cfunc.attributes["res_attrs"])) +
-            [ir.DictAttr.get({})] * len(watch))
+                 ir.StringAttr(op.attributes["sym_name"]).value == name)
+    cblock = cfunc.regions[0].blocks[0]
+    ops = list(cblock.operations)
+    returning_also(cfunc, [cblock.arguments[j] if i == "arg" else ops[i].results[j]
+                           for i, j in at])
+    return copy, cfunc
+
+
+def watched_runs(module, func, watch: list, calibration: list, hoist):
+    """For each calibration input (the function's remaining arguments), the values
+    ``watch`` take: a copy of the module returns them too, its weights hoisted (no large
+    constant is printed), and JAX runs it."""
+    from .artifacts import module_callable
+    copy, cfunc = watching_copy(module, func, watch)
     prepared = hoist(cfunc, copy=False)
     run = module_callable(str(copy))
-    seen = [Observed() for _ in found]
     for args in calibration:
-        for f, x, o in zip(found, run(*args, *prepared)[-len(found):], seen):
-            o.add(x, f.end_axis)
-    return seen
+        out = run(*args, *prepared)
+        yield [np.asarray(x) for x in out[len(out) - len(watch):]]
 
 
 def quantization_ready(module, report, names: dict, equalize: bool, smooth, alpha: float,
                        hoist) -> None:
     """``equalize=`` then ``smooth=`` on the module's ``@main`` (its weights constants, the
-    fold done), their records added to ``report``: equalization in its scanned stacks too
-    (:mod:`.loop_pairs`, per layer), smoothing at its top level."""
+    fold done), their records added to ``report``: in its scanned stacks too
+    (:mod:`.loop_pairs`, per layer)."""
+    from .loop_pairs import equalize_loops, smooth_loops, unmark_loops  # (built on this one)
     if equalize:
-        from .loop_pairs import equalize_loops, unmark_loops     # (it builds on this module)
         recs, left = equalize_loops(module, names)
         top, top_left = equalize_function(main_function(module), names)
         unmark_loops(module)
         report.equalized, report.not_equalized = top + recs, top_left + left
     if smooth is not None:
-        done, left = smooth_function(module, names, smooth, alpha, hoist)
-        report.equalized += done
-        report.not_equalized += [n for n in left if n not in report.not_equalized]
+        recs, left = smooth_loops(module, names, smooth, alpha, hoist)
+        done, top_left = smooth_function(module, names, smooth, alpha, hoist)
+        unmark_loops(module)
+        report.equalized += done + recs
+        report.not_equalized += [n for n in top_left + left if n not in report.not_equalized]

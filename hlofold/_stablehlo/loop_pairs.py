@@ -1,29 +1,36 @@
-"""Cross-layer equalization inside scanned layer stacks on the StableHLO path: the twin of
-``fold_params(..., equalize=True)`` on a scan (:mod:`hlofold._core.layer_pairs`).
+"""Cross-layer equalization and smoothing inside scanned layer stacks on the StableHLO path:
+the twin of ``fold_params(..., equalize=True / smooth=)`` on a scan
+(:mod:`hlofold._core.layer_pairs`).
 
 A scan over stacked weights is a counted ``stablehlo.while`` whose loop-invariant operands are
 the stacks, each layer reading its row through ``dynamic_slice`` at the counter
 (:func:`~hlofold._stablehlo.loops.loop_form`). Each layer's body is made a module of its own
 (:func:`~hlofold._stablehlo.loops.layer_module`, the counters that layer's constants), the
 rows it reads of the known stacks become constants there, and the body's pairs are equalized
-as a function's are (:func:`~hlofold._stablehlo.equalize.equalized_pairs`: each layer its own
-scales, from its own rows). The layers' constants are restacked (``_core.stacks.Restack``) and
-the loop rebuilt to read them at the iteration number, as the scanned-stack fold does; one
-record per pair, merged over the layers by the core (``layer_pairs.merged``).
+or smoothed as a function's are (:mod:`hlofold._stablehlo.equalize`: each layer its own
+scales, from its own rows and, to smooth, its own activations — the calibration inputs run
+up to the loop, then through each layer's module in turn, :class:`_LayerSmoothing`). The
+layers' constants are restacked (``_core.stacks.Restack``) and the loop rebuilt to read them
+at the iteration number, as the scanned-stack fold does; one record per pair, merged over
+the layers by the core (``layer_pairs.merged``).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .. import _compat as C
-from .._core.equalize import EqualizedPair, NotEqualized, record
+from .._core.equalize import EqualizedPair, NotEqualized, Observed, record
 from .._core.layer_pairs import merged
 from .._core.stacks import Restack
 from .build import STACK, marked, unmark
-from .equalize import equalized_pairs
-from .ir import numpy_to_dense, op_name, owner_op, shape_of
+from .equalize import (apply_smoothing, equalized_pairs, smoothing_sites, watched_runs,
+                       watching_copy)
+from .ir import element_dtype, numpy_to_dense, op_name, owner_op, shape_of
 from .loops import Loop, layer_counters, layer_module, loop_form, rebuild_loop
 from .module import erase_unused, main_function
 from .patterns import Evaluator
 from .stacks import layer_constants
+from .weights import set_arguments
 
 ir, stablehlo, _ = C.mlir()
 
@@ -90,9 +97,16 @@ def _one_row(w, loop: Loop) -> bool:
 
 
 def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
-    """``(records, refusals)`` of ``w``'s layers equalized and the loop rebuilt; or None
-    (no pair in its first layer, an unknown value read from outside the loop, or layers
-    whose bodies differ: the loop is left as it was)."""
+    return _per_layer(w, loop, symbols, ev, names, "equalized",
+                      lambda layer, module, fop, rows: equalized_pairs(fop, rows, loops=False))
+
+
+def _per_layer(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict, kind: str, rewrite):
+    """``(records, refusals)`` of ``w``'s layers rewritten one by one and the loop rebuilt;
+    or None (no pair in its first layer, an unknown value read from outside the loop, or
+    layers whose bodies differ: the loop is left as it was). ``rewrite(layer, module, fop,
+    what its rows are called)`` rewrites one layer's module: ``(pairs, what was done to
+    each, what the weights are called, what was left)``."""
     stack, first, done = Restack(loop.length), None, []
     suffix = (f" (in a scanned stack: each of its {loop.length} layers its own scales)"
               if _one_row(w, loop) else f" (in a scanned stack: each of its {loop.length} "
@@ -107,7 +121,7 @@ def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
         stacks = {entry.arguments[k]: w.operands[k] for k in loop.known}
         with layer_counters(fop, loop, layer):     # (the rows read at them: constants)
             called_rows = _rows_as_constants(fop, Evaluator(module, given), stacks, names)
-        ok, did, called, refused = equalized_pairs(fop, called_rows, loops=False)
+        ok, did, called, refused = rewrite(layer, module, fop, called_rows)
         if layer == 0:
             if not ok:
                 return None
@@ -129,6 +143,93 @@ def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
         recs.append(record(d, first_called[f.pair.first],
                            [first_called[s.key] for s in f.pair.seconds],
                            [first_called[b] for b, _ in f.pair.biases], f.location + suffix,
-                           "equalized"))
+                           kind))
     return recs, [NotEqualized(n.kernel, n.location + f" (in a scanned stack of "
                                f"{loop.length} layers)", n.reason) for n in left]
+
+
+# ------------------------------------------------------------------------------ smoothing
+
+def smooth_loops(module, names: dict, calibration: list, alpha: float, hoist
+                 ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
+    """Smooth the layers of every counted loop over known stacks at ``@main``'s top level,
+    each layer with its own scales from its own activations: the calibration inputs are run
+    up to the loops (their operands returned), then each layer's module from what the one
+    before it returned (the values its pairs' second layers read returned too). Marks the
+    loops done as :func:`equalize_loops` does."""
+    symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
+               for op in module.body.operations if op_name(op) == "func.func"}
+    func = main_function(module)
+    ev = Evaluator(module)
+    loops = []
+    for w in [o for o in func.regions[0].blocks[0].operations
+              if op_name(o) == "stablehlo.while" and not marked(o, STACK)]:
+        loop = loop_form(w, ev, symbols)
+        if isinstance(loop, Loop):
+            loops.append((w, loop, [k for k in range(len(w.operands))
+                                    if k not in loop.known and k not in loop.counters]))
+    if not loops:
+        return [], []
+    watch = [w.operands[k] for w, _, ks in loops for k in ks]
+    runs = list(watched_runs(module, func, watch, calibration, hoist))   # (before a change)
+    recs, left, at = [], [], 0
+    for w, loop, ks in loops:
+        states = [dict(zip(ks, got[at:at + len(ks)])) for got in runs]
+        at += len(ks)
+        layer = _LayerSmoothing(loop, states, alpha, hoist, names)
+        got = _per_layer(w, loop, symbols, ev, names, "smoothed", layer)
+        if got is not None:
+            ev.memo.clear()
+            recs += got[0]
+            left += got[1]
+    return recs, left
+
+
+class _LayerSmoothing:
+    """One loop's layers smoothed in turn: each layer's module run on the calibration
+    inputs' states (the loop's operands as that layer receives them), its pairs smoothed
+    from what their second layers read; the states advanced to what it returns. The modules
+    run differ in their hoisted rows only, and compile once."""
+
+    def __init__(self, loop: Loop, states: list, alpha: float, hoist, names: dict):
+        self.loop, self.states, self.alpha, self.hoist = loop, states, alpha, hoist
+        self.names, self.compiled = names, {}
+
+    def __call__(self, layer: int, module, fop, called_rows):
+        s = smoothing_sites(fop, called_rows, loops=False)
+        seen = self._run(layer, module, fop, s.every)   # (every layer: the states advance)
+        done = apply_smoothing(s, seen, self.alpha) if s.every else []
+        return s.every, done, s.called, s.left
+
+    def _run(self, layer: int, module, fop, found: list) -> list[Observed]:
+        """Run layer ``layer``'s module on each state: what the second layers of ``found``
+        read, per channel; the states advanced."""
+        from .artifacts import module_callable
+        copy, cfunc = watching_copy(module, fop, [f.end for f in found])
+        block = cfunc.regions[0].blocks[0]
+        kept = [k for k, a in enumerate(block.arguments) if next(iter(a.uses), None)]
+        types = {k: block.arguments[k].type for k in kept}
+        set_arguments(cfunc, kept)
+        prepared = self.hoist(cfunc, copy=False)
+        text = str(copy)
+        run = self.compiled.get(text) or self.compiled.setdefault(text, module_callable(text))
+        loop = self.loop
+        carried = [k for k in range(len(fop.regions[0].blocks[0].arguments))
+                   if k not in loop.invariant]
+        seen = [Observed() for _ in found]
+        for state in self.states:
+            args = []
+            for k in kept:
+                if k in loop.counters:
+                    start, step = loop.counters[k]
+                    args.append(np.asarray(start + layer * step, element_dtype(
+                        ir.RankedTensorType(types[k]).element_type)))
+                else:
+                    args.append(loop.known[k] if k in loop.known else state[k])
+            out = run(*args, *prepared)
+            for k, x in zip(carried, out[:len(carried)]):
+                if k not in loop.counters:
+                    state[k] = x
+            for f, x, o in zip(found, out[len(carried):], seen):
+                o.add(np.asarray(x), f.end_axis)
+        return seen

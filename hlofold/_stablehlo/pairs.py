@@ -255,10 +255,9 @@ def where(op) -> str:
     return f"{layer(op)} ({os.path.basename(file)}:{line})" if file else layer(op)
 
 
-LOOP_LAYERS = ("{n} convolution/dot op(s) inside this loop (a scanned layer stack) are not "
-               "paired: on StableHLO equalization reads the layers of a counted loop over "
-               "known stacks, smoothing a function's top level; fold_params(..., "
-               "equalize=True or smooth=) pairs each scanned layer with its own scales")
+LOOP_LAYERS = ("{n} convolution/dot op(s) inside this loop are not paired: equalization and "
+               "smoothing read the layers of a counted loop over known stacks (a scan over "
+               "stacked weights, each layer with its own scales), which this loop is not")
 
 
 def loop_layers(func) -> list:

@@ -181,26 +181,122 @@ def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("rewrite", ["smooth"])
-def test_scanned_stack_is_left_with_the_reason(rewrite):
-    """The built-in decoder as one scan over stacked layers: its layers are inside a
-    ``while`` on StableHLO, which this path does not smooth (fold_params does, per layer:
-    tests/frontends/test_scan_pairs.py; equalization does here: test_equalize.py) — the
-    report says so; the top-level pair (the final norm -> head) is smoothed; the outputs
-    stay exact."""
+def _scale_ranges_match(rep, want, unroll: int = 1):
+    """The per-layer pairs of a scanned stack; one layer an iteration (``unroll``), for each
+    pair ``fold_params(smooth=)`` smooths there, one with its scales in the same range —
+    where the first side adds no bias (a norm's β: the jaxpr path measures the norm's output
+    after it, this one before, where the fold left the norm; both exact, the scales not the
+    same)."""
+    got = [e for e in rep.equalized if "scanned stack" in e.location]
+    exp = [e for e in want.equalized if "scanned stack" in e.location]
+    if unroll == 1:
+        for e in (e for e in exp if not e.biases):
+            assert any(len(g.seconds) == len(e.seconds) and
+                       g.scale_range == pytest.approx(e.scale_range, rel=1e-4)
+                       for g in got), (e, str(rep))
+    return got
+
+
+def test_builtin_scanned_decoder_smooths_each_layer_as_on_the_jaxpr_path():
+    """The built-in decoder as one scan over stacked layers (a counted ``while`` on
+    StableHLO): each layer smoothed with its own scales from its own activations — the
+    calibration runs the module up to the loop, then each layer's body from what the one
+    before returned — the pairs, scales and channel spreads of ``fold_params(smooth=)`` on
+    the same scan, each layer's norm scale the γ row it writes; the outputs exact."""
     f0, p, x, calib = smooth_case("decoder", 0)
     sp = examples.stack_decoder(p)
-    leaves, tree = jax.tree.flatten(sp)
-    g = jax.jit(lambda *a: examples.scanned_decoder_apply(jax.tree.unflatten(tree, a[:-1]),
-                                                           a[-1]))
-    exp = jax.export.export(g)(*leaves, *x)
-    kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
-    got, rep, prep = hlofold.fold_stablehlo(
-        exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
-    assert len(rep.equalized) == (rewrite == "smooth"), str(rep)
-    loops = [n for n in rep.not_equalized if "inside this loop" in n.reason]
-    assert len(loops) == 1 and "fold_params" in loops[0].reason, str(rep)
-    assert rel(g(*leaves, *x), got.call(*x, *prep)) <= EXACT
+    rep, prep, _ = _smoothed(examples.scanned_decoder_apply, sp, x, calib)
+    want = hlofold.fold_params(examples.scanned_decoder_apply, sp, *x, smooth=calib)
+    got = _scale_ranges_match(rep, want)
+    assert len(got) == 4 and len(rep.equalized) == len(want.equalized) == 5, str(rep)
+    assert all("each of its 2 layers its own scales" in e.location for e in got)
+    assert not any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+    layers = [sorted((e for e in r.equalized if not e.first.startswith(("the norm", "['"))
+                     or "norm" not in e.first), key=lambda e: e.spread_before)
+              for r in (rep, want)]
+    for a, b in zip(*layers):               # (v -> o, up -> down: the same kernels)
+        assert a.spread_after == pytest.approx(b.spread_after, rel=1e-4)
+    for name in ("attn_norm", "mlp_norm"):        # (2, d): each layer's 1/s, stacked
+        w = np.asarray(want.params["layers"][name])
+        assert any(np.shape(a) == w.shape and np.allclose(a, w, rtol=1e-4, atol=1e-6)
+                   for a in prep), name
+
+
+@pytest.mark.parametrize("seed", [*range(4), *(pytest.param(s, marks=pytest.mark.slow)
+                                                for s in range(4, 8))])
+def test_generated_scanned_stacks_smooth_per_layer_as_on_the_jaxpr_path(seed):
+    """decoder_program's layer scanned 1–4 deep (forward or reversed; unrolled by 2: two
+    layers an iteration): each layer smoothed from its own activations, the pairs (and, one
+    layer an iteration, the scales) of fold_params(smooth=) on the same scan; exact."""
+    from tests.helpers.pair_programs import scanned_decoder_program
+    rng = np.random.default_rng(seed)
+    layers, unroll = [(1, 1), (2, 1), (3, 1), (4, 2)][seed % 4]
+    fn, sp, _, _, x, calib, _ = scanned_decoder_program(seed, layers, bool(rng.integers(2)),
+                                                        unroll)
+    rep, _, _ = _smoothed(fn, sp, (x,), calib)
+    want = hlofold.fold_params(fn, sp, x, smooth=calib)
+    more = sum(s == "add_const" for s in fn.stops)     # (a folded bias here: see above)
+    exp = [e for e in want.equalized if "scanned stack" in e.location]
+    got = _scale_ranges_match(rep, want, unroll)
+    if unroll == 1:
+        assert len(got) == len(exp) + more, (str(rep), str(want))
+    else:    # (two layers an iteration: the fold leaves some of the second's norms as they
+        # are — "normalizations no conv/dense reaches" — and their sites with them)
+        assert len(exp) + more <= len(got) <= (len(exp) + more) * unroll, str(rep)
+    assert not any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+
+
+def test_a_loop_that_is_not_counted_is_not_smoothed_on_either_path():
+    """Layers in a ``while_loop`` whose trip count is an input: left, with the reason, on
+    both paths; the outputs exact."""
+    from jax import lax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    p = {"k1": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32),
+         "k2": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32)}
+
+    def f(p, x):
+        def body(c):
+            i, h = c
+            return i + 1, h + jax.nn.relu(h @ p["k1"][i % 3]) @ p["k2"][i % 3]
+        return lax.while_loop(lambda c: c[0] < x.shape[0] + jnp.int32(x[0, 0] > 99), body,
+                              (jnp.int32(0), x))[1]
+    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    rep, _, _ = _smoothed(f, p, (x,), [[x], [2 * x]])
+    assert rep.equalized == [], str(rep)
+    assert any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+    out = hlofold.fold_params(f, p, x, smooth=[x, 2 * x])
+    assert out.equalized == [] and any("inside this while loop" in n.reason
+                                       for n in out.not_equalized), str(out)
+
+
+def test_scanned_cnn_stack_smoothed_from_the_cli(tmp_path):
+    """The CLI on a module whose scanned stack's weights are constants: conv1 → ReLU →
+    conv2 of each layer smoothed from that layer's activations (``--smooth`` inputs), as
+    fold_params(smooth=) does; the output module exact."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from hlofold._stablehlo.artifacts import module_callable
+    from tests.frontends.test_scan_pairs import cnn_stack
+    scanned, p, x = cnn_stack()
+    exp = jax.export.export(jax.jit(lambda x: scanned(p, x)))(x)
+    src, out, rpt, c = (tmp_path / k for k in ("m.mlir", "o.mlir", "r.json", "c.npz"))
+    src.write_text(exp.mlir_module())
+    calib = [np.asarray(x), np.asarray(x) * 3 + 1]
+    np.savez(c, arg0=np.stack(calib))
+    proc = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out),
+                           "--smooth", str(c), "--report", str(rpt)], capture_output=True,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    sm = json.loads(rpt.read_text())["equalized"]
+    want = hlofold.fold_params(scanned, p, x, smooth=calib)
+    assert len(sm) == len(want.equalized) == 1, (sm, str(want))
+    assert "each of its 3 layers its own scales" in sm[0]["location"], sm
+    assert sm[0]["scale_range"] == pytest.approx(list(want.equalized[0].scale_range),
+                                                 rel=1e-4)
+    assert rel(scanned(p, x), module_callable(out.read_text())(x)[0]) <= EXACT
 
 
 @pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
