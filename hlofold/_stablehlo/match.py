@@ -222,7 +222,7 @@ class ChainWalker:
 
     def _lineage(self, value) -> int:
         """The block arguments ``value`` is computed from (bits from bit 1 on; an argument's
-        own bit is given at its first read) and whether from a root's output (bit 0): the
+        own bit is given at its first read; one whose value is bound, none) and whether from a root's output (bit 0): the
         sweep's, or walked iteratively for a value added since (each value once, through the
         ops' region reads too)."""
         lineage = self.lineage
@@ -230,6 +230,9 @@ class ChainWalker:
         if got is not None:
             return got
         if isinstance(value, ir.BlockArgument):
+            if value in self.eval.bound:     # (a known weight, as a constant: links nothing —
+                got = lineage[value] = 0     # an unrolled scan's layers read one stack)
+                return got
             got = lineage[value] = 2 << self.n_args
             self.n_args += 1
             return got

@@ -238,11 +238,7 @@ def test_generated_scanned_stacks_smooth_per_layer_as_on_the_jaxpr_path(seed):
     more = sum(s == "add_const" for s in fn.stops)     # (a folded bias here: see above)
     exp = [e for e in want.equalized if "scanned stack" in e.location]
     got = _scale_ranges_match(rep, want, unroll)
-    if unroll == 1:
-        assert len(got) == len(exp) + more, (str(rep), str(want))
-    else:    # (two layers an iteration: the fold leaves some of the second's norms as they
-        # are — "normalizations no conv/dense reaches" — and their sites with them)
-        assert len(exp) + more <= len(got) <= (len(exp) + more) * unroll, str(rep)
+    assert len(got) == (len(exp) + more) * unroll, (str(rep), str(want))
     assert not any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
 
 

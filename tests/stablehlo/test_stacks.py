@@ -125,6 +125,41 @@ def test_maxtext_style_scanned_decoder_folds_every_norm_on_both_paths():
     assert_close(exp.call(params, x), new.call(x, *prepared))
 
 
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_an_unrolled_scans_later_layers_fold_their_norms_too(unroll):
+    """A decoder scanned with ``unroll`` (4 layers: ``unroll`` a loop iteration, each reading
+    its rows of one block of the stacks): every layer's norms fold as the first's — the
+    stacks bound are known weights, which link no layer to the next (the later layers'
+    activations are computed from the first's γ rows, read from the same stacks: not an
+    activation's statistic) — as many folds as the loop unrolled by 1, and the same
+    outputs."""
+    from jax import lax
+    rng = np.random.default_rng(3)
+    d, n = 16, 4
+    p = {"g": jnp.asarray(rng.uniform(0.5, 2, (n, d)), jnp.float32),
+         "w": jnp.asarray(rng.standard_normal((n, d, d)) / 4, jnp.float32),
+         "g2": jnp.asarray(rng.uniform(0.5, 2, (n, d)), jnp.float32),
+         "up": jnp.asarray(rng.standard_normal((n, d, 2 * d)) / 4, jnp.float32)}
+
+    def norm(x, g):
+        return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+    def layer(x, lp):
+        x = x + norm(x, lp["g"]) @ lp["w"]
+        return x + (jax.nn.relu(norm(x, lp["g2"]) @ lp["up"]))[..., :d], None
+    x = jnp.asarray(rng.standard_normal((2, 5, d)), jnp.float32)
+    counts = []
+    for u in (1, unroll):
+        f = jax.jit(lambda p, x, u=u: lax.scan(layer, x, p, unroll=u)[0])
+        exp = jax.export.export(f)(p, x)
+        new, rep, prepared = hlofold.fold_stablehlo(exp, params=_bound(p))
+        counts.append(sum(s.layers or 1 for s in rep.folded))
+        assert_close(f(p, x), new.call(x, *prepared))
+        for body in loop_bodies(new.mlir_module()):
+            assert body.count("stablehlo.multiply") == 4 * min(u, n), (u, body)  # x·r, x·x
+    assert counts == [2 * n, 2 * n], counts
+
+
 def test_the_fori_loop_form_folds_per_layer():
     f, p, x = fori_stack(4)
     text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
