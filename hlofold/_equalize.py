@@ -20,6 +20,7 @@ from . import _compat as C
 from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha, equalize,
                              exact_in,
                              record, smooth)
+from ._core.channel_axes import Mapped
 from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_all
@@ -137,6 +138,8 @@ def equalize_leaves(jaxpr, leaves: HostLeaves, paths: list[str]
 
 def _shifted(axis):
     """A body value's channel axis in its rows stacked over the layers."""
+    if isinstance(axis, Mapped):
+        return axis.shifted(1)
     return tuple(a + 1 for a in axis) if isinstance(axis, tuple) else axis + 1
 
 

@@ -29,7 +29,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from .channel_axes import each
+from .channel_axes import Mapped, each
 
 SWEEPS = 50          # chains settle in a few sweeps; this bounds a pathological one
 SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the iteration
@@ -38,14 +38,17 @@ SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the it
 @dataclasses.dataclass(frozen=True)
 class Second:
     """A layer after the path: its kernel's key, input-channel axis and output-channel axis,
-    with ``groups`` groups (a depthwise layer: as many groups as channels). The input
-    channel may span several axes (a tuple, most significant first: an output projection
+    with ``groups`` groups (a depthwise layer: as many groups as channels); ``channels``, where
+    its input rows read the channels repeated (an output projection after grouped-query
+    attention: each query head's rows its kv head's channels), the channel of each row (its
+    input axes flat, in order). The input channel may span several axes (a tuple, most significant first: an output projection
     contracting (heads, head_dim)); a first kernel's ``out_axis`` too."""
 
     key: str
     in_axis: int
     out_axis: int
     groups: int = 1
+    channels: tuple | None = None    # the channel each input row reads (repeated kv heads)
 
 
 @dataclasses.dataclass
@@ -118,6 +121,9 @@ def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
     r2 = np.zeros(channels)
     for sec in pair.seconds:
         k2 = np.asarray(values[sec.key], np.float64)
+        if sec.channels is not None:
+            np.maximum.at(r2, np.asarray(sec.channels), channel_max(k2, sec.in_axis))
+            continue
         if sec.groups == 1:         # (in_axis: an axis or a tuple of them)
             r2 = np.maximum(r2, channel_max(k2, sec.in_axis))
             continue
@@ -162,6 +168,9 @@ def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
         b /= along(s, b.shape, axis)
     for sec in pair.seconds:
         k2 = values[sec.key]
+        if sec.channels is not None:
+            k2 *= along(s[np.asarray(sec.channels)], k2.shape, sec.in_axis)
+            continue
         if sec.groups == 1:
             k2 *= along(s, k2.shape, sec.in_axis)
             continue
@@ -245,8 +254,14 @@ class Observed:
         self.max = None
 
     def add(self, x, axis) -> None:
-        """``x``'s channels along ``axis`` (an axis or a tuple of them)."""
-        m = channel_max(np.asarray(x), axis).astype(np.float64)   # (exact: a max of |x|)
+        """``x``'s channels along ``axis`` (an axis, a tuple of axes, or channels repeated
+        over some: :class:`~hlofold._core.channel_axes.Mapped`)."""
+        if isinstance(axis, Mapped):
+            m = np.zeros(axis.channels)
+            np.maximum.at(m, np.asarray(axis.positions()),
+                          channel_max(np.asarray(x), axis.axes).astype(np.float64))
+        else:
+            m = channel_max(np.asarray(x), axis).astype(np.float64)  # (exact: a max of |x|)
         self.max = m if self.max is None else np.maximum(self.max, m)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal, is_float
-from .._core.channel_axes import as_block, each, one, permuted, reshaped, whole_block
+from .._core.channel_axes import (REPEATED, Mapped, as_block, broadcast, each, one,
+                                  permuted, reshaped, settled, whole_block)
 from .._core.equalize import stops_here
 from .steps import resolve_operand
 
@@ -267,8 +268,10 @@ def _reshape(ctx, e, pos, axis):
 
 
 def _broadcast(ctx, e, pos, axis):
-    """A broadcast copies each channel along new axes: the channel axis moves."""
-    return one(tuple(e.params["broadcast_dimensions"][a] for a in each(axis)))
+    """A broadcast copies each channel along new axes: the channel axis moves; a new axis
+    among the channel's repeats them (:func:`hlofold._core.channel_axes.broadcast`)."""
+    return broadcast(e.params["broadcast_dimensions"], e.invars[0].aval.shape,
+                     e.outvars[0].aval.shape, axis)
 
 
 def call_rule(ctx, e, pos, axis):
@@ -292,6 +295,10 @@ def call_rule(ctx, e, pos, axis):
             return a
         name = ie.primitive.name
         rule = RULES.get(name) or (call_rule if name in CALLS else None)
+        if isinstance(a, Mapped) and name not in MAPPED:
+            a = settled(a)
+            if isinstance(a, Mapped):
+                return REPEATED.format(op=name)
         if rule is None:
             return stops_here(name, name in NOT_HOMOGENEOUS,
                               f"(inside {e.params.get('name', e.primitive.name)})")
@@ -315,3 +322,6 @@ RULES = {"add": _bias, "sub": _bias, "mul": _product, "div": _product, "max": _m
          "reshape": _reshape, "squeeze": _reshape, "expand_dims": _reshape,
          "broadcast_in_dim": _broadcast, "convert_element_type": _cast,
          **{p: (lambda ctx, e, pos, axis: axis) for p in _PASS}}
+# the rules a channel repeated over an axis (``Mapped``) passes: it has no bias, no pooling
+MAPPED = {"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
+          "convert_element_type", "mul", "div", *_PASS}

@@ -15,9 +15,9 @@ import dataclasses
 from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.equalize import Pair, Second, stops_here
-from .._core.channel_axes import read_by_kernel, through_dot
-from .pair_rules import (CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, cast_leaf, index_uses,
-                         is_zero, leaf_of, single_leaf, varying_axis)
+from .._core.channel_axes import REPEATED, Mapped, read_by_kernel, settled, through_dot
+from .pair_rules import (CALLS, MAPPED, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, cast_leaf,
+                         index_uses, is_zero, leaf_of, single_leaf, varying_axis)
 from .patterns import PATTERNS
 
 
@@ -154,6 +154,10 @@ def _follow(ctx, v, axis: int):
         rule = RULES.get(name)
         if rule is None and name in CALLS:
             rule = call_rule
+        if isinstance(axis, Mapped) and name not in MAPPED and name not in CALLS:
+            axis = settled(axis)
+            if isinstance(axis, Mapped):
+                return REPEATED.format(op=name)
         if rule is None:
             return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")
         got = rule(ctx, e, pos, axis)
@@ -200,13 +204,18 @@ def _second_over_axes(ctx, e, pos, axis):
     if got is None:
         return f"the next {e.primitive.name} reads the channels split over axes"
     return single_leaf(ctx, k2, "the next layer's kernel") or \
-        Second(str(ctx.leaves[k2]), *got)
+        Second(str(ctx.leaves[k2]), *got,
+               channels=axis.positions() if isinstance(axis, Mapped) else None)
 
 
 def _second(ctx, e, pos, axis):
     pat = PATTERNS.get(e.primitive.name)
     if pat is None:
         return f"{e.primitive.name} reads it besides the layers"
+    if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
+        got, plain = _second_over_axes(ctx, e, pos, axis), settled(axis)
+        return _second(ctx, e, pos, plain) if isinstance(got, str) and \
+            not isinstance(plain, Mapped) else got
     if isinstance(axis, tuple):
         return _second_over_axes(ctx, e, pos, axis)
     ch = pat.input_channel(e, pos)

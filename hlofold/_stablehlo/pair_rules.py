@@ -14,7 +14,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.channel_axes import as_block, each, one, permuted, reshaped, whole_block
+from .._core.channel_axes import (REPEATED, Mapped, as_block, broadcast, each, one,
+                                  permuted, reshaped, settled, whole_block)
 from .._core.equalize import stops_here
 from .forward import op_ints
 from .ir import attr_dims, constant_values, is_float, op_name, owner_op, shape_of
@@ -242,9 +243,9 @@ def _reshape(ctx, op, pos, axis):
 def _broadcast(ctx, op, pos, axis):
     dims = attr_dims(op, "broadcast_dimensions")
     if any(shape_of(op.results[0])[dims[a]] != shape_of(op.operands[0])[a]
-           for a in each(axis)):
+           for a in (axis.axes if isinstance(axis, Mapped) else each(axis))):
         return "a broadcast along the channels"
-    return one(tuple(dims[a] for a in each(axis)))
+    return broadcast(dims, shape_of(op.operands[0]), shape_of(op.results[0]), axis)
 
 
 def _same(ctx, op, pos, axis):
@@ -276,6 +277,10 @@ def _call(ctx, op, pos, axis):
             if op_name(inner) == "func.return":
                 return axis
             rule = RULES.get(op_name(inner))
+            if isinstance(axis, Mapped) and op_name(inner) not in MAPPED:
+                axis = settled(axis)
+                if isinstance(axis, Mapped):
+                    return REPEATED.format(op=op_name(inner))
             if rule is None or len(inner.results) != 1:
                 return stops_here(op_name(inner), op_name(inner) in NOT_HOMOGENEOUS,
                                   "(inside a called function)")
@@ -295,6 +300,10 @@ RULES = {"stablehlo.add": _bias, "stablehlo.subtract": _bias, "stablehlo.multipl
          "stablehlo.reshape": _reshape,
          "stablehlo.broadcast_in_dim": _broadcast, "stablehlo.convert": _same,
          "func.call": _call}
+# the rules a channel repeated over an axis (``Mapped``) passes: it has no bias, no pooling
+MAPPED = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+          "stablehlo.convert", "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
+          "func.call"}
 
 
 def _is_select(op) -> bool:

@@ -19,12 +19,13 @@ import os
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.channel_axes import each, one, read_by_kernel, through_dot
+from .._core.channel_axes import (REPEATED, Mapped, each, one, read_by_kernel, settled,
+                                  through_dot)
 from .._core.equalize import Pair, Second, stops_here
 from .build import STACK, marked
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
-from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
+from .pair_rules import MAPPED, NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
 from .patterns import dot_dims, root_info
 
 ir, stablehlo, _ = C.mlir()
@@ -66,10 +67,15 @@ def _second_over_axes(ctx, op, pos, axis):
     w = weight(k, op)
     if w is None:
         return f"the next {op_name(op)}'s kernel is not a constant read once"
-    return Second(ctx.key(w), one(tuple(w.axes[a] for a in each(got[0]))), w.axes[got[1]])
+    return Second(ctx.key(w), one(tuple(w.axes[a] for a in each(got[0]))), w.axes[got[1]],
+                  channels=axis.positions() if isinstance(axis, Mapped) else None)
 
 
 def _second(ctx, op, pos, axis):
+    if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
+        got, plain = _second_over_axes(ctx, op, pos, axis), settled(axis)
+        return _second(ctx, op, pos, plain) if isinstance(got, str) and \
+            not isinstance(plain, Mapped) else got
     if isinstance(axis, tuple):
         return _second_over_axes(ctx, op, pos, axis)
     ch = input_channel(op, pos) if pos == 0 or op_name(op) != "stablehlo.convolution" else \
@@ -136,6 +142,10 @@ def _follow(ctx, v, axis: int):
             v, axis = op.results[0], through
             continue
         rule = RULES.get(name)
+        if isinstance(axis, Mapped) and name not in MAPPED:
+            axis = settled(axis)
+            if isinstance(axis, Mapped):
+                return REPEATED.format(op=name)
         if rule is None:
             return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")
         if len(op.results) != 1:

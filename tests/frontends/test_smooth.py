@@ -122,19 +122,44 @@ def test_multi_head_kernels(bias):
     assert vo.scale_range[1] / vo.scale_range[0] > 1.5
 
 
-@pytest.mark.parametrize("repeat", [1, 2])
-def test_grouped_query_attention_leaves_v_o_with_the_reason(repeat):
-    """Grouped-query attention repeats the kv heads (``jnp.repeat`` along the head axis):
-    o's input rows then read each v channel several times, so v -> o is left, saying why;
-    with one query head per kv head (``repeat=1``) it pairs."""
+@pytest.mark.parametrize("repeat", [1, 2, 4])
+def test_grouped_query_attention_pairs_v_o_through_the_repeat(repeat):
+    """Grouped-query attention repeats the kv heads (``jnp.repeat`` along the head axis: a
+    broadcast inserting the copies, a reshape merging them into the query heads; 4 = one kv
+    head, multi-query attention): v -> o pairs, each v channel's scale on the input rows of
+    o that every query head of its group reads — o's rows of one group scaled alike, each
+    v column by one over its scale — smoothed and equalized, exact."""
     from tests.helpers.blocks import gqa_block
     f, p, x, calib = gqa_block(repeat)
-    out = smoothed(f, p, (x,), calib, pairs=2 - repeat)
-    if repeat > 1:
-        assert any(n.kernel == "['v']" and "grouped-query attention" in n.reason
-                   for n in out.not_equalized), str(out)
-    else:
-        assert out.equalized[0].first == "['v']" and out.equalized[0].seconds == ["['o']"]
+    out = smoothed(f, p, (x,), calib, pairs=1)
+    assert out.equalized[0].first == "['v']" and out.equalized[0].seconds == ["['o']"]
+    hd, kvh = 4, 4 // repeat
+    s = np.asarray(p["v"]) / np.asarray(out.params["v"])          # (d, kvh·hd): 1/s per column
+    s = s[0]
+    assert np.allclose(np.asarray(out.params["v"]) * s, p["v"], rtol=1e-5)
+    rows = np.asarray(out.params["o"]) / np.asarray(p["o"])       # (4·hd, d): s per row
+    want = np.repeat(s.reshape(kvh, 1, hd), repeat, axis=1).reshape(-1)
+    np.testing.assert_allclose(rows, np.broadcast_to(want[:, None], rows.shape), rtol=1e-5)
+    eq = hlofold.fold_params(f, p, x, equalize=True)
+    assert [(e.first, e.seconds) for e in eq.equalized] == [("['v']", ["['o']"])], str(eq)
+    assert rel(f(p, x), f(eq.params, x)) <= EXACT
+
+
+def test_repeated_kv_channels_reaching_a_bias_are_left_with_the_reason():
+    """A per-(head, head_dim) bias added after the kv heads are repeated: one value per
+    position, not per channel — v -> o is left, saying so; nothing changes."""
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    p = {"v": w(16, 8), "o": w(16, 16), "b": w(4, 4)}
+
+    def f(p, x):
+        b, t, _ = x.shape
+        v = jnp.repeat((x @ p["v"]).reshape(b, t, 2, 4), 2, axis=2) + p["b"]
+        return x + v.reshape(b, t, 16) @ p["o"]
+    x = jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32)
+    out = smoothed(f, p, (x,), [x, 2 * x], pairs=0)
+    assert any(n.kernel == "['v']" and "repeated over an axis" in n.reason
+               for n in out.not_equalized), str(out)
 
 
 def test_multi_head_bias_read_elsewhere_stops_the_pair():

@@ -128,6 +128,18 @@ def decoder_program(seed: int):
         p["v"], p["o"] = p["v"].reshape(d, heads, hd), p["o"].reshape(heads, hd, d)
         if rng.random() < 0.5:
             p["bv"] = jnp.asarray(rng.standard_normal((heads, hd)) * 0.1, jnp.float32)
+    # grouped-query attention: k and v with heads / group kv heads, each repeated group
+    # times to the query heads (``jnp.repeat``, as Llama's); drawn last (the rest as before)
+    group = int(rng.choice([g for g in (1, 2, 4) if heads % g == 0]))
+    kvh, hd = heads // group, d // heads
+    if group > 1:
+        p["k"] = p["k"][:, :kvh * hd]
+        if multi:
+            p["v"] = p["v"][:, :kvh]
+            if "bv" in p:
+                p["bv"] = p["bv"][:kvh]
+        else:
+            p["v"] = p["v"][:, :kvh * hd]
 
     def norm(x, gamma, b=None):
         h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * gamma
@@ -145,8 +157,10 @@ def decoder_program(seed: int):
         if stop_v:
             v = _op(stop_v, v, params, "")
         split = lambda a: a.reshape(b, t, heads, d // heads)            # noqa: E731
-        split_v = (lambda a: a) if multi else split                     # noqa: E731
-        s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k))
+        repeat = lambda a: a if group == 1 else jnp.repeat(a, group, axis=2)  # noqa: E731
+        kv = lambda a: repeat(a.reshape(b, t, kvh, d // heads))         # noqa: E731
+        split_v = repeat if multi else kv                               # noqa: E731
+        s = jnp.einsum("bqhd,bkhd->bhqk", split(q), kv(k))
         a = jax.nn.softmax(s, -1)
         if transposed:
             o = jnp.transpose(jnp.einsum("bhqk,bhkd->bhqd", a,
@@ -173,7 +187,7 @@ def decoder_program(seed: int):
         return jnp.asarray(x)
     expected = 3 + (stop_v is None) + (stop_up is None)
     fn.stops = (stop_v, stop_up)         # (what the test of the StableHLO path reads)
-    fn.multi = multi
+    fn.multi, fn.group = multi, group
     fn.layer, fn.final = layer, final    # (scanned_decoder_program stacks the layer)
     return fn, p, inputs(seed), [inputs(seed + 100 + j) for j in range(3)], expected
 
@@ -202,5 +216,6 @@ def scanned_decoder_program(seed: int, layers: int, reverse: bool, unroll):
         return fn.final(params, x)
     stacked = {"layers": jax.tree.map(lambda *a: jnp.stack(a), *per), **top}
     scanned.multi = unrolled.multi = fn.multi
+    scanned.group = unrolled.group = fn.group
     scanned.stops = unrolled.stops = fn.stops
     return scanned, stacked, unrolled, {"layers": per, **top}, x, calib, expected - 1

@@ -113,16 +113,38 @@ def test_multi_head_kernels_on_stablehlo(bias):
                    for a in prep), (want.shape, str(rep))
 
 
-@pytest.mark.parametrize("repeat", [1, 2])
+@pytest.mark.parametrize("repeat", [1, 2, 4])
 def test_grouped_query_attention_on_stablehlo(repeat):
-    """As on the jaxpr path: v -> o is left with the reason where the kv heads are repeated,
-    and pairs where they are not."""
+    """As on the jaxpr path: v -> o pairs through the repeat of the kv heads (one kv head
+    too), with the scales fold_params(smooth=) takes and the o kernel it writes."""
     from tests.helpers.blocks import gqa_block
     f, p, x, calib = gqa_block(repeat)
-    rep, _, _ = _smoothed(f, p, (x,), calib)
-    assert len(rep.equalized) == 2 - repeat, str(rep)
-    if repeat > 1:
-        assert any("grouped-query attention" in n.reason for n in rep.not_equalized), str(rep)
+    rep, prep, _ = _smoothed(f, p, (x,), calib)
+    want = hlofold.fold_params(f, p, x, smooth=calib)
+    assert len(rep.equalized) == len(want.equalized) == 1, str(rep)
+    assert rep.equalized[0].scale_range == pytest.approx(want.equalized[0].scale_range,
+                                                         rel=1e-5)
+    o = np.asarray(want.params["o"])
+    assert any(np.shape(a) == o.shape and np.allclose(a, o, rtol=1e-4, atol=1e-6)
+               for a in prep)
+
+
+def test_repeated_kv_channels_reaching_a_bias_are_left_on_stablehlo():
+    """As on the jaxpr path: a per-(head, head_dim) bias after the repeat leaves v -> o,
+    with the reason."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    p = {"v": w(16, 8), "o": w(16, 16), "b": w(4, 4)}
+
+    def f(p, x):
+        b, t, _ = x.shape
+        v = jnp.repeat((x @ p["v"]).reshape(b, t, 2, 4), 2, axis=2) + p["b"]
+        return x + v.reshape(b, t, 16) @ p["o"]
+    x = jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32)
+    rep, _, _ = _smoothed(f, p, (x,), [[x], [2 * x]])
+    assert rep.equalized == [], str(rep)
+    assert any("repeated over an axis" in n.reason for n in rep.not_equalized), str(rep)
 
 
 def test_bad_calibration_inputs_and_split_are_errors():
