@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from .reasons import Reason
 
 _SCALE_KINDS = ("mul", "div", "neg")
+PASS = "pass"     # an identity on the values (a sharding constraint): replayed, not folded
 _ELEMENTWISE = ("add", "sub", "mul", "div", "neg", "elementwise")
 
 AMBIGUOUS = Reason("feature-axis", "both operands of the op before the root look per-channel")
@@ -46,8 +47,9 @@ class ForwardIR(Protocol):
 
     def kind(self, op) -> str:
         """``mul``, ``add``, ``sub``, ``div``, ``neg``, ``broadcast_in_dim``, ``elementwise``
-        (any other op computing each element from the same element of its operands), or
-        ``other``."""
+        (any other op computing each element from the same element of its operands),
+        ``pass`` (an identity on the values: a sharding constraint, which ``takeable``
+        admits), or ``other``."""
 
     def operands(self, op) -> list: ...
 
@@ -94,12 +96,14 @@ class ForwardChain:
     tokens: list                # ("mul", r) / ("add", u) the root's input keeps, program order
     taken: list                 # the ops the chain took (steps, split products, shifts)
     stop: Reason | None         # why the walk stopped where an op could not be taken
+    passes: list = dataclasses.field(default_factory=list)   # (ops the root's input goes
+    # through again, program order: where the values live, not what they are)
 
 
 def walk_forward(ir: ForwardIR, top, axis: int) -> ForwardChain | Reason:
     """Follow ``top`` (the root's input, features on ``axis``) back through the chain; a
     Reason when what was walked cannot fold (a lone per-token shift)."""
-    v, steps, tokens, taken, stop, pending = top, [], [], [], None, []
+    v, steps, tokens, taken, stop, pending, passes = top, [], [], [], None, [], []
     while True:
         op = ir.producer(v)
         if op is None or not ir.takeable(op):
@@ -108,6 +112,13 @@ def walk_forward(ir: ForwardIR, top, axis: int) -> ForwardChain | Reason:
         if why:
             stop = why
             break
+        if ir.kind(op) == PASS:       # (the same values: the walk goes on before it)
+            if pending:
+                break
+            passes.append(op)
+            taken.append(op)
+            v = ir.operands(op)[0]
+            continue
         ops = ir.operands(op)
         cands = []
         for pos, u in enumerate(ops):
@@ -142,7 +153,7 @@ def walk_forward(ir: ForwardIR, top, axis: int) -> ForwardChain | Reason:
         v = ops[pos]
     if pending:                 # the product the shift distributes over was not taken
         return LONE_SHIFT
-    return ForwardChain(v, steps[::-1], tokens[::-1], taken, stop)
+    return ForwardChain(v, steps[::-1], tokens[::-1], taken, stop, passes[::-1])
 
 
 def invariant(ir: ForwardIR, value, axis: int, shape) -> bool:

@@ -332,6 +332,8 @@ class SiteEmitter:
                 x = read(fwd.source)
                 for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
                     x = (lax.mul if kind == "mul" else lax.add)(x, cast(read(w), x.dtype))
+                for e in fwd.passes:          # (its sharding constraints, as written)
+                    x = C.bind_eqn(e, [x])[0]
                 invals[act] = x
             out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
             if np.dtype(kp.dtype) != np.dtype(kernel.aval.dtype):   # float32_kernels

@@ -24,7 +24,7 @@ from .._core.algebra import has_shift
 from .._core.chain_rules import Block, Refusal
 from .steps import AFFINE_STEPS, AffineStep, affine_step, resolve_operand
 from .._core.decide import forward_consumers_refusal, forward_note, multi_output_shift
-from .._core.forward_walk import walk_forward
+from .._core.forward_walk import PASS, walk_forward
 from .patterns import FORWARD, PATTERNS, RootInfo
 from .._core.report import FOLDED, REFUSED, FoldSite
 from .._core.reasons import Reason
@@ -37,6 +37,8 @@ _CALLS = frozenset(C.JIT_NAMES) | {"custom_jvp_call", "custom_vjp_call", "closed
 _ELEMENTWISE = frozenset({"rsqrt", "sqrt", "exp", "log", "neg", "abs", "integer_pow",
                           "square", "convert_element_type", "add", "sub", "mul", "div",
                           "max", "min", "pow", "reduce_precision", "copy"})
+
+_PASS = "sharding_constraint"    # (the same values: the root reads them constrained again)
 
 
 def elems(shape, skip: int | None = None) -> int:
@@ -57,6 +59,7 @@ class Forward:
     # per-token ops the root's input keeps, in program order: ("mul", r) or ("add", u)
     tokens: list = dataclasses.field(default_factory=list)
     act: int = 0                 # the root's operand that reads the chain
+    passes: list = dataclasses.field(default_factory=list)   # sharding constraints replayed
     # per spatial dimension, which taps read the input (padding, lhs dilation): the shift
     # then adds a bias map ``conv(pad(t), K)`` (``ConvAffinePattern.border_masks``)
     masks: list | None = None
@@ -107,7 +110,7 @@ class ForwardPlanner:
         rec = self._record(eqn, fpat, info, FOLDED, absorbed=absorbed, params=names)
         rec.note = forward_note(len(tokens), self._n_consumers(top), masks is not None, reason)
         return Forward(steps, v, ic[1], info.groups, rec, tokens=tokens, act=act,
-                       masks=masks)
+                       masks=masks, passes=chain.passes)
 
     @functools.cached_property
     def _forward_ir(self) -> "JaxprForwardIR":
@@ -210,11 +213,13 @@ class JaxprForwardIR:
         return self.get(value) if isinstance(value, C.Var) else None
 
     def takeable(self, e) -> bool:
-        return e.primitive.name in AFFINE_STEPS and \
+        return (e.primitive.name in AFFINE_STEPS or e.primitive.name == _PASS) and \
             self.p.producer[e.outvars[0]][0] not in self.p.claimed
 
     def kind(self, e) -> str:
         name = e.primitive.name
+        if name == _PASS:
+            return PASS
         if name in AFFINE_STEPS or name == "broadcast_in_dim":
             return name
         return "elementwise" if name in _ELEMENTWISE else "other"

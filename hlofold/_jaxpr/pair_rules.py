@@ -21,7 +21,8 @@ from .._core.equalize import stops_here
 from .steps import resolve_operand
 
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
-_PASS = {"copy", "copy_p", "neg", "reduce_precision"}
+# (an identity on the values: a sharding constraint only says where they live)
+_PASS = {"copy", "copy_p", "neg", "reduce_precision", "sharding_constraint"}
 SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
 NOT_HOMOGENEOUS = {"tanh", "logistic", "exp", "log", "erf", "integer_pow", "pow", "sqrt",
                    "rsqrt", "abs", "sign", "sin", "cos", "log1p", "expm1", "clamp", "min",

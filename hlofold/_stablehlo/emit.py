@@ -147,25 +147,31 @@ class SiteWriter:
         written once per source and kept factors, just before the first root reading it
         (later roots reading the same normalized value, Q/K/V, sit after it in the same
         block and read the same op)."""
-        if not fwd.tokens:
+        if not fwd.tokens and not fwd.passes:
             return fwd.source
-        key = (fwd.source, *(w for _, w in fwd.tokens), *(k for k, _ in fwd.tokens))
+        key = (fwd.source, *(w for _, w in fwd.tokens), *(k for k, _ in fwd.tokens),
+               *(op.operation for op in fwd.passes))
         x = self.token_inputs.get(key)
-        if x is None and len(fwd.tokens) == 1 and fwd.tokens[0][0] == "mul":
+        if x is not None:
+            return x
+        if len(fwd.tokens) == 1 and fwd.tokens[0][0] == "mul":
             # the program's own x·r, a chain op before the root: read, not written again
             w = fwd.tokens[0][1]
             x = next((op.results[0] for op in fwd.taken
                       if op_name(op) == "stablehlo.multiply" and
                       list(op.operands) in ([fwd.source, w], [w, fwd.source])), None)
-            if x is not None:
-                self.token_inputs[key] = x
-        if x is None:
-            x = fwd.source
-            with ir.Location.unknown(), ir.InsertionPoint(root):
+        with ir.Location.unknown(), ir.InsertionPoint(root):
+            if x is None:
+                x = fwd.source
                 for kind, w in fwd.tokens:    # per-token ops stay: the root reads x·r
                     x = (stablehlo.MulOp if kind == "mul" else stablehlo.AddOp)(x, w).result
                     self.written.add(owner_op(x).operation)
-            self.token_inputs[key] = x
+            for op in fwd.passes:             # (its sharding constraints, as written)
+                new = op.operation.clone()
+                new.operands[0] = x
+                x = new.results[0]
+                self.written.add(new)
+        self.token_inputs[key] = x
         return x
 
 

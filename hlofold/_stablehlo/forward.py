@@ -28,7 +28,7 @@ from .._core.algebra import has_shift
 from .._core.chain import Absorb
 from .._core.chain_rules import Block, Refusal
 from .._core.decide import forward_consumers_refusal, forward_note, multi_output_shift
-from .._core.forward_walk import walk_forward
+from .._core.forward_walk import PASS, walk_forward
 from .build import GUARD, marked
 from .ir import (BINARY, ROOTS, SHAPE_KIND, attr_dims, is_float, location, op_name, owner_op,
                  parent_of, readers, same_block, shape_of)
@@ -42,6 +42,7 @@ from .._core.rules import WEIGHT_CONE, bias_map_refusal, weight_like
 ir, stablehlo, func_dialect = C.mlir()
 
 _AFFINE = frozenset(BINARY) | {"stablehlo.negate", "stablehlo.batch_norm_inference"}
+_PASS = "sdy.sharding_constraint"    # (the same values: the root reads them constrained again)
 _KINDS = {**BINARY, "stablehlo.negate": "neg", "stablehlo.broadcast_in_dim": "broadcast_in_dim"}
 # ops computing each element from the same element of their operands (per-token stays so)
 _ELEMENTWISE = frozenset(f"stablehlo.{n}" for n in (
@@ -66,6 +67,7 @@ class HloForward:
     tokens: list = dataclasses.field(default_factory=list)
     masks: list | None = None    # per spatial dimension, the taps that read the input
     taken: list = dataclasses.field(default_factory=list)   # the ops the chain took
+    passes: list = dataclasses.field(default_factory=list)  # sharding constraints replayed
     s_known: np.ndarray | None = None
     t_known: np.ndarray | None = None
 
@@ -190,6 +192,7 @@ class HloForwardPlanner:
         rec.note = forward_note(len(chain.tokens), self._n_top_readers(chain, top),
                                 masks is not None, reason)
         return HloForward(steps, v, ic[1], info[5], rec, act, tokens=chain.tokens,
+                          passes=chain.passes,
                           masks=masks, taken=chain.taken)
 
     def _walk_forward(self, root, top, axis: int):
@@ -328,11 +331,14 @@ class HloForwardIR:
     def takeable(self, op) -> bool:
         # (a value from outside the root's region ends the chain: as on a jaxpr, where a
         # nested jaxpr's input has no producer)
-        return op_name(op) in _AFFINE and op.operation not in self.p.claimed and \
-            is_float(op.results[0]) and same_block(op, self.root)
+        return (op_name(op) in _AFFINE or op_name(op) == _PASS) and \
+            op.operation not in self.p.claimed and is_float(op.results[0]) and \
+            same_block(op, self.root)
 
     def kind(self, op) -> str:
         name = op_name(op)
+        if name == _PASS:
+            return PASS
         if name in _KINDS:
             return _KINDS[name]
         return "elementwise" if name in _ELEMENTWISE else "other"

@@ -22,7 +22,8 @@ PURE = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "stablehlo
                   "stablehlo.rsqrt", "stablehlo.sqrt", "stablehlo.convolution",
                   "stablehlo.reduce_window", "stablehlo.batch_norm_inference",
                   "stablehlo.transpose", "stablehlo.maximum", "stablehlo.dynamic_slice",
-                  "stablehlo.slice", "stablehlo.dot_general", "stablehlo.minimum"})
+                  "stablehlo.slice", "stablehlo.dot_general", "stablehlo.minimum",
+                  "sdy.sharding_constraint"})
 
 
 _gc_lock = threading.Lock()

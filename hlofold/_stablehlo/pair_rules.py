@@ -299,11 +299,12 @@ RULES = {"stablehlo.add": _bias, "stablehlo.subtract": _bias, "stablehlo.multipl
          "stablehlo.pad": _pad, "stablehlo.transpose": _transpose,
          "stablehlo.reshape": _reshape,
          "stablehlo.broadcast_in_dim": _broadcast, "stablehlo.convert": _same,
-         "func.call": _call}
+         "func.call": _call,
+         "sdy.sharding_constraint": _same}     # (where the values live: the same values)
 # the rules a channel repeated over an axis (``Mapped``) passes: it has no bias, no pooling
 MAPPED = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
           "stablehlo.convert", "stablehlo.multiply", "stablehlo.divide", "stablehlo.negate",
-          "func.call"}
+          "func.call", "sdy.sharding_constraint"}
 
 
 def _is_select(op) -> bool:

@@ -232,6 +232,9 @@ def norm_sites(func, weights: dict, taken: set) -> list[Found]:
             continue
         v = op.results[0]
         u = uses(v)
+        while len(u) == 1 and op_name(u[0][0]) == "sdy.sharding_constraint":
+            v = u[0][0].results[0]          # (the layers read it where it is constrained)
+            u = uses(v)
         if not u or any(op_name(o) not in ROOTS or o.parent != func for o, _ in u):
             continue
         o0, p0 = u[0]

@@ -145,6 +145,22 @@ def test_grouped_query_attention_pairs_v_o_through_the_repeat(repeat):
     assert rel(f(p, x), f(eq.params, x)) <= EXACT
 
 
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+def test_sharding_constraints_between_layers_are_passed(rewrite):
+    """``with_sharding_constraint`` on the activations between layers (MaxText's style) says
+    where values live, not what they are: the norm folds through them, and the pairs are
+    those of the same block without constraints, with the same scales."""
+    from tests.helpers.blocks import constrained_block
+    got = []
+    for constrain in (True, False):
+        f, p, x, calib = constrained_block(constrain)
+        kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
+        out = hlofold.fold_params(f, p, x, **kw)
+        assert rel(f(p, x), f(out.params, x)) <= EXACT, str(out)
+        got.append([(e.first, e.seconds, e.scale_range) for e in out.equalized])
+    assert got[0] == got[1] and len(got[0]) == (3 if rewrite == "smooth" else 2), got
+
+
 def test_repeated_kv_channels_reaching_a_bias_are_left_with_the_reason():
     """A per-(head, head_dim) bias added after the kv heads are repeated: one value per
     position, not per channel — v -> o is left, saying so; nothing changes."""

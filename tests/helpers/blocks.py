@@ -120,3 +120,29 @@ def gqa_block(repeat: int):
         x[..., :2] *= 20
         return jnp.asarray(x)
     return fn, p, inputs(0), [inputs(k) for k in (1, 2)]
+
+
+def constrained_block(constrain: bool):
+    """``(fn, params, x, calibration)``: RMSNorm → gate/up → silu(gate)·up → down, then
+    ReLU MLP k1 → k2, with (``constrain``) ``with_sharding_constraint`` on every activation
+    between them, as MaxText writes its layers (a one-device mesh here)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    c = (lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("data")))) \
+        if constrain else (lambda a: a)
+    rng = np.random.default_rng(11)
+    d, f = 16, 24
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    p = {"g": jnp.asarray(10 ** rng.uniform(-0.5, 0.5, d), jnp.float32), "gate": w(d, f),
+         "up": w(d, f), "down": w(f, d), "k1": w(d, f), "b1": w(f), "k2": w(f, d)}
+
+    def fn(p, x):
+        h = c(x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"])
+        x = x + c(c(jax.nn.silu(h @ p["gate"])) * c(h @ p["up"])) @ p["down"]
+        return c(jax.nn.relu(c(x @ p["k1"] + p["b1"]))) @ p["k2"]
+
+    def inputs(k):
+        x = np.random.default_rng(k).standard_normal((4, 5, d)).astype(np.float32)
+        x[..., :2] *= 20
+        return jnp.asarray(x)
+    return fn, p, inputs(0), [inputs(k) for k in (1, 2)]

@@ -129,6 +129,27 @@ def test_grouped_query_attention_on_stablehlo(repeat):
                for a in prep)
 
 
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+def test_sharding_constraints_between_layers_are_passed_on_stablehlo(rewrite):
+    """``sdy.sharding_constraint`` between layers (and after a norm): the pairs of the same
+    module without constraints, with the same scales; the module exact."""
+    from tests.helpers.blocks import constrained_block
+    got = []
+    for constrain in (True, False):
+        f, p, x, calib = constrained_block(constrain)
+        leaves, tree = jax.tree.flatten(p)
+        g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+        exp = jax.export.export(g)(*leaves, x)
+        assert ("sdy.sharding_constraint" in exp.mlir_module()) == constrain
+        kw = {"smooth": [[c] for c in calib]} if rewrite == "smooth" else {"equalize": True}
+        new, rep, prep = hlofold.fold_stablehlo(
+            exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
+        assert rel(g(*leaves, x), new.call(x, *prep)) <= EXACT, str(rep)
+        got.append(sorted((len(e.seconds), *e.scale_range) for e in rep.equalized))
+    assert len(got[0]) == (3 if rewrite == "smooth" else 2), got
+    assert np.allclose(got[0], got[1], rtol=1e-6), got
+
+
 def test_repeated_kv_channels_reaching_a_bias_are_left_on_stablehlo():
     """As on the jaxpr path: a per-(head, head_dim) bias after the repeat leaves v -> o,
     with the reason."""
