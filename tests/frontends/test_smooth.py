@@ -164,15 +164,8 @@ def test_sharding_constraints_between_layers_are_passed(rewrite):
 def test_repeated_kv_channels_reaching_a_bias_are_left_with_the_reason():
     """A per-(head, head_dim) bias added after the kv heads are repeated: one value per
     position, not per channel — v -> o is left, saying so; nothing changes."""
-    rng = np.random.default_rng(0)
-    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
-    p = {"v": w(16, 8), "o": w(16, 16), "b": w(4, 4)}
-
-    def f(p, x):
-        b, t, _ = x.shape
-        v = jnp.repeat((x @ p["v"]).reshape(b, t, 2, 4), 2, axis=2) + p["b"]
-        return x + v.reshape(b, t, 16) @ p["o"]
-    x = jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32)
+    from tests.helpers.blocks import repeated_kv_bias_block
+    f, p, x = repeated_kv_bias_block()
     out = smoothed(f, p, (x,), [x, 2 * x], pairs=0)
     assert any(n.kernel == "['v']" and "repeated over an axis" in n.reason
                for n in out.not_equalized), str(out)

@@ -146,3 +146,33 @@ def constrained_block(constrain: bool):
         x[..., :2] *= 20
         return jnp.asarray(x)
     return fn, p, inputs(0), [inputs(k) for k in (1, 2)]
+
+
+def uncounted_loop():
+    """``(fn, params, x)``: two layers in a ``while_loop`` whose trip count depends on an
+    input (not a counted loop over known stacks), each reading its rows at ``i % 3``."""
+    rng = np.random.default_rng(0)
+    p = {"k1": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32),
+         "k2": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32)}
+
+    def fn(p, x):
+        def body(c):
+            i, h = c
+            return i + 1, h + jax.nn.relu(h @ p["k1"][i % 3]) @ p["k2"][i % 3]
+        return jax.lax.while_loop(lambda c: c[0] < x.shape[0] + jnp.int32(x[0, 0] > 99),
+                                  body, (jnp.int32(0), x))[1]
+    return fn, p, jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+
+
+def repeated_kv_bias_block():
+    """``(fn, params, x)``: v's kv heads repeated to the query heads, then a bias per
+    (query head, head_dim) — one value per position, not per channel — then o."""
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    p = {"v": w(16, 8), "o": w(16, 16), "b": w(4, 4)}
+
+    def fn(p, x):
+        b, t, _ = x.shape
+        v = jnp.repeat((x @ p["v"]).reshape(b, t, 2, 4), 2, axis=2) + p["b"]
+        return x + v.reshape(b, t, 16) @ p["o"]
+    return fn, p, jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32)

@@ -285,18 +285,8 @@ def test_a_loop_that_is_not_counted_is_left_with_the_reason():
     """Layers in a ``while_loop`` whose trip count is an input (not a counted loop over
     known stacks): not equalized, and the report says so, on both paths; the outputs stay
     exact."""
-    from jax import lax
-    rng = np.random.default_rng(0)
-    p = {"k1": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32),
-         "k2": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32)}
-
-    def f(p, x):
-        def body(c):
-            i, h = c
-            return i + 1, h + jax.nn.relu(h @ p["k1"][i % 3]) @ p["k2"][i % 3]
-        return lax.while_loop(lambda c: c[0] < x.shape[0] + jnp.int32(x[0, 0] > 99), body,
-                              (jnp.int32(0), x))[1]
-    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    from tests.helpers.blocks import uncounted_loop
+    f, p, x = uncounted_loop()
     got, rep, prep, ref = _equalized(f, p, x)
     assert rep.equalized == [], str(rep)
     assert any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)

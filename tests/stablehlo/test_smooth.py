@@ -153,16 +153,8 @@ def test_sharding_constraints_between_layers_are_passed_on_stablehlo(rewrite):
 def test_repeated_kv_channels_reaching_a_bias_are_left_on_stablehlo():
     """As on the jaxpr path: a per-(head, head_dim) bias after the repeat leaves v -> o,
     with the reason."""
-    import jax.numpy as jnp
-    rng = np.random.default_rng(0)
-    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
-    p = {"v": w(16, 8), "o": w(16, 16), "b": w(4, 4)}
-
-    def f(p, x):
-        b, t, _ = x.shape
-        v = jnp.repeat((x @ p["v"]).reshape(b, t, 2, 4), 2, axis=2) + p["b"]
-        return x + v.reshape(b, t, 16) @ p["o"]
-    x = jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32)
+    from tests.helpers.blocks import repeated_kv_bias_block
+    f, p, x = repeated_kv_bias_block()
     rep, _, _ = _smoothed(f, p, (x,), [[x], [2 * x]])
     assert rep.equalized == [], str(rep)
     assert any("repeated over an axis" in n.reason for n in rep.not_equalized), str(rep)
@@ -288,19 +280,8 @@ def test_generated_scanned_stacks_smooth_per_layer_as_on_the_jaxpr_path(seed):
 def test_a_loop_that_is_not_counted_is_not_smoothed_on_either_path():
     """Layers in a ``while_loop`` whose trip count is an input: left, with the reason, on
     both paths; the outputs exact."""
-    from jax import lax
-    import jax.numpy as jnp
-    rng = np.random.default_rng(0)
-    p = {"k1": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32),
-         "k2": jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32)}
-
-    def f(p, x):
-        def body(c):
-            i, h = c
-            return i + 1, h + jax.nn.relu(h @ p["k1"][i % 3]) @ p["k2"][i % 3]
-        return lax.while_loop(lambda c: c[0] < x.shape[0] + jnp.int32(x[0, 0] > 99), body,
-                              (jnp.int32(0), x))[1]
-    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    from tests.helpers.blocks import uncounted_loop
+    f, p, x = uncounted_loop()
     rep, _, _ = _smoothed(f, p, (x,), [[x], [2 * x]])
     assert rep.equalized == [], str(rep)
     assert any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
