@@ -189,8 +189,10 @@ def test_a_cast_to_an_integer_between_layers_stops_the_pair_on_both_paths():
 
 def test_equalize_and_smooth_from_eight_threads_as_from_one():
     """Folds in several threads follow private calls at the same time (a jitted block per
-    layer, ``jax.nn.relu``): each thread keeps its own record of the arguments a call
-    passes, and every thread gets the single-threaded pairs and prepared weights."""
+    layer, ``jax.nn.relu``) and rewrite scanned stacks' loops layer by layer: each thread
+    keeps its own record of the arguments a call passes, and every thread gets the
+    single-threaded pairs and prepared weights."""
+    from hlofold import examples
     from hlofold._stablehlo import pair_rules
     from benchmarks.quantization import smooth_case
 
@@ -205,7 +207,9 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
                       p, x)
     f, dp, dx, calib = smooth_case("decoder", 0)
     dec = _exported(f, dp, dx[0])
-    jobs = [(chain, dict(equalize=True)), (dec, dict(smooth=calib))]
+    scan = _exported(examples.scanned_decoder_apply, examples.stack_decoder(dp), dx[0])
+    jobs = [(chain, dict(equalize=True)), (dec, dict(smooth=calib)),    # (and a scanned
+            (scan, dict(smooth=calib)), (scan, dict(equalize=True))]   # stack's loop)
 
     def run(job):
         (exp, leaves, _), kw = job
@@ -213,15 +217,14 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
             exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
         return len(rep.equalized), [np.asarray(a) for a in prep]
     want = [run(j) for j in jobs]
-    assert want[0][0] == 3 and want[1][0] > 5
+    assert want[0][0] == 3 and want[1][0] > 5 and want[2][0] == 5 and want[3][0] == 2
     got, seen = [], []
 
     def work(k):
         seen.append(id(pair_rules.passed()))
-        for _ in range(2):
-            got.append((k % 2, run(jobs[k % 2])))
+        got.append((k % 4, run(jobs[k % 4])))
     in_threads(work, 8, 1e-5)
-    assert len(set(seen)) == 8 and len(got) == 16          # (one record per thread)
+    assert len(set(seen)) == 8 and len(got) == 8           # (one record per thread)
     for k, (n, prep) in got:
         assert n == want[k][0] and all(np.array_equal(a, b) for a, b in zip(prep, want[k][1]))
 
