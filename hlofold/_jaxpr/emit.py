@@ -7,8 +7,8 @@ of its own equations (:meth:`SiteEmitter._spliced_eqns`: the root on the rescale
 chain's shape steps, the bias add); a site whose parameters are known only at run time gets a
 guard: a ``cond`` running its original equations when the rescaled kernel or bias is not
 finite. Sites with equal plans (``_jaxpr.templates.template_key``) are traced once and cloned.
-A forward fold's per-token factors, a bias map and float32 kernels of a narrower conv are
-traced whole (:meth:`SiteEmitter._folded_value`)."""
+A forward fold's per-token factors (and the sharding constraints its input had), a bias map
+and float32 kernels of a narrower conv are traced whole (:meth:`SiteEmitter._folded_value`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -19,8 +19,7 @@ from jax import lax
 
 from .. import _compat as C
 from .._core.algebra import collapse, kinds
-from .arith import (LAX_BROADCAST, along_traced, cast, input_traced, lax_arith,
-                    reduce_but)
+from .arith import LAX_BROADCAST, along_traced, cast, input_traced, lax_arith, reduce_but
 from .._core.chain_rules import Block, ChannelOperand, block_values
 from .steps import AffineStep, PassStep
 from .templates import clone_eqns, template_key
