@@ -32,7 +32,9 @@ def test_sharded_modules_fold_on_every_path_and_run_sharded(checks):
     """In the graph, params=, split=, a sharded jax.export with params=, the CLI; a conv → BN
     net with a sharding constraint, a decoder, and a shard_map body: the folded modules keep
     sdy.mesh, prepared weights take their origin's sharding, and they run on a 4 × 2 mesh
-    with the original's outputs and output sharding."""
+    with the original's outputs and output sharding. The decoder and the scanned stack are
+    smoothed too (smooth=, its calibration run here: a loop's layers one by one) and run
+    sharded with the original's outputs."""
     proc = run_script(*checks)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     for name in checks:
