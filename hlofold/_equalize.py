@@ -25,7 +25,8 @@ from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.nested import inline_all
 from ._jaxpr.pairs import Refused, find_pairs
-from ._jaxpr.scan_pairs import LOOP_LAYERS, ScanPairs, calibration_run, loop_layers, scan_pairs
+from ._jaxpr.scan_pairs import (LOOP_LAYERS, NESTED_LAYERS, ScanPairs, calibration_run,
+                                loop_layers, scan_pairs)
 from ._jaxpr.stream import find_stream
 
 
@@ -55,6 +56,9 @@ def _left(refused, paths, jaxpr=None):
     return [NotEqualized(paths[r.kernel], ("" if r.eqn is None else _where(r.eqn)) + r.where,
                          r.reason) for r in refused] + [
         NotEqualized("the layers of a loop", _where(e), LOOP_LAYERS.format(n=n))
+        if e.primitive.name == "while" else
+        NotEqualized(f"the layers of a {e.primitive.name}", _where(e),
+                     NESTED_LAYERS.format(n=n, what=e.primitive.name))
         for e, n in (loop_layers(jaxpr) if jaxpr is not None else [])]
 
 

@@ -155,14 +155,19 @@ def _tapped_scan(eqn, body, found: list[Found], vals: list) -> tuple[list, list]
 LOOP_LAYERS = ("{n} convolution/dot equation(s) inside this while loop are not paired: pairs are "
                "read at the top level and in the bodies of scans over stacked leaves "
                "(lax.scan, nn.scan)")
+NESTED_LAYERS = ("{n} convolution/dot equation(s) inside this {what} are not paired: pairs are "
+                 "read at the top level, in jit calls without shardings and in the bodies of "
+                 "scans over stacked leaves")
 
 
 def loop_layers(jaxpr) -> list[tuple[object, int]]:
-    """Each top-level ``while`` of ``jaxpr`` with convolutions or dots in its body (nested
-    bodies too): ``(the equation, how many)``, to be reported as not paired."""
+    """Each top-level equation of ``jaxpr`` with convolutions or dots in a body it holds (a
+    ``while``, ``cond``, ``shard_map``, ``checkpoint``, a jit call with shardings; nested
+    bodies too) but a scan's, whose pairs :func:`scan_pairs` reads: ``(the equation, how
+    many)``, to be reported as not paired."""
     out = []
     for e in jaxpr.eqns:
-        if e.primitive.name != "while":
+        if e.primitive.name == "scan":
             continue
         n, todo = 0, [sub for sub, _ in C.param_jaxprs(e)]
         while todo:

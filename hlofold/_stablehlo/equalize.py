@@ -24,8 +24,8 @@ from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
 from .module import main_function
-from .pairs import (LOOP_LAYERS, ROOTS, Refused, find_pairs, layer, loop_layers,
-                    norm_sites, where)
+from .pairs import (LOOP_LAYERS, NESTED_LAYERS, ROOTS, Refused, find_pairs, layer,
+                    loop_layers, norm_sites, where)
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -104,6 +104,9 @@ def _left(func, refused, weights, names) -> list[NotEqualized]:
     """The starts refused, and the layers of each loop (not read here), with the reasons."""
     return _left_starts(refused, weights, names) + [
         NotEqualized("the layers of a loop", where(op), LOOP_LAYERS.format(n=n))
+        if op_name(op) == "stablehlo.while" else
+        NotEqualized(f"the layers of a {op_name(op)}", where(op),
+                     NESTED_LAYERS.format(n=n, what=op_name(op)))
         for op, n in loop_layers(func)]
 
 

@@ -22,7 +22,7 @@ from .._core.chain_rules import Refusal
 from .._core.channel_axes import (REPEATED, Mapped, each, one, read_by_kernel, settled,
                                   through_dot)
 from .._core.equalize import Pair, Second, stops_here
-from .build import STACK, marked
+from .build import GUARD, STACK, marked
 from .forward import input_channel
 from .ir import attr_dims, location, op_name, owner_op, shape_of
 from .pair_rules import MAPPED, NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
@@ -273,13 +273,20 @@ LOOP_LAYERS = ("{n} convolution/dot op(s) inside this loop are not paired: equal
                "stacked weights, each layer with its own scales), which this loop is not")
 
 
+NESTED_LAYERS = ("{n} convolution/dot op(s) inside this {what} are not paired: pairs are read "
+                 "at a function's top level and in the layers of counted loops over known "
+                 "stacks")
+
+
 def loop_layers(func) -> list:
-    """Each top-level ``while`` of ``func`` with convolutions or dots in its body (nested
-    regions too): ``(the loop, how many)``, to be reported as not paired."""
+    """Each top-level op of ``func`` holding convolutions or dots in its regions (a
+    ``while``, ``case``, ``sdy.manual_computation``; nested regions too) but a loop whose
+    layers were paired: ``(the op, how many)``, to be reported as not paired."""
     out = []
     for op in func.regions[0].blocks[0].operations:
-        if op_name(op) != "stablehlo.while" or marked(op, STACK):
-            continue                   # (a loop whose layers were paired: .loop_pairs)
+        if not len(op.regions) or marked(op, GUARD) or \
+                (op_name(op) == "stablehlo.while" and marked(op, STACK)):
+            continue     # (a loop whose layers were paired: .loop_pairs; a fold's guard)
         n, todo = 0, [op]
         while todo:
             for region in todo.pop().regions:

@@ -285,3 +285,19 @@ def test_each_change_says_what_it_absorbed():
     assert set(got) == {"mean", "var", "scale", "bias"}, c.absorbed
     np.testing.assert_array_equal(got["scale"], v["params"]["BatchNorm_0"]["scale"])
     np.testing.assert_array_equal(got["var"], v["batch_stats"]["BatchNorm_0"]["var"])
+
+
+def test_layers_in_bodies_the_pairs_are_not_read_in_are_said():
+    """Layers inside a ``checkpoint``, a ``cond`` branch, a ``shard_map`` (bodies the pairs
+    are not read in): each body named in ``not_equalized`` with its count, nothing changed."""
+    from tests.helpers.blocks import nested_layers_block
+    f, p, x = nested_layers_block()
+    out = hlofold.fold_params(f, p, x, equalize=True)
+    assert out.equalized == [], str(out)
+    said = {n.kernel: n.reason for n in out.not_equalized}
+    for body, n in (("cond", 1), ("shard_map", 2)):
+        assert f"{n} convolution/dot equation(s) inside this {body} are not paired" in \
+            said.get(f"the layers of a {body}", ""), str(out)
+    assert any("inside this remat" in r or "inside this checkpoint" in r
+               for r in said.values()), str(out)
+    assert rel(f(p, x), f(out.params, x)) == 0

@@ -176,3 +176,20 @@ def repeated_kv_bias_block():
         v = jnp.repeat((x @ p["v"]).reshape(b, t, 2, 4), 2, axis=2) + p["b"]
         return x + v.reshape(b, t, 16) @ p["o"]
     return fn, p, jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32)
+
+
+def nested_layers_block():
+    """``(fn, params, x)``: layers inside a ``checkpoint`` (two: a pair there), a ``cond``
+    branch (one) and a one-device ``shard_map`` (two), none at the top level."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa
+    p = {"k1": w(8, 16), "k2": w(16, 8), "k3": w(8, 8), "k4": w(8, 16), "k5": w(16, 8)}
+
+    def fn(p, x):
+        h = jax.checkpoint(lambda x: jax.nn.relu(x @ p["k1"]) @ p["k2"])(x)
+        h = jax.lax.cond(x[0, 0] > 100, lambda h: h @ p["k3"], lambda h: h, h)
+        return jax.shard_map(lambda q, h: jax.nn.relu(h @ q["k4"]) @ q["k5"], mesh=mesh,
+                             in_specs=(P(), P("data")), out_specs=P("data"))(p, h)
+    return fn, p, jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)

@@ -313,3 +313,15 @@ def test_scanned_stack_with_constants_from_the_cli(tmp_path):
     eq = json.loads(rpt.read_text())["equalized"]
     assert len(eq) == 1 and "each of its 3 layers its own scales" in eq[0]["location"], eq
     assert rel(scanned(p, x), module_callable(out.read_text())(x)[0]) <= EXACT
+
+
+def test_layers_in_regions_the_pairs_are_not_read_in_are_said():
+    """The same program exported: the ``checkpoint`` is gone (its two layers pair at the
+    top level, as they run), the ``cond`` is a ``stablehlo.case`` whose layer is said."""
+    from tests.helpers.blocks import nested_layers_block
+    f, p, x = nested_layers_block()
+    got, rep, prep, ref = _equalized(f, p, x)
+    said = {n.kernel: n.reason for n in rep.not_equalized}
+    assert "1 convolution/dot op(s) inside this stablehlo.case are not paired" in \
+        said.get("the layers of a stablehlo.case", ""), str(rep)
+    assert len(rep.equalized) >= 1, str(rep)
