@@ -35,26 +35,41 @@ from .weights import set_arguments
 ir, stablehlo, _ = C.mlir()
 
 
-def equalize_loops(module, names: dict) -> tuple[list[EqualizedPair], list[NotEqualized]]:
-    """Equalize the layers of every counted loop over known stacks at ``@main``'s top level,
-    each layer with its own scales; the loops rebuilt. Returns the records and the
-    refusals; the loops done are marked ``STACK`` until :func:`unmark_loops`."""
+def _counted_loops(module):
+    """``(symbols, evaluator, [(loop op, Loop)])``: the counted loops over known stacks at
+    ``@main``'s top level not rewritten yet (what both drivers below rewrite)."""
     symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
                for op in module.body.operations if op_name(op) == "func.func"}
-    func = main_function(module)
     ev = Evaluator(module)
-    recs, left = [], []
-    for w in [o for o in func.regions[0].blocks[0].operations
+    loops = []
+    for w in [o for o in main_function(module).regions[0].blocks[0].operations
               if op_name(o) == "stablehlo.while" and not marked(o, STACK)]:
         loop = loop_form(w, ev, symbols)
-        if not isinstance(loop, Loop):
-            continue
-        got = _equalize_loop(w, loop, symbols, ev, names)
+        if isinstance(loop, Loop):
+            loops.append((w, loop))
+    return symbols, ev, loops
+
+
+def _rewrite_loops(loops, symbols: dict, ev: Evaluator, names: dict, kind: str, rewrite_of
+                   ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
+    """Each loop's layers rewritten by ``rewrite_of(its index)`` (:func:`_per_layer`)."""
+    recs, left = [], []
+    for j, (w, loop) in enumerate(loops):
+        got = _per_layer(w, loop, symbols, ev, names, kind, rewrite_of(j))
         if got is not None:
             ev.memo.clear()                 # (keyed by values: the old loop's are gone)
             recs += got[0]
             left += got[1]
     return recs, left
+
+
+def equalize_loops(module, names: dict) -> tuple[list[EqualizedPair], list[NotEqualized]]:
+    """Equalize the layers of every counted loop over known stacks at ``@main``'s top level,
+    each layer with its own scales; the loops rebuilt. Returns the records and the
+    refusals; the loops done are marked ``STACK`` until :func:`unmark_loops`."""
+    symbols, ev, loops = _counted_loops(module)
+    return _rewrite_loops(loops, symbols, ev, names, "equalized", lambda _: (
+        lambda layer, module, fop, rows: equalized_pairs(fop, rows, loops=False)))
 
 
 def unmark_loops(module) -> None:
@@ -94,11 +109,6 @@ def _rows_as_constants(fop, ev: Evaluator, stacks: dict, names: dict) -> dict:
 def _one_row(w, loop: Loop) -> bool:
     """Whether each iteration reads one row of the stacks (not an unrolled scan's block)."""
     return all(shape_of(w.operands[k])[0] == loop.length for k in loop.known)
-
-
-def _equalize_loop(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict):
-    return _per_layer(w, loop, symbols, ev, names, "equalized",
-                      lambda layer, module, fop, rows: equalized_pairs(fop, rows, loops=False))
 
 
 def _per_layer(w, loop: Loop, symbols: dict, ev: Evaluator, names: dict, kind: str, rewrite):
@@ -157,32 +167,18 @@ def smooth_loops(module, names: dict, calibration: list, alpha: float, hoist
     up to the loops (their operands returned), then each layer's module from what the one
     before it returned (the values its pairs' second layers read returned too). Marks the
     loops done as :func:`equalize_loops` does."""
-    symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
-               for op in module.body.operations if op_name(op) == "func.func"}
-    func = main_function(module)
-    ev = Evaluator(module)
-    loops = []
-    for w in [o for o in func.regions[0].blocks[0].operations
-              if op_name(o) == "stablehlo.while" and not marked(o, STACK)]:
-        loop = loop_form(w, ev, symbols)
-        if isinstance(loop, Loop):
-            loops.append((w, loop, [k for k in range(len(w.operands))
-                                    if k not in loop.known and k not in loop.counters]))
+    symbols, ev, loops = _counted_loops(module)
     if not loops:
         return [], []
-    watch = [w.operands[k] for w, _, ks in loops for k in ks]
-    runs = list(watched_runs(module, func, watch, calibration, hoist))   # (before a change)
-    recs, left, at = [], [], 0
-    for w, loop, ks in loops:
-        states = [dict(zip(ks, got[at:at + len(ks)])) for got in runs]
-        at += len(ks)
-        layer = _LayerSmoothing(loop, states, alpha, hoist, names)
-        got = _per_layer(w, loop, symbols, ev, names, "smoothed", layer)
-        if got is not None:
-            ev.memo.clear()
-            recs += got[0]
-            left += got[1]
-    return recs, left
+    ks = [[k for k in range(len(w.operands)) if k not in loop.known and k not in loop.counters]
+          for w, loop in loops]
+    watch = [w.operands[k] for (w, _), kk in zip(loops, ks) for k in kk]
+    runs = list(watched_runs(module, main_function(module), watch, calibration,
+                             hoist))          # (the loops' operands, before a change)
+    starts = np.cumsum([0] + [len(kk) for kk in ks])
+    return _rewrite_loops(loops, symbols, ev, names, "smoothed", lambda j: _LayerSmoothing(
+        loops[j][1], [dict(zip(ks[j], got[starts[j]:starts[j + 1]])) for got in runs],
+        alpha, hoist))
 
 
 class _LayerSmoothing:
@@ -191,9 +187,9 @@ class _LayerSmoothing:
     from what their second layers read; the states advanced to what it returns. The modules
     run differ in their hoisted rows only, and compile once."""
 
-    def __init__(self, loop: Loop, states: list, alpha: float, hoist, names: dict):
+    def __init__(self, loop: Loop, states: list, alpha: float, hoist):
         self.loop, self.states, self.alpha, self.hoist = loop, states, alpha, hoist
-        self.names, self.compiled = names, {}
+        self.compiled: dict = {}
 
     def __call__(self, layer: int, module, fop, called_rows):
         s = smoothing_sites(fop, called_rows, loops=False)
