@@ -29,6 +29,7 @@ from ._equalize import calibration_inputs, rewrite
 from ._identities import Writer
 from ._jaxpr.fold import plan_sites
 from ._jaxpr.merge import merge_scope
+from ._jaxpr.nested import inline_all
 from ._jaxpr.roles import site_roles
 from ._jaxpr.steps import AffineStep
 from ._core.stacks import stacked_view
@@ -109,6 +110,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     deferred = {i: a for i, a in enumerate(arr) if isinstance(a, jax.Array)
                 and not a.is_fully_addressable and a.ndim >= 2}
     known = [None if i in deferred else _host(a) for i, a in enumerate(arr)]
+    closed = inline_all(closed)      # (read, not run: a checkpoint's sites are written too)
     scope = plan_sites(closed, known + [None] * len(arg_leaves),
                        paths + [f"args{i}" for i in range(len(arg_leaves))],
                        in_graph="prepared" if deferred else "never")

@@ -181,10 +181,11 @@ def with_leading_consts(closed: C.ClosedJaxpr, lo: int, hi: int, const_avals, in
 
 
 def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
-    """``closed`` with the call equations at indices ``at`` (jit/pjit, closed_call) replaced
-    by their bodies, every body variable fresh (one body may be called twice), the bodies'
-    constants appended as constvars. Inputs and outputs stay the same variables. This is what
-    the StableHLO path does to a private ``func.call`` a chain continues into."""
+    """``closed`` with the call equations at indices ``at`` (jit/pjit, closed_call; for
+    reading, ``checkpoint``: :func:`inline_all`) replaced by their bodies, every body
+    variable fresh (one body may be called twice), the bodies' constants appended as
+    constvars. Inputs and outputs stay the same variables. This is what the StableHLO path
+    does to a private ``func.call`` a chain continues into."""
     jaxpr = closed.jaxpr
     constvars, consts = list(jaxpr.constvars), list(closed.consts)
     sub: dict = {}          # an inlined call's output -> the body's atom for it
@@ -199,7 +200,7 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
             eqns.append(eqn if all(x is y for x, y in zip(ins, eqn.invars)) else
                         eqn.replace(invars=ins))
             continue
-        body = C.call_body(eqn)[1]
+        body = _body(eqn)
         env: dict = {}
         for v, c in zip(body.jaxpr.constvars, body.consts):
             env[v] = C.new_var(v.aval)
@@ -224,13 +225,48 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
     return C.closed_jaxpr(new, consts)
 
 
+def _body(eqn) -> C.ClosedJaxpr:
+    if eqn.primitive.name in _REMAT:
+        return C.closed_jaxpr(C.remat_body(eqn), ())
+    return C.call_body(eqn)[1]
+
+
+_REMAT = ("checkpoint", "remat", "remat2")
+
+
+def _readable(eqn) -> bool:
+    if eqn.primitive.name in _REMAT:
+        try:
+            return not C.remat_body(eqn).constvars
+        except C.CompatError:
+            return False
+    return C.inlinable_call(eqn)
+
+
 def inline_all(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
-    """``closed`` with its inlinable calls (:func:`hlofold._compat.inlinable_call`) inlined,
-    bodies within bodies too, up to a depth of 16: the layers of a ``@jax.jit`` helper pair
-    with those around it."""
+    """``closed`` to be *read* (the pairs of equalization, smoothing, rotation: they rewrite
+    parameters, never this program): its inlinable calls (:func:`hlofold._compat.
+    inlinable_call`) and ``checkpoint`` (remat) bodies inlined, bodies within bodies too, up
+    to a depth of 16 — the layers of a ``@jax.jit`` helper or of ``nn.remat`` blocks pair
+    with those around them. (Inlined, a ``checkpoint`` computes the same values; what it
+    changes, what a gradient recomputes, is not run here.) The bodies of scans are read the
+    same way, each inlined within itself (a layer stack of ``nn.remat`` layers)."""
     for _ in range(16):
-        at = {i for i, e in enumerate(closed.jaxpr.eqns) if C.inlinable_call(e)}
+        at = {i for i, e in enumerate(closed.jaxpr.eqns) if _readable(e)}
         if not at:
             break
         closed = inline_calls(closed, at)
+    eqns = list(closed.jaxpr.eqns)
+    for i, e in enumerate(eqns):
+        if e.primitive.name != "scan":
+            continue
+        try:
+            body = C.scan_body(e)[0]
+        except C.CompatError:
+            continue
+        new = inline_all(body)
+        if new is not body:
+            eqns[i] = e.replace(params=C.with_scan_body(e.params, new, 0))
+    if any(a is not b for a, b in zip(eqns, closed.jaxpr.eqns)):
+        closed = C.closed_jaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
     return closed

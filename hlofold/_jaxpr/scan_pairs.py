@@ -156,14 +156,14 @@ LOOP_LAYERS = ("{n} convolution/dot equation(s) inside this while loop are not p
                "read at the top level and in the bodies of scans over stacked leaves "
                "(lax.scan, nn.scan)")
 NESTED_LAYERS = ("{n} convolution/dot equation(s) inside this {what} are not paired: pairs are "
-                 "read at the top level, in jit calls without shardings and in the bodies of "
-                 "scans over stacked leaves")
+                 "read at the top level, in jit calls without shardings, checkpoint (remat) "
+                 "bodies and the bodies of scans over stacked leaves")
 
 
 def loop_layers(jaxpr) -> list[tuple[object, int]]:
-    """Each top-level equation of ``jaxpr`` with convolutions or dots in a body it holds (a
-    ``while``, ``cond``, ``shard_map``, ``checkpoint``, a jit call with shardings; nested
-    bodies too) but a scan's, whose pairs :func:`scan_pairs` reads: ``(the equation, how
+    """Each top-level equation of ``jaxpr`` (inlined: :func:`.nested.inline_all`) with
+    convolutions or dots in a body it holds (a ``while``, ``cond``, ``shard_map``, a jit call
+    with shardings; nested bodies too) but a scan's, whose pairs :func:`scan_pairs` reads: ``(the equation, how
     many)``, to be reported as not paired."""
     out = []
     for e in jaxpr.eqns:

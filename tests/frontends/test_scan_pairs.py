@@ -94,26 +94,31 @@ class _Layer(nn.Module):
 class _Stack(nn.Module):
     reverse: bool = False
     scanned: bool = True
+    remat: bool = False             # each layer nn.remat (a checkpoint), as MaxText's are
 
     @nn.compact
     def __call__(self, x):
+        layer = nn.remat(_Layer) if self.remat else _Layer
         if self.scanned:
-            x, _ = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+            x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                            length=3, reverse=self.reverse)(name="stack")(x, None)
         else:
             for i in (2, 1, 0) if self.reverse else (0, 1, 2):
-                x, _ = _Layer(name=f"L{i}")(x, None)
+                x, _ = layer(name=f"L{i}")(x, None)
         return nn.Dense(5)(x)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
-def test_flax_nn_scan(reverse, rewrite):
+@pytest.mark.parametrize("remat", [False, True])
+def test_flax_nn_scan(reverse, rewrite, remat):
     """Flax linen ``nn.scan`` over RMSNorm → Dense → ReLU → Dense layers: per layer, the
     norm's γ with Dense_0 (smoothing) and Dense_0 with Dense_1 (both), as the same layers
-    unrolled get them; Dense_1 → the residual is left with its reason."""
+    unrolled get them; Dense_1 → the residual is left with its reason. With each layer
+    ``nn.remat`` (a ``checkpoint`` in the scan's body, and around each unrolled layer) the
+    same: a checkpoint is read as if inlined."""
     rng = np.random.default_rng(0)
-    m, flat = _Stack(reverse), _Stack(reverse, scanned=False)
+    m, flat = _Stack(reverse, remat=remat), _Stack(reverse, scanned=False, remat=remat)
     x = jnp.ones((2, 16))
     v = m.init(jax.random.key(0), x)
     v = jax.tree.map(lambda a: a * jnp.asarray(10 ** rng.uniform(-1, 1, a.shape), a.dtype), v)

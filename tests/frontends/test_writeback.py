@@ -79,6 +79,44 @@ def test_flax_linen_batchnorm():
     assert second.roles["['params']['Conv_1']['bias']"] == "shift"  # (the conv's bias too)
 
 
+@pytest.mark.parametrize("scanned", [False, True])
+def test_flax_remat_blocks_are_written_back(scanned):
+    """Conv + BN blocks under ``nn.remat`` (a ``checkpoint``: MaxText and big CNNs wrap every
+    layer), at the top level and in an ``nn.scan`` stack: their BNs written back as the same
+    blocks without remat (before: "not written back: the site is inside top/remat2")."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.BatchNorm(use_running_average=True)(nn.Conv(8, (3, 3), use_bias=False)(x))
+            return x + nn.relu(h), None
+
+    class Net(nn.Module):
+        remat: bool
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(8, (1, 1))(x)
+            block = nn.remat(Block) if self.remat else Block
+            if scanned:
+                x, _ = nn.scan(block, variable_axes={"params": 0, "batch_stats": 0},
+                               split_rngs={"params": True}, length=3)(name="stack")(x, None)
+            else:
+                for i in range(3):
+                    x, _ = block(name=f"B{i}")(x, None)
+            return nn.Dense(4)(x.mean((1, 2)))
+
+    v = trained(Net(False).init(jax.random.key(0), IMG))
+    plain = check(Net(False).apply, v, IMG, sites=1 if scanned else 3)
+    out = check(Net(True).apply, v, IMG, sites=1 if scanned else 3)
+    assert [c.kernel for c in out.changes] == [c.kernel for c in plain.changes]
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(plain.params)):
+        np.testing.assert_array_equal(a, b)
+    said = lambda o: sorted(str(s.reason) for s in o.report.sites if s.reason)  # noqa: E731
+    assert said(out) == said(plain) and not any("inside" in r for r in said(out)), str(out)
+
+
 def roles(change) -> dict:
     """role -> the paths with it."""
     out: dict = {}

@@ -179,8 +179,9 @@ def repeated_kv_bias_block():
 
 
 def nested_layers_block():
-    """``(fn, params, x)``: layers inside a ``checkpoint`` (two: a pair there), a ``cond``
-    branch (one) and a one-device ``shard_map`` (two), none at the top level."""
+    """``(fn, params, x)``: layers inside a ``checkpoint`` (two: a pair there, read as if
+    inlined), a ``cond`` branch (one) and a one-device ``shard_map`` (two: a pair not read),
+    none at the top level."""
     from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)
@@ -191,5 +192,6 @@ def nested_layers_block():
         h = jax.checkpoint(lambda x: jax.nn.relu(x @ p["k1"]) @ p["k2"])(x)
         h = jax.lax.cond(x[0, 0] > 100, lambda h: h @ p["k3"], lambda h: h, h)
         return jax.shard_map(lambda q, h: jax.nn.relu(h @ q["k4"]) @ q["k5"], mesh=mesh,
-                             in_specs=(P(), P("data")), out_specs=P("data"))(p, h)
+                             in_specs=(P(), P("data")), out_specs=P("data"))(
+                                 {k: p[k] for k in ("k4", "k5")}, h)
     return fn, p, jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)

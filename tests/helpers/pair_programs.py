@@ -141,6 +141,9 @@ def decoder_program(seed: int):
         else:
             p["v"] = p["v"][:, :kvh * hd]
 
+    # each layer a checkpoint (jax.checkpoint / nn.remat, as MaxText's): drawn after the rest
+    remat = rng.random() < 0.3
+
     def norm(x, gamma, b=None):
         h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * gamma
         return h if b is None else h + b
@@ -174,6 +177,8 @@ def decoder_program(seed: int):
         if stop_up:
             u = _op(stop_up, u, params, "")
         return x + (jax.nn.silu(h @ params["gate"]) * u) @ params["down"]
+    if remat:
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
 
     def final(params, x):
         return norm(x, params["nf"]) @ params["head"]
@@ -187,7 +192,7 @@ def decoder_program(seed: int):
         return jnp.asarray(x)
     expected = 3 + (stop_v is None) + (stop_up is None)
     fn.stops = (stop_v, stop_up)         # (what the test of the StableHLO path reads)
-    fn.multi, fn.group = multi, group
+    fn.multi, fn.group, fn.remat = multi, group, remat
     fn.layer, fn.final = layer, final    # (scanned_decoder_program stacks the layer)
     return fn, p, inputs(seed), [inputs(seed + 100 + j) for j in range(3)], expected
 
