@@ -146,8 +146,9 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
                 nested and s.status == REFUSED and reason_kind(s.reason) == "weights-not-known"):
             s.status, s.reason = REFUSED, Reason("not-written", NOT_WRITTEN + (
                 f"the site is inside {s.scope}; fold_params writes the program's top level "
-                f"and one level of scanned layer stacks, not a stack inside a stack "
-                f"(hlofold.fold folds it in the program)"))
+                f"and one level of scanned layer stacks (jit calls and checkpoints in them "
+                f"read as inlined), not a cond branch, a shard_map, a while loop or a stack "
+                f"inside a stack (hlofold.fold folds it in the program)"))
     if {"add", "conv_general_dilated"} <= {e.primitive.name for e in closed.jaxpr.eqns}:
         # sums of parallel branches: merged in programs only (each branch's BN is written)
         merge_scope(scope, "never", "top", scope.sites, write=False)

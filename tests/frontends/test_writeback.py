@@ -117,6 +117,24 @@ def test_flax_remat_blocks_are_written_back(scanned):
     assert said(out) == said(plain) and not any("inside" in r for r in said(out)), str(out)
 
 
+def test_a_bn_inside_a_cond_branch_is_left_with_the_reason():
+    """A ``cond`` branch is not read as inlined (which branch runs is decided per call): its
+    BN is left, said, the tree unchanged."""
+    rng = np.random.default_rng(0)
+    p = {"k": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32),
+         "g": jnp.asarray(rng.random(8) + 0.5, jnp.float32), "b": jnp.ones(8),
+         "m": jnp.full(8, 0.1), "v": jnp.full(8, 2.0)}
+    bn = lambda p, x: (x @ p["k"] - p["m"]) * jax.lax.rsqrt(p["v"] + 1e-5) * p["g"] + p["b"]  # noqa
+    f = lambda p, x: jax.lax.cond(x[0, 0] > 0, lambda x: bn(p, x), lambda x: 2 * x, x)  # noqa
+    x = jnp.ones((2, 8))
+    out = hlofold.fold_params(f, p, x)
+    assert out.changes == [], str(out)
+    assert any("inside top/cond" in str(s.reason) and "not a cond branch" in str(s.reason)
+               for s in out.report.sites), str(out)
+    for k in p:
+        np.testing.assert_array_equal(out.params[k], p[k])
+
+
 def roles(change) -> dict:
     """role -> the paths with it."""
     out: dict = {}
