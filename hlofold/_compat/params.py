@@ -76,6 +76,21 @@ def remat_body(eqn) -> Jaxpr:
     return p["jaxpr"]
 
 
+REMAT_NAMES = ("checkpoint", "remat", "remat2")
+
+
+def forward_remat(eqn) -> bool:
+    """A ``checkpoint``/``remat`` traced forward only (``differentiated`` False: no gradient
+    was taken through it yet) whose body has no constants of its own: lowered, it is its
+    body (JAX's lowering evaluates it inline; only a later gradient reads its boundary)."""
+    if eqn.primitive.name not in REMAT_NAMES or eqn.params.get("differentiated") is not False:
+        return False
+    try:
+        return not remat_body(eqn).constvars
+    except CompatError:
+        return False
+
+
 # The parameters that hold *open* jaxprs (their constants are operands of the equation): on
 # JAX 0.10 told by class; on 0.11+, where every jaxpr is one class, by this table, read from
 # 0.10 (``checkpoint``/``remat``, ``shard_map``, scatters' update, ``run_state``, Pallas).

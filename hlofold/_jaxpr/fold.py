@@ -4,8 +4,8 @@ For every root equation a pattern is registered for (``conv_general_dilated``,
 ``dot_general``), the scope follows the root's output through a chain of per-output-channel
 affine operations, collapsing them into a running ``y·s + t`` (``_core.algebra``):
 
-    add c: t += c      sub c: t -= c      c - y: s, t = -s, c - t
-    mul c: s, t = s·c, t·c      div c: s, t = s/c, t/c      neg: s, t = -s, -t
+    add c: t += c    sub c: t -= c    c - y: s, t = -s, c - t    neg: s, t = -s, -t
+    mul c: s, t = s·c, t·c      div c: s, t = s/c, t/c
 
 and rewrites the chain to ``conv(x, K ⊙ s) + broadcast_in_dim(t)``. ``K ⊙ s`` scales the
 kernel along its output-feature dimension, which is exact for any rank, stride, padding,
@@ -14,11 +14,10 @@ dilation (lhs dilation included) and feature/batch grouping.
 The work is split by job: this module holds the scope (the walk over equations, the report
 records, nested jaxprs through the rule table of ``_jaxpr.nested``); ``_jaxpr.values`` its
 known values and provenance; ``_jaxpr.plan`` decides each site (matching with ``_core.patterns``
-and ``_core.chain_rules``, the shared decision of ``_core.decide``); ``_jaxpr.emit`` splices the folded
-equations into the program. The plan is made outside any trace, with constants evaluated
-eagerly (``K ⊙ s`` of constant parameters is computed once, in float64 on the host);
-emission keeps every untouched equation as it is and traces only the parameter side of the
-folded sites.
+and ``_core.chain_rules``, the shared decision of ``_core.decide``); ``_jaxpr.emit`` splices the
+folded equations into the program. The plan is made outside any trace, with constants
+evaluated eagerly (``K ⊙ s`` of constant parameters computed once, in float64 on the host);
+emission keeps every untouched equation and traces only the folded sites' parameter side.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from .. import _compat as C
 from .check import checked
 from .emit import SiteEmitter, is_guard
 from .merge import merge_scope
-from .nested import NESTED_RULES, contains_root, inline_calls, other_rule
+from .nested import NESTED_RULES, contains_root, inline_calls, inline_crossed_remats, other_rule
 from .._core.decide import IN_GRAPH_POLICIES
 from .plan import Site, SitePlanner
 from .values import NONE, ScopeValues
@@ -126,9 +125,9 @@ def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str]
                in_graph: str = "never"):
     """Plan the top scope of ``closed`` without rewriting it, its inputs bound to ``known``
     (None: not known; with ``in_graph="prepared"`` a site whose kernel is not known still
-    folds, its scale known). Returns the scope: ``sites`` (report records),
-    ``site_at_end`` (the folded sites' plans), ``producer``, ``uses``, ``value``, and
-    ``stacks``: each scanned stack folded per layer, ``(scan equation, layer scopes)``."""
+    folds, its scale known). Returns the scope: ``sites`` (report records), ``site_at_end``
+    (the folded sites' plans), ``producer``, ``uses``, ``value``, and ``stacks``: each
+    scanned stack folded per layer, ``(scan equation, layer scopes)``."""
     sites: list[FoldSite] = []
     scope = _Scope(closed, known_in=[_const(k) for k in known],
                    names_in=[_const(frozenset({n})) for n in names],
@@ -202,9 +201,8 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                     self.uses.setdefault(v, []).append((i, pos))
             for v in eqn.outvars:
                 self.producer[v] = (i, eqn)
-        for v in self.jaxpr.outvars:
-            if isinstance(v, C.Var):
-                self.out_uses[v] = self.out_uses.get(v, 0) + 1
+        for v in (v for v in self.jaxpr.outvars if isinstance(v, C.Var)):
+            self.out_uses[v] = self.out_uses.get(v, 0) + 1
         self.site_at_end: dict[int, Site] = {}
         self.skip: set[int] = set()
         # equations on the backward chain of an earlier root (folded or canonical): a later
@@ -251,10 +249,12 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         return closed if new is None else _dce(new)
 
     def plan(self) -> bool:
-        """Decide every site of this scope (nested scopes are folded); True if one folds.
-        A chain that continues into a call (``jit``) has the call inlined and the scope
-        planned again, as the StableHLO path inlines a private ``func.call``."""
+        """Decide every site of this scope (nested ones folded); True if one folds. Calls a
+        chain continues into (``jit``; first, checkpoints a chain crosses, as lowered) are
+        inlined and the scope planned again, as StableHLO inlines a private ``func.call``."""
         first = len(self.sites)
+        if (flat := inline_crossed_remats(self.closed)) is not self.closed:
+            self._index(flat, self.const_names)
         for _ in range(_MAX_INLINE_ROUNDS - 1):
             changed = self._plan_once()
             if not self.calls_reached:

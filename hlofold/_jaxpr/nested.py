@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import _compat as C
 from .patterns import PATTERNS
+from .steps import AFFINE_STEPS, PASS_STEPS
 from .._core.reasons import reason_kind
 from .._core.report import REFUSED
 from .._core.stacks import layers_differ, mark_layers
@@ -226,16 +227,81 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
 
 
 def _body(eqn) -> C.ClosedJaxpr:
-    if eqn.primitive.name in _REMAT:
+    if eqn.primitive.name in C.REMAT_NAMES:
         return C.closed_jaxpr(C.remat_body(eqn), ())
     return C.call_body(eqn)[1]
 
 
-_REMAT = ("checkpoint", "remat", "remat2")
+def inline_crossed_remats(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """``closed`` with the checkpoints of :func:`crossed_remats` inlined (and those that
+    inlining brings to its top level), or ``closed`` itself."""
+    for _ in range(4):
+        crossed = crossed_remats(closed.jaxpr)
+        if not crossed:
+            break
+        closed = inline_calls(closed, crossed)
+    return closed
+
+
+def crossed_remats(jaxpr) -> set[int]:
+    """Indices of the forward-only checkpoints (:func:`hlofold._compat.forward_remat`) of
+    ``jaxpr`` a fold's chain crosses: an operand a layer (or per-channel arithmetic) makes
+    here that per-channel arithmetic (or a layer) reads inside, through shape ops, or an
+    output made inside and read here the same way. Inlined — what JAX's lowering does with
+    them, so the StableHLO path never sees them — their layers fold as any other; a gradient
+    later taken of the folded program does not rematerialize those."""
+    if not any(C.forward_remat(e) for e in jaxpr.eqns):
+        return set()
+
+    def kind(e):
+        name = e.primitive.name
+        return "layer" if name in PATTERNS else "affine" if name in AFFINE_STEPS else \
+            "pass" if name in PASS_STEPS else None
+
+    def made(v, prod):
+        for _ in range(64):
+            e = prod(v) if isinstance(v, C.Var) else None
+            if e is None or kind(e) != "pass":
+                return e and kind(e)
+            v = e.invars[0]
+        return None
+
+    def read(v, readers):
+        for _ in range(64):
+            rs = readers(v)
+            if len(rs) != 1 or rs[0] is None or kind(rs[0]) != "pass":
+                return kind(rs[0]) if len(rs) == 1 and rs[0] is not None else None
+            v = rs[0].outvars[0]
+        return None
+
+    def index(j):                    # (producer, readers; None: an output of ``j``)
+        prod, readers = {}, {}
+        for q in j.eqns:
+            for a in dict.fromkeys(a for a in q.invars if isinstance(a, C.Var)):
+                readers.setdefault(a, []).append(q)
+            prod.update((o, q) for o in q.outvars)
+        for o in (o for o in j.outvars if isinstance(o, C.Var)):
+            readers.setdefault(o, []).append(None)
+        return prod.get, lambda v: readers.get(v, [])
+    out = set()
+    here_prod, here_read = index(jaxpr)
+    for i, e in enumerate(jaxpr.eqns):
+        if not C.forward_remat(e):
+            continue
+        body = C.remat_body(e)
+        b_prod, b_read = index(body)
+        pairs = [(made(a, here_prod), read(b, b_read)) for a, b in zip(e.invars, body.invars)
+                 if isinstance(a, C.Var)]
+        pairs += [(made(b, b_prod), read(o, here_read))
+                  for o, b in zip(e.outvars, body.outvars) if isinstance(b, C.Var)]
+        if any({x, y} == {"layer", "affine"} for x, y in pairs):
+            out.add(i)
+    return out
+
 
 
 def _readable(eqn) -> bool:
-    if eqn.primitive.name in _REMAT:
+    if eqn.primitive.name in C.REMAT_NAMES:
         try:
             return not C.remat_body(eqn).constvars
         except C.CompatError:

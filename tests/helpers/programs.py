@@ -17,7 +17,8 @@ Each example is a network of 1–6 conv layers of one rank (1D/2D/3D) with
   (another program output, or a reduction),
 * an optional per-input-channel affine in front of the first conv (forward folding), and
   layers without a nonlinearity, so one conv's chain feeds the next conv directly,
-* layers wrapped in ``jax.jit``, ``lax.scan`` or ``lax.cond`` (two different branches),
+* layers wrapped in ``jax.jit``, ``jax.checkpoint`` (remat), ``lax.scan`` or ``lax.cond`` (two
+  different branches),
 * parameters frozen (constants), passed as inputs, or mixed.
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Chain:
 
 @dataclasses.dataclass
 class Layer:
-    wrap: str                   # "none", "jit", "scan", "cond"
+    wrap: str                   # "none", "jit", "remat", "scan", "cond"
     rhs: str                    # rhs layout, e.g. "HWIO"
     out: str                    # output layout
     groups: int
@@ -172,7 +173,7 @@ def specs(draw, dtypes=("float32",) * 4 + ("bfloat16",), params=("input", "froze
     layout = lhs
     n_layers = draw(st.integers(1, 6 if rank < 3 else 4))
     for _ in range(n_layers):
-        wrap = draw(st.sampled_from(["none"] * 5 + ["jit", "scan", "cond"]))
+        wrap = draw(st.sampled_from(["none"] * 5 + ["jit", "remat", "scan", "cond"]))
         cin = cur["C"]
         groups = draw(st.sampled_from([g for g in range(1, cin + 1) if cin % g == 0]))
         if wrap == "scan":
@@ -408,13 +409,14 @@ class _Builder:
             if layer.wrap == "none":
                 a, layout, aux, outs = one(h, branches[0])
                 return a, layout, aux, outs
-            if layer.wrap == "jit":
+            if layer.wrap in ("jit", "remat"):
                 box = {}
 
                 def inner(h):
                     a, box["layout"], aux, outs = one(h, branches[0])
                     return a, aux, outs
-                a, aux, outs = jax.jit(inner)(h)
+                wrap = jax.jit if layer.wrap == "jit" else jax.checkpoint
+                a, aux, outs = wrap(inner)(h)
                 return a, box["layout"], aux, list(outs)
             if layer.wrap == "cond":
                 pred = self.args[1]
