@@ -91,3 +91,25 @@ def test_the_decorator_folds_across_and_its_gradient_is_the_originals():
     assert folded.report(K, X).num_folded == 1, str(folded.report(K, X))
     assert_close(f(K, X), folded(K, X))
     assert_close(jax.grad(f)(K, X), jax.grad(folded)(K, X))
+
+
+def test_flax_remat_conv_then_batchnorm_outside():
+    """Flax ``nn.remat(nn.Conv)`` followed by a ``BatchNorm`` outside the checkpoint: the
+    decorator folds it (the checkpoint crossed), ``fold_params`` writes it back."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.remat(nn.Conv)(8, (3, 3), use_bias=False)(x)
+            return nn.relu(nn.BatchNorm(use_running_average=True)(x))
+
+    m, x = Net(), jnp.asarray(RNG.standard_normal((2, 8, 8, 3)), jnp.float32)
+    v = jax.tree.map(lambda a: a + jnp.asarray(RNG.uniform(0.1, 1.0, a.shape), a.dtype),
+                     m.init(jax.random.key(0), x))
+    folded = hlofold.fold(m.apply)
+    assert folded.report(v, x).num_folded == 1, str(folded.report(v, x))
+    assert_close(m.apply(v, x), folded(v, x))
+    out = hlofold.fold_params(m.apply, v, x)
+    assert [c.kernel for c in out.changes] == ["['params']['CheckpointConv_0']['kernel']"]
+    assert_close(m.apply(v, x), m.apply(out.params, x))
