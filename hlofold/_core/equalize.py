@@ -88,9 +88,16 @@ def channel_of(kernel_shape, in_axis: int, out_axis: int, groups: int) -> np.nda
 def channel_max(k: np.ndarray, axes) -> np.ndarray:
     """``max|k|`` per channel along ``axes`` (an axis, or a tuple of axes most significant
     first: a multi-head kernel's (heads, head_dim)), over every other axis."""
-    ax = each(axes)
-    a = np.abs(np.moveaxis(np.asarray(k), ax, tuple(range(len(ax)))))
-    return a.reshape(int(np.prod(a.shape[:len(ax)])), -1).max(axis=1)
+    ax, k = each(axes), np.asarray(k)
+    rest = tuple(a for a in range(k.ndim) if a not in ax)
+    if not np.issubdtype(k.dtype, np.floating) or k.size == 0 or not rest:
+        a = np.abs(np.moveaxis(k, ax, tuple(range(len(ax)))))
+        return a.reshape(int(np.prod(a.shape[:len(ax)])), -1).max(axis=1)
+    # reduced in place of the array's own layout: no transposed |k| copy (a 0.5 B decoder's
+    # kernels are read this way many times: each pair's spreads before and after, its ranges)
+    m = np.maximum(k.max(axis=rest), -k.min(axis=rest))        # (NaN propagates, as |k|'s)
+    order = sorted(ax)
+    return m.transpose([order.index(a) for a in ax]).reshape(-1)
 
 
 def along(s: np.ndarray, shape, axes) -> np.ndarray:
@@ -119,15 +126,16 @@ def ranges(values: dict, pair: Pair, channels: int) -> tuple[np.ndarray, np.ndar
 def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
     """Each channel's largest entry in the second layers' input rows."""
     r2 = np.zeros(channels)
-    for sec in pair.seconds:
-        k2 = np.asarray(values[sec.key], np.float64)
+    for sec in pair.seconds:       # (a max of |k| is exact in k's own type: no float64 copy)
+        k2 = np.asarray(values[sec.key])
         if sec.channels is not None:
-            np.maximum.at(r2, np.asarray(sec.channels), channel_max(k2, sec.in_axis))
+            np.maximum.at(r2, np.asarray(sec.channels),
+                          channel_max(k2, sec.in_axis).astype(np.float64))
             continue
         if sec.groups == 1:         # (in_axis: an axis or a tuple of them)
-            r2 = np.maximum(r2, channel_max(k2, sec.in_axis))
+            r2 = np.maximum(r2, channel_max(k2, sec.in_axis).astype(np.float64))
             continue
-        m = _two_axes(k2, sec.in_axis, sec.out_axis)
+        m = _two_axes(k2, sec.in_axis, sec.out_axis).astype(np.float64)
         np.maximum.at(r2, channel_of(k2.shape, sec.in_axis, sec.out_axis, sec.groups), m)
     return r2
 
@@ -161,13 +169,20 @@ def apply(values: dict, pair: Pair, s: np.ndarray) -> None:
     """Divide the first kernel's output channels and the biases by ``s``; multiply the
     second kernel's input channels by it (``values``: float64 arrays of the caller's own,
     changed in place — no second copy of a large kernel)."""
-    k1 = values[pair.first]
-    k1 /= along(s, k1.shape, pair.out_axis)
-    for key, axis in pair.biases:
-        b = values[key]
-        b /= along(s, b.shape, axis)
-    for sec in pair.seconds:
-        k2 = values[sec.key]
+    for key in dict.fromkeys(pair.keys()):
+        apply_to(key, values[key], pair, s)
+
+
+def apply_to(key: str, k: np.ndarray, pair: Pair, s: np.ndarray) -> None:
+    """:func:`apply` for one of the pair's arrays (``key``: in every role it has there),
+    ``k`` changed in place."""
+    if key == pair.first:
+        k /= along(s, k.shape, pair.out_axis)
+    for b, axis in pair.biases:
+        if b == key:
+            k /= along(s, k.shape, axis)
+    for sec in (sec for sec in pair.seconds if sec.key == key):
+        k2 = k
         if sec.channels is not None:
             k2 *= along(s[np.asarray(sec.channels)], k2.shape, sec.in_axis)
             continue
@@ -199,9 +214,18 @@ class Done:
 def spreads(values: dict, pair: Pair) -> tuple[float, float]:
     """The first kernel's output-channel spread (1 for a vector: a norm's γ) and the first
     second layer's."""
-    first = values[pair.first]
-    return (spread(values, pair.first, pair.out_axis) if np.ndim(first) > 1 else 1.0,
-            spread(values, pair.seconds[0].key, pair.seconds[0].out_axis))
+    return (_spread_of(values[pair.first], pair.first, pair),
+            _spread_of(values[pair.seconds[0].key], pair.seconds[0].key, pair))
+
+
+def _spread_of(k, key: str, pair: Pair) -> float | None:
+    """:func:`spreads`' figure for the pair's array ``key`` (None for one it does not
+    report: the other second layers, the biases)."""
+    if key == pair.first:
+        return spread({key: k}, key, pair.out_axis) if np.ndim(k) > 1 else 1.0
+    if key == pair.seconds[0].key:
+        return spread({key: k}, key, pair.seconds[0].out_axis)
+    return None
 
 
 def equalize(values: dict, pairs: list[Pair], pow2: bool = False
@@ -275,15 +299,19 @@ def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
     to each pair. ``pow2``: every scale a power of two (low-precision weights)."""
     out, done = {}, []
     for p, x in zip(pairs, seen):
-        work = {k: _own(out.get(k, values[k])) for k in p.keys()}
-        before = spreads(work, p)
-        s = smoothing(np.asarray(x.max, np.float64), input_ranges(work, p, len(x.max)),
+        cur = {k: out.get(k, values[k]) for k in p.keys()}      # (read as they are)
+        before = spreads(cur, p)
+        s = smoothing(np.asarray(x.max, np.float64), input_ranges(cur, p, len(x.max)),
                       float(alpha), pow2)
-        apply(work, p, s)
-        done.append(Done(s, before, spreads(work, p), float(alpha), pow2))
-        for k, v in work.items():
-            out[k] = v if store is None else store(k, v)
-        del work
+        after = {}
+        for k in dict.fromkeys(p.keys()):  # one array at a time in float64, handed on
+            work = _own(cur.pop(k))
+            apply_to(k, work, p, s)
+            after[k] = _spread_of(work, k, p)
+            out[k] = work if store is None else store(k, work)
+            del work
+        done.append(Done(s, before, (after[p.first], after[p.seconds[0].key]), float(alpha),
+                         pow2))
     return out, done
 
 
