@@ -299,7 +299,6 @@ def crossed_remats(jaxpr) -> set[int]:
     return out
 
 
-
 def _readable(eqn) -> bool:
     if eqn.primitive.name in C.REMAT_NAMES:
         try:
