@@ -23,7 +23,6 @@ from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha,
 from ._core.channel_axes import Mapped
 from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
-from ._jaxpr.nested import inline_all
 from ._jaxpr.pairs import Refused, find_pairs
 from ._jaxpr.scan_pairs import (LOOP_LAYERS, NESTED_LAYERS, ScanPairs, calibration_run,
                                 loop_layers, scan_pairs)
@@ -264,19 +263,19 @@ def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bo
     """``fold_params``' rewrites after the fold, in order — the stream rotated (smoothing
     then sees rotated channels), pairs equalized, then smoothed — each on the leaves as the
     one before left them (``leaves``: changed through ``place(i, value)``; ``host(leaf)``:
-    its value on the host). Returns ``((equalized, not_equalized), rotation)``."""
+    its value on the host; ``closed``: the program as read, :func:`~._jaxpr.nested.
+    inline_all`). Returns ``((equalized, not_equalized), rotation)``."""
     eq, rotation = ([], []), None
     if not (rotate or equalize or smooth is not None):
         return eq, rotation
-    flat = inline_all(closed)
     view = HostLeaves(leaves, host)      # (each leaf read when a rewrite asks for it)
     if rotate:
-        rotation = rotate_leaves(flat.jaxpr, view, paths, seed, place)
+        rotation = rotate_leaves(closed.jaxpr, view, paths, seed, place)
     if equalize:
-        got, *eq = equalize_leaves(flat.jaxpr, view, paths)
+        got, *eq = equalize_leaves(closed.jaxpr, view, paths)
         for i, val in got.items():
             place(i, val)
     if smooth is not None:
-        done, left = smooth_leaves(flat, view, paths, smooth, alpha, place)
+        done, left = smooth_leaves(closed, view, paths, smooth, alpha, place)
         eq = (eq[0] + done, eq[1] + left)
     return eq, rotation

@@ -79,16 +79,22 @@ def remat_body(eqn) -> Jaxpr:
 REMAT_NAMES = ("checkpoint", "remat", "remat2")
 
 
-def forward_remat(eqn) -> bool:
-    """A ``checkpoint``/``remat`` traced forward only (``differentiated`` False: no gradient
-    was taken through it yet) whose body has no constants of its own: lowered, it is its
-    body (JAX's lowering evaluates it inline; only a later gradient reads its boundary)."""
-    if eqn.primitive.name not in REMAT_NAMES or eqn.params.get("differentiated") is not False:
+def remat_without_consts(eqn) -> bool:
+    """A ``checkpoint``/``remat`` whose body has no constants of its own (its values are its
+    body's, inlined: what reading it needs)."""
+    if eqn.primitive.name not in REMAT_NAMES:
         return False
     try:
         return not remat_body(eqn).constvars
     except CompatError:
         return False
+
+
+def forward_remat(eqn) -> bool:
+    """:func:`remat_without_consts`, traced forward only (``differentiated`` False: no
+    gradient was taken through it yet): lowered, it is its body (JAX's lowering evaluates it
+    inline; only a later gradient reads its boundary)."""
+    return eqn.params.get("differentiated") is False and remat_without_consts(eqn)
 
 
 # The parameters that hold *open* jaxprs (their constants are operands of the equation): on

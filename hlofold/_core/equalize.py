@@ -222,9 +222,9 @@ def _spread_of(k, key: str, pair: Pair) -> float | None:
     """:func:`spreads`' figure for the pair's array ``key`` (None for one it does not
     report: the other second layers, the biases)."""
     if key == pair.first:
-        return spread({key: k}, key, pair.out_axis) if np.ndim(k) > 1 else 1.0
+        return spread(k, pair.out_axis) if np.ndim(k) > 1 else 1.0
     if key == pair.seconds[0].key:
-        return spread({key: k}, key, pair.seconds[0].out_axis)
+        return spread(k, pair.seconds[0].out_axis)
     return None
 
 
@@ -315,10 +315,10 @@ def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
     return out, done
 
 
-def spread(values: dict, key: str, axis: int) -> float:
+def spread(k: np.ndarray, axis: int) -> float:
     """How unequal a kernel's channels are along ``axis``: the largest channel range over the
     median one (what a per-tensor quantizer suffers)."""
-    r = channel_max(values[key], axis).astype(np.float64)
+    r = channel_max(k, axis).astype(np.float64)
     med = float(np.median(r))
     return float(r.max() / med) if med > 0 else float("inf")
 

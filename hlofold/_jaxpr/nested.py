@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .. import _compat as C
+from .pair_rules import index_uses
 from .patterns import PATTERNS
 from .steps import AFFINE_STEPS, PASS_STEPS
 from .._core.reasons import reason_kind
@@ -266,33 +267,25 @@ def crossed_remats(jaxpr) -> set[int]:
             v = e.invars[0]
         return None
 
-    def read(v, readers):
+    def read(v, uses):             # (a reader None: an output)
         for _ in range(64):
-            rs = readers(v)
-            if len(rs) != 1 or rs[0] is None or kind(rs[0]) != "pass":
-                return kind(rs[0]) if len(rs) == 1 and rs[0] is not None else None
-            v = rs[0].outvars[0]
+            u = uses.get(v, [])
+            e = u[0][0] if len(u) == 1 else None
+            if e is None or kind(e) != "pass":
+                return e and kind(e)
+            v = e.outvars[0]
         return None
 
-    def index(j):                    # (producer, readers; None: an output of ``j``)
-        prod, readers = {}, {}
-        for q in j.eqns:
-            for a in dict.fromkeys(a for a in q.invars if isinstance(a, C.Var)):
-                readers.setdefault(a, []).append(q)
-            prod.update((o, q) for o in q.outvars)
-        for o in (o for o in j.outvars if isinstance(o, C.Var)):
-            readers.setdefault(o, []).append(None)
-        return prod.get, lambda v: readers.get(v, [])
     out = set()
-    here_prod, here_read = index(jaxpr)
+    here_uses, here_prod = index_uses(jaxpr)
     for i, e in enumerate(jaxpr.eqns):
         if not C.forward_remat(e):
             continue
         body = C.remat_body(e)
-        b_prod, b_read = index(body)
-        pairs = [(made(a, here_prod), read(b, b_read)) for a, b in zip(e.invars, body.invars)
-                 if isinstance(a, C.Var)]
-        pairs += [(made(b, b_prod), read(o, here_read))
+        b_uses, b_prod = index_uses(body)
+        pairs = [(made(a, here_prod.get), read(b, b_uses))
+                 for a, b in zip(e.invars, body.invars) if isinstance(a, C.Var)]
+        pairs += [(made(b, b_prod.get), read(o, here_uses))
                   for o, b in zip(e.outvars, body.outvars) if isinstance(b, C.Var)]
         if any({x, y} == {"layer", "affine"} for x, y in pairs):
             out.add(i)
@@ -300,12 +293,7 @@ def crossed_remats(jaxpr) -> set[int]:
 
 
 def _readable(eqn) -> bool:
-    if eqn.primitive.name in C.REMAT_NAMES:
-        try:
-            return not C.remat_body(eqn).constvars
-        except C.CompatError:
-            return False
-    return C.inlinable_call(eqn)
+    return C.remat_without_consts(eqn) or C.inlinable_call(eqn)
 
 
 def inline_all(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

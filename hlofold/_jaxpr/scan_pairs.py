@@ -17,7 +17,6 @@ import jax
 
 from .. import _compat as C
 from .._core.layer_pairs import OUTSIDE, SHARED
-from .nested import inline_all
 from .pair_rules import index_uses
 from .pairs import Found, Refused, find_pairs
 
@@ -39,7 +38,8 @@ class ScanPairs:
 
 def scan_pairs(jaxpr, n_leaves: int, norms: bool = False) -> list[ScanPairs]:
     """The pairs of every top-level ``scan`` of ``jaxpr`` (its first ``n_leaves`` inputs are
-    the parameter leaves) whose body reads leaves."""
+    the parameter leaves) whose body reads leaves. ``jaxpr``: as read (:func:`.nested.
+    inline_all`, which inlines the scan bodies' calls and checkpoints too)."""
     uses, _ = index_uses(jaxpr)
     top = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
     out = []
@@ -51,7 +51,7 @@ def scan_pairs(jaxpr, n_leaves: int, norms: bool = False) -> list[ScanPairs]:
             nc, ncarry, length = C.scan_layout(e)
         except C.CompatError:
             continue
-        body = inline_all(C.as_closed(body))
+        body = C.as_closed(body)
         inner = body.jaxpr.invars
         leaves, rows, outside = {}, set(), set()
         for k, a in enumerate(e.invars):
@@ -163,8 +163,8 @@ NESTED_LAYERS = ("{n} convolution/dot equation(s) inside this {what} are not pai
 def loop_layers(jaxpr) -> list[tuple[object, int]]:
     """Each top-level equation of ``jaxpr`` (inlined: :func:`.nested.inline_all`) with
     convolutions or dots in a body it holds (a ``while``, ``cond``, ``shard_map``, a jit call
-    with shardings; nested bodies too) but a scan's, whose pairs :func:`scan_pairs` reads: ``(the equation, how
-    many)``, to be reported as not paired."""
+    with shardings; nested bodies too) but a scan's, whose pairs :func:`scan_pairs` reads:
+    ``(the equation, how many)``, to be reported as not paired."""
     out = []
     for e in jaxpr.eqns:
         if e.primitive.name == "scan":
