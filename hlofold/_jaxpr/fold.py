@@ -31,7 +31,7 @@ from .. import _compat as C
 from .check import checked
 from .emit import SiteEmitter, is_guard
 from .merge import merge_scope
-from .nested import NESTED_RULES, contains_root, inline_calls, inline_crossed_remats, other_rule
+from .nested import NESTED_RULES, contains_root, inline_calls, inline_crossed, other_rule
 from .._core.decide import IN_GRAPH_POLICIES
 from .plan import Site, SitePlanner
 from .values import NONE, ScopeValues
@@ -253,7 +253,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         chain continues into (``jit``; first, checkpoints a chain crosses, as lowered) are
         inlined and the scope planned again, as StableHLO inlines a private ``func.call``."""
         first = len(self.sites)
-        if (flat := inline_crossed_remats(self.closed)) is not self.closed:
+        if (flat := inline_crossed(self.closed)) is not self.closed:
             self._index(flat, self.const_names)
         for _ in range(_MAX_INLINE_ROUNDS - 1):
             changed = self._plan_once()

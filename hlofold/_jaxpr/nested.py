@@ -23,6 +23,7 @@ from .. import _compat as C
 from .pair_rules import index_uses
 from .patterns import PATTERNS
 from .steps import AFFINE_STEPS, PASS_STEPS
+from .._core.boundary import AFFINE, LAYER, PASS, crosses, made_by, read_by
 from .._core.reasons import reason_kind
 from .._core.report import REFUSED
 from .._core.stacks import layers_differ, mark_layers
@@ -233,61 +234,56 @@ def _body(eqn) -> C.ClosedJaxpr:
     return C.call_body(eqn)[1]
 
 
-def inline_crossed_remats(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
-    """``closed`` with the checkpoints of :func:`crossed_remats` inlined (and those that
-    inlining brings to its top level), or ``closed`` itself."""
+def inline_crossed(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """``closed`` with the calls of :func:`crossed_calls` inlined (and those that inlining
+    brings to its top level), or ``closed`` itself."""
     for _ in range(4):
-        crossed = crossed_remats(closed.jaxpr)
+        crossed = crossed_calls(closed.jaxpr)
         if not crossed:
             break
         closed = inline_calls(closed, crossed)
     return closed
 
 
-def crossed_remats(jaxpr) -> set[int]:
-    """Indices of the forward-only checkpoints (:func:`hlofold._compat.forward_remat`) of
-    ``jaxpr`` a fold's chain crosses: an operand a layer (or per-channel arithmetic) makes
-    here that per-channel arithmetic (or a layer) reads inside, through shape ops, or an
-    output made inside and read here the same way. Inlined — what JAX's lowering does with
-    them, so the StableHLO path never sees them — their layers fold as any other; a gradient
-    later taken of the folded program does not rematerialize those."""
-    if not any(C.forward_remat(e) for e in jaxpr.eqns):
+def _kind(e):
+    name = e.primitive.name
+    return LAYER if name in PATTERNS else AFFINE if name in AFFINE_STEPS else \
+        PASS if name in PASS_STEPS else None
+
+
+def crossed_calls(jaxpr) -> set[int]:
+    """Indices of the calls of ``jaxpr`` a fold crosses (:func:`hlofold._core.boundary.
+    crosses`): forward-only checkpoints (:func:`hlofold._compat.forward_remat`) and jit
+    calls that inlining loses nothing of (:func:`hlofold._compat.inlinable_call`) — a
+    convolution in a ``@jax.jit`` helper whose BatchNorm the caller applies, a norm's scale
+    applied before a helper holding the projection. Inlined (as JAX's lowering inlines
+    checkpoints and XLA calls), their layers fold as any other; a gradient later taken of the
+    folded program does not rematerialize an inlined checkpoint."""
+    found = [(i, e) for i, e in enumerate(jaxpr.eqns)
+             if C.forward_remat(e) or C.inlinable_call(e)]
+    if not found:
         return set()
-
-    def kind(e):
-        name = e.primitive.name
-        return "layer" if name in PATTERNS else "affine" if name in AFFINE_STEPS else \
-            "pass" if name in PASS_STEPS else None
-
-    def made(v, prod):
-        for _ in range(64):
-            e = prod(v) if isinstance(v, C.Var) else None
-            if e is None or kind(e) != "pass":
-                return e and kind(e)
-            v = e.invars[0]
-        return None
-
-    def read(v, uses):             # (a reader None: an output)
-        for _ in range(64):
-            u = uses.get(v, [])
-            e = u[0][0] if len(u) == 1 else None
-            if e is None or kind(e) != "pass":
-                return e and kind(e)
-            v = e.outvars[0]
-        return None
-
+    first = lambda e: e.invars[0]           # noqa: E731
+    result = lambda e: e.outvars[0]         # noqa: E731
     out = set()
     here_uses, here_prod = index_uses(jaxpr)
-    for i, e in enumerate(jaxpr.eqns):
-        if not C.forward_remat(e):
-            continue
-        body = C.remat_body(e)
+
+    def readers(uses):         # (None: an output)
+        return lambda v: [e for e, _ in uses.get(v, [])] if isinstance(v, C.Var) else []
+
+    def producer(prod):
+        return lambda v: prod.get(v) if isinstance(v, C.Var) else None
+    for i, e in found:
+        body = C.remat_body(e) if e.primitive.name in C.REMAT_NAMES else \
+            C.call_body(e)[1].jaxpr
         b_uses, b_prod = index_uses(body)
-        pairs = [(made(a, here_prod.get), read(b, b_uses))
+        pairs = [(made_by(a, producer(here_prod), _kind, first),
+                  read_by(b, readers(b_uses), _kind, result))
                  for a, b in zip(e.invars, body.invars) if isinstance(a, C.Var)]
-        pairs += [(made(b, b_prod.get), read(o, here_uses))
+        pairs += [(made_by(b, producer(b_prod), _kind, first),
+                   read_by(o, readers(here_uses), _kind, result))
                   for o, b in zip(e.outvars, body.outvars) if isinstance(b, C.Var)]
-        if any({x, y} == {"layer", "affine"} for x, y in pairs):
+        if crosses(pairs):
             out.add(i)
     return out
 

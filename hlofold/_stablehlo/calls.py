@@ -6,14 +6,18 @@ operands. Inside the function those are block arguments, known at no single call
 function that holds a convolution or dot and is called more than once with a known float
 operand is inlined at each of those calls (:func:`inline_weighted_calls`), as the jaxpr path
 folds each call of a ``jit`` with its own operands. A function called once keeps its body
-(its arguments are known through the call already: ``module.entering_value``).
+(its arguments are known through the call already: ``module.entering_value``), unless a
+fold crosses its boundary — a layer inside whose output the caller scales per channel, or
+the other way round (:func:`inline_crossed_calls`, the rule of :mod:`hlofold._core.boundary`
+that the jaxpr path applies to ``jit`` calls too).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import _compat as C
-from .ir import ROOTS, op_name
+from .._core.boundary import AFFINE, LAYER, PASS, crosses, made_by, read_by
+from .ir import BINARY, ROOTS, SHAPE_KIND, op_name, owner_op, readers
 from .loops import clone, walk
 from .module import call_sites
 
@@ -44,15 +48,77 @@ def inline_weighted_calls(module, ev) -> int:
         for call in calls:
             if not any(np.ndim(v) for a in call.operands if (v := ev(a)) is not None):
                 continue
-            body = fop.regions[0].blocks[0]
-            mapping = dict(zip(body.arguments, call.operands))
-            ops = list(body.operations)
-            with ir.InsertionPoint(call):
-                clone(ops[:-1], mapping, symbols)
-            for r, v in zip(call.results, ops[-1].operands):
-                r.replace_all_uses_with(mapping.get(v, v))
-            call.erase()
+            inline_call(call, fop, symbols)
             n += 1
     if n:
         ev.memo.clear()
+    return n
+
+
+def inline_call(call, fop, symbols: dict) -> None:
+    """Replace ``call`` by a copy of the body of ``fop``, its callee."""
+    body = fop.regions[0].blocks[0]
+    mapping = dict(zip(body.arguments, call.operands))
+    ops = list(body.operations)
+    with ir.InsertionPoint(call):
+        clone(ops[:-1], mapping, symbols)
+    for r, v in zip(call.results, ops[-1].operands):
+        r.replace_all_uses_with(mapping.get(v, v))
+    call.erase()
+
+
+def _kind(op) -> str | None:
+    name = op_name(op)
+    return LAYER if name in ROOTS else AFFINE if name in _AFFINE else \
+        PASS if name in SHAPE_KIND else None
+
+
+_AFFINE = frozenset((*BINARY, "stablehlo.negate"))
+
+
+def _readers(v) -> list:                  # (None: returned)
+    return [None if op_name(op) == "func.return" else op for op, _ in readers(v)]
+
+
+def _first(op):
+    return op.operands[0]
+
+
+def _result(op):
+    return op.results[0]
+
+
+def inline_crossed_calls(module) -> int:
+    """Inline each call of a private function that a fold crosses
+    (:func:`hlofold._core.boundary.crosses`): a layer inside whose result the caller scales
+    per channel, per-channel arithmetic before a call whose body holds the layer — as the
+    jaxpr path inlines such a ``jit`` call (``_jaxpr.nested.crossed_calls``). Calls inside
+    bodies brought up by inlining are looked at again. Returns how many were inlined."""
+    n = 0
+    for _ in range(4):
+        symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
+                   for op in module.body.operations if op_name(op) == "func.func"}
+        todo = []
+        for name, calls in call_sites(module).items():
+            fop = symbols.get(name)
+            if fop is None or not fop.regions[0].blocks or \
+                    "sym_visibility" not in fop.attributes or \
+                    ir.StringAttr(fop.attributes["sym_visibility"]).value != "private" or \
+                    not _holds_root(fop):
+                continue
+            body = fop.regions[0].blocks[0]
+            ret = list(body.operations)[-1]
+            for call in calls:
+                pairs = [(made_by(a, owner_op, _kind, _first), read_by(b, _readers, _kind, _result))
+                         for a, b in zip(call.operands, body.arguments)]
+                pairs += [(made_by(o, owner_op, _kind, _first),
+                           read_by(r, _readers, _kind, _result))
+                          for r, o in zip(call.results, ret.operands)]
+                if crosses(pairs):
+                    todo.append((call, fop))
+        if not todo:
+            break
+        for call, fop in todo:
+            inline_call(call, fop, symbols)
+        n += len(todo)
     return n

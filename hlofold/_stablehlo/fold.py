@@ -42,7 +42,7 @@ from .emit import SiteWriter
 from .merge_write import merge_module
 from .platforms import inline_uniform_cases
 from .indices import constant_counters
-from .calls import inline_weighted_calls
+from .calls import inline_crossed_calls, inline_weighted_calls
 from .build import STACK, unmark
 from .stacks import fold_stacks, stack_loops
 from .._core.patterns import bias_map
@@ -350,7 +350,8 @@ def _fold_module(module, in_graph: bool, guard: bool, merge: bool,
                  bound: dict | None) -> FoldReport:
     inline_uniform_cases(module)     # a multi-platform module's per-platform copies
     constant_counters(module)        # an unrolled scan's last layers: their rows known
-    if inline_weighted_calls(module, Evaluator(module, bound)):   # a jit block per layer
+    if inline_weighted_calls(module, Evaluator(module, bound)) + \
+            inline_crossed_calls(module):   # a jit block per layer; a helper a fold crosses
         drop_uncalled_private(module)
     symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
                for op in module.body.operations if op_name(op) == "func.func"}

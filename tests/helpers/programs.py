@@ -18,7 +18,7 @@ Each example is a network of 1–6 conv layers of one rank (1D/2D/3D) with
 * an optional per-input-channel affine in front of the first conv (forward folding), and
   layers without a nonlinearity, so one conv's chain feeds the next conv directly,
 * layers wrapped in ``jax.jit``, ``jax.checkpoint`` (remat), ``lax.scan`` or ``lax.cond`` (two
-  different branches),
+  different branches), or a convolution alone in a ``jax.jit`` helper (its chain outside),
 * parameters frozen (constants), passed as inputs, or mixed.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Chain:
 
 @dataclasses.dataclass
 class Layer:
-    wrap: str                   # "none", "jit", "remat", "scan", "cond"
+    wrap: str                   # "none", "jit", "remat", "scan", "cond", "jitconv"
     rhs: str                    # rhs layout, e.g. "HWIO"
     out: str                    # output layout
     groups: int
@@ -173,7 +173,7 @@ def specs(draw, dtypes=("float32",) * 4 + ("bfloat16",), params=("input", "froze
     layout = lhs
     n_layers = draw(st.integers(1, 6 if rank < 3 else 4))
     for _ in range(n_layers):
-        wrap = draw(st.sampled_from(["none"] * 5 + ["jit", "remat", "scan", "cond"]))
+        wrap = draw(st.sampled_from(["none"] * 5 + ["jit", "remat", "scan", "cond", "jitconv"]))
         cin = cur["C"]
         groups = draw(st.sampled_from([g for g in range(1, cin + 1) if cin % g == 0]))
         if wrap == "scan":
@@ -394,7 +394,10 @@ class _Builder:
 
         def one(h, branch):
             k, run, ch = branch
-            y = lax.conv_general_dilated(h, k(), **kw)
+            if layer.wrap == "jitconv":        # the conv alone in a jitted helper
+                y = jax.jit(lambda h, k: lax.conv_general_dilated(h, k, **kw))(h, k())
+            else:
+                y = lax.conv_general_dilated(h, k(), **kw)
             z, layout, aux, outs = run(y, layer.out)
             a = act(z)
             if ch.residual:
@@ -406,7 +409,7 @@ class _Builder:
             return a, layout, aux, outs
 
         def apply(h):
-            if layer.wrap == "none":
+            if layer.wrap in ("none", "jitconv"):
                 a, layout, aux, outs = one(h, branches[0])
                 return a, layout, aux, outs
             if layer.wrap in ("jit", "remat"):
