@@ -16,7 +16,7 @@ from ._core.algebra import along, collapse, input_scale
 from ._jaxpr.steps import AffineStep
 
 _LAYOUT = ("convert_element_type", "copy", "reduce_precision", "reshape", "squeeze",
-           "transpose", "broadcast_in_dim")
+           "transpose", "broadcast_in_dim", "sharding_constraint")
 
 
 def _device_scaled(k: jax.Array, factors: list) -> jax.Array | None:
@@ -211,8 +211,8 @@ class Writer:
                     value, np.argsort(e.params["permutation"]))
             elif name == "rev":
                 value = None if value is None else np.flip(value, tuple(e.params["dimensions"]))
-            else:
-                return None
+            elif name != "sharding_constraint":       # (a constraint: the values as they
+                return None                           # are; a jit's in_shardings inlined)
             v = e.invars[0]
         return self.leaf[v], value
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .jaxpr import MERGED, ClosedJaxpr, Jaxpr
 from .lookup import CompatError, internal
 
@@ -65,6 +67,42 @@ def inlinable_call(eqn) -> bool:
                 for x in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
             and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
             and not any(p.get("donated_invars", ())) and not p.get("compiler_options_kvs"))
+
+
+def call_constraints(eqn) -> tuple[list, list] | None:
+    """A jit call whose parameters say nothing but its body and shardings of its operands
+    and results on a mesh of automatic axes: ``(in, out)``, a ``NamedSharding`` or None per
+    operand and result — inlined, each is a sharding constraint, as JAX's lowering writes it.
+    None where inlining would lose more (layouts, donations, compiler options, explicit or
+    manual axes, another kind of sharding) or where there is no sharding."""
+    if eqn.primitive.name not in JIT_NAMES or call_body(eqn)[1] is None:
+        return None
+    p = eqn.params
+    if any(x is not None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ()))) or \
+            any(p.get("donated_invars", ())) or p.get("compiler_options_kvs"):
+        return None
+    auto = jax.sharding.AxisType.Auto
+
+    def one(x):
+        if type(x).__name__ == "UnspecifiedValue":
+            return None
+        if isinstance(x, jax.sharding.NamedSharding) and \
+                all(t == auto for t in getattr(x.mesh, "axis_types", (None,))):
+            return x
+        return False
+    ins = [one(x) for x in p.get("in_shardings", ())]
+    outs = [one(x) for x in p.get("out_shardings", ())]
+    if any(x is False for x in ins + outs) or not any(ins + outs):
+        return None
+    return ins, outs
+
+
+def constraint_eqn(x, out, sharding):
+    """The equation ``out = with_sharding_constraint(x, sharding)`` (as JAX traces it)."""
+    closed = jax.make_jaxpr(lambda v: jax.lax.with_sharding_constraint(v, sharding))(
+        jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype))
+    (e,) = closed.jaxpr.eqns
+    return e.replace(invars=[x], outvars=[out])
 
 
 def remat_body(eqn) -> Jaxpr:

@@ -188,7 +188,9 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
     reading, ``checkpoint``: :func:`inline_all`) replaced by their bodies, every body
     variable fresh (one body may be called twice), the bodies' constants appended as
     constvars. Inputs and outputs stay the same variables. This is what the StableHLO path
-    does to a private ``func.call`` a chain continues into."""
+    does to a private ``func.call`` a chain continues into. A jit's shardings
+    (:func:`hlofold._compat.call_constraints`) become sharding constraints on its operands
+    and results, as JAX lowers them."""
     jaxpr = closed.jaxpr
     constvars, consts = list(jaxpr.constvars), list(closed.consts)
     sub: dict = {}          # an inlined call's output -> the body's atom for it
@@ -209,7 +211,11 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
             env[v] = C.new_var(v.aval)
             constvars.append(env[v])
             consts.append(c)
-        env.update(zip(body.jaxpr.invars, map(read, eqn.invars)))
+        cons = C.call_constraints(eqn) or ((), ())   # a jit's shardings: constraints
+        ins = list(map(read, eqn.invars))
+        for k, sh in enumerate(cons[0]):
+            ins[k] = ins[k] if sh is None else _constrained(ins[k], sh, eqns)
+        env.update(zip(body.jaxpr.invars, ins))
 
         def rd(a, env=env):
             return env.get(a, a) if isinstance(a, C.Var) else a
@@ -220,12 +226,20 @@ def inline_calls(closed: C.ClosedJaxpr, at: set[int]) -> C.ClosedJaxpr:
                     env[o] = C.new_var(o.aval)
                 outs.append(env.get(o, o))
             eqns.append(e.replace(invars=[rd(a) for a in e.invars], outvars=outs))
-        for o, r in zip(eqn.outvars, body.jaxpr.outvars):
+        for k, (o, r) in enumerate(zip(eqn.outvars, body.jaxpr.outvars)):
+            sh = cons[1][k] if k < len(cons[1]) else None
             if not isinstance(o, C.DropVar):
-                sub[o] = rd(r)
+                sub[o] = rd(r) if sh is None else _constrained(rd(r), sh, eqns)
     new = jaxpr.replace(constvars=constvars, eqns=eqns,
                         outvars=[read(a) for a in jaxpr.outvars])
     return C.closed_jaxpr(new, consts)
+
+
+def _constrained(a, sharding, eqns: list):
+    """``a`` under a sharding constraint (the equation appended to ``eqns``)."""
+    out = C.new_var(a.aval)
+    eqns.append(C.constraint_eqn(a, out, sharding))
+    return out
 
 
 def _body(eqn) -> C.ClosedJaxpr:
@@ -254,13 +268,14 @@ def _kind(e):
 def crossed_calls(jaxpr) -> set[int]:
     """Indices of the calls of ``jaxpr`` a fold crosses (:func:`hlofold._core.boundary.
     crosses`): forward-only checkpoints (:func:`hlofold._compat.forward_remat`) and jit
-    calls that inlining loses nothing of (:func:`hlofold._compat.inlinable_call`) — a
+    calls that inlining loses nothing of (:func:`hlofold._compat.inlinable_call`; their
+    shardings as constraints, :func:`hlofold._compat.call_constraints`) — a
     convolution in a ``@jax.jit`` helper whose BatchNorm the caller applies, a norm's scale
     applied before a helper holding the projection. Inlined (as JAX's lowering inlines
     checkpoints and XLA calls), their layers fold as any other; a gradient later taken of the
     folded program does not rematerialize an inlined checkpoint."""
-    found = [(i, e) for i, e in enumerate(jaxpr.eqns)
-             if C.forward_remat(e) or C.inlinable_call(e)]
+    found = [(i, e) for i, e in enumerate(jaxpr.eqns) if C.forward_remat(e) or
+             C.inlinable_call(e) or C.call_constraints(e)]
     if not found:
         return set()
     first = lambda e: e.invars[0]           # noqa: E731
@@ -289,7 +304,8 @@ def crossed_calls(jaxpr) -> set[int]:
 
 
 def _readable(eqn) -> bool:
-    return C.remat_without_consts(eqn) or C.inlinable_call(eqn)
+    return C.remat_without_consts(eqn) or C.inlinable_call(eqn) or \
+        C.call_constraints(eqn) is not None
 
 
 def inline_all(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

@@ -23,7 +23,8 @@ from .steps import resolve_operand
 CALLS = C.JIT_NAMES | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 # (an identity on the values: a sharding constraint only says where they live)
 _PASS = {"copy", "copy_p", "neg", "reduce_precision", "sharding_constraint"}
-SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+SHAPES = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims",
+          "sharding_constraint"}            # (a constraint: the values as they are)
 NOT_HOMOGENEOUS = {"tanh", "logistic", "exp", "log", "erf", "integer_pow", "pow", "sqrt",
                    "rsqrt", "abs", "sign", "sin", "cos", "log1p", "expm1", "clamp", "min",
                    "erf_inv", "cbrt", "square"}
@@ -96,14 +97,19 @@ def leaf_of(v, leaves, producer, uses):
 
 
 def cast_leaf(ctx, v):
-    """The parameter leaf ``v`` is, directly or through float-to-float converts each read
-    once (a float32 weight cast to the bfloat16 the layer computes in), or None."""
+    """The parameter leaf ``v`` is, directly or through float-to-float converts (a float32
+    weight cast to the bfloat16 the layer computes in) and sharding constraints each read
+    once, or None."""
     for _ in range(4):
         if not isinstance(v, C.Var):
             return None
         if v in ctx.leaves:
             return v
         p = ctx.producer.get(v)
+        if p is not None and p.primitive.name == "sharding_constraint" and \
+                len(ctx.uses.get(v, [])) == 1:      # (the values as they are: a jit's
+            v = p.invars[0]                         # in_shardings, inlined)
+            continue
         if p is None or p.primitive.name != "convert_element_type" or \
                 len(ctx.uses.get(v, [])) != 1 or \
                 not jnp.issubdtype(p.params["new_dtype"], jnp.floating) or \

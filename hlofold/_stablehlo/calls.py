@@ -19,7 +19,7 @@ from .. import _compat as C
 from .._core.boundary import AFFINE, LAYER, PASS, crosses, made_by, read_by
 from .ir import BINARY, ROOTS, SHAPE_KIND, op_name, owner_op, readers
 from .loops import clone, walk
-from .module import call_sites
+from .module import call_sites, main_function
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -101,10 +101,7 @@ def inline_crossed_calls(module) -> int:
         todo = []
         for name, calls in call_sites(module).items():
             fop = symbols.get(name)
-            if fop is None or not fop.regions[0].blocks or \
-                    "sym_visibility" not in fop.attributes or \
-                    ir.StringAttr(fop.attributes["sym_visibility"]).value != "private" or \
-                    not _holds_root(fop):
+            if not _private_with_root(fop):
                 continue
             body = fop.regions[0].blocks[0]
             ret = list(body.operations)[-1]
@@ -122,3 +119,34 @@ def inline_crossed_calls(module) -> int:
             inline_call(call, fop, symbols)
         n += len(todo)
     return n
+
+
+def inline_layer_calls(module) -> int:
+    """Inline every call in ``@main`` of a private function holding a conv/dot, and the
+    calls those bring up: the layers of ``@jax.jit`` helpers read where they are called, so
+    that they pair with those around them (``equalize=``, ``smooth=``) as on the jaxpr path,
+    which reads calls inlined (``_jaxpr.nested.inline_all``). Returns how many."""
+    main = main_function(module)
+    n = 0
+    for _ in range(16):
+        symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
+                   for op in module.body.operations if op_name(op) == "func.func"}
+        todo = []
+        for op in main.regions[0].blocks[0].operations:
+            if op_name(op) != "func.call":
+                continue
+            fop = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+            if _private_with_root(fop):
+                todo.append((op, fop))
+        if not todo:
+            break
+        for call, fop in todo:
+            inline_call(call, fop, symbols)
+        n += len(todo)
+    return n
+
+
+def _private_with_root(fop) -> bool:
+    return fop is not None and bool(fop.regions[0].blocks) and \
+        "sym_visibility" in fop.attributes and \
+        ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and _holds_root(fop)

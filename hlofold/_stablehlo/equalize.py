@@ -23,7 +23,8 @@ from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, e
 from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
-from .module import main_function
+from .calls import inline_layer_calls
+from .module import drop_uncalled_private, main_function
 from .pairs import (LOOP_LAYERS, NESTED_LAYERS, ROOTS, Refused, find_pairs, layer,
                     loop_layers, norm_sites, where)
 
@@ -268,6 +269,8 @@ def quantization_ready(module, report, names: dict, equalize: bool, smooth, alph
     fold done), their records added to ``report``: in its scanned stacks too
     (:mod:`.loop_pairs`, per layer)."""
     from .loop_pairs import equalize_loops, smooth_loops, unmark_loops  # (built on this one)
+    if inline_layer_calls(module):     # jitted helpers' layers read where they are called
+        drop_uncalled_private(module)
     if equalize:
         recs, left = equalize_loops(module, names)
         top, top_left = equalize_function(main_function(module), names)

@@ -64,8 +64,9 @@ def single(v) -> bool:
 
 
 def weight(v, reader=None) -> Weight | None:
-    """``v`` (read by ``reader``) as a constant read once (through transposes and float
-    converts read once: a bfloat16 weight widened for the layer), or None."""
+    """``v`` (read by ``reader``) as a constant read once (through transposes, sharding
+    constraints and float converts read once: a bfloat16 weight widened for the layer), or
+    None."""
     axes = list(range(len(shape_of(v))))
     converted = False
     while True:
@@ -78,6 +79,9 @@ def weight(v, reader=None) -> Weight | None:
             return Weight(op, tuple(axes), reader, converted)
         if op_name(op) == "stablehlo.convert" and is_float(v) and is_float(op.operands[0]):
             v, converted = op.operands[0], True       # (scaled by powers of two: exact)
+            continue
+        if op_name(op) == "sdy.sharding_constraint":  # (the same values: a jit's shardings)
+            v = op.operands[0]
             continue
         if op_name(op) != "stablehlo.transpose":
             return None

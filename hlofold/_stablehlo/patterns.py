@@ -59,7 +59,8 @@ class Evaluator:
             "stablehlo.multiply": np.multiply, "stablehlo.divide": np.divide,
             "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum}
     _MOVES = frozenset({"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
-                        "stablehlo.broadcast_in_dim", "stablehlo.slice"})
+                        "stablehlo.broadcast_in_dim", "stablehlo.slice",
+                        "sdy.sharding_constraint"})       # (where they live: the same values)
 
     def __init__(self, module=None, bound: dict | None = None):
         self.memo: dict[Any, np.ndarray | None] = {}
@@ -151,6 +152,8 @@ class Evaluator:
                 return None
             return out
         x = ins[0]
+        if name == "sdy.sharding_constraint":
+            return x
         if name == "stablehlo.convert":
             return x.astype(dt)
         if name == "stablehlo.reshape":

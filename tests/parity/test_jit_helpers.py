@@ -4,10 +4,10 @@ caller applies, a norm's scale applied before a helper that holds the projection
 Neither scope sees both ends, so the call is inlined first (the rule of
 ``hlofold._core.boundary``: ``_jaxpr.nested.crossed_calls`` on the jaxpr path,
 ``_stablehlo.calls.inline_crossed_calls`` for the private ``func.call`` JAX lowers the
-helper to) — what XLA does with the call anyway. Before, both paths left these sites ("value
-is an output of the top/jit(conv) program"). A helper whose shardings inlining would drop is
-left on the jaxpr path with that reason; lowered, its shardings are constraints the StableHLO
-path passes through (the one difference, in ``docs/reliability.md``).
+helper to) — what XLA does with the call anyway; a jit's shardings become sharding
+constraints, as JAX lowers them. Before, both paths left these sites ("value is an output of
+the top/jit(conv) program"). A jit with layouts, donations or shardings on explicit mesh axes
+stays a call on the jaxpr path, the site left with that reason.
 """
 from __future__ import annotations
 
@@ -124,19 +124,83 @@ def test_a_helper_no_fold_crosses_is_kept():
     assert rep.num_folded == 0 and set(C.JIT_NAMES) & set(_prims(new)), new
 
 
-def test_a_helper_with_shardings_is_left_on_the_jaxpr_path_with_the_reason():
-    """Inlining would drop the helper's ``out_shardings``: the jaxpr path leaves the site,
-    naming the program; lowered, the sharding is a constraint inside the function, which the
-    StableHLO path keeps and folds through (the same values)."""
-    mesh = jax.make_mesh((1,), ("x",))
+def test_a_helper_with_shardings_folds_with_its_constraints_kept():
+    """Inlined, a jit's ``in_shardings``/``out_shardings`` are sharding constraints on its
+    operands and results (as JAX lowers them: inside the function on StableHLO); the fold
+    passes through them on both paths and keeps them."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    sconv = jax.jit(conv, out_shardings=sh)
+    sconv = jax.jit(conv, in_shardings=sh, out_shardings=sh)
 
     def f(x):
         return jnp.tanh(sconv(x) * S + T)
     new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(X))
-    assert rep.num_folded == 0, str(rep)
-    assert any("jit(conv)" in str(s.reason) for s in rep.sites), str(rep)
+    assert rep.num_folded == 1, str(rep)
+    assert _prims(new).count("sharding_constraint") == 2, new
+    assert not set(C.JIT_NAMES) & set(_prims(new)), new
     assert_close(f(X), jax.jit(C.jaxpr_as_fun(new))(X)[0])
     text, srep = hlofold.fold_stablehlo(jax.jit(f).lower(X).as_text())
     assert srep.num_folded == 1 and "sdy.sharding_constraint" in text, str(srep)
+
+
+def test_a_helper_whose_layer_output_is_also_returned_is_left_on_both_paths():
+    """The conv's output has a second reader (a program output): no fold, on either path,
+    and the helper is not inlined for nothing."""
+    def f(x):
+        y = jconv(x)
+        return jnp.tanh(y * S + T), y
+    new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(X))
+    assert rep.num_folded == 0 and rep.sites and all(s.reason for s in rep.sites), str(rep)
+    assert set(C.JIT_NAMES) & set(_prims(new)), new
+    _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(X).as_text())
+    assert srep.num_folded == 0 and srep.sites and all(s.reason for s in srep.sites), str(srep)
+
+
+def test_a_helper_on_explicit_axes_is_left_on_the_jaxpr_path_with_the_reason():
+    """A jit whose shardings are on a mesh of explicit axes (part of the values' types:
+    ``jax.make_mesh``'s default on newer JAX) stays a call on the jaxpr path — inlining it
+    as constraints is not what the types say — and the site is left, the reason naming the
+    program."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    econv = jax.jit(conv, out_shardings=sh)
+
+    def f(x):
+        return jnp.tanh(econv(x) * S + T)
+    new, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(X))
+    assert rep.num_folded == 0, str(rep)
+    assert any("jit(conv)" in str(s.reason) for s in rep.sites), str(rep)
+    assert set(C.JIT_NAMES) & set(_prims(new)), new
+    assert_close(f(X), jax.jit(C.jaxpr_as_fun(new))(X)[0])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_layers_in_jitted_helpers_are_written_back_and_equalized_on_both_paths(sharded):
+    """``fold_params(equalize=True)`` reads the helpers inlined (a sharded one through its
+    constraints): the BN written back, the pair conv → relu → conv equalized; StableHLO
+    (``fold_stablehlo(params=, equalize=True)``) pairs the same layers."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    kw = {"in_shardings": sh, "out_shardings": sh} if sharded else {}
+    helper = jax.jit(lambda x, k: jax.lax.conv_general_dilated(
+        x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")), **kw)
+
+    def f(p, x):
+        return helper(jax.nn.relu(helper(x, p["k"]) * p["s"] + p["t"]), p["k2"])
+    p = {"k": jnp.asarray(RNG.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
+         "s": jnp.asarray(10 ** RNG.uniform(-1, 1, 8), jnp.float32),
+         "t": jnp.asarray(RNG.standard_normal(8), jnp.float32),
+         "k2": jnp.asarray(RNG.standard_normal((1, 1, 8, 8)) / 3, jnp.float32)}
+    x = jnp.asarray(RNG.standard_normal((2, 8, 8, 4)), jnp.float32)
+    written = hlofold.fold_params(f, p, x, equalize=True)
+    assert len(written.changes) == 1 and len(written.equalized) == 1, str(written)
+    assert_close(f(p, x), f(written.params, x))
+    leaves, tree = jax.tree.flatten(p)
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    exp = jax.export.export(g)(*leaves, x)
+    got, rep, prep = hlofold.fold_stablehlo(
+        exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, equalize=True)
+    assert rep.num_folded == 1 and len(rep.equalized) == 1, str(rep)
+    np.testing.assert_allclose(rep.equalized[0].spread_after,
+                               written.equalized[0].spread_after, rtol=1e-3)
+    assert_close(f(p, x), got.call(x, *prep))
