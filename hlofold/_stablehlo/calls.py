@@ -94,11 +94,7 @@ def inline_crossed_calls(module) -> int:
     per channel, per-channel arithmetic before a call whose body holds the layer — as the
     jaxpr path inlines such a ``jit`` call (``_jaxpr.nested.crossed_calls``). Calls inside
     bodies brought up by inlining are looked at again. Returns how many were inlined."""
-    n = 0
-    for _ in range(4):
-        symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
-                   for op in module.body.operations if op_name(op) == "func.func"}
-        todo = []
+    def crossed(symbols):
         for name, calls in call_sites(module).items():
             fop = symbols.get(name)
             if not _private_with_root(fop):
@@ -106,19 +102,15 @@ def inline_crossed_calls(module) -> int:
             body = fop.regions[0].blocks[0]
             ret = list(body.operations)[-1]
             for call in calls:
-                pairs = [(made_by(a, owner_op, _kind, _first), read_by(b, _readers, _kind, _result))
+                pairs = [(made_by(a, owner_op, _kind, _first),
+                          read_by(b, _readers, _kind, _result))
                          for a, b in zip(call.operands, body.arguments)]
                 pairs += [(made_by(o, owner_op, _kind, _first),
                            read_by(r, _readers, _kind, _result))
                           for r, o in zip(call.results, ret.operands)]
                 if crosses(pairs):
-                    todo.append((call, fop))
-        if not todo:
-            break
-        for call, fop in todo:
-            inline_call(call, fop, symbols)
-        n += len(todo)
-    return n
+                    yield call, fop
+    return _inline_rounds(module, 4, crossed)
 
 
 def inline_layer_calls(module) -> int:
@@ -127,17 +119,24 @@ def inline_layer_calls(module) -> int:
     that they pair with those around them (``equalize=``, ``smooth=``) as on the jaxpr path,
     which reads calls inlined (``_jaxpr.nested.inline_all``). Returns how many."""
     main = main_function(module)
+
+    def in_main(symbols):
+        for op in main.regions[0].blocks[0].operations:
+            if op_name(op) == "func.call":
+                fop = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+                if _private_with_root(fop):
+                    yield op, fop
+    return _inline_rounds(module, 16, in_main)
+
+
+def _inline_rounds(module, rounds: int, pick) -> int:
+    """Inline the calls ``pick(symbols)`` gives, again over what that brings up, for at most
+    ``rounds`` rounds; returns how many."""
     n = 0
-    for _ in range(16):
+    for _ in range(rounds):
         symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
                    for op in module.body.operations if op_name(op) == "func.func"}
-        todo = []
-        for op in main.regions[0].blocks[0].operations:
-            if op_name(op) != "func.call":
-                continue
-            fop = symbols.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
-            if _private_with_root(fop):
-                todo.append((op, fop))
+        todo = list(pick(symbols))
         if not todo:
             break
         for call, fop in todo:
