@@ -269,8 +269,8 @@ def quantization_ready(module, report, names: dict, equalize: bool, smooth, alph
     fold done), their records added to ``report``: in its scanned stacks too
     (:mod:`.loop_pairs`, per layer)."""
     from .loop_pairs import equalize_loops, smooth_loops, unmark_loops  # (built on this one)
-    if inline_layer_calls(module):     # jitted helpers' layers read where they are called
-        drop_uncalled_private(module)
+    if (equalize or smooth is not None) and inline_layer_calls(module):
+        drop_uncalled_private(module)  # jitted helpers' layers read where they are called
     if equalize:
         recs, left = equalize_loops(module, names)
         top, top_left = equalize_function(main_function(module), names)
