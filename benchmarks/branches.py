@@ -225,14 +225,16 @@ def call_part(arch: str, size: int, rounds: int, calls: int) -> dict:
     return {"arch": arch, "size": size, "leaves": len(jax.tree_util.tree_leaves(v)),
             "deploy_leaves": len(jax.tree_util.tree_leaves(w)),
             "steady_ms": {k: summary(t) for k, t in times.items()},
-            "ratios": {k: paired(times, k, "deploy")
-                       for k in ("fold", "fold, bound", "deploy, train tree", "jit")},
+            "ratios": {**{k: paired(times, k, "deploy")
+                          for k in ("fold", "fold, bound", "deploy, train tree", "jit")},
+                       "fold / deploy, train tree": paired(times, "fold", "deploy, train tree")},
             "tree_dispatch_us": (now() - t0) / n * 1e6}
 
 
 def batch1(rounds: int, calls: int, sizes: list, out: str) -> dict:
     """The batch-1 rows alone (``--batch1``), at each of ``sizes``: where the distance to
-    the deploy form is the call itself; written to ``branches_b1_cpu.{md,json}``."""
+    the deploy form is the call itself; written to ``branches_b1_cpu_jax<version>.{md,json}``
+    (one per JAX it ran on)."""
     import datetime
     rows = [call_part(arch, size, rounds, calls) for size in sizes for arch in R.ARCHS]
     res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
@@ -248,18 +250,21 @@ def batch1(rounds: int, calls: int, sizes: list, out: str) -> dict:
          "`hlofold.fold(apply)(variables, x)`, the train-time tree; `fold, bound`: "
          "`hlofold.fold(functools.partial(apply, variables))(x)`; `deploy, train tree`: the "
          "deploy form called with the train-time tree as well (unused: what taking that tree "
-         "costs `jax.jit`); `tree µs`: `jax.jit(lambda v, x: x)(variables, x)`, dispatch alone.",
+         "costs `jax.jit`); `tree µs`: `jax.jit(lambda v, x: x)(variables, x)`, dispatch alone. "
+         "`fold / deploy train tree`: both called with the train-time tree (the same input).",
          "", "| net | px | leaves | jit | fold | fold, bound | deploy | fold / deploy | "
-         "bound / deploy | deploy train tree / deploy | jit / deploy | tree µs |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "bound / deploy | deploy train tree / deploy | fold / deploy train tree | jit / deploy "
+         "| tree µs |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, q = r["steady_ms"], r["ratios"]
         L.append(f"| {r['arch']} | {r['size']} | {r['leaves']} ({r['deploy_leaves']}) | "
                  f"{fmt(s['jit'])} | {fmt(s['fold'])} | {fmt(s['fold, bound'])} | "
                  f"{fmt(s['deploy'])} | {fmt(q['fold'])} | {fmt(q['fold, bound'])} | "
-                 f"{fmt(q['deploy, train tree'])} | {fmt(q['jit'])} | "
+                 f"{fmt(q['deploy, train tree'])} | {fmt(q['fold / deploy, train tree'])} | "
+                 f"{fmt(q['jit'])} | "
                  f"{r['tree_dispatch_us']:.0f} |")
-    write_doc(out, "branches_b1_cpu", res, L)
+    write_doc(out, f"branches_b1_cpu_jax{jax.__version__}", res, L)
     print("\n".join(L))
     return res
 
