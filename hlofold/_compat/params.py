@@ -8,6 +8,7 @@ flat trees (``ft_in``/``ft_out``): on such a JAX, scan bodies are not folded.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -57,24 +58,12 @@ def with_call_consts(eqn, body: ClosedJaxpr, added: int) -> dict | None:
             "donated_invars": (False,) * added + p["donated_invars"]}
 
 
-def inlinable_call(eqn) -> bool:
-    """A jit/pjit/closed_call whose parameters say nothing but its body: no shardings,
-    layouts, donations or compiler options, which inlining the body would drop."""
-    if eqn.primitive.name not in JIT_NAMES or call_body(eqn)[1] is None:
-        return False
-    p = eqn.params
-    return (all(type(x).__name__ == "UnspecifiedValue"
-                for x in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
-            and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
-            and not any(p.get("donated_invars", ())) and not p.get("compiler_options_kvs"))
-
-
 def call_constraints(eqn) -> tuple[list, list] | None:
-    """A jit call whose parameters say nothing but its body and shardings of its operands
-    and results on a mesh of automatic axes: ``(in, out)``, a ``NamedSharding`` or None per
-    operand and result — inlined, each is a sharding constraint, as JAX's lowering writes it.
-    None where inlining would lose more (layouts, donations, compiler options, explicit or
-    manual axes, another kind of sharding) or where there is no sharding."""
+    """What inlining a jit/pjit/closed_call keeps of its parameters: ``(in, out)``, per
+    operand and result None or a ``NamedSharding`` on automatic mesh axes (inlined, a
+    sharding constraint, as JAX's lowering writes it). None where inlining would drop
+    something: layouts, donations, compiler options, explicit or manual axes, another kind
+    of sharding."""
     if eqn.primitive.name not in JIT_NAMES or call_body(eqn)[1] is None:
         return None
     p = eqn.params
@@ -92,17 +81,28 @@ def call_constraints(eqn) -> tuple[list, list] | None:
         return False
     ins = [one(x) for x in p.get("in_shardings", ())]
     outs = [one(x) for x in p.get("out_shardings", ())]
-    if any(x is False for x in ins + outs) or not any(ins + outs):
-        return None
-    return ins, outs
+    return None if any(x is False for x in ins + outs) else (ins, outs)
+
+
+def inlinable_call(eqn) -> bool:
+    """A call whose body can take its place (:func:`call_constraints`: its shardings, if
+    any, written as constraints)."""
+    return call_constraints(eqn) is not None
 
 
 def constraint_eqn(x, out, sharding):
     """The equation ``out = with_sharding_constraint(x, sharding)`` (as JAX traces it)."""
+    return _constraint_template(tuple(x.aval.shape), x.aval.dtype, sharding).replace(
+        invars=[x], outvars=[out])
+
+
+@functools.lru_cache(maxsize=256)
+def _constraint_template(shape: tuple, dtype, sharding):
+    """One traced constraint per type and sharding (traced once, its variables replaced)."""
     closed = jax.make_jaxpr(lambda v: jax.lax.with_sharding_constraint(v, sharding))(
-        jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype))
+        jax.ShapeDtypeStruct(shape, dtype))
     (e,) = closed.jaxpr.eqns
-    return e.replace(invars=[x], outvars=[out])
+    return e
 
 
 def remat_body(eqn) -> Jaxpr:

@@ -268,14 +268,14 @@ def _kind(e):
 def crossed_calls(jaxpr) -> set[int]:
     """Indices of the calls of ``jaxpr`` a fold crosses (:func:`hlofold._core.boundary.
     crosses`): forward-only checkpoints (:func:`hlofold._compat.forward_remat`) and jit
-    calls that inlining loses nothing of (:func:`hlofold._compat.inlinable_call`; their
-    shardings as constraints, :func:`hlofold._compat.call_constraints`) — a
+    calls that inlining loses nothing of (:func:`hlofold._compat.inlinable_call`: their
+    shardings written as constraints) — a
     convolution in a ``@jax.jit`` helper whose BatchNorm the caller applies, a norm's scale
     applied before a helper holding the projection. Inlined (as JAX's lowering inlines
     checkpoints and XLA calls), their layers fold as any other; a gradient later taken of the
     folded program does not rematerialize an inlined checkpoint."""
-    found = [(i, e) for i, e in enumerate(jaxpr.eqns) if C.forward_remat(e) or
-             C.inlinable_call(e) or C.call_constraints(e)]
+    found = [(i, e) for i, e in enumerate(jaxpr.eqns)
+             if C.forward_remat(e) or C.inlinable_call(e)]
     if not found:
         return set()
     first = lambda e: e.invars[0]           # noqa: E731
@@ -304,8 +304,7 @@ def crossed_calls(jaxpr) -> set[int]:
 
 
 def _readable(eqn) -> bool:
-    return C.remat_without_consts(eqn) or C.inlinable_call(eqn) or \
-        C.call_constraints(eqn) is not None
+    return C.remat_without_consts(eqn) or C.inlinable_call(eqn)
 
 
 def inline_all(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

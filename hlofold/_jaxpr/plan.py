@@ -380,7 +380,7 @@ def _pass_rule(chain: JaxprChain, eqn, pos, axis):
 def _call_rule(chain: JaxprChain, eqn, pos, axis):
     """A call (jit/pjit) whose body takes the chain on: the scope inlines it and plans
     again (``_jaxpr.fold._Scope.plan``), as the StableHLO path inlines a private callee."""
-    if not (C.inlinable_call(eqn) or C.call_constraints(eqn)):   # layouts or donations lost
+    if not C.inlinable_call(eqn):      # its layouts or donations would be lost
         return f"chain ends at {eqn.primitive.name}"
     body = C.call_body(eqn)[1]
     v = body.jaxpr.invars[pos]

@@ -19,7 +19,7 @@ from .. import _compat as C
 from .._core.boundary import AFFINE, LAYER, PASS, crosses, made_by, read_by
 from .ir import BINARY, ROOTS, SHAPE_KIND, op_name, owner_op, readers
 from .loops import clone, walk
-from .module import call_sites, main_function
+from .module import call_sites, functions, is_private, main_function
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -32,12 +32,8 @@ def inline_weighted_calls(module, ev) -> int:
     """Inline each call of a private function holding a conv/dot that is called more than
     once, where the call passes a known float array (``ev``: the module's evaluator).
     Returns how many calls were inlined."""
-    symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
-               for op in module.body.operations if op_name(op) == "func.func"}
-    holding = {name for name, fop in symbols.items() if fop.regions[0].blocks and
-               "sym_visibility" in fop.attributes and
-               ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and
-               _holds_root(fop)}
+    symbols = functions(module)
+    holding = {name for name, fop in symbols.items() if _private_with_root(fop)}
     if not holding:          # (no function to inline: the module's calls are not walked)
         return 0
     n = 0
@@ -134,8 +130,7 @@ def _inline_rounds(module, rounds: int, pick) -> int:
     ``rounds`` rounds; returns how many."""
     n = 0
     for _ in range(rounds):
-        symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
-                   for op in module.body.operations if op_name(op) == "func.func"}
+        symbols = functions(module)
         todo = list(pick(symbols))
         if not todo:
             break
@@ -146,6 +141,4 @@ def _inline_rounds(module, rounds: int, pick) -> int:
 
 
 def _private_with_root(fop) -> bool:
-    return fop is not None and bool(fop.regions[0].blocks) and \
-        "sym_visibility" in fop.attributes and \
-        ir.StringAttr(fop.attributes["sym_visibility"]).value == "private" and _holds_root(fop)
+    return is_private(fop) and _holds_root(fop)

@@ -34,7 +34,7 @@ from .forward import HloForwardPlanner, conv_specs
 from .facts import op_facts
 from .ir import (PASS_KINDS, elem_type, float_dtype, is_float, location, op_name, owner_op,
                  parent_of, shape_of, type_name)
-from .module import drop_uncalled_private, erase_unused, gc_paused, parse_module
+from .module import drop_uncalled_private, erase_unused, functions, gc_paused, parse_module
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
 from .values import HloValues
@@ -353,8 +353,7 @@ def _fold_module(module, in_graph: bool, guard: bool, merge: bool,
     if inline_weighted_calls(module, Evaluator(module, bound)) + \
             inline_crossed_calls(module):   # a jit block per layer; a helper a fold crosses
         drop_uncalled_private(module)
-    symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
-               for op in module.body.operations if op_name(op) == "func.func"}
+    symbols = functions(module)
     with gc_paused():                # scanned stacks, per layer (each a module of its own)
         stacked, left = fold_stacks(module, symbols, lambda m, given: fold_module(
             m, in_graph, guard, merge, bound=given), bound, staged=in_graph and not guard)
@@ -369,9 +368,7 @@ def _fold_module(module, in_graph: bool, guard: bool, merge: bool,
         drop_uncalled_private(module, only=inlined)
     if merge:
         with gc_paused():       # sums of parallel branches, each as one convolution
-            merge_module(module, {ir.StringAttr(op.attributes["sym_name"]).value: op
-                                  for op in module.body.operations
-                                  if op_name(op) == "func.func"}, report.sites,
+            merge_module(module, functions(module), report.sites,
                          staged=in_graph and not guard, bound=bound)
     if not module.operation.verify():
         raise AssertionError("hlofold produced an invalid module")   # pragma: no cover

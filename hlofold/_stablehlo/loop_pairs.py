@@ -27,7 +27,7 @@ from .equalize import (apply_smoothing, equalized_pairs, smoothing_sites, watche
                        watching_copy)
 from .ir import element_dtype, numpy_to_dense, op_name, owner_op, shape_of
 from .loops import Loop, layer_counters, layer_module, loop_form, rebuild_loop
-from .module import erase_unused, main_function
+from .module import erase_unused, functions, main_function
 from .patterns import Evaluator
 from .stacks import layer_constants
 from .weights import set_arguments
@@ -38,8 +38,7 @@ ir, stablehlo, _ = C.mlir()
 def _counted_loops(module):
     """``(symbols, evaluator, [(loop op, Loop)])``: the counted loops over known stacks at
     ``@main``'s top level not rewritten yet (what both drivers below rewrite)."""
-    symbols = {ir.StringAttr(op.attributes["sym_name"]).value: op
-               for op in module.body.operations if op_name(op) == "func.func"}
+    symbols = functions(module)
     ev = Evaluator(module)
     loops = []
     for w in [o for o in main_function(module).regions[0].blocks[0].operations

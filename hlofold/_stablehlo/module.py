@@ -95,6 +95,19 @@ def call_sites(module) -> dict:
 SYMBOL_ATTRS = ("callee", "decomposition", "called_computations")
 
 
+def functions(module) -> dict:
+    """The module's ``func.func`` ops by name."""
+    return {ir.StringAttr(op.attributes["sym_name"]).value: op
+            for op in module.body.operations if op_name(op) == "func.func"}
+
+
+def is_private(fop) -> bool:
+    """Whether ``fop`` is a private function with a body (one a call may be replaced by)."""
+    return fop is not None and bool(fop.regions[0].blocks) and \
+        "sym_visibility" in fop.attributes and \
+        ir.StringAttr(fop.attributes["sym_visibility"]).value == "private"
+
+
 def private_body(call):
     """The body block of the private function a ``func.call`` calls, or None (a public or
     external function, or a callee not found in the call's module)."""
@@ -105,13 +118,7 @@ def private_body(call):
     callee = next((op for op in top.regions[0].blocks[0].operations
                    if op_name(op) == "func.func" and
                    ir.StringAttr(op.attributes["sym_name"]).value == name), None)
-    if callee is None:
-        return None
-    if "sym_visibility" not in callee.attributes or \
-            ir.StringAttr(callee.attributes["sym_visibility"]).value != "private" or \
-            not callee.regions[0].blocks:
-        return None
-    return callee.regions[0].blocks[0]
+    return callee.regions[0].blocks[0] if is_private(callee) else None
 
 
 def entering_value(arg, calls):
