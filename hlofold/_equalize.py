@@ -24,6 +24,7 @@ from ._core.channel_axes import Mapped
 from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate
 from ._jaxpr.pairs import Refused, find_pairs
+from ._jaxpr.residual import find_streams
 from ._jaxpr.scan_pairs import (LOOP_LAYERS, NESTED_LAYERS, ScanPairs, calibration_run,
                                 loop_layers, scan_pairs)
 from ._jaxpr.stream import find_stream
@@ -46,7 +47,8 @@ def _float_pairs(found, refused, leaves):
 
 def _records(ok, done, paths, where="", kind="equalized"):
     return [record(d, paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
-                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn) + where, kind)
+                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn) + where, kind,
+                   [paths[int(w)] for w, _ in f.pair.writers])
             for f, d in zip(ok, done)]
 
 
@@ -104,6 +106,8 @@ class _Group:
 def _groups(jaxpr, leaves: HostLeaves, norms: bool) -> tuple[list[_Group], list]:
     """The pairs of the top level and of each top-level scan's body; the refusals."""
     found, refused = find_pairs(jaxpr, len(leaves), norms=norms)
+    if not norms:                    # (residual streams: equalized, not smoothed)
+        found = found + find_streams(jaxpr, len(leaves), found, refused)
     groups = [_Group(_float_pairs(found, refused, leaves))]
     for sp in scan_pairs(jaxpr, len(leaves), norms):
         refused += sp.refused

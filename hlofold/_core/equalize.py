@@ -58,15 +58,19 @@ class Pair:
     ``first`` names the first kernel (a key of the values given to :func:`equalize`),
     ``out_axis`` its output-channel axis; ``seconds`` the layers reading the path's end.
     ``biases`` are the vectors added on the way, ``(key, axis)``: each is divided by the
-    scale along ``axis``."""
+    scale along ``axis``. ``writers``: the other layers whose outputs are added into the
+    same channels, ``(key, out_axis)`` — a residual stream's (:func:`ranges` takes the
+    largest entry over all of them; each is divided alike)."""
 
     first: str
     out_axis: int
     seconds: list
     biases: list = dataclasses.field(default_factory=list)
+    writers: list = dataclasses.field(default_factory=list)
 
     def keys(self) -> list[str]:
-        return [self.first, *(s.key for s in self.seconds), *(b for b, _ in self.biases)]
+        return [self.first, *(w for w, _ in self.writers), *(s.key for s in self.seconds),
+                *(b for b, _ in self.biases)]
 
 
 def stops_here(op: str, not_homogeneous: bool, where: str) -> str:
@@ -119,8 +123,11 @@ def _two_axes(k: np.ndarray, in_axis: int, out_axis: int) -> np.ndarray:
 
 def ranges(values: dict, pair: Pair, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """``(r1, r2)``: each channel's range in the first kernel's output and in the second
-    kernel's input."""
-    return channel_max(values[pair.first], pair.out_axis), input_ranges(values, pair, channels)
+    kernel's input (the largest over a residual stream's writers)."""
+    r1 = channel_max(values[pair.first], pair.out_axis).astype(np.float64)
+    for w, axis in pair.writers:
+        r1 = np.maximum(r1, channel_max(values[w], axis).astype(np.float64))
+    return r1, input_ranges(values, pair, channels)
 
 
 def input_ranges(values: dict, pair: Pair, channels: int) -> np.ndarray:
@@ -178,7 +185,7 @@ def apply_to(key: str, k: np.ndarray, pair: Pair, s: np.ndarray) -> None:
     ``k`` changed in place."""
     if key == pair.first:
         k /= along(s, k.shape, pair.out_axis)
-    for b, axis in pair.biases:
+    for b, axis in [*pair.writers, *pair.biases]:
         if b == key:
             k /= along(s, k.shape, axis)
     for sec in (sec for sec in pair.seconds if sec.key == key):
@@ -340,15 +347,17 @@ class EqualizedPair:
     kind: str = "equalized"           # or "smoothed"
     alpha: float | None = None        # smoothed: the α its scales were computed with
     powers_of_two: bool = False       # scales rounded to powers of two (bfloat16 weights)
+    writers: list = dataclasses.field(default_factory=list)   # a residual stream's others
 
 
 def record(done: Done, first: str, seconds: list, biases: list, location: str,
-           kind: str) -> EqualizedPair:
-    """The report's record of a pair (its kernels named as the adapter names them)."""
+           kind: str, writers: list = ()) -> EqualizedPair:
+    """The report's record of a pair (its kernels named as the adapter names them;
+    ``writers``: a residual stream's other writers)."""
     s = done.scale
     rng = (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0)
     return EqualizedPair(first, seconds, biases, location, done.before, done.after, rng, kind,
-                         done.alpha, done.pow2)
+                         done.alpha, done.pow2, list(writers))
 
 
 @dataclasses.dataclass

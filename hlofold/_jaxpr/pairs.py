@@ -58,7 +58,7 @@ def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = 
     found, refused, claimed = [], [], set()
     for e in jaxpr.eqns:
         ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
-        start = _layer_start(ctx, e) or (_norm_start(ctx, e) if norms else None)
+        start = layer_start(ctx, e) or (_norm_start(ctx, e) if norms else None)
         if start is None:
             continue
         if isinstance(start[0], str):
@@ -78,7 +78,7 @@ def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = 
     return found, refused
 
 
-def _layer_start(ctx, e):
+def layer_start(ctx, e):
     """``(kernel var, output channel axis, kernel output axis)`` of a layer whose kernel is a
     leaf; ``(why, leaf index)`` for a shared one; None for anything else."""
     pat = PATTERNS.get(e.primitive.name)
@@ -133,7 +133,7 @@ def _follow(ctx, v, axis: int):
             v = leaky                               # (the channel axis stays)
             continue
         if len(u) > 1:
-            seconds = [_second(ctx, e, pos, axis) for e, pos in u]
+            seconds = [second_layer(ctx, e, pos, axis) for e, pos in u]
             if all(not isinstance(x, str) for x in seconds):
                 return seconds, v, axis           # (q, k and v; gate and up)
             return (f"its output is read {len(u)} times, not only by layers (a residual or "
@@ -143,7 +143,7 @@ def _follow(ctx, v, axis: int):
         e, pos = u[0]
         name = e.primitive.name
         if name in PATTERNS:
-            got = _second(ctx, e, pos, axis)
+            got = second_layer(ctx, e, pos, axis)
             if not isinstance(got, str):
                 return [got], v, axis
             through = _through_dot(ctx, e, pos, axis)
@@ -208,13 +208,15 @@ def _second_over_axes(ctx, e, pos, axis):
                channels=axis.positions() if isinstance(axis, Mapped) else None)
 
 
-def _second(ctx, e, pos, axis):
+def second_layer(ctx, e, pos, axis):
+    """The layer ``e`` reading the channels (``axis``) at operand ``pos`` as a
+    :class:`Second` — its kernel a leaf read once, contracting the channels — or why not."""
     pat = PATTERNS.get(e.primitive.name)
     if pat is None:
         return f"{e.primitive.name} reads it besides the layers"
     if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
         got, plain = _second_over_axes(ctx, e, pos, axis), settled(axis)
-        return _second(ctx, e, pos, plain) if isinstance(got, str) and \
+        return second_layer(ctx, e, pos, plain) if isinstance(got, str) and \
             not isinstance(plain, Mapped) else got
     if isinstance(axis, tuple):
         return _second_over_axes(ctx, e, pos, axis)

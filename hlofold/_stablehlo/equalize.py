@@ -24,6 +24,7 @@ from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)
 from .calls import inline_layer_calls
+from .residual import find_streams
 from .module import drop_uncalled_private, main_function
 from .pairs import (LOOP_LAYERS, NESTED_LAYERS, ROOTS, Refused, find_pairs, layer,
                     loop_layers, norm_sites, where)
@@ -92,7 +93,8 @@ def _pow2(found, weights: dict, values: dict) -> bool:
 
 def _records(ok, done, called, kind):
     return [record(d, called[f.pair.first], [called[s.key] for s in f.pair.seconds],
-                   [called[b] for b, _ in f.pair.biases], f.location, kind)
+                   [called[b] for b, _ in f.pair.biases], f.location, kind,
+                   [called[w] for w, _ in f.pair.writers])
             for f, d in zip(ok, done)]
 
 
@@ -125,6 +127,7 @@ def equalized_pairs(func, names: dict, loops: bool = True) -> tuple[list, list, 
     (:class:`~hlofold._core.equalize.Done`), what the weights are called, what was left)``
     — a scanned stack's layers (:mod:`.loop_pairs`) merged per pair from these."""
     found, refused, weights = find_pairs(func)
+    found = found + find_streams(func, found, refused, weights)
     values, ok = _readable(found, refused, weights)
     left = _left(func, refused, weights, names) if loops else _left_starts(refused, weights,
                                                                             names)

@@ -71,10 +71,10 @@ def _second_over_axes(ctx, op, pos, axis):
                   channels=axis.positions() if isinstance(axis, Mapped) else None)
 
 
-def _second(ctx, op, pos, axis):
+def second_layer(ctx, op, pos, axis):
     if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
         got, plain = _second_over_axes(ctx, op, pos, axis), settled(axis)
-        return _second(ctx, op, pos, plain) if isinstance(got, str) and \
+        return second_layer(ctx, op, pos, plain) if isinstance(got, str) and \
             not isinstance(plain, Mapped) else got
     if isinstance(axis, tuple):
         return _second_over_axes(ctx, op, pos, axis)
@@ -122,7 +122,7 @@ def _follow(ctx, v, axis: int):
             v = lk
             continue
         if len(u) > 1:
-            seconds = [_second(ctx, o, p, axis) if op_name(o) in ROOTS else "x"
+            seconds = [second_layer(ctx, o, p, axis) if op_name(o) in ROOTS else "x"
                        for o, p in u]
             if all(not isinstance(x, str) for x in seconds):
                 return seconds, v, axis
@@ -133,7 +133,7 @@ def _follow(ctx, v, axis: int):
         op, pos = u[0]
         name = op_name(op)
         if name in ROOTS:
-            got = _second(ctx, op, pos, axis)
+            got = second_layer(ctx, op, pos, axis)
             if not isinstance(got, str):
                 return [got], v, axis
             through = _through_dot(op, pos, axis)
@@ -157,7 +157,7 @@ def _follow(ctx, v, axis: int):
     return "the path is too long"
 
 
-def _start(op):
+def layer_start(op):
     """``(Weight, output channel axis, kernel output axis)`` of a layer whose kernel is a
     constant read once (a multi-head kernel's: tuples of axes); a reason for a shared one;
     None for no layer."""
@@ -199,7 +199,7 @@ def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
     ctx = Ctx({}, {}, [])
     found, refused, claimed = [], [], set()
     for op in func.regions[0].blocks[0].operations:
-        start = _start(op) if op_name(op) in ROOTS else None
+        start = layer_start(op) if op_name(op) in ROOTS else None
         if start is None:
             continue
         if isinstance(start, str):
@@ -244,7 +244,7 @@ def norm_sites(func, weights: dict, taken: set) -> list[Found]:
             continue
         if not any(_per_token(x, ch[0]) for x in op.operands):
             continue                  # (a product of activations, a gate: no norm)
-        seconds = [_second(ctx, o, p, ch[0]) for o, p in u]
+        seconds = [second_layer(ctx, o, p, ch[0]) for o, p in u]
         if any(isinstance(x, str) or x.key in taken for x in seconds):
             continue
         taken.update(x.key for x in seconds)

@@ -1,0 +1,143 @@
+"""Residual streams for cross-layer equalization, the IR-agnostic walk.
+
+A pair (:mod:`.equalize`) ends where its path is read twice or added to another activation:
+a residual add would see the scaled channels. But every value that meets such an add can be
+scaled *together*: a ResNet stage's stream (``x + conv2(relu(conv1(x)))``, ReLU after the
+add), a MobileNetV2 stage's (``x + project(...)``) is the sum of the outputs of a few layers
+— the *writers* (the stem or a downsample convolution, the blocks' last convolutions) —
+carried through adds, ReLU, pooling and the biases of folded BatchNorms, and read only by
+layers — the *readers* (the next blocks' first convolutions, a downsample convolution, the
+head). Dividing every writer's output channel ``i`` (and every bias added on the way) by
+``s_i > 0`` and multiplying every reader's input channel ``i`` by it computes the same
+outputs: each value of the stream is scaled by ``s`` and every op on it commutes with that.
+The scale equalizes the largest writer's range with the largest reader's, as for a pair
+(:func:`.equalize.ranges` with :attr:`.equalize.Pair.writers`).
+
+:func:`walk` follows one stream from a writer through every use of every value in it; each
+adapter reads its IR into a :class:`Graph` (its uses, one :class:`Step` per op by its own
+per-op rules, the layers a value is the sum of). Anything else reading the stream — the
+program's output, an op that is not positively homogeneous, a product of two of its values
+— and the stream is left, with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+NOT_LINEAR = "a product of two values of the stream (not linear in its scale)"
+TWO_AXES = "its channels reach an add along two different axes"
+
+
+@dataclasses.dataclass
+class Writer:
+    """A layer whose output is part of the stream: its kernel's key and output-channel
+    axis, the op, and the value with its channel axis."""
+
+    key: str
+    out_axis: object
+    op: object
+    value: object
+    axis: object
+
+
+@dataclasses.dataclass
+class Step:
+    """What one op does with the stream's value: ``second`` (a layer reading it: a reader,
+    :class:`.equalize.Second`), or ``out``/``axis`` (the value it makes, in the stream),
+    with ``other`` (the other operand of an add of two activations: in the stream too) or
+    ``apart`` (the other factor of a product: must not be in the stream)."""
+
+    out: object = None
+    axis: object = None
+    second: object = None
+    other: object = None
+    apart: object = None
+
+
+class Graph(Protocol):
+    """An adapter's reading of its IR for :func:`walk`."""
+
+    outputs: str          # what a use by the program's return is, in the reasons
+
+    def ident(self, op):
+        """A hashable identity of ``op`` (the same for every handle on it)."""
+
+    def uses(self, v) -> list:
+        """``[(op, operand position)]`` reading ``v``; ``(None, -1)`` for the return."""
+
+    def step(self, op, pos: int, axis) -> Step | str:
+        """The op's :class:`Step` for the stream's value at operand ``pos``, or why not."""
+
+    def origins(self, v) -> list[Writer] | str:
+        """The layers whose outputs ``v`` is computed from (back through the ops a stream
+        passes), or why it is not such a value."""
+
+
+@dataclasses.dataclass
+class Stream:
+    """A stream: its writers (the first one the walk started from), its readers, and the
+    value the first reader reads with its channel axis."""
+
+    writers: list
+    readers: list
+    end: object
+    end_axis: object
+
+
+def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | str:
+    """The stream ``start``'s output is part of, followed through every use of every value
+    in it, or why it cannot be scaled as one."""
+    writers, readers, ends = {g.ident(start.op): start}, [], []
+    seen, work, done, joins, apart = {start.value: start.axis}, [(start.value, start.axis)], \
+        set(), [], []
+
+    def reach(v, axis):
+        if v in seen:
+            return None if seen[v] == axis else TWO_AXES
+        seen[v] = axis
+        work.append((v, axis))
+        return None
+    while work:
+        if len(done) > limit:
+            return "the stream is too long"
+        v, axis = work.pop()
+        for op, pos in g.uses(v):
+            if op is None:
+                return f"the stream is {g.outputs}"
+            if (g.ident(op), pos) in done:
+                continue
+            done.add((g.ident(op), pos))
+            st = g.step(op, pos, axis)
+            if isinstance(st, str):
+                return st
+            if st.second is not None:
+                readers.append(st.second)
+                ends.append((v, axis))
+                continue
+            if st.other is not None:
+                if st.other not in seen:
+                    got = g.origins(st.other)
+                    if isinstance(got, str):
+                        return got
+                    for w in got:
+                        if g.ident(w.op) not in writers:
+                            writers[g.ident(w.op)] = w
+                            why = reach(w.value, w.axis)
+                            if why:
+                                return why
+                joins.append((st.other, axis))
+            if st.apart is not None:
+                apart.append(st.apart)
+            why = reach(st.out, st.axis)
+            if why:
+                return why
+    if any(o not in seen for o, _ in joins):
+        return ("something other than layers' outputs is added into the stream (a value the "
+                "walk from them does not reach)")
+    if any(seen[o] != a for o, a in joins):
+        return TWO_AXES
+    if any(x in seen for x in apart):
+        return NOT_LINEAR
+    if not readers:
+        return "no layer reads the stream"
+    return Stream(list(writers.values()), readers, *ends[0])

@@ -1,0 +1,136 @@
+"""Residual streams for cross-layer equalization read from a jaxpr: the adapter of
+:mod:`hlofold._core.streams`.
+
+A layer whose pair was refused because its output meets a residual add (or is read twice)
+starts a walk of the stream it is part of; each equation on it is read by the pair rules
+(:data:`~.pair_rules.RULES`: ReLU, pooling, a folded BatchNorm's arithmetic, whose biases
+are scaled with the stream), a layer reading it with a leaf kernel is a reader
+(:func:`~.pairs.second_layer`), and an add of two activations joins the layers the other
+operand is computed from. A formed stream is one :class:`~hlofold._core.equalize.Pair`
+with several writers; its starts leave the refusals.
+"""
+from __future__ import annotations
+
+from .. import _compat as C
+from .._core.equalize import Pair, stops_here
+from .._core.streams import Step, Writer, walk
+from .pair_rules import CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses
+from .pairs import Found, layer_start, second_layer
+from .patterns import PATTERNS
+
+RESIDUAL = "residual"        # the pair refusals a stream may answer (their reasons say it)
+
+
+def data_values(jaxpr, n_leaves: int, leaves: dict) -> set:
+    """The variables computed from the program's non-parameter inputs (activations; a
+    bias or a norm's factor computed from leaves alone is not one)."""
+    data = {v for v in jaxpr.invars if v not in leaves}
+    for e in jaxpr.eqns:
+        if any(isinstance(v, C.Var) and v in data for v in e.invars):
+            data.update(e.outvars)
+    return data
+
+
+class _Graph:
+    """The jaxpr read for :func:`hlofold._core.streams.walk`."""
+
+    def __init__(self, ctx: Ctx, data: set):
+        self.ctx, self.data = ctx, data
+        self.outputs = ctx.outputs
+
+    def ident(self, e):
+        return id(e)
+
+    def uses(self, v):
+        return self.ctx.uses.get(v, [])
+
+    def step(self, e, pos, axis):
+        name = e.primitive.name
+        if not isinstance(axis, int):
+            return f"{name} reads a stream whose channels are split over axes"
+        if name in PATTERNS:
+            got = second_layer(self.ctx, e, pos, axis)
+            return got if isinstance(got, str) else Step(second=got)
+        other = e.invars[1 - pos] if len(e.invars) == 2 else None
+        if name == "add" and isinstance(other, C.Var) and other in self.data:
+            if other.aval.shape != e.outvars[0].aval.shape or \
+                    e.invars[pos].aval.shape != e.outvars[0].aval.shape:
+                return "an add of activations that broadcasts one of them"
+            return Step(e.outvars[0], axis, other=other)
+        rule = RULES.get(name) or (call_rule if name in CALLS else None)
+        if rule is None or len(e.outvars) != 1:
+            return stops_here(name, name in NOT_HOMOGENEOUS, "on the stream")
+        got = rule(self.ctx, e, pos, axis)
+        if isinstance(got, str):
+            return got
+        apart = other if name in ("mul", "div") and isinstance(other, C.Var) else None
+        return Step(e.outvars[0], got, apart=apart)
+
+    def origins(self, v, depth: int = 0):
+        p = self.ctx.producer.get(v)
+        if p is None:
+            return "a program input is added into the stream"
+        start = layer_start(self.ctx, p)
+        if start is not None:
+            if isinstance(start[0], str):
+                return f"a layer writing into the stream: {start[0]}"
+            k, axis, out_axis = start
+            if not isinstance(axis, int):
+                return "a layer writing into the stream has its channels over several axes"
+            return [Writer(str(self.ctx.leaves[k]), out_axis, p, p.outvars[0], axis)]
+        acts = [x for x in p.invars if isinstance(x, C.Var) and x in self.data]
+        if not acts or depth > 64:
+            return f"{p.primitive.name}'s output, not a layer's, is added into the stream"
+        out = []
+        for x in acts:
+            got = self.origins(x, depth + 1)
+            if isinstance(got, str):
+                return got
+            out += got
+        return out
+
+
+def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
+                 outputs: str = "a program output") -> list[Found]:
+    """The residual streams of ``jaxpr``'s top level, each started from a layer whose pair
+    ``refused`` holds for a residual reason; the refusals of the layers a stream took are
+    removed, those of a stream left say why. ``found``: the pairs (their kernels are not
+    taken again as a stream's first layer)."""
+    uses, producer = index_uses(jaxpr)
+    leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
+    data = data_values(jaxpr, n_leaves, leaves)
+    firsts = {f.pair.first for f in found}
+    streams, covered = [], {}
+    for r in list(refused):
+        if r.eqn is None or RESIDUAL not in r.reason or id(r.eqn) in covered:
+            continue
+        ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
+        start = layer_start(ctx, r.eqn)
+        if start is None or isinstance(start[0], str) or not isinstance(start[1], int):
+            continue
+        k, axis, out_axis = start
+        g = _Graph(ctx, data)
+        got = walk(g, Writer(str(leaves[k]), out_axis, r.eqn, r.eqn.outvars[0], axis))
+        if isinstance(got, str):
+            covered[id(r.eqn)] = f"its output joins a residual stream that is left: {got}"
+            continue
+        keys = [w.key for w in got.writers]
+        if firsts & set(keys) or len(set(keys)) < len(keys):
+            covered[id(r.eqn)] = "its output joins a residual stream whose writers are paired"
+            continue
+        for w in got.writers:
+            covered[id(w.op)] = None
+        first, rest = got.writers[0], got.writers[1:]
+        streams.append(Found(Pair(first.key, first.out_axis, got.readers,
+                                  [(str(i), ax) for i, ax in ctx.biases],
+                                  [(w.key, w.out_axis) for w in rest]),
+                             r.eqn, got.end, got.end_axis))
+    kept = []
+    for r in refused:
+        if r.eqn is not None and id(r.eqn) in covered:
+            if covered[id(r.eqn)] is None:
+                continue
+            r.reason = covered[id(r.eqn)]
+        kept.append(r)
+    refused[:] = kept
+    return streams

@@ -1,0 +1,133 @@
+"""Residual streams for cross-layer equalization read from StableHLO: the adapter of
+:mod:`hlofold._core.streams`, the twin of ``hlofold._jaxpr.residual``.
+
+A layer whose pair was refused because its output meets a residual add (or is read twice)
+starts a walk of the stream it is part of; each op on it is read by the pair rules
+(:data:`~.pair_rules.RULES`: ReLU, pooling, a folded BatchNorm's bias, private functions
+entered), a layer reading it with a constant kernel read once is a reader
+(:func:`~.pairs.second_layer`), and an ``add`` of two activations joins the layers the
+other operand is computed from. A formed stream is one
+:class:`~hlofold._core.equalize.Pair` with several writers; its starts leave the refusals.
+"""
+from __future__ import annotations
+
+from .._core.equalize import Pair, stops_here
+from .._core.streams import Step, Writer, walk
+from .ir import op_name, owner_op, shape_of
+from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, uses
+from .pairs import ROOTS, Found, layer_start, second_layer
+
+RESIDUAL = "residual"        # the pair refusals a stream may answer (their reasons say it)
+
+
+def data_values(func) -> set:
+    """The values of ``func``'s top level computed from its arguments (activations; a
+    constant's broadcast, a bias computed from constants, is not one)."""
+    block = func.regions[0].blocks[0]
+    data = set(block.arguments)
+    for op in block.operations:
+        if any(v in data for v in op.operands):
+            data.update(op.results)
+    return data
+
+
+class _Graph:
+    """The function read for :func:`hlofold._core.streams.walk`."""
+
+    outputs = "a program output"
+
+    def __init__(self, ctx: Ctx, data: set):
+        self.ctx, self.data = ctx, data
+
+    def ident(self, op):
+        return op.operation
+
+    def uses(self, v):
+        return [(None, -1) if op_name(o) == "func.return" else (o, p) for o, p in uses(v)]
+
+    def step(self, op, pos, axis):
+        name = op_name(op)
+        if not isinstance(axis, int):
+            return f"{name} reads a stream whose channels are split over axes"
+        if name in ROOTS:
+            got = second_layer(self.ctx, op, pos, axis)
+            return got if isinstance(got, str) else Step(second=got)
+        other = op.operands[1 - pos] if len(op.operands) == 2 else None
+        if name == "stablehlo.add" and other in self.data:
+            if shape_of(other) != shape_of(op.results[0]):
+                return "an add of activations that broadcasts one of them"
+            return Step(op.results[0], axis, other=other)
+        rule = RULES.get(name)
+        if rule is None or len(op.results) != 1:
+            return stops_here(name, name in NOT_HOMOGENEOUS, "on the stream")
+        got = rule(self.ctx, op, pos, axis)
+        if isinstance(got, str):
+            return got
+        apart = other if name in ("stablehlo.multiply", "stablehlo.divide") else None
+        return Step(op.results[0], got, apart=apart)
+
+    def origins(self, v, depth: int = 0):
+        op = owner_op(v)
+        if op is None:
+            return "a program input is added into the stream"
+        start = layer_start(op) if op_name(op) in ROOTS else None
+        if start is not None:
+            if isinstance(start, str):
+                return f"a layer writing into the stream: {start}"
+            w, axis, out_axis = start
+            if not isinstance(axis, int):
+                return "a layer writing into the stream has its channels over several axes"
+            return [Writer(self.ctx.key(w), out_axis, op, op.results[0], axis)]
+        acts = [x for x in op.operands if x in self.data]
+        if not acts or depth > 64:
+            return f"{op_name(op)}'s output, not a layer's, is added into the stream"
+        out = []
+        for x in acts:
+            got = self.origins(x, depth + 1)
+            if isinstance(got, str):
+                return got
+            out += got
+        return out
+
+
+def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]:
+    """The residual streams of ``func``'s top level, each started from a layer whose pair
+    ``refused`` holds for a residual reason; the refusals of the layers a stream took are
+    removed, those of a stream left say why. ``found``: the pairs (their first kernels are
+    not taken again); ``weights``: the pairs' weights (the streams' are added)."""
+    data = data_values(func)
+    firsts = {f.pair.first for f in found}
+    streams, covered = [], {}
+    for r in list(refused):
+        if r.op is None or RESIDUAL not in r.reason or r.op.operation in covered:
+            continue
+        start = layer_start(r.op)
+        if not isinstance(start, tuple) or not isinstance(start[1], int):
+            continue
+        ctx = Ctx(weights, {w.const: k for k, w in weights.items()}, [])
+        w, axis, out_axis = start
+        got = walk(_Graph(ctx, data),
+                   Writer(ctx.key(w), out_axis, r.op, r.op.results[0], axis))
+        if isinstance(got, str):
+            covered[r.op.operation] = f"its output joins a residual stream that is left: {got}"
+            continue
+        keys = [x.key for x in got.writers]
+        if firsts & set(keys) or len(set(keys)) < len(keys):
+            covered[r.op.operation] = ("its output joins a residual stream whose writers are "
+                                       "paired")
+            continue
+        for x in got.writers:
+            covered[x.op.operation] = None
+        first, rest = got.writers[0], got.writers[1:]
+        streams.append(Found(Pair(first.key, first.out_axis, got.readers, list(ctx.biases),
+                                  [(x.key, x.out_axis) for x in rest]),
+                             r.op, got.end, got.end_axis))
+    kept = []
+    for r in refused:
+        if r.op is not None and r.op.operation in covered:
+            if covered[r.op.operation] is None:
+                continue
+            r.reason = covered[r.op.operation]
+        kept.append(r)
+    refused[:] = kept
+    return streams
