@@ -169,8 +169,9 @@ def qwix_weights_per_tensor(f, x):
 def equalize_table(seeds, use_qwix: bool) -> list[str]:
     what = "Qwix w8a8, weights per tensor" if use_qwix else "int8 weights per tensor"
     lines = [f"| model | {what}: unfolded | folded | folded + `equalize=True` | "
-             "per channel, folded (plain quantizer) | equalized / folded | pairs |",
-             "|---|---|---|---|---|---|---|"]
+             "per channel, folded (plain quantizer) | equalized / folded | equalized / per "
+             "channel (each seed's; median, range) | pairs and streams |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, label in (("mobilenetv2", "MobileNetV2-style (ReLU), width 0.5, 32 px, "
                                         "depthwise γ over two decades"),
                         ("resnet18", "ResNet-18, width 16, 32 px, γ over two decades")):
@@ -182,8 +183,10 @@ def equalize_table(seeds, use_qwix: bool) -> list[str]:
         a = np.asarray(rows)
         med, lo, hi = np.median(a, 0), a.min(0), a.max(0)
         cell = lambda k: f"{med[k]:.3g} ({lo[k]:.3g}–{hi[k]:.3g})"   # noqa: E731
+        r = a[:, 2] / a[:, 3]
         lines.append(f"| {label} | {cell(0)} | {cell(1)} | {cell(2)} | {cell(3)} | "
-                     f"{med[2] / med[1]:.2f}× | {int(med[4])} |")
+                     f"{med[2] / med[1]:.2f}× | {np.median(r):.2f}× ({r.min():.2f}–"
+                     f"{r.max():.2f}) | {int(med[4])} |")
     return lines
 
 

@@ -54,6 +54,8 @@ class FoldedParams:
                          f"{alpha}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}" +
+                         (f"; a residual stream, written by {', '.join(e.writers)} too"
+                          if e.writers else "") +
                          ("; scales powers of two (low-precision weights: exact)"
                           if e.powers_of_two else ""))
         for e in self.not_equalized:

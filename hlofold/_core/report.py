@@ -145,6 +145,8 @@ class FoldReport:
             for e in self.equalized:
                 head += (f"\n  {e.first} -> {', '.join(e.seconds)} ({e.location}): spread "
                          f"{e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}" +
+                         (f"; a residual stream, written by {', '.join(e.writers)} too"
+                          if e.writers else "") +
                          ("; scales powers of two (low-precision: exact)"
                           if e.powers_of_two else ""))
             for n in self.not_equalized:

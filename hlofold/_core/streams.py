@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+PASSED = -2          # the position of a use that passes the value as it is (LeakyReLU's select)
 NOT_LINEAR = "a product of two values of the stream (not linear in its scale)"
 TWO_AXES = "its channels reach an add along two different axes"
 
@@ -73,6 +74,33 @@ class Graph(Protocol):
         passes), or why it is not such a value."""
 
 
+def with_leaky(u: list, leaky) -> list:
+    """``u`` (a value's uses) with LeakyReLU's three — the comparison with 0, the product
+    by the slope, the select — as one use of the select at :data:`PASSED`, where
+    ``leaky(three uses)`` (the adapter's reading of the pattern) gives the select."""
+    names = [x for x in u if x[0] is not None]
+    if len(names) > 8:             # (a value read by many ops is no activation's input)
+        return u
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            for k in range(j + 1, len(names)):
+                three = [names[i], names[j], names[k]]
+                sel = leaky(three)
+                if sel is not None:
+                    return [x for x in u if all(x is not t for t in three)] + [(sel, PASSED)]
+    return u
+
+
+@dataclasses.dataclass
+class Left:
+    """Why a stream was not formed; ``joined``: whether the walk met an add of two
+    activations (else the start's value is only read twice — GELU's ``x·Φ(x)`` — and the
+    pair's own reason says more)."""
+
+    reason: str
+    joined: bool
+
+
 @dataclasses.dataclass
 class Stream:
     """A stream: its writers (the first one the walk started from), its readers, and the
@@ -84,12 +112,17 @@ class Stream:
     end_axis: object
 
 
-def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | str:
+def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | Left:
     """The stream ``start``'s output is part of, followed through every use of every value
     in it, or why it cannot be scaled as one."""
+    why = _walk(g, start, limit, joined := [])
+    return Left(why, bool(joined)) if isinstance(why, str) else why
+
+
+def _walk(g, start, limit, joins):
     writers, readers, ends = {g.ident(start.op): start}, [], []
-    seen, work, done, joins, apart = {start.value: start.axis}, [(start.value, start.axis)], \
-        set(), [], []
+    seen, work, done, apart = {start.value: start.axis}, [(start.value, start.axis)], \
+        set(), []
 
     def reach(v, axis):
         if v in seen:
@@ -115,6 +148,7 @@ def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | str:
                 ends.append((v, axis))
                 continue
             if st.other is not None:
+                joins.append((st.other, axis))
                 if st.other not in seen:
                     got = g.origins(st.other)
                     if isinstance(got, str):
@@ -125,7 +159,6 @@ def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | str:
                             why = reach(w.value, w.axis)
                             if why:
                                 return why
-                joins.append((st.other, axis))
             if st.apart is not None:
                 apart.append(st.apart)
             why = reach(st.out, st.axis)

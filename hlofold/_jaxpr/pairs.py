@@ -129,8 +129,8 @@ def _follow(ctx, v, axis: int):
         u = ctx.uses.get(v, [])
         if any(e is None for e, _ in u):
             return f"its output is {ctx.outputs} before another layer reads it"
-        if len(u) == 3 and (leaky := _leaky(ctx, u)) is not None:
-            v = leaky                               # (the channel axis stays)
+        if len(u) == 3 and (leaky_out := leaky(ctx, u)) is not None:
+            v = leaky_out                             # (the channel axis stays)
             continue
         if len(u) > 1:
             seconds = [second_layer(ctx, e, pos, axis) for e, pos in u]
@@ -167,7 +167,7 @@ def _follow(ctx, v, axis: int):
     return "the path is too long"
 
 
-def _leaky(ctx, u):
+def leaky(ctx, u):
     """LeakyReLU / PReLU, ``where(x >= 0, x, a·x)``: the comparison with 0, the product by
     a slope (one or one per channel), the select; its output, or None. Positive scales keep
     the sign, and the product commutes with them."""

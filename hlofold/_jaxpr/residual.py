@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from .. import _compat as C
 from .._core.equalize import Pair, stops_here
-from .._core.streams import Step, Writer, walk
+from .._core.streams import PASSED, Left, Step, Writer, walk, with_leaky
 from .pair_rules import CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses
-from .pairs import Found, layer_start, second_layer
+from .pairs import Found, layer_start, leaky, second_layer
 from .patterns import PATTERNS
 
 RESIDUAL = "residual"        # the pair refusals a stream may answer (their reasons say it)
@@ -42,10 +42,16 @@ class _Graph:
         return id(e)
 
     def uses(self, v):
-        return self.ctx.uses.get(v, [])
+        return with_leaky(self.ctx.uses.get(v, []), self._leaky)
+
+    def _leaky(self, three):
+        out = leaky(self.ctx, three)
+        return None if out is None else self.ctx.producer[out]
 
     def step(self, e, pos, axis):
         name = e.primitive.name
+        if pos == PASSED:
+            return Step(e.outvars[0], axis)
         if not isinstance(axis, int):
             return f"{name} reads a stream whose channels are split over axes"
         if name in PATTERNS:
@@ -111,8 +117,10 @@ def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
         k, axis, out_axis = start
         g = _Graph(ctx, data)
         got = walk(g, Writer(str(leaves[k]), out_axis, r.eqn, r.eqn.outvars[0], axis))
-        if isinstance(got, str):
-            covered[id(r.eqn)] = f"its output joins a residual stream that is left: {got}"
+        if isinstance(got, Left):
+            if not got.joined:         # (no add: read twice, and the pair's reason says so)
+                continue
+            covered[id(r.eqn)] = f"its output joins a residual stream that is left: {got.reason}"
             continue
         keys = [w.key for w in got.writers]
         if firsts & set(keys) or len(set(keys)) < len(keys):

@@ -12,9 +12,9 @@ other operand is computed from. A formed stream is one
 from __future__ import annotations
 
 from .._core.equalize import Pair, stops_here
-from .._core.streams import Step, Writer, walk
+from .._core.streams import PASSED, Left, Step, Writer, walk, with_leaky
 from .ir import op_name, owner_op, shape_of
-from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, uses
+from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses
 from .pairs import ROOTS, Found, layer_start, second_layer
 
 RESIDUAL = "residual"        # the pair refusals a stream may answer (their reasons say it)
@@ -43,10 +43,18 @@ class _Graph:
         return op.operation
 
     def uses(self, v):
-        return [(None, -1) if op_name(o) == "func.return" else (o, p) for o, p in uses(v)]
+        return with_leaky([(None, -1) if op_name(o) == "func.return" else (o, p)
+                           for o, p in uses(v)], self._leaky)
+
+    @staticmethod
+    def _leaky(three):
+        out = leaky(three)
+        return None if out is None else owner_op(out)
 
     def step(self, op, pos, axis):
         name = op_name(op)
+        if pos == PASSED:
+            return Step(op.results[0], axis)
         if not isinstance(axis, int):
             return f"{name} reads a stream whose channels are split over axes"
         if name in ROOTS:
@@ -108,8 +116,10 @@ def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]
         w, axis, out_axis = start
         got = walk(_Graph(ctx, data),
                    Writer(ctx.key(w), out_axis, r.op, r.op.results[0], axis))
-        if isinstance(got, str):
-            covered[r.op.operation] = f"its output joins a residual stream that is left: {got}"
+        if isinstance(got, Left):
+            if not got.joined:         # (no add: read twice, and the pair's reason says so)
+                continue
+            covered[r.op.operation] = f"its output joins a residual stream that is left: {got.reason}"
             continue
         keys = [x.key for x in got.writers]
         if firsts & set(keys) or len(set(keys)) < len(keys):

@@ -164,7 +164,7 @@ def test_leaky_relu_and_prelu_pass(kind):
     equalized(m.apply, spread_bn(m.init(jax.random.key(2), IMG)), IMG, pairs=1)
 
 
-def test_residual_add_and_shared_kernel_refused():
+def test_residual_add_joins_a_stream_and_shared_kernel_refused():
     import flax.linen as nn
 
     class Net(nn.Module):
@@ -177,10 +177,15 @@ def test_residual_add_and_shared_kernel_refused():
             return shared(nn.relu(shared(x)))
     m = Net()
     v = spread_bn(m.init(jax.random.key(1), IMG))
-    out = equalized(m.apply, v, IMG, pairs=0)
+    # x feeds the residual and Conv_1, y is added to x: one stream, Conv_0 and Conv_1 writing
+    # it, Conv_1 and after_residual reading it (tests/parity/test_residual_streams.py)
+    out = equalized(m.apply, v, IMG, pairs=1)
+    (s,) = out.equalized
+    name = lambda p: p.split("'")[3]                                  # noqa: E731
+    assert (name(s.first), [name(w) for w in s.writers]) == ("Conv_0", ["Conv_1"])
+    assert sorted(map(name, s.seconds)) == ["Conv_1", "after_residual"]
     left = {n.kernel.split("'")[3]: n.reason for n in out.not_equalized}
-    assert "read 2 times" in left["Conv_0"]          # x feeds the residual and Conv_1
-    assert "not one per channel" in left["Conv_1"]   # y is added to x
+    assert "Conv_0" not in left and "Conv_1" not in left
     assert "shared" in left["shared"]
     assert "shared" in left["after_residual"]        # its next layer's kernel is shared
 

@@ -1,0 +1,159 @@
+"""Residual streams equalized as one (``fold_params(..., equalize=True)`` and
+``fold_stablehlo(..., equalize=True)``; :mod:`hlofold._core.streams`): the layers writing a
+ResNet or MobileNetV2 stage's stream (the stem or a projecting shortcut, the blocks' last
+convolutions) and those reading it (the blocks' first convolutions, a projecting shortcut,
+the head) share one scale per channel. Every stream keeps the outputs (rel ≤ 1e-5) on both
+paths, which find the same streams and equalize them to the same spreads; what a stream
+cannot pass leaves it, with the reason, on both paths."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlofold
+from tests.frontends.test_equalize import IMG, equalized, per_tensor, rel, spread_bn
+from tests.helpers.residual_programs import program
+from tests.stablehlo.test_equalize import _equalized
+
+
+def _both(fn, params, x, records, streams):
+    """Both paths: ``records`` equalized, ``streams`` of them with several writers, of the
+    same shapes (the spreads after may differ: the module's fold also moves constants such
+    as a mean's ``1/n`` into the head's kernel, which the tree cannot); both results."""
+    jp = equalized(fn, params, x, pairs=records)
+    _, rep, _, _ = _equalized(fn, params, x)
+    for out in (jp, rep):
+        assert len(out.equalized) == records, str(out)
+        assert sum(bool(e.writers) for e in out.equalized) == streams, str(out)
+    key = lambda e: (len(e.writers), len(e.seconds))                         # noqa: E731
+    assert sorted(map(key, jp.equalized)) == sorted(map(key, rep.equalized)), (str(jp),
+                                                                               str(rep))
+    return jp, rep
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_generated_residual_stages_on_both_paths(seed):
+    fn, p, x, records, streams = program(seed)
+    _both(fn, p, x, records, streams)
+
+
+def _resnet(relu_after=True, project=True, tail=None):
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            bn = lambda: nn.BatchNorm(use_running_average=True)        # noqa: E731
+            x = nn.relu(bn()(nn.Conv(8, (3, 3), use_bias=False, name="stem")(x)))
+            for i, width in enumerate((8, 8, 16) if project else (8, 8)):
+                h = nn.relu(bn()(nn.Conv(width, (3, 3), use_bias=False,
+                                         name=f"conv1_{i}")(x)))
+                h = bn()(nn.Conv(width, (3, 3), use_bias=False, name=f"conv2_{i}")(h))
+                if width != x.shape[-1]:
+                    x = bn()(nn.Conv(width, (1, 1), use_bias=False, name=f"proj_{i}")(x))
+                x = x + h
+                x = nn.relu(x) if relu_after else x
+                if tail is not None and i == 0:
+                    x = tail(x)
+            return nn.Dense(5, name="head")(x.mean((1, 2)))
+    m = Net()
+    return m.apply, spread_bn(m.init(jax.random.key(3), IMG))
+
+
+def test_flax_resnet_stages_equalize_as_one_on_both_paths():
+    fn, v = _resnet()
+    # conv1_i -> conv2_i (3 pairs); the stem's stream (stem, conv2_0, conv2_1 writing; conv1_0,
+    # conv1_1, conv1_2, proj_2 reading); the last stage's (proj_2, conv2_2; the head)
+    jp, rep = _both(fn, v, IMG, 5, 2)
+    streams = {e.first.split("'")[3]: e for e in jp.equalized if e.writers}
+    first = streams["stem"]
+    assert sorted(w.split("'")[3] for w in first.writers) == ["conv2_0", "conv2_1"]
+    assert sorted(s.split("'")[3] for s in first.seconds) == [
+        "conv1_0", "conv1_1", "conv1_2", "proj_2"]
+    # the BatchNorms' biases after the writers are divided with them
+    assert len(first.biases) >= 3, first.biases
+    for out in (str(jp), str(rep)):
+        assert "a residual stream, written by" in out, out
+    assert any(e["writers"] for e in rep.to_dict()["equalized"])
+    # per-tensor int8 of the equalized weights errs less than of the folded ones
+    folded = hlofold.fold_params(fn, v, IMG)
+    ref = fn(v, IMG)
+    err_eq = rel(ref, fn(per_tensor(jp.params), IMG))
+    err_fold = rel(ref, fn(per_tensor(folded.params), IMG))
+    assert err_eq < 0.9 * err_fold, (err_eq, err_fold)
+
+
+def test_flax_linear_bottleneck_stream_without_relu():
+    fn, v = _resnet(relu_after=False, project=False)
+    _both(fn, v, IMG, 3, 1)
+
+
+def test_flax_mobilenetv2_style_inverted_residuals():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            bn = lambda: nn.BatchNorm(use_running_average=True)        # noqa: E731
+            x = bn()(nn.Conv(8, (3, 3), use_bias=False)(x))
+            for _ in range(2):      # expand 1×1, depthwise 3×3, project 1×1; x + it
+                h = nn.relu(bn()(nn.Conv(24, (1, 1), use_bias=False)(x)))
+                h = nn.relu(bn()(nn.Conv(24, (3, 3), feature_group_count=24,
+                                         use_bias=False)(h)))
+                x = x + bn()(nn.Conv(8, (1, 1), use_bias=False)(h))
+            return nn.Dense(5)(nn.relu(x.mean((1, 2))))
+    m = Net()
+    v = spread_bn(m.init(jax.random.key(4), IMG))
+    # expand -> depthwise, depthwise -> project (2 blocks); the stream: the stem and both
+    # projects writing, both expands and the head reading
+    jp, _ = _both(m.apply, v, IMG, 5, 1)
+    s = next(e for e in jp.equalized if e.writers)
+    assert len(s.writers) == 2 and len(s.seconds) == 3, str(jp)
+
+
+@pytest.mark.parametrize("tail, why", [
+    (jnp.tanh, "not positively homogeneous"),
+    (lambda x: x * x, "a product of two values of the stream"),
+    (lambda x: jnp.minimum(x, 6.0), "not positively homogeneous"),
+])
+def test_what_a_stream_cannot_pass_leaves_it_on_both_paths(tail, why):
+    fn, v = _resnet(project=False, tail=tail)
+    jp = equalized(fn, v, IMG, pairs=2)             # (conv1_i -> conv2_i only)
+    _, rep, _, _ = _equalized(fn, v, IMG)
+    for out in (jp, rep):
+        assert len(out.equalized) == 2 and not any(e.writers for e in out.equalized)
+        left = [n.reason for n in out.not_equalized if "stem" in n.kernel]
+        assert left and "residual stream" in left[0] and why in left[0], str(out)
+
+
+def test_leaky_relu_on_the_stream_passes_on_both_paths():
+    fn, v = _resnet(project=False, tail=lambda x: jax.nn.leaky_relu(x, 0.1))
+    _both(fn, v, IMG, 3, 1)
+
+
+def test_a_stream_returned_or_fed_by_the_input_is_left_on_both_paths():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        out: bool
+
+        @nn.compact
+        def __call__(self, x):
+            y = nn.relu(nn.Conv(3, (3, 3), name="c0")(x))
+            if not self.out:       # (x + c1(y): the input added into the stream)
+                z = x + nn.Conv(3, (3, 3), name="c1")(y)
+                return nn.Dense(5)(z.mean((1, 2)))
+            h = nn.relu(nn.Conv(3, (3, 3), name="c1")(y))
+            z = y + nn.Conv(3, (3, 3), name="c2")(h)
+            return nn.Dense(5)(z.mean((1, 2))), z
+    for out, why in ((True, "the stream is a program output"),
+                     (False, "a program input is added into the stream")):
+        m = Net(out)
+        v = spread_bn(m.init(jax.random.key(5), IMG))
+        jp = equalized(m.apply, v, IMG, pairs=1)
+        _, rep, _, _ = _equalized(m.apply, v, IMG)
+        for res in (jp, rep):
+            assert not any(e.writers for e in res.equalized), str(res)
+            assert any(why in n.reason for n in res.not_equalized), str(res)
