@@ -55,8 +55,8 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
 
     Then, each keeping the same outputs and making the tree quantize better
     (``docs/quantization.md``): ``equalize=True`` equalizes the channels of each pair of
-    layers joined by a positively homogeneous path (cross-layer equalization; CNNs quantized
-    per tensor); ``smooth=[inputs, ...]`` (calibration inputs: each a call's ``args``, or one
+    layers joined by a positively homogeneous path, and of each residual stream's writers
+    and readers together (cross-layer equalization; CNNs quantized per tensor); ``smooth=[inputs, ...]`` (calibration inputs: each a call's ``args``, or one
     array) moves SmoothQuant's scales ``max|X_j|^α / max|W_j|^(1−α)`` (``alpha``) from the
     activations into the weights; ``rotate=True`` rotates a pre-RMSNorm decoder's residual
     stream by an orthogonal ``Q`` (``seed``). ``equalized``, ``not_equalized`` and
