@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from .equalize import Pair
+
 PASSED = -2          # the position of a use that passes the value as it is (LeakyReLU's select)
 NOT_LINEAR = "a product of two values of the stream (not linear in its scale)"
 TWO_AXES = "its channels reach an add along two different axes"
@@ -174,3 +176,53 @@ def _walk(g, start, limit, joins):
     if not readers:
         return "no layer reads the stream"
     return Stream(list(writers.values()), readers, *ends[0])
+
+
+def summands(values: list, origins, depth: int) -> list[Writer] | str:
+    """The writers behind each of ``values`` (the activation operands of an op between a
+    layer and the stream), by ``origins(value, depth)``; or the first reason one is not."""
+    out = []
+    for x in values:
+        got = origins(x, depth + 1)
+        if isinstance(got, str):
+            return got
+        out += got
+    return out
+
+
+def streams(starts: list, walk_from, firsts: set, ident, refused: list, op_of) -> list:
+    """The streams from ``starts`` (``[(refusal, Writer)]``: layers whose pair was refused,
+    in program order), each walked by ``walk_from(writer) -> (Stream | Left, biases)`` once
+    — a start another stream took is not walked again. Returns ``[(refusal, Pair,
+    Stream)]``; ``refused`` (each item's ``reason``, its op ``op_of(item)``) loses the layers
+    a stream took, and a start whose stream is left says why (where it met an add: else its
+    pair's reason, "read twice", says more)."""
+    out, covered = [], {}
+    for r, w in starts:
+        if ident(w.op) in covered:
+            continue
+        got, biases = walk_from(w)
+        if isinstance(got, Left):
+            if got.joined:
+                covered[ident(w.op)] = ("its output joins a residual stream that is left: "
+                                        f"{got.reason}")
+            continue
+        keys = [x.key for x in got.writers]
+        if firsts & set(keys) or len(set(keys)) < len(keys):
+            covered[ident(w.op)] = "its output joins a residual stream whose writers are paired"
+            continue
+        covered.update({ident(x.op): None for x in got.writers})
+        first, rest = got.writers[0], got.writers[1:]
+        out.append((r, Pair(first.key, first.out_axis, got.readers, list(biases),
+                            [(x.key, x.out_axis) for x in rest]), got))
+    kept = []
+    for r in refused:
+        op = op_of(r)
+        why = covered.get(ident(op), "") if op is not None else ""
+        if why is None:
+            continue
+        if why:
+            r.reason = why
+        kept.append(r)
+    refused[:] = kept
+    return out

@@ -12,8 +12,8 @@ with several writers; its starts leave the refusals.
 from __future__ import annotations
 
 from .. import _compat as C
-from .._core.equalize import Pair, stops_here
-from .._core.streams import PASSED, Left, Step, Writer, walk, with_leaky
+from .._core.equalize import stops_here
+from .._core.streams import PASSED, Step, Writer, streams, summands, walk, with_leaky
 from .pair_rules import CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses
 from .pairs import Found, layer_start, leaky, second_layer
 from .patterns import PATTERNS
@@ -87,13 +87,7 @@ class _Graph:
         acts = [x for x in p.invars if isinstance(x, C.Var) and x in self.data]
         if not acts or depth > 64:
             return f"{p.primitive.name}'s output, not a layer's, is added into the stream"
-        out = []
-        for x in acts:
-            got = self.origins(x, depth + 1)
-            if isinstance(got, str):
-                return got
-            out += got
-        return out
+        return summands(acts, self.origins, depth)
 
 
 def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
@@ -105,40 +99,18 @@ def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
     uses, producer = index_uses(jaxpr)
     leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
     data = data_values(jaxpr, n_leaves, leaves)
-    firsts = {f.pair.first for f in found}
-    streams, covered = [], {}
-    for r in list(refused):
-        if r.eqn is None or RESIDUAL not in r.reason or id(r.eqn) in covered:
-            continue
-        ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
-        start = layer_start(ctx, r.eqn)
-        if start is None or isinstance(start[0], str) or not isinstance(start[1], int):
-            continue
-        k, axis, out_axis = start
-        g = _Graph(ctx, data)
-        got = walk(g, Writer(str(leaves[k]), out_axis, r.eqn, r.eqn.outvars[0], axis))
-        if isinstance(got, Left):
-            if not got.joined:         # (no add: read twice, and the pair's reason says so)
-                continue
-            covered[id(r.eqn)] = f"its output joins a residual stream that is left: {got.reason}"
-            continue
-        keys = [w.key for w in got.writers]
-        if firsts & set(keys) or len(set(keys)) < len(keys):
-            covered[id(r.eqn)] = "its output joins a residual stream whose writers are paired"
-            continue
-        for w in got.writers:
-            covered[id(w.op)] = None
-        first, rest = got.writers[0], got.writers[1:]
-        streams.append(Found(Pair(first.key, first.out_axis, got.readers,
-                                  [(str(i), ax) for i, ax in ctx.biases],
-                                  [(w.key, w.out_axis) for w in rest]),
-                             r.eqn, got.end, got.end_axis))
-    kept = []
+    ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
+    starts = []
     for r in refused:
-        if r.eqn is not None and id(r.eqn) in covered:
-            if covered[id(r.eqn)] is None:
-                continue
-            r.reason = covered[id(r.eqn)]
-        kept.append(r)
-    refused[:] = kept
-    return streams
+        start = layer_start(ctx, r.eqn) if r.eqn is not None and RESIDUAL in r.reason \
+            else None
+        if start is not None and not isinstance(start[0], str) and isinstance(start[1], int):
+            k, axis, out_axis = start
+            starts.append((r, Writer(str(leaves[k]), out_axis, r.eqn, r.eqn.outvars[0], axis)))
+
+    def walk_from(w):
+        one = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
+        return walk(_Graph(one, data), w), [(str(i), ax) for i, ax in one.biases]
+    got = streams(starts, walk_from, {f.pair.first for f in found}, id, refused,
+                  lambda r: r.eqn)
+    return [Found(pair, r.eqn, s.end, s.end_axis) for r, pair, s in got]

@@ -11,8 +11,8 @@ other operand is computed from. A formed stream is one
 """
 from __future__ import annotations
 
-from .._core.equalize import Pair, stops_here
-from .._core.streams import PASSED, Left, Step, Writer, walk, with_leaky
+from .._core.equalize import stops_here
+from .._core.streams import PASSED, Step, Writer, streams, summands, walk, with_leaky
 from .ir import op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses
 from .pairs import ROOTS, Found, layer_start, second_layer
@@ -89,13 +89,7 @@ class _Graph:
         acts = [x for x in op.operands if x in self.data]
         if not acts or depth > 64:
             return f"{op_name(op)}'s output, not a layer's, is added into the stream"
-        out = []
-        for x in acts:
-            got = self.origins(x, depth + 1)
-            if isinstance(got, str):
-                return got
-            out += got
-        return out
+        return summands(acts, self.origins, depth)
 
 
 def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]:
@@ -104,40 +98,18 @@ def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]
     removed, those of a stream left say why. ``found``: the pairs (their first kernels are
     not taken again); ``weights``: the pairs' weights (the streams' are added)."""
     data = data_values(func)
-    firsts = {f.pair.first for f in found}
-    streams, covered = [], {}
-    for r in list(refused):
-        if r.op is None or RESIDUAL not in r.reason or r.op.operation in covered:
-            continue
-        start = layer_start(r.op)
-        if not isinstance(start, tuple) or not isinstance(start[1], int):
-            continue
-        ctx = Ctx(weights, {w.const: k for k, w in weights.items()}, [])
-        w, axis, out_axis = start
-        got = walk(_Graph(ctx, data),
-                   Writer(ctx.key(w), out_axis, r.op, r.op.results[0], axis))
-        if isinstance(got, Left):
-            if not got.joined:         # (no add: read twice, and the pair's reason says so)
-                continue
-            covered[r.op.operation] = f"its output joins a residual stream that is left: {got.reason}"
-            continue
-        keys = [x.key for x in got.writers]
-        if firsts & set(keys) or len(set(keys)) < len(keys):
-            covered[r.op.operation] = ("its output joins a residual stream whose writers are "
-                                       "paired")
-            continue
-        for x in got.writers:
-            covered[x.op.operation] = None
-        first, rest = got.writers[0], got.writers[1:]
-        streams.append(Found(Pair(first.key, first.out_axis, got.readers, list(ctx.biases),
-                                  [(x.key, x.out_axis) for x in rest]),
-                             r.op, got.end, got.end_axis))
-    kept = []
+    keys = {w.const: k for k, w in weights.items()}
+    starts = []
     for r in refused:
-        if r.op is not None and r.op.operation in covered:
-            if covered[r.op.operation] is None:
-                continue
-            r.reason = covered[r.op.operation]
-        kept.append(r)
-    refused[:] = kept
-    return streams
+        start = layer_start(r.op) if r.op is not None and RESIDUAL in r.reason else None
+        if isinstance(start, tuple) and isinstance(start[1], int):
+            w, axis, out_axis = start
+            key = Ctx(weights, keys, []).key(w)
+            starts.append((r, Writer(key, out_axis, r.op, r.op.results[0], axis)))
+
+    def walk_from(w):
+        ctx = Ctx(weights, keys, [])
+        return walk(_Graph(ctx, data), w), ctx.biases
+    got = streams(starts, walk_from, {f.pair.first for f in found}, lambda op: op.operation,
+                  refused, lambda r: r.op)
+    return [Found(pair, r.op, s.end, s.end_axis) for r, pair, s in got]
