@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hlofold
@@ -156,3 +157,42 @@ def test_a_stream_returned_or_fed_by_the_input_is_left_on_both_paths():
         for res in (jp, rep):
             assert not any(e.writers for e in res.equalized), str(res)
             assert any(why in n.reason for n in res.not_equalized), str(res)
+
+
+# ------------------------------------------------------------------ other libraries
+
+def test_haiku_resnet18_stages_on_both_paths():
+    import haiku as hk
+
+    def net(x, is_training):
+        return hk.nets.ResNet18(10)(x, is_training=is_training)
+    t = hk.without_apply_rng(hk.transform_with_state(net))
+    params, state = spread_bn(t.init(jax.random.key(0), IMG, True))
+    rng = np.random.default_rng(1)           # (Haiku starts the logits at zero)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: jnp.asarray(rng.standard_normal(a.shape), a.dtype)
+        if "logits" in jax.tree_util.keystr(p) else a, params)
+    f = lambda ps, x: t.apply(ps[0], ps[1], x, False)[0]     # noqa: E731
+    # 8 blocks' conv_0 -> conv_1 pairs; 4 stages' streams (the first from the stem's
+    # max-pooled output; the others from a projecting block)
+    jp, _ = _both(f, (params, state), IMG, 12, 4)
+    assert [len(e.writers) for e in jp.equalized if e.writers] == [2, 2, 2, 2], str(jp)
+
+
+def test_keras_mobilenetv2_streams_on_both_paths():
+    """Keras' MobileNetV2: ReLU6 in every block leaves its pairs, but the linear
+    bottlenecks' streams carry no activation and are equalized."""
+    import keras
+    m = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
+                                       classes=10)
+    rng = np.random.default_rng(2)
+    for w in m.weights:
+        if "gamma" in w.path:
+            w.assign(10 ** rng.uniform(-1, 1, w.shape))
+        elif "variance" in w.path:
+            w.assign(np.exp(0.5 * rng.standard_normal(w.shape)))
+    ws = ([w.value for w in m.trainable_variables], [w.value for w in m.non_trainable_variables])
+    f = lambda ws, x: m.stateless_call(ws[0], ws[1], x)[0]      # noqa: E731
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), jnp.float32)
+    jp, _ = _both(f, ws, x, 7, 5)
+    assert any("relu6" in n.reason for n in jp.not_equalized), str(jp)
