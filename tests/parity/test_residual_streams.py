@@ -7,6 +7,11 @@ paths, which find the same streams and equalize them to the same spreads; what a
 cannot pass leaves it, with the reason, on both paths."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +19,7 @@ import pytest
 
 import hlofold
 from tests.frontends.test_equalize import IMG, equalized, per_tensor, rel, spread_bn
+from hlofold._stablehlo.artifacts import module_callable
 from tests.helpers.residual_programs import program
 from tests.stablehlo.test_equalize import _equalized
 
@@ -37,6 +43,23 @@ def _both(fn, params, x, records, streams):
 def test_generated_residual_stages_on_both_paths(seed):
     fn, p, x, records, streams = program(seed)
     _both(fn, p, x, records, streams)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_generated_residual_stages_from_the_cli(tmp_path, seed):
+    """The module with its weights as constants, through ``hlofold fold --equalize``: the
+    same streams in the JSON report, the outputs kept."""
+    fn, p, x, records, streams = program(seed)
+    src, out, rpt = tmp_path / "m.mlir", tmp_path / "o.mlir", tmp_path / "r.json"
+    src.write_text(jax.export.export(jax.jit(lambda x: fn(p, x)))(x).mlir_module())
+    proc = subprocess.run([sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out),
+                           "--equalize", "--report", str(rpt)], capture_output=True,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(rpt.read_text())["equalized"]
+    assert (len(got), sum(bool(e["writers"]) for e in got)) == (records, streams), got
+    for r, o in zip(jax.tree.leaves(fn(p, x)), module_callable(out.read_text())(x)):
+        assert rel(r, o) <= 1e-5, rel(r, o)
 
 
 def _resnet(relu_after=True, project=True, tail=None):
