@@ -21,7 +21,7 @@ import hlofold
 from tests.frontends.test_equalize import IMG, equalized, per_tensor, rel, spread_bn
 from hlofold._stablehlo.artifacts import module_callable
 from tests.helpers.residual_programs import program
-from tests.stablehlo.test_equalize import _equalized
+from tests.stablehlo.test_equalize import _equalized, _exported
 
 
 def _both(fn, params, x, records, streams):
@@ -219,3 +219,21 @@ def test_keras_mobilenetv2_streams_on_both_paths():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), jnp.float32)
     jp, _ = _both(f, ws, x, 7, 5)
     assert any("relu6" in n.reason for n in jp.not_equalized), str(jp)
+
+
+def test_bfloat16_streams_are_bit_exact_on_both_paths():
+    """bfloat16 weights: every scale a power of two, the outputs the fold's bit for bit."""
+    fn, v = _resnet()
+    vb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), v)
+    x = IMG.astype(jnp.bfloat16)
+    eq = hlofold.fold_params(fn, vb, x, equalize=True)
+    assert sum(bool(e.writers) for e in eq.equalized) == 2
+    assert all(e.powers_of_two for e in eq.equalized), str(eq)
+    np.testing.assert_array_equal(fn(hlofold.fold_params(fn, vb, x).params, x),
+                                  fn(eq.params, x))
+    exp, leaves, _ = _exported(fn, vb, x)
+    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    got, rep, prep = hlofold.fold_stablehlo(exp, params=bound, equalize=True)
+    plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
+    assert sum(bool(e.writers) for e in rep.equalized) == 2
+    np.testing.assert_array_equal(got.call(x, *prep), plain.call(x, *pplain))
