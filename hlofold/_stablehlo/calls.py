@@ -91,6 +91,8 @@ def inline_crossed_calls(module) -> int:
     jaxpr path inlines such a ``jit`` call (``_jaxpr.nested.crossed_calls``). Calls inside
     bodies brought up by inlining are looked at again. Returns how many were inlined."""
     def crossed(symbols):
+        if not any(_private_with_root(f) for f in symbols.values()):
+            return            # (no layer in a private function: no walk of the module)
         for name, calls in call_sites(module).items():
             fop = symbols.get(name)
             if not _private_with_root(fop):
