@@ -105,13 +105,15 @@ class Left:
 
 @dataclasses.dataclass
 class Stream:
-    """A stream: its writers (the first one the walk started from), its readers, and the
-    value the first reader reads with its channel axis."""
+    """A stream: its writers (the first one the walk started from), its readers, the value
+    the first reader reads with its channel axis, and every value of it (whose types say
+    whether its scales must be powers of two)."""
 
     writers: list
     readers: list
     end: object
     end_axis: object
+    values: list = dataclasses.field(default_factory=list)
 
 
 def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | Left:
@@ -175,7 +177,7 @@ def _walk(g, start, limit, joins):
         return NOT_LINEAR
     if not readers:
         return "no layer reads the stream"
-    return Stream(list(writers.values()), readers, *ends[0])
+    return Stream(list(writers.values()), readers, *ends[0], list(seen))
 
 
 def summands(values: list, origins, depth: int) -> list[Writer] | str:

@@ -35,12 +35,14 @@ class Refused:
 @dataclasses.dataclass
 class Found:
     """A pair, the equation it starts at, and the value its second layers read (its channel
-    axis): what calibration measures for smoothing."""
+    axis): what calibration measures for smoothing. ``low``: a value between the layers is
+    of a low-precision float (a residual stream's: its scales powers of two)."""
 
     pair: Pair
     eqn: object
     end: object
     end_axis: int
+    low: bool = False
 
 
 def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = None,

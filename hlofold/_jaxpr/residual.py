@@ -12,7 +12,7 @@ with several writers; its starts leave the refusals.
 from __future__ import annotations
 
 from .. import _compat as C
-from .._core.equalize import stops_here
+from .._core.equalize import exact_in, stops_here
 from .._core.streams import PASSED, Step, Writer, streams, summands, walk, with_leaky
 from .pair_rules import CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses
 from .pairs import Found, layer_start, leaky, second_layer
@@ -113,4 +113,5 @@ def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
         return walk(_Graph(one, data), w), [(str(i), ax) for i, ax in one.biases]
     got = streams(starts, walk_from, {f.pair.first for f in found}, id, refused,
                   lambda r: r.eqn)
-    return [Found(pair, r.eqn, s.end, s.end_axis) for r, pair, s in got]
+    return [Found(pair, r.eqn, s.end, s.end_axis,
+                  any(exact_in(v.aval.dtype) for v in s.values)) for r, pair, s in got]

@@ -81,6 +81,8 @@ def _pow2(found, weights: dict, values: dict) -> bool:
     multiplies such activations: then every scale is a power of two (exact in any float
     type: the module computes what it computed, bit for bit)."""
     for f in found:
+        if f.low:
+            return True
         for k in f.pair.keys():
             w = weights.get(k)
             if (w is not None and w.converted) or exact_in(np.asarray(values[k]).dtype):

@@ -43,6 +43,7 @@ class Found:
     op: object
     end: object = None
     end_axis: int = 0
+    low: bool = False          # a value between the layers is of a low-precision float
 
 
 @dataclasses.dataclass

@@ -11,9 +11,11 @@ other operand is computed from. A formed stream is one
 """
 from __future__ import annotations
 
-from .._core.equalize import stops_here
+import numpy as np
+
+from .._core.equalize import exact_in, stops_here
 from .._core.streams import PASSED, Step, Writer, streams, summands, walk, with_leaky
-from .ir import op_name, owner_op, shape_of
+from .ir import elem_type, float_dtype, op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses
 from .pairs import ROOTS, Found, layer_start, second_layer
 
@@ -112,4 +114,6 @@ def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]
         return walk(_Graph(ctx, data), w), ctx.biases
     got = streams(starts, walk_from, {f.pair.first for f in found}, lambda op: op.operation,
                   refused, lambda r: r.op)
-    return [Found(pair, r.op, s.end, s.end_axis) for r, pair, s in got]
+    return [Found(pair, r.op, s.end, s.end_axis,
+                  any(exact_in(float_dtype(elem_type(v)) or np.float32) for v in s.values))
+            for r, pair, s in got]

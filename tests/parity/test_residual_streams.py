@@ -237,3 +237,23 @@ def test_bfloat16_streams_are_bit_exact_on_both_paths():
     plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
     assert sum(bool(e.writers) for e in rep.equalized) == 2
     np.testing.assert_array_equal(got.call(x, *prep), plain.call(x, *pplain))
+
+
+def test_a_stream_rounded_to_bfloat16_on_the_way_gets_powers_of_two_on_both_paths():
+    """float32 weights, but the stream cast to bfloat16 and back between blocks: scaled by
+    arbitrary scales it would round differently, so its scales are powers of two and the
+    outputs are the fold's bit for bit."""
+    fn, v = _resnet(project=False,
+                    tail=lambda x: x.astype(jnp.bfloat16).astype(jnp.float32))
+    eq = hlofold.fold_params(fn, v, IMG, equalize=True)
+    assert sum(bool(e.writers) for e in eq.equalized) == 1
+    assert all(e.powers_of_two for e in eq.equalized), str(eq)
+    np.testing.assert_array_equal(fn(hlofold.fold_params(fn, v, IMG).params, IMG),
+                                  fn(eq.params, IMG))
+    exp, leaves, _ = _exported(fn, v, IMG)
+    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    got, rep, prep = hlofold.fold_stablehlo(exp, params=bound, equalize=True)
+    plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
+    assert sum(bool(e.writers) for e in rep.equalized) == 1
+    assert all(e.powers_of_two for e in rep.equalized), str(rep)
+    np.testing.assert_array_equal(got.call(IMG, *prep), plain.call(IMG, *pplain))
