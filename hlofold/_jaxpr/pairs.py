@@ -14,7 +14,7 @@ import dataclasses
 
 from .. import _compat as C
 from .._core.chain_rules import Refusal
-from .._core.equalize import Pair, Second, stops_here
+from .._core.equalize import Pair, Second, exact_in, stops_here
 from .._core.channel_axes import REPEATED, Mapped, read_by_kernel, settled, through_dot
 from .pair_rules import (CALLS, MAPPED, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, cast_leaf,
                          index_uses, is_zero, leaf_of, single_leaf, varying_axis)
@@ -71,12 +71,13 @@ def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = 
         if isinstance(got, str):
             refused.append(Refused(leaves[k1], e, got))
             continue
-        seconds, end, end_axis = got
+        seconds, end, end_axis, low = got
         if any(sec.key in claimed for sec in seconds):
             continue
         claimed.update(sec.key for sec in seconds)
         found.append(Found(Pair(str(leaves[k1]), out_axis, seconds,
-                                [(str(i), ax) for i, ax in ctx.biases]), e, end, end_axis))
+                                [(str(i), ax) for i, ax in ctx.biases]), e, end, end_axis,
+                           low))
     return found, refused
 
 
@@ -126,8 +127,11 @@ def _norm_start(ctx, e):
 
 def _follow(ctx, v, axis: int):
     """From the first layer's output ``v`` (channel ``axis``) to the layers that read it:
-    ``([Second], the value they read, its channel axis)``, or why not."""
+    ``([Second], the value they read, its channel axis, whether a value on the way is of a
+    low-precision float)``, or why not."""
+    low = False
     for _ in range(10_000):
+        low = low or exact_in(v.aval.dtype)
         u = ctx.uses.get(v, [])
         if any(e is None for e, _ in u):
             return f"its output is {ctx.outputs} before another layer reads it"
@@ -137,7 +141,7 @@ def _follow(ctx, v, axis: int):
         if len(u) > 1:
             seconds = [second_layer(ctx, e, pos, axis) for e, pos in u]
             if all(not isinstance(x, str) for x in seconds):
-                return seconds, v, axis           # (q, k and v; gate and up)
+                return seconds, v, axis, low      # (q, k and v; gate and up)
             return (f"its output is read {len(u)} times, not only by layers (a residual or "
                     f"another reader would see the scaled channels)")
         if not u:
@@ -147,7 +151,7 @@ def _follow(ctx, v, axis: int):
         if name in PATTERNS:
             got = second_layer(ctx, e, pos, axis)
             if not isinstance(got, str):
-                return [got], v, axis
+                return [got], v, axis, low
             through = _through_dot(ctx, e, pos, axis)
             if through is None:
                 return got

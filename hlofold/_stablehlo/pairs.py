@@ -17,14 +17,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from .. import _compat as C
 from .._core.chain_rules import Refusal
 from .._core.channel_axes import (REPEATED, Mapped, each, one, read_by_kernel, settled,
                                   through_dot)
-from .._core.equalize import Pair, Second, stops_here
+from .._core.equalize import Pair, Second, exact_in, stops_here
 from .build import GUARD, STACK, marked
 from .forward import input_channel
-from .ir import attr_dims, location, op_name, owner_op, shape_of
+from .ir import attr_dims, elem_type, float_dtype, location, op_name, owner_op, shape_of
 from .pair_rules import MAPPED, NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses, weight
 from .patterns import dot_dims, root_info
 
@@ -115,7 +117,12 @@ def _through_dot(op, pos, axis):
 
 
 def _follow(ctx, v, axis: int):
+    """From the first layer's output ``v`` (channel ``axis``) to the layers that read it:
+    ``([Second], the value they read, its channel axis, whether a value on the way is of a
+    low-precision float)``, or why not."""
+    low = False
     for _ in range(10_000):
+        low = low or exact_in(float_dtype(elem_type(v)) or np.float32)
         u = uses(v)
         if any(op_name(o) == "func.return" for o, _ in u):
             return "its output is a program output before another layer reads it"
@@ -126,7 +133,7 @@ def _follow(ctx, v, axis: int):
             seconds = [second_layer(ctx, o, p, axis) if op_name(o) in ROOTS else "x"
                        for o, p in u]
             if all(not isinstance(x, str) for x in seconds):
-                return seconds, v, axis
+                return seconds, v, axis, low
             return (f"its output is read {len(u)} times, not only by layers (a residual or "
                     f"another reader would see the scaled channels)")
         if not u:
@@ -136,7 +143,7 @@ def _follow(ctx, v, axis: int):
         if name in ROOTS:
             got = second_layer(ctx, op, pos, axis)
             if not isinstance(got, str):
-                return [got], v, axis
+                return [got], v, axis, low
             through = _through_dot(op, pos, axis)
             if through is None:
                 return got
@@ -213,11 +220,12 @@ def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
         if isinstance(got, str):
             refused.append(Refused(k1, op, got))
             continue
-        seconds, end, end_axis = got
+        seconds, end, end_axis, low = got
         if any(s.key in claimed for s in seconds):
             continue
         claimed.update(s.key for s in seconds)
-        found.append(Found(Pair(k1, out_axis, seconds, list(ctx.biases)), op, end, end_axis))
+        found.append(Found(Pair(k1, out_axis, seconds, list(ctx.biases)), op, end, end_axis,
+                           low))
     return found, refused, ctx.weights
 
 
