@@ -220,6 +220,18 @@ def test_equinox():
     equalized(f, params, jnp.transpose(IMG, (0, 3, 1, 2)), pairs=1)
 
 
+def spread_keras(model, seed=2):
+    """A Keras model's BatchNormalization γ spread over two decades, σ² > 0 (in place)."""
+    rng = np.random.default_rng(seed)
+    for w in model.weights:
+        if "gamma" in w.path:
+            w.assign(10 ** rng.uniform(-1, 1, w.shape))
+        elif "variance" in w.path:
+            w.assign(np.exp(0.5 * rng.standard_normal(w.shape)))
+    return ([w.value for w in model.trainable_variables],
+            [w.value for w in model.non_trainable_variables])
+
+
 def test_keras():
     import keras
     inp = keras.Input((8, 8, 3))
@@ -229,16 +241,8 @@ def test_keras():
     y = keras.layers.Conv2D(8, 1)(keras.layers.ReLU()(y))
     y = keras.layers.Conv2D(4, 1)(keras.layers.ReLU()(y))
     model = keras.Model(inp, y)
-    rng = np.random.default_rng(2)
-    for w in model.weights:
-        if "gamma" in w.path:
-            w.assign(10 ** rng.uniform(-1, 1, w.shape))
-        elif "variance" in w.path:
-            w.assign(np.exp(0.5 * rng.standard_normal(w.shape)))
-    tv = [w.value for w in model.trainable_variables]
-    ntv = [w.value for w in model.non_trainable_variables]
     f = lambda ws, x: model.stateless_call(ws[0], ws[1], x)[0]       # noqa: E731
-    out = equalized(f, (tv, ntv), IMG, pairs=1)
+    out = equalized(f, spread_keras(model), IMG, pairs=1)
     # Keras' depthwise kernel is reshaped before its convolution: the pair into it is left,
     # saying so (its own output: not a first layer); the 1x1 pair is equalized
     assert any("not a parameter leaf as it is" in n.reason for n in out.not_equalized), str(out)

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import hlofold
-from tests.frontends.test_equalize import IMG, equalized, per_tensor, rel, spread_bn
+from tests.frontends.test_equalize import (IMG, equalized, per_tensor, rel, spread_bn,
+                                          spread_keras)
 from hlofold._stablehlo.artifacts import module_callable
 from tests.helpers.residual_programs import program
-from tests.stablehlo.test_equalize import _equalized, _exported
+from tests.stablehlo.test_equalize import _equalized, bit_for_bit
 
 
 def _both(fn, params, x, records, streams):
@@ -208,13 +209,7 @@ def test_keras_mobilenetv2_streams_on_both_paths():
     import keras
     m = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
                                        classes=10)
-    rng = np.random.default_rng(2)
-    for w in m.weights:
-        if "gamma" in w.path:
-            w.assign(10 ** rng.uniform(-1, 1, w.shape))
-        elif "variance" in w.path:
-            w.assign(np.exp(0.5 * rng.standard_normal(w.shape)))
-    ws = ([w.value for w in m.trainable_variables], [w.value for w in m.non_trainable_variables])
+    ws = spread_keras(m)
     f = lambda ws, x: m.stateless_call(ws[0], ws[1], x)[0]      # noqa: E731
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), jnp.float32)
     jp, _ = _both(f, ws, x, 7, 5)
@@ -224,19 +219,10 @@ def test_keras_mobilenetv2_streams_on_both_paths():
 def test_bfloat16_streams_are_bit_exact_on_both_paths():
     """bfloat16 weights: every scale a power of two, the outputs the fold's bit for bit."""
     fn, v = _resnet()
-    vb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), v)
-    x = IMG.astype(jnp.bfloat16)
-    eq = hlofold.fold_params(fn, vb, x, equalize=True)
+    eq, rep = bit_for_bit(fn, jax.tree.map(lambda a: a.astype(jnp.bfloat16), v),
+                          IMG.astype(jnp.bfloat16))
     assert sum(bool(e.writers) for e in eq.equalized) == 2
-    assert all(e.powers_of_two for e in eq.equalized), str(eq)
-    np.testing.assert_array_equal(fn(hlofold.fold_params(fn, vb, x).params, x),
-                                  fn(eq.params, x))
-    exp, leaves, _ = _exported(fn, vb, x)
-    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
-    got, rep, prep = hlofold.fold_stablehlo(exp, params=bound, equalize=True)
-    plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
     assert sum(bool(e.writers) for e in rep.equalized) == 2
-    np.testing.assert_array_equal(got.call(x, *prep), plain.call(x, *pplain))
 
 
 def test_a_stream_rounded_to_bfloat16_on_the_way_gets_powers_of_two_on_both_paths():
@@ -245,15 +231,6 @@ def test_a_stream_rounded_to_bfloat16_on_the_way_gets_powers_of_two_on_both_path
     outputs are the fold's bit for bit."""
     fn, v = _resnet(project=False,
                     tail=lambda x: x.astype(jnp.bfloat16).astype(jnp.float32))
-    eq = hlofold.fold_params(fn, v, IMG, equalize=True)
+    eq, rep = bit_for_bit(fn, v, IMG)
     assert sum(bool(e.writers) for e in eq.equalized) == 1
-    assert all(e.powers_of_two for e in eq.equalized), str(eq)
-    np.testing.assert_array_equal(fn(hlofold.fold_params(fn, v, IMG).params, IMG),
-                                  fn(eq.params, IMG))
-    exp, leaves, _ = _exported(fn, v, IMG)
-    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
-    got, rep, prep = hlofold.fold_stablehlo(exp, params=bound, equalize=True)
-    plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
     assert sum(bool(e.writers) for e in rep.equalized) == 1
-    assert all(e.powers_of_two for e in rep.equalized), str(rep)
-    np.testing.assert_array_equal(got.call(IMG, *prep), plain.call(IMG, *pplain))

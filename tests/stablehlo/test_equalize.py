@@ -160,12 +160,26 @@ def test_timm_repvgg_from_pytorch_xla_equalizes_its_merged_chain():
     assert rel(ref, module_callable(apply)(io["x"], *prepared)[0]) <= EXACT
 
 
-def test_a_cast_to_an_integer_between_layers_stops_the_pair_on_both_paths():
-    """``y.astype(int32).astype(float32)`` rounds: a scale moved across it changes the
-    outputs. Before, the jaxpr path passed every cast, and fold_params' own check raised
-    "please report this"; now both paths leave the pair, with the reason."""
+def bit_for_bit(fn, params, x):
+    """Equalized on both paths with every scale a power of two, the outputs the plain
+    fold's bit for bit; ``(fold_params' result, fold_stablehlo's report)``."""
+    eq = hlofold.fold_params(fn, params, x, equalize=True)
+    assert eq.equalized and all(e.powers_of_two for e in eq.equalized), str(eq)
+    np.testing.assert_array_equal(fn(hlofold.fold_params(fn, params, x).params, x),
+                                  fn(eq.params, x))
+    exp, leaves, _ = _exported(fn, params, x)
+    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    got, rep, prep = hlofold.fold_stablehlo(exp, params=bound, equalize=True)
+    plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
+    assert rep.equalized and all(e.powers_of_two for e in rep.equalized), str(rep)
+    np.testing.assert_array_equal(got.call(x, *prep), plain.call(x, *pplain))
+    return eq, rep
+
+
+def _two_convs(between, seed):
+    """``conv(between(relu(conv(x, k0))), k1)``, k0's channels spread over two decades."""
     from jax import lax
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
 
     def conv(x, k):
         return lax.conv_general_dilated(x, k, (1, 1), "SAME",
@@ -175,8 +189,15 @@ def test_a_cast_to_an_integer_between_layers_stops_the_pair_on_both_paths():
          "k1": jnp.asarray(rng.standard_normal((3, 3, 8, 4)), jnp.float32)}
 
     def f(p, x):
-        y = jax.nn.relu(conv(x, p["k0"])).astype(jnp.int32).astype(jnp.float32)
-        return conv(y, p["k1"]).mean((1, 2))
+        return conv(between(jax.nn.relu(conv(x, p["k0"]))), p["k1"]).mean((1, 2))
+    return f, p, rng
+
+
+def test_a_cast_to_an_integer_between_layers_stops_the_pair_on_both_paths():
+    """``y.astype(int32).astype(float32)`` rounds: a scale moved across it changes the
+    outputs. Before, the jaxpr path passed every cast, and fold_params' own check raised
+    "please report this"; now both paths leave the pair, with the reason."""
+    f, p, rng = _two_convs(lambda y: y.astype(jnp.int32).astype(jnp.float32), 0)
     x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)) * 3, jnp.float32)
     out = hlofold.fold_params(f, p, x, equalize=True)
     assert not out.equalized and any("int32 (not a float)" in n.reason
@@ -192,29 +213,10 @@ def test_a_bfloat16_round_trip_between_layers_makes_the_scales_powers_of_two():
     would round it differently (found this stop: fold_params' own check raised "please
     report this", fold_stablehlo changed the outputs by a bfloat16 ulp). Both paths now read
     the types on the way: powers of two, the fold's outputs bit for bit."""
-    from jax import lax
-    rng = np.random.default_rng(1)
-
-    def conv(x, k):
-        return lax.conv_general_dilated(x, k, (1, 1), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    p = {"k0": jnp.asarray(rng.standard_normal((3, 3, 3, 8)) * 10 ** rng.uniform(-1, 1, 8),
-                           jnp.float32),
-         "k1": jnp.asarray(rng.standard_normal((3, 3, 8, 4)), jnp.float32)}
-
-    def f(p, x):
-        y = jax.nn.relu(conv(x, p["k0"])).astype(jnp.bfloat16).astype(jnp.float32)
-        return conv(y, p["k1"]).mean((1, 2))
+    f, p, rng = _two_convs(lambda y: y.astype(jnp.bfloat16).astype(jnp.float32), 1)
     x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)), jnp.float32)
-    out = hlofold.fold_params(f, p, x, equalize=True)
-    assert len(out.equalized) == 1 and out.equalized[0].powers_of_two, str(out)
-    np.testing.assert_array_equal(f(p, x), f(out.params, x))
-    exp, leaves, _ = _exported(f, p, x)
-    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
-    got, rep, prep = hlofold.fold_stablehlo(exp, params=bound, equalize=True)
-    plain, _, pplain = hlofold.fold_stablehlo(exp, params=bound)
-    assert len(rep.equalized) == 1 and rep.equalized[0].powers_of_two, str(rep)
-    np.testing.assert_array_equal(got.call(x, *prep), plain.call(x, *pplain))
+    out, rep = bit_for_bit(f, p, x)
+    assert len(out.equalized) == len(rep.equalized) == 1
 
 
 def test_equalize_and_smooth_from_eight_threads_as_from_one():
