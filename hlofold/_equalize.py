@@ -99,9 +99,8 @@ class _Group:
         """Whether a weight is of a low-precision float (bfloat16), or the layers compute in
         one (a float32 weight cast to bfloat16): then every scale is a power of two, and
         the rescaled weights — and what the model computes from them — are exact."""
-        return any(exact_in(leaves.dtype(k)) for f in self.found for k in f.pair.keys()) or \
-            any(exact_in(v.aval.dtype) for f in self.found for v in (f.end, *f.eqn.outvars[:1])) \
-            or any(f.low for f in self.found)
+        return any(f.low or any(exact_in(leaves.dtype(k)) for k in f.pair.keys())
+                   for f in self.found)
 
 
 def _groups(jaxpr, leaves: HostLeaves, norms: bool) -> tuple[list[_Group], list]:

@@ -35,8 +35,9 @@ class Refused:
 @dataclasses.dataclass
 class Found:
     """A pair, the equation it starts at, and the value its second layers read (its channel
-    axis): what calibration measures for smoothing. ``low``: a value between the layers is
-    of a low-precision float (a residual stream's: its scales powers of two)."""
+    axis): what calibration measures for smoothing. ``low``: a value from the first
+    layer's output to the second layers' input is of a low-precision float (then its scales
+    are powers of two)."""
 
     pair: Pair
     eqn: object

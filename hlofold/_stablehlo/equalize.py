@@ -81,15 +81,12 @@ def _pow2(found, weights: dict, values: dict) -> bool:
     multiplies such activations: then every scale is a power of two (exact in any float
     type: the module computes what it computed, bit for bit)."""
     for f in found:
-        if f.low:
+        if f.low:              # (a value between the layers; a norm site's activations)
             return True
         for k in f.pair.keys():
             w = weights.get(k)
             if (w is not None and w.converted) or exact_in(np.asarray(values[k]).dtype):
                 return True
-        if f.pair.first.startswith("norm:") and \
-                exact_in(float_dtype(elem_type(f.end)) or np.float32):
-            return True
     return False
 
 

@@ -257,7 +257,8 @@ def norm_sites(func, weights: dict, taken: set) -> list[Found]:
         if any(isinstance(x, str) or x.key in taken for x in seconds):
             continue
         taken.update(x.key for x in seconds)
-        out.append(Found(Pair(f"norm:{len(out)}", 0, seconds), op, v, ch[0]))
+        out.append(Found(Pair(f"norm:{len(out)}", 0, seconds), op, v, ch[0],
+                         exact_in(float_dtype(elem_type(v)) or np.float32)))
     return out
 
 

@@ -20,7 +20,7 @@ def _conv(x, k, groups):
                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def _op(name, x, p, key):
+def apply_op(name, x, p, key):
     """One operation between layers (``p``: the parameters, leaves named by ``key``)."""
     if name == "bias":
         return x + p[key + "b"]
@@ -94,7 +94,7 @@ def program(seed: int):
         for i, (groups, ops) in enumerate(layers):
             x = _conv(x, params[f"k{i}"], groups)
             for j, name in enumerate(ops):
-                x = _op(name, x, params, f"o{i}_{j}")
+                x = apply_op(name, x, params, f"o{i}_{j}")
         y = x.mean((1, 2)) @ params["head"]
         return (y, params[f"k{n - 1}"].sum()) if shared else y
 
@@ -158,7 +158,7 @@ def decoder_program(seed: int):
         q = h @ params["q"] if readers > 1 else x @ params["q"]
         k = h @ params["k"] if readers > 2 else x @ params["k"]
         if stop_v:
-            v = _op(stop_v, v, params, "")
+            v = apply_op(stop_v, v, params, "")
         split = lambda a: a.reshape(b, t, heads, d // heads)            # noqa: E731
         repeat = lambda a: a if group == 1 else jnp.repeat(a, group, axis=2)  # noqa: E731
         kv = lambda a: repeat(a.reshape(b, t, kvh, d // heads))         # noqa: E731
@@ -175,7 +175,7 @@ def decoder_program(seed: int):
         h = norm(x, params["n2"])
         u = h @ params["up"]
         if stop_up:
-            u = _op(stop_up, u, params, "")
+            u = apply_op(stop_up, u, params, "")
         return x + (jax.nn.silu(h @ params["gate"]) * u) @ params["down"]
     if remat:
         layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .pair_programs import _op
+from .pair_programs import apply_op
 
 BODY = ["bn", "relu", "bias", "max0", "avgpool"]
 STOP_STREAM = ["tanh", "output", "square"]
@@ -79,7 +79,7 @@ def program(seed: int):
         for b, (project, ops, body_stop, stop) in enumerate(blocks):
             h = _conv(x, params[f"a{b}"])
             for j, name in enumerate(ops):
-                h = _op(name, h, params, f"o{b}_{j}")
+                h = apply_op(name, h, params, f"o{b}_{j}")
             if body_stop:
                 h = jnp.tanh(h)
             h = norm(_conv(h, params[f"b{b}"]), params, f"bnb{b}")
