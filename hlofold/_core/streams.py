@@ -14,8 +14,9 @@ The scale equalizes the largest writer's range with the largest reader's, as for
 (:func:`.equalize.ranges` with :attr:`.equalize.Pair.writers`).
 
 :func:`walk` follows one stream from a writer through every use of every value in it; each
-adapter reads its IR into a :class:`Graph` (its uses, one :class:`Step` per op by its own
-per-op rules, the layers a value is the sum of). Anything else reading the stream — the
+adapter reads its IR into a :class:`Graph` (its uses, its ops' kinds, its layers, its own
+per-op rules of a pair's path, the layers a value is the sum of); :func:`step` — what one op
+does with the stream — is written here once. Anything else reading the stream — the
 program's output, an op that is not positively homogeneous, a product of two of its values
 — and the stream is left, with the reason.
 """
@@ -68,8 +69,31 @@ class Graph(Protocol):
     def uses(self, v) -> list:
         """``[(op, operand position)]`` reading ``v``; ``(None, -1)`` for the return."""
 
-    def step(self, op, pos: int, axis) -> Step | str:
-        """The op's :class:`Step` for the stream's value at operand ``pos``, or why not."""
+    def name(self, op) -> str:
+        """The op's name, for the reasons."""
+
+    def kind(self, op) -> str:
+        """``"add"``, ``"product"`` (a multiply or a divide), or ``""`` for any other op."""
+
+    def operands(self, op) -> list:
+        """The op's operands (None for a literal)."""
+
+    def result(self, op):
+        """The op's (one) result."""
+
+    def shape(self, v) -> tuple:
+        """A value's shape."""
+
+    def is_data(self, v) -> bool:
+        """Whether ``v`` is computed from the program's inputs (an activation)."""
+
+    def reader(self, op, pos: int, axis):
+        """The layer ``op`` reading the stream at operand ``pos`` (a :class:`.equalize.
+        Second`), why it cannot be one, or None where ``op`` is no layer."""
+
+    def rule(self, op, pos: int, axis):
+        """The adapter's per-op rule of a pair's path: the channel axis of the op's result,
+        or why the path stops there."""
 
     def origins(self, v) -> list[Writer] | str:
         """The layers whose outputs ``v`` is computed from (back through the ops a stream
@@ -116,6 +140,31 @@ class Stream:
     values: list = dataclasses.field(default_factory=list)
 
 
+def step(g: Graph, op, pos: int, axis) -> Step | str:
+    """What ``op`` does with the stream's value at operand ``pos`` (channel ``axis``): a
+    layer reads it; an add of two activations joins the other operand's writers; a product
+    keeps its other factor apart; any other op passes it by the pair rules, or stops it."""
+    if pos == PASSED:
+        return Step(g.result(op), axis)
+    if not isinstance(axis, int):
+        return f"{g.name(op)} reads a stream whose channels are split over axes"
+    got = g.reader(op, pos, axis)
+    if got is not None:
+        return got if isinstance(got, str) else Step(second=got)
+    ins = g.operands(op)
+    other = ins[1 - pos] if len(ins) == 2 else None
+    kind = g.kind(op)
+    if kind == "add" and other is not None and g.is_data(other):
+        out = g.result(op)
+        if g.shape(other) != g.shape(out) or g.shape(ins[pos]) != g.shape(out):
+            return "an add of activations that broadcasts one of them"
+        return Step(out, axis, other=other)
+    got = g.rule(op, pos, axis)
+    if isinstance(got, str):
+        return got
+    return Step(g.result(op), got, apart=other if kind == "product" else None)
+
+
 def walk(g: Graph, start: Writer, limit: int = 100_000) -> Stream | Left:
     """The stream ``start``'s output is part of, followed through every use of every value
     in it, or why it cannot be scaled as one."""
@@ -144,7 +193,7 @@ def _walk(g, start, limit, joins):
             if (g.ident(op), pos) in done:
                 continue
             done.add((g.ident(op), pos))
-            st = g.step(op, pos, axis)
+            st = step(g, op, pos, axis)
             if isinstance(st, str):
                 return st
             if st.second is not None:

@@ -1,8 +1,7 @@
 """Residual streams for cross-layer equalization read from a jaxpr: the adapter of
 :mod:`hlofold._core.streams`.
 
-A layer whose pair was refused because its output meets a residual add (or is read twice)
-starts a walk of the stream it is part of; each equation on it is read by the pair rules
+A layer whose pair was refused (its output meets a residual add, is read twice) starts a walk of the stream it is part of; each equation on it is read by the pair rules
 (:data:`~.pair_rules.RULES`: ReLU, pooling, a folded BatchNorm's arithmetic, whose biases
 are scaled with the stream), a layer reading it with a leaf kernel is a reader
 (:func:`~.pairs.second_layer`), and an add of two activations joins the layers the other
@@ -13,15 +12,12 @@ from __future__ import annotations
 
 from .. import _compat as C
 from .._core.equalize import exact_in, stops_here
-from .._core.streams import PASSED, Step, Writer, streams, summands, walk, with_leaky
+from .._core.streams import Writer, streams, summands, walk, with_leaky
 from .pair_rules import CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule, index_uses
 from .pairs import Found, layer_start, leaky, second_layer
 from .patterns import PATTERNS
 
-RESIDUAL = "residual"        # the pair refusals a stream may answer (their reasons say it)
-
-
-def data_values(jaxpr, n_leaves: int, leaves: dict) -> set:
+def data_values(jaxpr, leaves: dict) -> set:
     """The variables computed from the program's non-parameter inputs (activations; a
     bias or a norm's factor computed from leaves alone is not one)."""
     data = {v for v in jaxpr.invars if v not in leaves}
@@ -48,29 +44,33 @@ class _Graph:
         out = leaky(self.ctx, three)
         return None if out is None else self.ctx.producer[out]
 
-    def step(self, e, pos, axis):
+    def name(self, e):
+        return e.primitive.name
+
+    def kind(self, e):
+        return {"add": "add", "mul": "product", "div": "product"}.get(e.primitive.name, "")
+
+    def operands(self, e):
+        return [v if isinstance(v, C.Var) else None for v in e.invars]
+
+    def result(self, e):
+        return e.outvars[0]
+
+    def shape(self, v):
+        return v.aval.shape
+
+    def is_data(self, v):
+        return v in self.data
+
+    def reader(self, e, pos, axis):
+        return second_layer(self.ctx, e, pos, axis) if e.primitive.name in PATTERNS else None
+
+    def rule(self, e, pos, axis):
         name = e.primitive.name
-        if pos == PASSED:
-            return Step(e.outvars[0], axis)
-        if not isinstance(axis, int):
-            return f"{name} reads a stream whose channels are split over axes"
-        if name in PATTERNS:
-            got = second_layer(self.ctx, e, pos, axis)
-            return got if isinstance(got, str) else Step(second=got)
-        other = e.invars[1 - pos] if len(e.invars) == 2 else None
-        if name == "add" and isinstance(other, C.Var) and other in self.data:
-            if other.aval.shape != e.outvars[0].aval.shape or \
-                    e.invars[pos].aval.shape != e.outvars[0].aval.shape:
-                return "an add of activations that broadcasts one of them"
-            return Step(e.outvars[0], axis, other=other)
         rule = RULES.get(name) or (call_rule if name in CALLS else None)
         if rule is None or len(e.outvars) != 1:
             return stops_here(name, name in NOT_HOMOGENEOUS, "on the stream")
-        got = rule(self.ctx, e, pos, axis)
-        if isinstance(got, str):
-            return got
-        apart = other if name in ("mul", "div") and isinstance(other, C.Var) else None
-        return Step(e.outvars[0], got, apart=apart)
+        return rule(self.ctx, e, pos, axis)
 
     def origins(self, v, depth: int = 0):
         p = self.ctx.producer.get(v)
@@ -93,17 +93,16 @@ class _Graph:
 def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
                  outputs: str = "a program output") -> list[Found]:
     """The residual streams of ``jaxpr``'s top level, each started from a layer whose pair
-    ``refused`` holds for a residual reason; the refusals of the layers a stream took are
+    ``refused`` holds (:func:`hlofold._core.streams.streams`); the refusals of the layers a stream took are
     removed, those of a stream left say why. ``found``: the pairs (their kernels are not
     taken again as a stream's first layer)."""
     uses, producer = index_uses(jaxpr)
     leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
-    data = data_values(jaxpr, n_leaves, leaves)
+    data = data_values(jaxpr, leaves)
     ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
     starts = []
     for r in refused:
-        start = layer_start(ctx, r.eqn) if r.eqn is not None and RESIDUAL in r.reason \
-            else None
+        start = layer_start(ctx, r.eqn) if r.eqn is not None else None
         if start is not None and not isinstance(start[0], str) and isinstance(start[1], int):
             k, axis, out_axis = start
             starts.append((r, Writer(str(leaves[k]), out_axis, r.eqn, r.eqn.outvars[0], axis)))

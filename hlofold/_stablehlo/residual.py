@@ -1,8 +1,7 @@
 """Residual streams for cross-layer equalization read from StableHLO: the adapter of
 :mod:`hlofold._core.streams`, the twin of ``hlofold._jaxpr.residual``.
 
-A layer whose pair was refused because its output meets a residual add (or is read twice)
-starts a walk of the stream it is part of; each op on it is read by the pair rules
+A layer whose pair was refused (its output meets a residual add, is read twice) starts a walk of the stream it is part of; each op on it is read by the pair rules
 (:data:`~.pair_rules.RULES`: ReLU, pooling, a folded BatchNorm's bias, private functions
 entered), a layer reading it with a constant kernel read once is a reader
 (:func:`~.pairs.second_layer`), and an ``add`` of two activations joins the layers the
@@ -14,13 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._core.equalize import exact_in, stops_here
-from .._core.streams import PASSED, Step, Writer, streams, summands, walk, with_leaky
+from .._core.streams import Writer, streams, summands, walk, with_leaky
 from .ir import elem_type, float_dtype, op_name, owner_op, shape_of
 from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses
 from .pairs import ROOTS, Found, layer_start, second_layer
-
-RESIDUAL = "residual"        # the pair refusals a stream may answer (their reasons say it)
-
 
 def data_values(func) -> set:
     """The values of ``func``'s top level computed from its arguments (activations; a
@@ -53,28 +49,34 @@ class _Graph:
         out = leaky(three)
         return None if out is None else owner_op(out)
 
-    def step(self, op, pos, axis):
+    def name(self, op):
+        return op_name(op)
+
+    def kind(self, op):
+        return {"stablehlo.add": "add", "stablehlo.multiply": "product",
+                "stablehlo.divide": "product"}.get(op_name(op), "")
+
+    def operands(self, op):
+        return list(op.operands)
+
+    def result(self, op):
+        return op.results[0]
+
+    def shape(self, v):
+        return tuple(shape_of(v))
+
+    def is_data(self, v):
+        return v in self.data
+
+    def reader(self, op, pos, axis):
+        return second_layer(self.ctx, op, pos, axis) if op_name(op) in ROOTS else None
+
+    def rule(self, op, pos, axis):
         name = op_name(op)
-        if pos == PASSED:
-            return Step(op.results[0], axis)
-        if not isinstance(axis, int):
-            return f"{name} reads a stream whose channels are split over axes"
-        if name in ROOTS:
-            got = second_layer(self.ctx, op, pos, axis)
-            return got if isinstance(got, str) else Step(second=got)
-        other = op.operands[1 - pos] if len(op.operands) == 2 else None
-        if name == "stablehlo.add" and other in self.data:
-            if shape_of(other) != shape_of(op.results[0]):
-                return "an add of activations that broadcasts one of them"
-            return Step(op.results[0], axis, other=other)
         rule = RULES.get(name)
         if rule is None or len(op.results) != 1:
             return stops_here(name, name in NOT_HOMOGENEOUS, "on the stream")
-        got = rule(self.ctx, op, pos, axis)
-        if isinstance(got, str):
-            return got
-        apart = other if name in ("stablehlo.multiply", "stablehlo.divide") else None
-        return Step(op.results[0], got, apart=apart)
+        return rule(self.ctx, op, pos, axis)
 
     def origins(self, v, depth: int = 0):
         op = owner_op(v)
@@ -96,14 +98,14 @@ class _Graph:
 
 def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]:
     """The residual streams of ``func``'s top level, each started from a layer whose pair
-    ``refused`` holds for a residual reason; the refusals of the layers a stream took are
+    ``refused`` holds (:func:`hlofold._core.streams.streams`); the refusals of the layers a stream took are
     removed, those of a stream left say why. ``found``: the pairs (their first kernels are
     not taken again); ``weights``: the pairs' weights (the streams' are added)."""
     data = data_values(func)
     keys = {w.const: k for k, w in weights.items()}
     starts = []
     for r in refused:
-        start = layer_start(r.op) if r.op is not None and RESIDUAL in r.reason else None
+        start = layer_start(r.op) if r.op is not None else None
         if isinstance(start, tuple) and isinstance(start[1], int):
             w, axis, out_axis = start
             key = Ctx(weights, keys, []).key(w)
