@@ -57,7 +57,7 @@ class FoldedParams:
                          (f"; a residual stream, written by {', '.join(e.writers)} too"
                           if e.writers else "") +
                          ("; scales powers of two (low-precision weights: exact)"
-                          if e.powers_of_two else ""))
+                          if e.powers_of_two else "") + e.unsettled())
         for e in self.not_equalized:
             lines.append(f"  not paired {e.kernel} ({e.location}): {e.reason}")
         if self.rotation is not None:

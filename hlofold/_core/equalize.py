@@ -209,13 +209,16 @@ def _own(x) -> np.ndarray:
 @dataclasses.dataclass
 class Done:
     """What equalizing or smoothing did to one pair: its total scale, both kernels' channel
-    spreads (:func:`spread`) before and after, and (smoothing) the α."""
+    spreads (:func:`spread`) before and after, and (smoothing) the α; (equalizing) the sweeps
+    run and the largest change of a scale in the last (``SETTLED`` or less: settled)."""
 
     scale: np.ndarray
     before: tuple
     after: tuple
     alpha: float | None = None
     pow2: bool = False
+    sweeps: int | None = None
+    moving: float = 0.0
 
 
 def spreads(values: dict, pair: Pair) -> tuple[float, float]:
@@ -244,7 +247,8 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
     before = [spreads(work, p) for p in pairs]
     total = [np.ones(int(np.prod([work[p.first].shape[a] for a in each(p.out_axis)])))
              for p in pairs]
-    for _ in range(SWEEPS):
+    sweeps, moved = 0, 0.0
+    for sweeps in range(1, SWEEPS + 1):
         moved = 0.0
         for j, p in enumerate(pairs):
             s = scales(*ranges(work, p, len(total[j])), pow2)
@@ -253,7 +257,7 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
             moved = max(moved, float(np.max(np.abs(s - 1.0), initial=0.0)))
         if moved < SETTLED:
             break
-    return work, [Done(t, b, spreads(work, p), None, pow2)
+    return work, [Done(t, b, spreads(work, p), None, pow2, sweeps, moved)
                   for t, b, p in zip(total, before, pairs)]
 
 
@@ -348,6 +352,17 @@ class EqualizedPair:
     alpha: float | None = None        # smoothed: the α its scales were computed with
     powers_of_two: bool = False       # scales rounded to powers of two (bfloat16 weights)
     writers: list = dataclasses.field(default_factory=list)   # a residual stream's others
+    sweeps: int | None = None         # equalized: the sweeps run over its pairs
+    settled: bool = True              # equalized: the scales settled within those sweeps
+    moving: float = 0.0               # the largest change of a scale in the last sweep
+
+    def unsettled(self) -> str:
+        """The report's words for sweeps stopped before the scales settled ("" if they
+        did): exact either way, but not the fixed point of the rule."""
+        return "" if self.settled else (
+            f"; the sweeps stopped at {self.sweeps} before the scales settled (the largest "
+            f"still changing {100 * self.moving:.2g} % a sweep): exact, not at the rule's "
+            f"fixed point")
 
 
 def record(done: Done, first: str, seconds: list, biases: list, location: str,
@@ -357,7 +372,8 @@ def record(done: Done, first: str, seconds: list, biases: list, location: str,
     s = done.scale
     rng = (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0)
     return EqualizedPair(first, seconds, biases, location, done.before, done.after, rng, kind,
-                         done.alpha, done.pow2, list(writers))
+                         done.alpha, done.pow2, list(writers), done.sweeps,
+                         done.sweeps is None or done.moving < SETTLED, done.moving)
 
 
 @dataclasses.dataclass

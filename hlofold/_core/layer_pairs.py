@@ -47,7 +47,9 @@ def merged(per_layer: list[Done]) -> Done:
     channel spreads before and after (what the worst layer's per-tensor quantizer sees)."""
     worst = lambda xs: tuple(max(x[j] for x in xs) for j in range(2))     # noqa: E731
     return Done(np.stack([d.scale for d in per_layer]), worst([d.before for d in per_layer]),
-                worst([d.after for d in per_layer]), per_layer[0].alpha, per_layer[0].pow2)
+                worst([d.after for d in per_layer]), per_layer[0].alpha, per_layer[0].pow2,
+                None if per_layer[0].sweeps is None else max(d.sweeps for d in per_layer),
+                max(d.moving for d in per_layer))
 
 
 def by_layer(values: Mapping, layers: int,

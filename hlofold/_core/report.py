@@ -148,7 +148,7 @@ class FoldReport:
                          (f"; a residual stream, written by {', '.join(e.writers)} too"
                           if e.writers else "") +
                          ("; scales powers of two (low-precision: exact)"
-                          if e.powers_of_two else ""))
+                          if e.powers_of_two else "") + e.unsettled())
             for n in self.not_equalized:
                 head += f"\n  left: {n.kernel} ({n.location}): {n.reason}"
         p = self.precision

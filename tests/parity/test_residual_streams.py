@@ -234,3 +234,27 @@ def test_a_stream_rounded_to_bfloat16_on_the_way_gets_powers_of_two_on_both_path
     eq, rep = bit_for_bit(fn, v, IMG)
     assert sum(bool(e.writers) for e in eq.equalized) == 1
     assert sum(bool(e.writers) for e in rep.equalized) == 1
+
+
+@pytest.mark.parametrize("sweeps", [1, None])
+def test_sweeps_stopped_before_the_scales_settle_are_said_on_both_paths(monkeypatch, sweeps):
+    """Chains and streams coupled in cycles take several sweeps to settle; where the bound
+    stops them first, both reports say so (exact either way); where they settle, they do not."""
+    from hlofold._core import equalize as core
+    if sweeps is not None:
+        monkeypatch.setattr(core, "SWEEPS", sweeps)
+    fn, v = _resnet()
+    jp, rep = _both(fn, v, IMG, 5, 2)
+    for out in (jp, rep):
+        said = [e for e in out.equalized if not e.settled]
+        if sweeps is None:
+            assert not said and "before the scales settled" not in str(out), str(out)
+            assert all(1 < e.sweeps < core.SWEEPS for e in out.equalized), str(out)
+            continue
+        assert len(said) == len(out.equalized), str(out)
+        assert all(e.sweeps == 1 and e.moving > core.SETTLED for e in said)
+        assert str(out).count("the sweeps stopped at 1 before the scales settled") == 5, \
+            str(out)
+    if sweeps is not None:        # (the StableHLO report's JSON, as the CLI writes it)
+        assert {e["settled"] for e in json.loads(json.dumps(rep.to_dict()))["equalized"]} \
+            == {False}
