@@ -141,6 +141,8 @@ def test_flax_mobilenetv2_style_inverted_residuals():
     (jnp.tanh, "not positively homogeneous"),
     (lambda x: x * x, "a product of two values of the stream"),
     (lambda x: jnp.minimum(x, 6.0), "not positively homogeneous"),
+    # the stream added to itself with its channels moved to the width axis (8 = 8)
+    (lambda x: x + jnp.swapaxes(x, 2, 3), "its channels reach an add along two different"),
 ])
 def test_what_a_stream_cannot_pass_leaves_it_on_both_paths(tail, why):
     fn, v = _resnet(project=False, tail=tail)
@@ -258,3 +260,26 @@ def test_sweeps_stopped_before_the_scales_settle_are_said_on_both_paths(monkeypa
     if sweeps is not None:        # (the StableHLO report's JSON, as the CLI writes it)
         assert {e["settled"] for e in json.loads(json.dumps(rep.to_dict()))["equalized"]} \
             == {False}
+
+
+def test_fold_params_equalizes_streams_from_eight_threads_as_from_one():
+    """``fold_params(..., equalize=True)`` called from several threads at once (one model
+    function shared, as a server shares it): each gets the single-threaded streams and the
+    same new parameters, bit for bit."""
+    from tests.helpers import in_threads
+    fn, v = _resnet()
+    gfn, gp, gx, _, _ = program(1)
+    jobs = [(fn, v, IMG), (gfn, gp, gx)]
+
+    def run(job):
+        out = hlofold.fold_params(*job, equalize=True)
+        return (len(out.equalized), sum(bool(e.writers) for e in out.equalized),
+                [np.asarray(a) for a in jax.tree.leaves(out.params)])
+    want = [run(j) for j in jobs]
+    assert [w[:2] for w in want] == [(5, 2), (4, 2)]
+    got = []
+    in_threads(lambda k: got.append((k % 2, run(jobs[k % 2]))), 8, 1e-5)
+    assert len(got) == 8
+    for k, (n, s, leaves) in got:
+        assert (n, s) == want[k][:2]
+        assert all(np.array_equal(a, b) for a, b in zip(leaves, want[k][2]))

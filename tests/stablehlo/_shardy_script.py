@@ -75,6 +75,19 @@ def stack_case(mesh):
         NamedSharding(mesh, P("data")), 1
 
 
+def residual_case(mesh):
+    """Residual stages (two streams: :mod:`tests.helpers.residual_programs`), kernels sharded
+    over their output channels: folded on every path, then equalized (``params=,
+    equalize=True``) with its streams, kept sharded."""
+    from tests.helpers.residual_programs import program
+    fn, p, x, _, _ = program(1)
+
+    def spec(path, leaf):
+        return NamedSharding(mesh, P(None, None, None, "model") if leaf.ndim == 4 else P())
+    return fn, p, jnp.tile(x, (4, 1, 1, 1)), jax.tree_util.tree_map_with_path(spec, p), \
+        NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data")), 4
+
+
 def close(a, b, what):
     a, b = np.asarray(a), np.asarray(b)
     err = float(np.max(np.abs(a - b)))
@@ -91,8 +104,9 @@ MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"
 
 def run_check(name: str) -> str:
     mesh = MESH
-    fn, p, x, p_shard, x_shard, out_shard, n_min = {"conv": conv_case, "decoder": decoder_case,
-                                                    "stack": stack_case}[name](mesh)
+    fn, p, x, p_shard, x_shard, out_shard, n_min = {
+        "conv": conv_case, "decoder": decoder_case, "stack": stack_case,
+        "residual": residual_case}[name](mesh)
     jitted = jax.jit(fn, in_shardings=(p_shard, x_shard), out_shardings=out_shard)
     p = jax.device_put(p, p_shard)
     x = jax.device_put(x, x_shard)
@@ -168,6 +182,18 @@ def run_check(name: str) -> str:
         out = jax.jit(new.call)(x, *placed)
         close(ref, out, "export smooth=")
         smoothed = f", {len(srep.equalized)} pairs smoothed"
+    elif name == "residual":        # equalize=: the streams walked in the sharded module
+        new, erep, prepared = hlofold.fold_stablehlo(
+            exp, params={i: np.asarray(v) for i, v in enumerate(leaves)}, equalize=True)
+        got = (len(erep.equalized), sum(bool(e.writers) for e in erep.equalized))
+        assert got == (4, 2), erep
+        new_sh = C.exported_input_shardings(new)[1:]
+        placed = [jax.device_put(v, NamedSharding(mesh, s.spec if s is not None else P()))
+                  for v, s in zip(prepared, new_sh)]
+        out = jax.jit(new.call)(x, *placed)
+        close(ref, out, "export equalize=")
+        same_sharding(out, ref, "export equalize=")
+        smoothed = f", {got[0]} pairs equalized ({got[1]} streams)"
     else:
         smoothed = ""
 
@@ -227,7 +253,7 @@ def _sharding_of(main_line: str, arg: int, mesh):
     return NamedSharding(mesh, P(*spec))
 
 
-CHECKS = ("conv", "decoder", "manual", "stack")
+CHECKS = ("conv", "decoder", "manual", "stack", "residual")
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or CHECKS:

@@ -22,6 +22,7 @@ from hlofold._stablehlo.artifacts import input_specs, module_callable
 from tests.frontends.test_equalize import IMG, mobile, per_tensor, rel
 from tests.helpers import assert_close, in_threads
 from tests.helpers.pair_programs import program
+from tests.helpers.residual_programs import program as residual_program
 from tests.helpers.torch_weights import weight
 
 EXACT = 1e-5
@@ -219,9 +220,10 @@ def test_a_bfloat16_round_trip_between_layers_makes_the_scales_powers_of_two():
     assert len(out.equalized) == len(rep.equalized) == 1
 
 
-def test_equalize_and_smooth_from_eight_threads_as_from_one():
+def test_equalize_and_smooth_from_ten_threads_as_from_one():
     """Folds in several threads follow private calls at the same time (a jitted block per
-    layer, ``jax.nn.relu``) and rewrite scanned stacks' loops layer by layer: each thread
+    layer, ``jax.nn.relu``), rewrite scanned stacks' loops layer by layer and walk residual
+    streams: each thread
     keeps its own record of the arguments a call passes, and every thread gets the
     single-threaded pairs and prepared weights."""
     from hlofold import examples
@@ -240,23 +242,28 @@ def test_equalize_and_smooth_from_eight_threads_as_from_one():
     f, dp, dx, calib = smooth_case("decoder", 0)
     dec = _exported(f, dp, dx[0])
     scan = _exported(examples.scanned_decoder_apply, examples.stack_decoder(dp), dx[0])
+    rfn, rp, rx, _, _ = residual_program(1)          # (two residual streams)
+    res = _exported(rfn, rp, rx)
     jobs = [(chain, dict(equalize=True)), (dec, dict(smooth=calib)),    # (and a scanned
-            (scan, dict(smooth=calib)), (scan, dict(equalize=True))]   # stack's loop)
+            (scan, dict(smooth=calib)), (scan, dict(equalize=True)),   # stack's loop)
+            (res, dict(equalize=True))]
 
     def run(job):
         (exp, leaves, _), kw = job
         _, rep, prep = hlofold.fold_stablehlo(
             exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
-        return len(rep.equalized), [np.asarray(a) for a in prep]
+        return (len(rep.equalized), sum(bool(e.writers) for e in rep.equalized)), \
+            [np.asarray(a) for a in prep]
     want = [run(j) for j in jobs]
-    assert want[0][0] == 3 and want[1][0] > 5 and want[2][0] == 5 and want[3][0] == 2
+    assert [n for (n, _), _ in want[:4]] == [3, want[1][0][0], 5, 2] and want[1][0][0] > 5
+    assert want[4][0] == (4, 2)
     got, seen = [], []
 
     def work(k):
         seen.append(id(pair_rules.passed()))
-        got.append((k % 4, run(jobs[k % 4])))
-    in_threads(work, 8, 1e-5)
-    assert len(set(seen)) == 8 and len(got) == 8           # (one record per thread)
+        got.append((k % 5, run(jobs[k % 5])))
+    in_threads(work, 10, 1e-5)
+    assert len(set(seen)) == 10 and len(got) == 10         # (one record per thread)
     for k, (n, prep) in got:
         assert n == want[k][0] and all(np.array_equal(a, b) for a, b in zip(prep, want[k][1]))
 

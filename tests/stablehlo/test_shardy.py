@@ -24,17 +24,18 @@ def run_script(*checks: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("checks", [("conv", "manual"),
+@pytest.mark.parametrize("checks", [("conv", "manual", "residual"),
                                     pytest.param(("decoder",), marks=pytest.mark.slow),
                                     pytest.param(("stack",), marks=pytest.mark.slow)],
-                         ids=["conv-and-manual", "decoder", "scanned-stack"])
+                         ids=["conv-manual-residual", "decoder", "scanned-stack"])
 def test_sharded_modules_fold_on_every_path_and_run_sharded(checks):
     """In the graph, params=, split=, a sharded jax.export with params=, the CLI; a conv → BN
     net with a sharding constraint, a decoder, and a shard_map body: the folded modules keep
     sdy.mesh, prepared weights take their origin's sharding, and they run on a 4 × 2 mesh
     with the original's outputs and output sharding. The decoder and the scanned stack are
     smoothed too (smooth=, its calibration run here: a loop's layers one by one) and run
-    sharded with the original's outputs."""
+    sharded with the original's outputs; residual stages are equalized with their streams
+    (equalize=) and run sharded."""
     proc = run_script(*checks)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     for name in checks:
