@@ -283,3 +283,25 @@ def test_fold_params_equalizes_streams_from_eight_threads_as_from_one():
     for k, (n, s, leaves) in got:
         assert (n, s) == want[k][:2]
         assert all(np.array_equal(a, b) for a, b in zip(leaves, want[k][2]))
+
+
+def test_efficientnet_b0_exported_by_pytorch_xla_equalizes_its_streams():
+    """A real exporter's module (torchvision's EfficientNet-B0 through PyTorch/XLA, weights
+    as arguments, ``batch_norm_inference``): the MBConv blocks' skip adds make 5 streams (the
+    project convolutions writing, the next expand convolutions reading); the SiLU pairs (a
+    value read twice: ``x·sigmoid(x)``) and the squeeze-excite gates are left, saying why; the
+    outputs kept."""
+    from hlofold._stablehlo.artifacts import module_callable
+    from tests.stablehlo.test_deep import effnet
+    text, names, weights, x, _ = effnet()
+    full = [weights[f"arg{i}"] if n != "input" else x for i, n in enumerate(names)]
+    ref = module_callable(text)(*full)[0]
+    apply, rep, prep = hlofold.fold_stablehlo(text, params=weights, equalize=True)
+    assert rel(ref, module_callable(apply)(x, *prep)[0]) <= 1e-5
+    streams = [e for e in rep.equalized if e.writers]
+    assert (len(rep.equalized), len(streams)) == (7, 5), str(rep)
+    assert sorted(len(e.writers) for e in streams) == [1, 1, 2, 2, 3], str(rep)
+    assert all(e.settled and e.spread_after[0] <= e.spread_before[0] for e in streams)
+    reasons = " ".join(n.reason for n in rep.not_equalized)
+    assert "stablehlo.logistic on the way is not positively homogeneous" in reasons
+    assert "read 2 times, not only by layers" in reasons
