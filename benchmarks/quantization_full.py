@@ -1,6 +1,8 @@
-"""Cross-layer equalization at the sizes users run (issue 51): ResNet-50 and a width-1.0
-MobileNetV2-style net at 224 px, batch 2, every BN's γ (ResNet-50) or the depthwise BNs' γ
-(MobileNetV2) spread over two decades as in ``benchmarks/quantization.py --equalize``.
+"""Cross-layer equalization at the sizes users run (issue 51), and measured over rounding
+draws: ResNet-50 and a width-1.0 MobileNetV2-style net at 224 px, batch 2, every BN's γ
+(ResNet-50) or the depthwise BNs' γ (MobileNetV2) spread over two decades as in
+``benchmarks/quantization.py --equalize`` (whose 32 px nets are ``--model resnet18-32`` and
+``mobilenetv2-32`` here).
 
 Per seed: per-tensor int8 error of the folded weights, of the folded + equalized ones, and
 per-channel int8 of the folded weights (the plain quantizer of
@@ -8,11 +10,12 @@ per-channel int8 of the folded weights (the plain quantizer of
 took. Error ``‖y_q − y‖ / ‖y‖`` of the logits.
 
 ``--draws N``: one model's error is one draw from a wide distribution — which weights round
-up and which down decides much of it at this depth. Each draw multiplies every equalized
-pair's channels by an exact random factor ``exp(0.02·N(0, 1))`` after the sweeps (the first
-layer's output channels divided, the second's input rows multiplied: the float model is
-unchanged, the rounding is not); with ``--sweeps 0`` the same factors on the folded weights.
-It reaches into ``hlofold._equalize`` (a measurement tool, not an API).
+up and which down decides much of it. Each draw multiplies every pair's channels by an
+exact random factor ``exp(0.02·N(0, 1))`` (the first layer's output channels divided, the
+second's input rows multiplied: the float model is unchanged, the rounding is not), after
+the sweeps for the equalized column and with no sweeps for the folded ones; each column is
+the median over the draws. It reaches into ``hlofold._equalize`` (a measurement tool, not an
+API).
 
 Run: ``python -m benchmarks.quantization_full [--model resnet50] [--seeds 6] [--draws 0]
 [--sweeps N]``.
@@ -35,6 +38,9 @@ def case(name: str, seed: int):
     import flax.linen as nn
 
     from benchmarks import models
+    from benchmarks.quantization import equalize_case
+    if name.endswith("-32"):               # the 32 px rows of ``quantization --equalize``
+        return equalize_case(name[:-3], seed)
     if name == "resnet50":
         model, where = models.resnet50(num_classes=1000), "bn"
     else:
@@ -51,43 +57,56 @@ def with_draws(rng):
     from hlofold._core import equalize as core
     orig = _equalize.equalize
 
-    def drawn(values, pairs, pow2=False):
+    def patched(values, pairs, pow2=False):
         work, done = orig(values, pairs, pow2)
         for p, d in zip(pairs, done):
             core.apply(work, p, np.exp(0.02 * rng.standard_normal(len(d.scale))))
         return work, done
-    _equalize.equalize = drawn
+    _equalize.equalize = patched
     return lambda: setattr(_equalize, "equalize", orig)
 
 
+def drawn(f, v, x, rng, sweeps=None):
+    """``fold_params(..., equalize=True)``'s parameters with one draw's factors after the
+    sweeps (``sweeps=0``: none run — the folded weights with the draw's factors)."""
+    from hlofold._core import equalize as core
+    undo, bound = with_draws(rng), core.SWEEPS
+    core.SWEEPS = bound if sweeps is None else sweeps
+    try:
+        return hlofold.fold_params(f, v, x, equalize=True).params
+    finally:
+        undo()
+        core.SWEEPS = bound
+
+
 def measure(name: str, seed: int, draws: int) -> list[float]:
-    """[folded, equalized, per channel, seconds] — with ``draws``, the equalized error's
-    median over that many draws."""
+    """[folded per tensor, equalized per tensor, folded per channel, seconds] — with
+    ``draws``, each the median over that many draws (the folded weights drawn too)."""
     f, v, x = case(name, seed)
     g = jax.jit(f)
     ref = g(v, x)
-    folded = hlofold.fold_params(f, v, x)
     t = time.perf_counter()
     eq = hlofold.fold_params(f, v, x, equalize=True)
     dt = time.perf_counter() - t
-    err = [rel_err(ref, g(quantize(eq.params, per_tensor=True), x))]
+    err = lambda p, per_tensor=True: rel_err(ref, g(quantize(p, per_tensor), x))  # noqa: E731
+    if not draws:
+        folded = hlofold.fold_params(f, v, x).params
+        return [err(folded), err(eq.params), err(folded, False), dt]
+    rows = []
     for d in range(draws):
-        undo = with_draws(np.random.default_rng(d))
-        try:
-            p = hlofold.fold_params(f, v, x, equalize=True).params
-        finally:
-            undo()
-        err.append(rel_err(ref, g(quantize(p, per_tensor=True), x)))
-    if draws:
-        print(f"  seed {seed}: {draws} draws " + " ".join(f"{e:.4f}" for e in err[1:]))
-    return [rel_err(ref, g(quantize(folded.params, per_tensor=True), x)),
-            float(np.median(err[1:] if draws else err)),
-            rel_err(ref, g(quantize(folded.params), x)), dt]
+        folded = drawn(f, v, x, np.random.default_rng(d), sweeps=0)
+        rows.append([err(folded), err(drawn(f, v, x, np.random.default_rng(d))),
+                     err(folded, False)])
+    a = np.asarray(rows)
+    print(f"  seed {seed}, {draws} draws: folded " + " ".join(f"{e:.4f}" for e in a[:, 0]) +
+          "; equalized " + " ".join(f"{e:.4f}" for e in a[:, 1]))
+    return [*np.median(a, 0), dt]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="resnet50", choices=("resnet50", "mobilenetv2"))
+    ap.add_argument("--model", default="resnet50", choices=(
+        "resnet50", "mobilenetv2", "resnet18-32", "mobilenetv2-32"))
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--draws", type=int, default=0)
     ap.add_argument("--sweeps", type=int, default=None,
@@ -97,18 +116,21 @@ def main(argv=None):
         from hlofold._core import equalize as core
         core.SWEEPS = a.sweeps
     rows = []
-    print(f"{a.model}, 224 px, batch 2. Machine: {platform.processor() or platform.machine()}"
+    size = "32 px, batch 8" if a.model.endswith("-32") else "224 px, batch 2"
+    print(f"{a.model}, {size}, {a.draws or 'no'} draws. Machine: {platform.processor() or platform.machine()}"
           f", {os.cpu_count()} CPUs, jax {jax.__version__}\n")
     print("| seed | per tensor, folded | per tensor, equalized | per channel, folded | "
-          "equalized / folded | equalize s |\n|---|---|---|---|---|---|")
+          "equalized / folded | equalized / per channel | equalize s |\n"
+          "|---|---|---|---|---|---|---|")
     for s in range(a.seeds):
         r = measure(a.model, s, a.draws)
         rows.append(r)
         print(f"| {s} | {r[0]:.4f} | {r[1]:.4f} | {r[2]:.4f} | {r[1] / r[0]:.2f}× | "
-              f"{r[3]:.1f} |", flush=True)
+              f"{r[1] / r[2]:.2f}× | {r[3]:.1f} |", flush=True)
     m = np.median(np.asarray(rows), 0)
-    ratio = np.median([r[1] / r[0] for r in rows])
-    print(f"| median | {m[0]:.4f} | {m[1]:.4f} | {m[2]:.4f} | {ratio:.2f}× | {m[3]:.1f} |")
+    ratio = lambda j: np.median([r[1] / r[j] for r in rows])      # noqa: E731
+    print(f"| median | {m[0]:.4f} | {m[1]:.4f} | {m[2]:.4f} | {ratio(0):.2f}× | "
+          f"{ratio(2):.2f}× | {m[3]:.1f} |")
 
 
 if __name__ == "__main__":

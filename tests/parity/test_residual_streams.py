@@ -305,3 +305,22 @@ def test_efficientnet_b0_exported_by_pytorch_xla_equalizes_its_streams():
     reasons = " ".join(n.reason for n in rep.not_equalized)
     assert "stablehlo.logistic on the way is not positively homogeneous" in reasons
     assert "read 2 times, not only by layers" in reasons
+
+
+def test_the_benchmarks_rounding_draws_keep_the_float_model():
+    """``benchmarks/quantization_full.py --draws``: each draw's factors leave the float model
+    as it was (rel ≤ 1e-5) but change the weights (so their rounding), and the patch is undone
+    after each fold."""
+    from benchmarks import quantization_full as qf
+    from hlofold import _equalize
+    from hlofold._core import equalize as core
+    fn, v = _resnet()
+    before = (_equalize.equalize, core.SWEEPS)
+    plain = hlofold.fold_params(fn, v, IMG, equalize=True).params
+    for sweeps in (None, 0):
+        drawn = qf.drawn(fn, v, IMG, np.random.default_rng(0), sweeps)
+        assert (_equalize.equalize, core.SWEEPS) == before
+        assert rel(fn(v, IMG), fn(drawn, IMG)) <= 1e-5
+        moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain),
+                                                           jax.tree.leaves(drawn))]
+        assert sum(moved) >= 10, sum(moved)
