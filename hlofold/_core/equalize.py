@@ -210,7 +210,7 @@ def _own(x) -> np.ndarray:
 class Done:
     """What equalizing or smoothing did to one pair: its total scale, both kernels' channel
     spreads (:func:`spread`) before and after, and (smoothing) the α; (equalizing) the sweeps
-    run and the largest change of a scale in the last (``SETTLED`` or less: settled)."""
+    run and the largest change of its scales in the last (under ``SETTLED``: settled)."""
 
     scale: np.ndarray
     before: tuple
@@ -247,18 +247,17 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
     before = [spreads(work, p) for p in pairs]
     total = [np.ones(int(np.prod([work[p.first].shape[a] for a in each(p.out_axis)])))
              for p in pairs]
-    sweeps, moved = 0, 0.0
+    sweeps, last = 0, [0.0] * len(pairs)          # (each pair's change in the last sweep)
     for sweeps in range(1, SWEEPS + 1):
-        moved = 0.0
         for j, p in enumerate(pairs):
             s = scales(*ranges(work, p, len(total[j])), pow2)
             apply(work, p, s)
             total[j] = total[j] * s
-            moved = max(moved, float(np.max(np.abs(s - 1.0), initial=0.0)))
-        if moved < SETTLED:
+            last[j] = float(np.max(np.abs(s - 1.0), initial=0.0))
+        if max(last, default=0.0) < SETTLED:
             break
-    return work, [Done(t, b, spreads(work, p), None, pow2, sweeps, moved)
-                  for t, b, p in zip(total, before, pairs)]
+    return work, [Done(t, b, spreads(work, p), None, pow2, sweeps, m)
+                  for t, b, p, m in zip(total, before, pairs, last)]
 
 
 def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float, pow2: bool = False
@@ -353,16 +352,15 @@ class EqualizedPair:
     powers_of_two: bool = False       # scales rounded to powers of two (bfloat16 weights)
     writers: list = dataclasses.field(default_factory=list)   # a residual stream's others
     sweeps: int | None = None         # equalized: the sweeps run over its pairs
-    settled: bool = True              # equalized: the scales settled within those sweeps
-    moving: float = 0.0               # the largest change of a scale in the last sweep
+    settled: bool = True              # equalized: its scales settled within those sweeps
+    moving: float = 0.0               # the largest change of its scales in the last sweep
 
     def unsettled(self) -> str:
         """The report's words for sweeps stopped before the scales settled ("" if they
         did): exact either way, but not the fixed point of the rule."""
         return "" if self.settled else (
-            f"; the sweeps stopped at {self.sweeps} before the scales settled (the largest "
-            f"still changing {100 * self.moving:.2g} % a sweep): exact, not at the rule's "
-            f"fixed point")
+            f"; not settled after {self.sweeps} sweeps (its scales still moving "
+            f"{100 * self.moving:.2g} % a sweep; exact)")
 
 
 def record(done: Done, first: str, seconds: list, biases: list, location: str,
