@@ -63,7 +63,7 @@ def _read_params(path: str) -> dict:
 
 def _alpha(text: str) -> float:
     """``--alpha``: a number from 0 to 1."""
-    from ._core.equalize import check_alpha
+    from ._core.smoothquant import check_alpha
     try:
         return check_alpha(float(text), "--alpha")
     except ValueError:

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as C
-from ._core.equalize import (EqualizedPair, NotEqualized, Observed, check_alpha, equalize,
-                             exact_in,
-                             record, smooth)
+from ._core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
+from ._core.smoothquant import Observed, check_alpha, smooth
 from ._core.channel_axes import Mapped
 from ._core.layer_pairs import by_layer
 from ._core.rotation import orthogonal, rotate

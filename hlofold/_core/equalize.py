@@ -15,7 +15,7 @@ A pair may have several second layers (a value read by q, k and v, by gate and u
 branches of an inception block): each gets the scale on its input channels, and their
 largest entry per channel is the second range. *Smoothing* (SmoothQuant, Xiao et al. 2023)
 moves the same kind of scale from activations with outlier channels into the weights after
-them: ``s_j = max|X_j|^α / max|W_j|^(1−α)`` (:func:`smoothing`), the first "kernel" then
+them: ``s_j = max|X_j|^α / max|W_j|^(1−α)`` (:mod:`.smoothquant`), the first "kernel" then
 being the norm's γ in front (with its β as the bias) or a layer's kernel.
 
 Each adapter reads its IR into :class:`Pair` records (which kernel axis is the channel,
@@ -29,7 +29,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from .channel_axes import Mapped, each
+from .channel_axes import each
 
 SWEEPS = 50          # chains settle in a few sweeps; this bounds a pathological one
 SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the iteration
@@ -201,7 +201,7 @@ def apply_to(key: str, k: np.ndarray, pair: Pair, s: np.ndarray) -> None:
                           (sec.in_axis, sec.out_axis))
 
 
-def _own(x) -> np.ndarray:
+def own(x) -> np.ndarray:
     """``x`` as a float64 array of this module's own (:func:`apply` changes it in place)."""
     return np.array(x, dtype=np.float64, copy=True)
 
@@ -224,11 +224,11 @@ class Done:
 def spreads(values: dict, pair: Pair) -> tuple[float, float]:
     """The first kernel's output-channel spread (1 for a vector: a norm's γ) and the first
     second layer's."""
-    return (_spread_of(values[pair.first], pair.first, pair),
-            _spread_of(values[pair.seconds[0].key], pair.seconds[0].key, pair))
+    return (spread_of(values[pair.first], pair.first, pair),
+            spread_of(values[pair.seconds[0].key], pair.seconds[0].key, pair))
 
 
-def _spread_of(k, key: str, pair: Pair) -> float | None:
+def spread_of(k, key: str, pair: Pair) -> float | None:
     """:func:`spreads`' figure for the pair's array ``key`` (None for one it does not
     report: the other second layers, the biases)."""
     if key == pair.first:
@@ -243,7 +243,10 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
     """Sweep ``pairs`` (in order) until the scales settle. ``values``: key -> array (not
     changed); returns the new float64 values of every key a pair touches, and what was
     done to each pair. ``pow2``: every scale a power of two (low-precision weights)."""
-    work = {k: _own(values[k]) for p in pairs for k in p.keys()}
+    # The sweeps read only ranges: each array's max |k| over the axes no scale touches (a
+    # 3×3 kernel's taps) holds them all, exactly — rescaled, each sweep, in place of the
+    # array; the arrays themselves are rescaled once, by each pair's total, at the end.
+    work = {k: reduced(values[k], axes) for k, axes in scaled_axes(pairs).items()}
     before = [spreads(work, p) for p in pairs]
     total = [np.ones(int(np.prod([work[p.first].shape[a] for a in each(p.out_axis)])))
              for p in pairs]
@@ -256,73 +259,35 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
             last[j] = float(np.max(np.abs(s - 1.0), initial=0.0))
         if max(last, default=0.0) < SETTLED:
             break
-    return work, [Done(t, b, spreads(work, p), None, pow2, sweeps, m)
-                  for t, b, p, m in zip(total, before, pairs, last)]
+    after = [spreads(work, p) for p in pairs]
+    del work
+    new = {k: own(values[k]) for p in pairs for k in p.keys()}
+    for p, t in zip(pairs, total):
+        apply(new, p, t)
+    return new, [Done(t, b, a, None, pow2, sweeps, m)
+                 for t, b, a, m in zip(total, before, after, last)]
 
 
-def smoothing(xmax: np.ndarray, wmax: np.ndarray, alpha: float, pow2: bool = False
-              ) -> np.ndarray:
-    """SmoothQuant's scales ``s = max|X|^α / max|W|^(1−α)`` per channel (``xmax``: the
-    largest activation the calibration inputs gave; ``wmax``: the second layers' largest
-    input-row entry); 1 where either is zero or not finite; with ``pow2`` each rounded to a
-    power of two."""
-    ok = (xmax > 0) & (wmax > 0) & np.isfinite(xmax) & np.isfinite(wmax)
-    s = np.ones_like(xmax, dtype=np.float64)
-    s[ok] = xmax[ok] ** alpha / wmax[ok] ** (1 - alpha)
-    return powers_of_two(s) if pow2 else s
+def scaled_axes(pairs: list[Pair]) -> dict:
+    """Each array's axes that a pair scales or reads a range or spread along."""
+    out = {}
+    for p in pairs:
+        out.setdefault(p.first, set()).update(each(p.out_axis))
+        for key, axis in [*p.writers, *p.biases]:
+            out.setdefault(key, set()).update(each(axis))
+        for sec in p.seconds:
+            out.setdefault(sec.key, set()).update(each(sec.in_axis) + each(sec.out_axis))
+    return out
 
 
-def check_alpha(alpha, who: str) -> float:
-    """``alpha`` as a float in [0, 1], or a clear error naming ``who``."""
-    if isinstance(alpha, (int, float, np.floating, np.integer)) and \
-            not isinstance(alpha, bool) and 0.0 <= float(alpha) <= 1.0:
-        return float(alpha)
-    raise ValueError(f"{who}: alpha= must be a number from 0 to 1; got {alpha!r}")
-
-
-class Observed:
-    """What the calibration inputs gave where a pair's second layers read: each channel's
-    largest ``|x|``."""
-
-    def __init__(self):
-        self.max = None
-
-    def add(self, x, axis) -> None:
-        """``x``'s channels along ``axis`` (an axis, a tuple of axes, or channels repeated
-        over some: :class:`~hlofold._core.channel_axes.Mapped`)."""
-        if isinstance(axis, Mapped):
-            m = np.zeros(axis.channels)
-            np.maximum.at(m, np.asarray(axis.positions()),
-                          channel_max(np.asarray(x), axis.axes).astype(np.float64))
-        else:
-            m = channel_max(np.asarray(x), axis).astype(np.float64)  # (exact: a max of |x|)
-        self.max = m if self.max is None else np.maximum(self.max, m)
-
-
-def smooth(values: dict, pairs: list[Pair], seen: list[Observed], alpha: float,
-           store=None, pow2: bool = False) -> tuple[dict, list[Done]]:
-    """Each pair's smoothing scales applied once, pair by pair: only that pair's leaves are
-    held in float64 (a 0.5 B decoder's kernels are not all copied at once); ``store(key,
-    value)`` takes each new value as its pair is done (and ``values`` is read for the
-    next pairs with it: it may read the caller's live leaves, nothing is kept from one
-    pair to the next). Returns the new float64 values (``store`` None) and what was done
-    to each pair. ``pow2``: every scale a power of two (low-precision weights)."""
-    out, done = {}, []
-    for p, x in zip(pairs, seen):
-        cur = {k: out.get(k, values[k]) for k in p.keys()}      # (read as they are)
-        before = spreads(cur, p)
-        s = smoothing(np.asarray(x.max, np.float64), input_ranges(cur, p, len(x.max)),
-                      float(alpha), pow2)
-        after = {}
-        for k in dict.fromkeys(p.keys()):  # one array at a time in float64, handed on
-            work = _own(cur.pop(k))
-            apply_to(k, work, p, s)
-            after[k] = _spread_of(work, k, p)
-            out[k] = work if store is None else store(k, work)
-            del work
-        done.append(Done(s, before, (after[p.first], after[p.seconds[0].key]), float(alpha),
-                         pow2))
-    return out, done
+def reduced(k, axes) -> np.ndarray:
+    """``max|k|`` over every axis not in ``axes`` (kept, of size 1), in float64."""
+    k = np.asarray(k)
+    rest = tuple(a for a in range(k.ndim) if a not in axes)
+    if not rest or k.size == 0:
+        return np.abs(k).astype(np.float64)
+    m = np.maximum(k.max(axis=rest, keepdims=True), -k.min(axis=rest, keepdims=True))
+    return m.astype(np.float64)
 
 
 def spread(k: np.ndarray, axis: int) -> float:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import check_alpha
+from .._core.smoothquant import check_alpha
 from .._core.report import FoldReport
 from .ir import StableHLOError, element_dtype
 from .module import main_function

@@ -18,8 +18,8 @@ import dataclasses
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import (EqualizedPair, NotEqualized, Observed, equalize, exact_in,
-                              record, smooth)
+from .._core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
+from .._core.smoothquant import Observed, smooth
 from .build import broadcast
 from .ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense, op_name, owner_op,
                  shape_of)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat as C
-from .._core.equalize import EqualizedPair, NotEqualized, Observed, record
+from .._core.equalize import EqualizedPair, NotEqualized, record
+from .._core.smoothquant import Observed
 from .._core.layer_pairs import merged
 from .._core.stacks import Restack
 from .build import STACK, marked, unmark
