@@ -50,7 +50,9 @@ def equalized(fn, params, *args, pairs):
     assert len(out.equalized) == pairs, str(out)
     assert jax.tree.structure(out.params) == jax.tree.structure(params)
     ref, got = fn(params, *args), fn(out.params, *args)
-    assert_close(ref, got)
+    # the tolerance model of the program itself (its accumulation and depth: a 53-layer
+    # MobileNetV2's float32 rounding is not a 2-layer net's), as fold_params' own check
+    assert_close(ref, got, jax.make_jaxpr(fn)(params, *args))
     for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         assert rel(r, o) <= EXACT, rel(r, o)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params)):
@@ -234,6 +236,7 @@ def spread_keras(model, seed=2):
 
 def test_keras():
     import keras
+    keras.utils.set_random_seed(0)
     inp = keras.Input((8, 8, 3))
     y = keras.layers.Conv2D(8, 3, use_bias=False)(inp)
     y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))

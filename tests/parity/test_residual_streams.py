@@ -209,6 +209,7 @@ def test_keras_mobilenetv2_streams_on_both_paths():
     """Keras' MobileNetV2: ReLU6 in every block leaves its pairs, but the linear
     bottlenecks' streams carry no activation and are equalized."""
     import keras
+    keras.utils.set_random_seed(0)        # (its weights the same in every run)
     m = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
                                        classes=10)
     ws = spread_keras(m)
