@@ -117,7 +117,8 @@ def main(argv=None):
         core.SWEEPS = a.sweeps
     rows = []
     size = "32 px, batch 8" if a.model.endswith("-32") else "224 px, batch 2"
-    print(f"{a.model}, {size}, {a.draws or 'no'} draws. Machine: {platform.processor() or platform.machine()}"
+    machine = platform.processor() or platform.machine()
+    print(f"{a.model}, {size}, {a.draws or 'no'} draws. Machine: {machine}"
           f", {os.cpu_count()} CPUs, jax {jax.__version__}\n")
     print("| seed | per tensor, folded | per tensor, equalized | per channel, folded | "
           "equalized / folded | equalized / per channel | equalize s |\n"

@@ -41,7 +41,8 @@ class Second:
     with ``groups`` groups (a depthwise layer: as many groups as channels); ``channels``, where
     its input rows read the channels repeated (an output projection after grouped-query
     attention: each query head's rows its kv head's channels), the channel of each row (its
-    input axes flat, in order). The input channel may span several axes (a tuple, most significant first: an output projection
+    input axes flat, in order). The input channel may span several axes (a tuple, most
+    significant first: an output projection
     contracting (heads, head_dim)); a first kernel's ``out_axis`` too."""
 
     key: str
@@ -246,7 +247,8 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
     # The sweeps read only ranges: each array's max |k| over the axes no scale touches (a
     # 3×3 kernel's taps) holds them all, exactly — rescaled, each sweep, in place of the
     # array; the arrays themselves are rescaled once, by each pair's total, at the end.
-    work = {k: reduced(values[k], axes) for k, axes in scaled_axes(pairs).items()}
+    keys = scaled_axes(pairs)            # (each array once, whatever pairs it is in)
+    work = {k: reduced(values[k], axes) for k, axes in keys.items()}
     before = [spreads(work, p) for p in pairs]
     total = [np.ones(int(np.prod([work[p.first].shape[a] for a in each(p.out_axis)])))
              for p in pairs]
@@ -261,7 +263,7 @@ def equalize(values: dict, pairs: list[Pair], pow2: bool = False
             break
     after = [spreads(work, p) for p in pairs]
     del work
-    new = {k: own(values[k]) for p in pairs for k in p.keys()}
+    new = {k: own(values[k]) for k in keys}
     for p, t in zip(pairs, total):
         apply(new, p, t)
     return new, [Done(t, b, a, None, pow2, sweeps, m)

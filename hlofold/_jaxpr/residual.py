@@ -1,7 +1,8 @@
 """Residual streams for cross-layer equalization read from a jaxpr: the adapter of
 :mod:`hlofold._core.streams`.
 
-A layer whose pair was refused (its output meets a residual add, is read twice) starts a walk of the stream it is part of; each equation on it is read by the pair rules
+A layer whose pair was refused (its output meets a residual add, is read twice) starts a
+walk of the stream it is part of; each equation on it is read by the pair rules
 (:data:`~.pair_rules.RULES`: ReLU, pooling, a folded BatchNorm's arithmetic, whose biases
 are scaled with the stream), a layer reading it with a leaf kernel is a reader
 (:func:`~.pairs.second_layer`), and an add of two activations joins the layers the other
@@ -93,8 +94,8 @@ class _Graph:
 def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
                  outputs: str = "a program output") -> list[Found]:
     """The residual streams of ``jaxpr``'s top level, each started from a layer whose pair
-    ``refused`` holds (:func:`hlofold._core.streams.streams`); the refusals of the layers a stream took are
-    removed, those of a stream left say why. ``found``: the pairs (their kernels are not
+    ``refused`` holds (:func:`hlofold._core.streams.streams`); the refusals of the layers a
+    stream took are removed, those of a stream left say why. ``found``: the pairs (their kernels are not
     taken again as a stream's first layer)."""
     uses, producer = index_uses(jaxpr)
     leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}

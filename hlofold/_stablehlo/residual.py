@@ -1,7 +1,8 @@
 """Residual streams for cross-layer equalization read from StableHLO: the adapter of
 :mod:`hlofold._core.streams`, the twin of ``hlofold._jaxpr.residual``.
 
-A layer whose pair was refused (its output meets a residual add, is read twice) starts a walk of the stream it is part of; each op on it is read by the pair rules
+A layer whose pair was refused (its output meets a residual add, is read twice) starts a
+walk of the stream it is part of; each op on it is read by the pair rules
 (:data:`~.pair_rules.RULES`: ReLU, pooling, a folded BatchNorm's bias, private functions
 entered), a layer reading it with a constant kernel read once is a reader
 (:func:`~.pairs.second_layer`), and an ``add`` of two activations joins the layers the
@@ -98,8 +99,8 @@ class _Graph:
 
 def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]:
     """The residual streams of ``func``'s top level, each started from a layer whose pair
-    ``refused`` holds (:func:`hlofold._core.streams.streams`); the refusals of the layers a stream took are
-    removed, those of a stream left say why. ``found``: the pairs (their first kernels are
+    ``refused`` holds (:func:`hlofold._core.streams.streams`); the refusals of the layers a
+    stream took are removed, those of a stream left say why. ``found``: the pairs (their first kernels are
     not taken again); ``weights``: the pairs' weights (the streams' are added)."""
     data = data_values(func)
     keys = {w.const: k for k, w in weights.items()}
