@@ -229,11 +229,16 @@ def wxa8(f, params, *args, wbits: int = 8, abits: int = 8):
 
 
 def smooth_case(name: str, seed: int, outliers: float = 30.0):
-    """A pre-RMSNorm decoder whose residual stream carries a few massive channels (as real
-    LLMs do): the built-in decoder (d = 128, 2 layers) or the Flax block."""
+    """A pre-norm decoder whose residual stream carries a few massive channels (as real
+    LLMs do): the built-in decoder (d = 128, 2 layers), the Flax linen decoders (RMSNorm,
+    LayerNorm: ``benchmarks/quant_decoders.py``), keras_hub's Llama or the Flax block."""
     rng = np.random.default_rng(300 + seed)
     if name == "keras_llama":
-        return _keras_llama(rng, seed, outliers)
+        from benchmarks.quant_decoders import keras_llama
+        return keras_llama(rng, seed, outliers)
+    if name in ("flax_rms", "flax_ln"):
+        from benchmarks.quant_decoders import flax_decoder
+        return flax_decoder("RMSNorm" if name == "flax_rms" else "LayerNorm", seed, outliers)
     if name == "decoder":
         from hlofold import examples
         p = examples.init_decoder(2, d=128, vocab=256, seed=seed)
@@ -259,37 +264,6 @@ def smooth_case(name: str, seed: int, outliers: float = 30.0):
     return f, p, inputs(seed), [inputs(1000 + 10 * seed + j) for j in range(4)]
 
 
-def _keras_llama(rng, seed: int, outliers: float):
-    """keras_hub's Llama (2 layers, d = 128, GQA), its embedding with 3 massive channels;
-    keras_hub is not a dependency of the suite (see ``benchmarks/keras_hub_models.py``)."""
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    import keras
-    import keras_hub
-    keras.utils.set_random_seed(seed)
-    bb = keras_hub.models.LlamaBackbone(vocabulary_size=256, num_layers=2, hidden_dim=128,
-                                        intermediate_dim=256, num_query_heads=4,
-                                        num_key_value_heads=2)
-    massive = rng.choice(128, 3, replace=False)
-    for w in bb.weights:
-        path = w.path.lower()
-        if "embeddings" in path and len(w.shape) == 2:
-            e = np.array(w.value)
-            e[:, massive] *= outliers
-            w.assign(e)
-        elif len(w.shape) == 1 and ("norm" in path or path.endswith("scale")):
-            w.assign((10 ** rng.uniform(-0.3, 0.3, w.shape)).astype("float32"))
-
-    def f(params, ids):
-        return bb.stateless_call(params[0], params[1], {
-            "token_ids": ids, "padding_mask": jnp.ones(ids.shape, jnp.int32)})[0]
-    params = ([v.value for v in bb.trainable_variables],
-              [v.value for v in bb.non_trainable_variables])
-
-    def inputs(k):
-        return (jnp.asarray(np.random.default_rng(k).integers(0, 256, (4, 16)), jnp.int32),)
-    return f, params, inputs(seed), [inputs(1000 + 10 * seed + j) for j in range(4)]
-
-
 def measure_smooth(f, params, x, calib, wbits: int, run=None):
     """Errors: original, folded, + smooth, + rotate, + rotate and smooth (nan where the
     stream is not rotated); pairs smoothed. ``run``: a quantized model (Qwix) in place of
@@ -308,6 +282,10 @@ def measure_smooth(f, params, x, calib, wbits: int, run=None):
 
 SMOOTH_CASES = (("decoder", "built-in decoder, d = 128, 2 layers, 3 massive residual "
                              "channels ×30"),
+                ("flax_rms", "Flax linen decoder, RMSNorm (Llama-style), d = 128, 2 layers, "
+                             "3 massive residual channels ×30"),
+                ("flax_ln", "Flax linen decoder, LayerNorm (GPT-2-style), d = 128, 2 layers, "
+                            "3 massive residual channels ×30"),
                 ("RMSNorm", "Flax block, RMSNorm, 3 massive channels ×30"),
                 ("LayerNorm", "Flax block, LayerNorm, 3 massive channels ×30"),
                 ("keras_llama", "keras_hub LlamaBackbone, d = 128, 2 layers, GQA, 3 massive "

@@ -206,13 +206,15 @@ class Rotation:
     embedding: str = ""
     readers: list = dataclasses.field(default_factory=list)
     writers: list = dataclasses.field(default_factory=list)
+    offsets: list = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         if self.reason:
             return f"not rotated: {self.reason}"
+        off = f", {len(self.offsets)} norm offsets (β)" if self.offsets else ""
         return (f"rotated the residual stream ({self.width} channels, {self.kind}): "
                 f"embedding {self.embedding}; {len(self.readers)} layers reading it, "
-                f"{len(self.writers)} writing into it")
+                f"{len(self.writers)} writing into it{off}")
 
 
 def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation:
@@ -221,8 +223,8 @@ def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation
     s = find_stream(jaxpr, len(leaves))
     if isinstance(s, str):
         return Rotation(s)
-    low = [i for i in [*s.scales, *(j for j, _ in [s.embedding, *s.readers, *s.writers])]
-           if exact_in(leaves.dtype(i))]
+    moved = [s.embedding, *s.readers, *s.writers, *s.shifts]
+    low = [i for i in [*s.scales, *(j for j, _ in moved)] if exact_in(leaves.dtype(i))]
     if low:
         return Rotation(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation rounds "
                         f"every weight it touches in that dtype (not exact); rotate the "
@@ -230,20 +232,22 @@ def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation
     for i in s.scales:
         g = np.asarray(leaves[i])
         if g.size and not np.all(g == g.reshape(-1)[0]):
-            return Rotation(f"the norm scale {paths[i]} varies per channel (γ not "
-                            f"folded: fold_params folds it where all its readers fold)")
-    todo = [s.embedding, *s.readers, *s.writers]
+            return Rotation(f"{paths[i]} varies per channel where the stream needs one "
+                            f"value for every channel (a norm's γ not folded: fold_params "
+                            f"folds it where all its readers fold)")
+    todo = moved
     if len({i for i, _ in todo}) < len(todo):
         return Rotation("a weight both reads and writes the stream")
     for i, axis in todo:
         a = np.asarray(leaves[i])
         if not np.issubdtype(a.dtype, np.floating) or a.shape[axis] != s.width:
             return Rotation(f"{paths[i]} is not a float weight over the stream's channels")
-    q, kind = orthogonal(s.width, seed)
+    q, kind = orthogonal(s.width, seed, keep_ones=s.centered)
     for i, axis in todo:
         place(i, rotate(np.asarray(leaves[i]), axis, q))
     return Rotation(None, s.width, kind, paths[s.embedding[0]],
-                    [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers])
+                    [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers],
+                    [paths[i] for i, _ in s.shifts])
 
 
 def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:

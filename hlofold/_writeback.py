@@ -58,8 +58,8 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     layers joined by a positively homogeneous path, and of each residual stream's writers
     and readers together (cross-layer equalization; CNNs quantized per tensor); ``smooth=[inputs, ...]`` (calibration inputs: each a call's ``args``, or one
     array) moves SmoothQuant's scales ``max|X_j|^α / max|W_j|^(1−α)`` (``alpha``) from the
-    activations into the weights; ``rotate=True`` rotates a pre-RMSNorm decoder's residual
-    stream by an orthogonal ``Q`` (``seed``). ``equalized``, ``not_equalized`` and
+    activations into the weights; ``rotate=True`` rotates a pre-norm decoder's residual
+    stream by an orthogonal ``Q`` (``seed``; for LayerNorm one keeping the all-ones direction). ``equalized``, ``not_equalized`` and
     ``rotation`` say what was done, and why not the rest.
 
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back

@@ -1,8 +1,9 @@
-"""``fold_params(..., rotate=True)``: the residual stream of a pre-RMSNorm decoder rotated
-by an orthogonal Q once its norms' γ are folded (issue 51, item 3) — the embedding E·Q,
-the layers writing into the stream W·Q, those reading it Qᵀ·W: the same outputs
-(rel ≤ 1e-4), outliers spread (w8a8 errs less); LayerNorm, a γ not folded and a tied
-embedding refused with the reason."""
+"""``fold_params(..., rotate=True)``: the residual stream of a pre-norm decoder rotated by an
+orthogonal Q once its norms' γ are folded (issue 51, item 3) — the embedding E·Q, the layers
+writing into the stream W·Q, those reading it Qᵀ·W, LayerNorm's β·Q; for LayerNorm a Q with
+Q·1 = 1, so the mean it takes out is the same — the same outputs (rel ≤ 1e-4), outliers
+spread (w8a8 errs less), on Flax, Haiku, Equinox and Keras and on generated decoders; a γ not
+folded, a tied embedding, what does not commute with Q refused with the reason."""
 from __future__ import annotations
 
 import jax
@@ -78,7 +79,8 @@ def test_tiny_rms_decoder_rotates():
     def rms(x, g):
         return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * g
     out = rotated(*_tiny(rms))
-    assert sorted(out.rotation.readers) == ["['head']", "['w']"] and out.rotation.writers == ["['o']"]
+    assert sorted(out.rotation.readers) == ["['head']", "['w']"]
+    assert out.rotation.writers == ["['o']"]
 
 
 @pytest.mark.parametrize("square", ["pow", "integer_pow", "square"])
@@ -95,11 +97,75 @@ def test_rms_written_with_a_power_rotates(square):
         -1, keepdims=True) + 1e-6) * g), "reads the residual stream")
 
 
-def test_layernorm_refused():
+def test_layernorm_rotates_keeping_the_mean():
+    """LayerNorm's centering commutes with a Q that keeps the all-ones direction."""
     def ln(x, g):
         c = x - x.mean(-1, keepdims=True)
         return c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-6) * g
-    _not_rotated(*_tiny(ln), "LayerNorm")
+    out = rotated(*_tiny(ln))
+    assert out.rotation.kind.endswith("keep the all-ones direction (LayerNorm's mean)")
+    rms = rotated(*_tiny(lambda x, g: x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) +
+                                                            1e-6) * g))
+    assert rms.rotation.kind == "randomized Hadamard"     # RMSNorm: Q as it was
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 12, 64])
+def test_a_rotation_keeping_the_ones_is_orthogonal_and_commutes_with_centering(d):
+    from hlofold._core.rotation import orthogonal
+    q, _ = orthogonal(d, seed=d, keep_ones=True)
+    np.testing.assert_allclose(q @ q.T, np.eye(d), atol=1e-12)
+    np.testing.assert_allclose(q @ np.ones(d), np.ones(d), atol=1e-12)
+    np.testing.assert_allclose(np.ones(d) @ q, np.ones(d), atol=1e-12)
+    x = np.random.default_rng(d).standard_normal((5, d))
+    center = lambda y: y - y.mean(-1, keepdims=True)             # noqa: E731
+    np.testing.assert_allclose(center(x @ q), center(x) @ q, atol=1e-12)
+    if d >= 8:                                  # a massive channel is spread, not kept
+        assert np.abs(q).max() < 0.9
+
+
+@pytest.mark.parametrize("lib", ["flax", "haiku", "equinox", "keras"])
+@pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
+def test_library_decoders_rotate(lib, norm):
+    """Each library's own embedding, norms and dense layers (Flax: causal multi-head
+    attention, the benchmark's decoder with 3 massive channels ×30)."""
+    from tests.helpers import norm_decoders
+    if lib == "flax":
+        from benchmarks.quant_decoders import flax_decoder
+        f, p, x, _ = flax_decoder(norm, 0)
+        x = x[0]
+    else:
+        f, p, x = getattr(norm_decoders, f"{lib}_decoder")(norm)
+    out = rotated(f, p, (x,))
+    rot = out.rotation
+    assert rot.kind.endswith("(LayerNorm's mean)") == (norm == "LayerNorm"), rot.kind
+    has_beta = norm == "LayerNorm" or lib == "equinox"       # (Equinox's RMSNorm has a β)
+    n_norms = 5 if lib == "flax" else 2
+    assert len(rot.offsets) == (n_norms if has_beta else 0), str(out)
+    if lib == "flax":
+        ref = f(p, x)
+        assert rel(ref, wxa8(f, out.params, x)) < 0.75 * rel(ref, wxa8(f, p, x))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_generated_decoders_rotate_exactly(seed):
+    """Generated decoders mixing the libraries' norm spellings, kernel-first reads,
+    transposed writes, squeezed and scaled embeddings: rotated, the same outputs, the
+    layers found as built, Q keeping the ones exactly where a norm centers."""
+    from tests.helpers.rotate_programs import program
+    fn, p, t, want = program(seed)
+    rot = rotated(fn, p, (t,)).rotation
+    assert (len(rot.readers), len(rot.writers), len(rot.offsets)) == \
+        (want["readers"], want["writers"], want["offsets"]), (want, str(rot))
+    assert rot.kind.endswith("(LayerNorm's mean)") == want["keep_ones"], (want, rot.kind)
+
+
+@pytest.mark.parametrize("what", ["max_centered", "channel_shift", "shared_reader",
+                                  "per_channel_mul", "token_sum"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_what_does_not_commute_with_q_is_refused(what, seed):
+    from tests.helpers.rotate_programs import breaking
+    fn, p, t, why = breaking(seed, what)
+    _not_rotated(fn, p, (t,), why)
 
 
 def test_unfolded_gamma_refused():
