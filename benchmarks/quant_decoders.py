@@ -3,9 +3,9 @@
 and a head, built from the real ``flax.linen`` layers — RMSNorm Llama-style (no biases, a
 gated SiLU MLP) or LayerNorm GPT-2-style (biases, a GELU MLP) — with causal
 ``MultiHeadDotProductAttention`` (multi-head ``DenseGeneral`` kernels), trained-looking norm
-parameters and a few massive residual channels (the embedding's columns scaled up). The
-LayerNorm decoder's head has a bias: the final norm's β ≠ 0 folds only into a layer that can
-take it, and a γ left unfolded leaves the stream unrotated (said)."""
+parameters and a few massive residual channels (the embedding's columns scaled up). Both
+heads are bias-free (GPT-NeoX's, Llama's): the final LayerNorm's β stays in front of it as
+β/γ when its γ folds (``ParamChange.front``)."""
 from __future__ import annotations
 
 import os
@@ -41,7 +41,7 @@ def flax_decoder(norm: str, seed: int, outliers: float = 30.0, d: int = 128,
             x = nn.Embed(vocab, d)(tokens)
             for _ in range(layers):
                 x = Block()(x)
-            return nn.Dense(vocab, use_bias=not llama)(Norm()(x))
+            return nn.Dense(vocab, use_bias=False)(Norm()(x))
 
     rng = np.random.default_rng(500 + seed)
     m = Decoder()

@@ -24,6 +24,10 @@ class ParamChange:
     # read from the computation the model does with it, and the ε added to σ² (a BN's)
     roles: dict = dataclasses.field(default_factory=dict)
     epsilon: float | None = None
+    # where no bias of the layer can carry the shift in front of it (a norm's β before a
+    # bias-free layer, a BN's shift before a padded convolution): the leaf that keeps it
+    # there as t/s (β/γ), the front's scales identities and s in the kernel
+    front: str | None = None
 
 
 @dataclasses.dataclass
@@ -43,7 +47,8 @@ class FoldedParams:
         for c in self.changes:
             where = f"{c.site.file}:{c.site.line}" if c.site.file else c.site.scope
             lines.append(f"  {c.site.pattern:12s} {where}: kernel {c.kernel}; "
-                         f"bias {c.bias or '-'}; identity {', '.join(c.identity) or '-'}")
+                         f"bias {c.bias or '-'}; identity {', '.join(c.identity) or '-'}" +
+                         (f"; {c.front} kept in front as t/s" if c.front else ""))
         kept = [s for s in self.report.sites if s.status == REFUSED and
                 (s.reason or "").startswith(NOT_WRITTEN)]
         for s in kept:

@@ -13,8 +13,12 @@ import numpy as np
 
 from . import _compat as C
 from ._core.algebra import along, collapse, input_scale
-from ._jaxpr.steps import AffineStep
+from ._jaxpr.steps import AffineStep, place_target
 
+NO_SLOT = ("the layer has no bias parameter to carry the folded shift (t = β − μ·s, or β·W "
+           "for a norm folded forward)")
+BIAS_MAP = ("the shift in front of a padded convolution becomes a bias per output position "
+            "(its border sees less of it); no parameter of the layer holds one")
 _LAYOUT = ("convert_element_type", "copy", "reduce_precision", "reshape", "squeeze",
            "transpose", "broadcast_in_dim", "sharding_constraint")
 
@@ -46,17 +50,24 @@ class Writer:
         self.param_only = self._param_only()
 
     def group(self, group):
-        """Write back ``group`` (sites sharing a norm) together: ``[(kernel, bias, solved)]``
-        per site, or the reason none is written."""
+        """Write back ``group`` (sites sharing a norm) together: ``[(kernel, bias, solved,
+        front)]`` per site, or the reason none is written."""
         if group[0].fwd is not None:
             top = group[0].eqn.invars[group[0].fwd.act]
             readers = {id(self.scope.jaxpr.eqns[j]) for j, _ in self.scope.uses.get(top, [])}
             if readers != {id(s.eqn) for s in group} or self.scope.out_uses.get(top):
                 return ("the normalized value has a consumer whose fold is refused; its "
                         "norm must stay as it is")
+        got = self._sites(group, False)
+        if got in (NO_SLOT, BIAS_MAP) and group[0].fwd is not None:
+            kept = self._sites(group, True)      # the front's shift kept there, as t/s
+            return got if isinstance(kept, str) else kept
+        return got
+
+    def _sites(self, group, keep_front: bool):
         saved, out = dict(self.assign), []
         for site in group:
-            got = self.site(site)
+            got = self.site(site, keep_front)
             if isinstance(got, str):
                 self.assign = saved
                 return got
@@ -121,8 +132,12 @@ class Writer:
             var = eqn.invars[0]
         return False
 
-    def site(self, site):
-        """``(kernel leaf, bias leaf or None, leaves solved)`` or the reason it is kept."""
+    def site(self, site, keep_front: bool = False):
+        """``(kernel leaf, bias leaf or None, leaves solved to identities, the leaf keeping
+        the front's shift or None)`` or the reason it is kept.
+        ``keep_front``: a shift in front of the layer (a norm's β, a BN's shift before a
+        padded convolution) stays there as ``t/s`` — the scale ``s`` in the kernel, the
+        front's scales identities — where no bias of the layer can carry ``t·K``."""
         info, fwd = site.info, site.fwd
         kernel = site.eqn.invars[info.kernel_index]
         if kernel not in self.leaf and self._kernel_back(kernel, None) is None:
@@ -145,15 +160,17 @@ class Writer:
                 return "the rescaled kernel is not finite"
         if kernel_value is None:
             return "the folded kernel is not known at transform time"
-        if site.bias_map is not None:
-            return ("the shift in front of a padded convolution becomes a bias per output "
-                    "position (its border sees less of it); no parameter of the layer holds one")
+        if site.bias_map is not None and not keep_front:
+            return BIAS_MAP
         back = [s for s in site.steps if isinstance(s, AffineStep)]
         front = fwd.steps if fwd is not None else []
         if any(s.kind not in ("add", "sub", "mul", "div") for s in back + front):
             return "the chain negates or subtracts from a parameter (no identity to write)"
-        t = np.zeros(info.out_channels) if site.t_known is None else \
-            np.asarray(site.t_known, np.float64)
+        t = site.t_back if keep_front else site.t_known
+        t = np.zeros(info.out_channels) if t is None else np.asarray(t, np.float64)
+        front_t = self._front_shift(fwd) if keep_front else None
+        if keep_front and front_t is None:
+            return "the shift in front of the layer cannot stay there as t/s"
         tail = self._constant_tail(back)
         if tail:           # constants at the chain's end stay in the program, folded before
             got = self._before_tail(site, kernel, tail, t)
@@ -171,17 +188,18 @@ class Writer:
             next((s for s in shifts if self._is_leaf(s.operand.source)), None) or \
             (shifts[-1] if shifts else None)
         if slot is None and np.any(t != 0):
-            return ("the layer has no bias parameter to carry the folded shift "
-                    "(t = β − μ·s, or β·W for a norm folded forward)")
+            return NO_SLOT
         targets = [(s, 1.0) for s in back + front if s.kind in ("mul", "div")]
-        targets += [(s, 0.0) for s in front if s.kind in ("add", "sub")]
+        f_slot = None if front_t is None else front_t[0]
+        targets += [(s, (front_t[1] if s.kind == "add" else -front_t[1]) if s is f_slot
+                     else 0.0) for s in front if s.kind in ("add", "sub")]
         targets += [(s, (t if s.kind == "add" else -t) if s is slot else 0.0) for s in shifts]
         trial = dict(self.assign)
         k_leaf, kernel_value = self._kernel_back(kernel, kernel_value)
         trial[k_leaf] = kernel_value          # (its dtype: no float64 copy)
         for step, target in targets:
             op = step.operand
-            tv = _place(target, op, step)
+            tv = place_target(target, op)
             if tv is None or not self._solve(op.source, tv, trial):
                 return f"{step.eqn.primitive.name}'s operand has no identity this can write"
         changed = set(trial) - set(self.assign) | {i for i in trial if i in self.assign and
@@ -193,7 +211,24 @@ class Writer:
             return why
         self.assign = trial
         bias = None if slot is None else self._leaf_of(slot.operand.source)
-        return k_leaf, bias, changed
+        front = None if f_slot is None else self._leaf_of(f_slot.operand.source)
+        return k_leaf, bias, changed - {front}, front
+
+    def _front_shift(self, fwd):
+        """``(step, t/s)``: the front's add of a leaf to hold its shift ``t`` over its scale
+        ``s`` once its scales are identities; None where there is none, or ``s`` is 0
+        where ``t`` is not."""
+        if fwd is None or fwd.s_known is None or fwd.t_known is None:
+            return None
+        held = [st for st in fwd.steps if st.kind in ("add", "sub") and
+                self._is_leaf(st.operand.source)]
+        step = next((st for st in held if st.kind == "add"), held[0] if held else None)
+        s_in, t_in = (np.asarray(x, np.float64) for x in (fwd.s_known, fwd.t_known))
+        if step is None or np.any((s_in == 0) & (t_in != 0)):
+            return None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(t_in == 0, 0.0, t_in / np.where(s_in == 0, 1.0, s_in))
+        return (step, q) if np.all(np.isfinite(q)) else None
 
     def _kernel_back(self, v, value):
         """``(leaf, value in the leaf's layout)`` for a kernel computed from one parameter
@@ -354,21 +389,3 @@ class Writer:
                         return (f"a parameter it changes is also read by {e.primitive.name}"
                                 f" ({f}:{line}), outside the folded sites")
         return None
-
-
-def _place(target, op, step):
-    """``target`` (a scalar or one value per channel) in the shape of ``op.source``."""
-    tv = np.asarray(target, np.float64)
-    shape = tuple(op.source.aval.shape) if isinstance(op.source, C.Var) else ()
-    if tv.ndim == 0:
-        return np.broadcast_to(tv, shape)
-    if op.source_axis is None:
-        return tv.reshape(()) if np.all(tv == tv.flat[0]) and tv.size else None
-    if op.block is not None:     # (heads, head_dim): the source holds its extents of it
-        full = tv.reshape(op.block_dims)
-        part = full[tuple(slice(0, b) for b in op.block)]
-        return part.reshape(shape) if np.array_equal(np.broadcast_to(part, full.shape),
-                                                     full) else None
-    place = [1] * len(shape)
-    place[op.source_axis] = tv.size
-    return np.broadcast_to(tv.reshape(place), shape)

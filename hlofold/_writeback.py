@@ -124,7 +124,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
                     if r is not None:
                         r.status, r.reason = REFUSED, Reason("not-written", NOT_WRITTEN + got)
             continue
-        for site, (kernel, bias, identity) in zip(group, got):
+        for site, (kernel, bias, identity, front) in zip(group, got):
             written.update(id(r) for r in (site.record, site.fwd and site.fwd.record) if r)
             roles, eps = site_roles(
                 [s for s in site.steps + (site.fwd.steps if site.fwd else [])
@@ -135,7 +135,8 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
                 None if bias is None else paths[bias],
                 sorted({paths[i] for i in identity} - {paths[kernel]} -
                        ({paths[bias]} if bias is not None else set())),
-                roles={paths[i]: r for i, r in roles.items() if i != kernel}, epsilon=eps))
+                roles={paths[i]: r for i, r in roles.items() if i != kernel}, epsilon=eps,
+                front=None if front is None else paths[front]))
     stacked, stack_changes = _write_stacks(scope, closed.jaxpr.invars[:n], paths)
     changes += stack_changes
     writer.assign.update(stacked)
@@ -231,13 +232,14 @@ def _write_stacks(scope, leaf_vars, paths) -> tuple[dict, list]:
                             r.status = REFUSED
                             r.reason = Reason("not-written", NOT_WRITTEN + reason)
                 continue
-            for site, (kernel, bias, identity) in zip(group, per_layer[0][1][g]):
+            for site, (kernel, bias, identity, front) in zip(group, per_layer[0][1][g]):
                 leaf = lambda j: paths[top[eqn.invars[pos[j]]]]      # noqa: E731
                 changes.append(ParamChange(
                     site.record or site.fwd.record, leaf(kernel),
                     None if bias is None else leaf(bias),
                     sorted({leaf(j) for j in identity} - {leaf(kernel)} -
-                           ({leaf(bias)} if bias is not None else set()))))
+                           ({leaf(bias)} if bias is not None else set())),
+                    front=None if front is None else leaf(front)))
         if ok:        # stacked layer by layer, each layer's value dropped once copied
             for j in list(per_layer[0][0].assign):
                 # (the fori_loop form: layer l's values go to the row it reads)

@@ -76,6 +76,7 @@ class Site:
     kernel_const: np.ndarray | None = None     # folded kernel, when computed at transform time
     s_known: np.ndarray | None = None          # float64 s, when known at transform time
     t_known: np.ndarray | None = None
+    t_back: np.ndarray | None = None           # t without what a front shift adds
     has_shift: bool = False
     t_traced: Any = None                       # t computed in the graph (set while emitting)
     fwd: "Forward | None" = None              # affine folded in from *before* the root
@@ -189,7 +190,7 @@ class SitePlanner(ForwardPlanner):
             if fwd is not None:
                 self._refuse(fwd.record, dec.reason)
             return self._refuse(rec, dec.reason)
-        site.s_known, site.t_known = s_vec, t_vec
+        site.s_known, site.t_known, site.t_back = s_vec, t_vec, t_vec
         site.kernel_const, site.guard = dec.kernel, dec.guard
         if b64 is not None and dec.kernel is not None:
             if fwd.masks is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import _compat as C
 from .._core.chain_rules import (DIVISOR, ChannelOperand, Refusal, is_float, pass_axis,
                                  resolve_channel_operand)
@@ -111,3 +113,21 @@ def pass_step(eqn: C.JaxprEqn, channel_axis: int) -> int | Refusal:
                      perm=eqn.params.get("permutation"),
                      bdims=eqn.params.get("broadcast_dimensions"),
                      dims=[int(d) for d in eqn.params.get("dimensions") or ()])
+
+
+def place_target(target, op):
+    """``target`` (a scalar or one value per channel) in the shape of ``op.source``."""
+    tv = np.asarray(target, np.float64)
+    shape = tuple(op.source.aval.shape) if isinstance(op.source, C.Var) else ()
+    if tv.ndim == 0:
+        return np.broadcast_to(tv, shape)
+    if op.source_axis is None:
+        return tv.reshape(()) if np.all(tv == tv.flat[0]) and tv.size else None
+    if op.block is not None:     # (heads, head_dim): the source holds its extents of it
+        full = tv.reshape(op.block_dims)
+        part = full[tuple(slice(0, b) for b in op.block)]
+        return part.reshape(shape) if np.array_equal(np.broadcast_to(part, full.shape),
+                                                     full) else None
+    place = [1] * len(shape)
+    place[op.source_axis] = tv.size
+    return np.broadcast_to(tv.reshape(place), shape)

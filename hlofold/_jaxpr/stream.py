@@ -21,9 +21,8 @@ import numpy as np
 
 from .. import _compat as C
 from .._core.chain_rules import is_float
-from .pair_rules import index_uses, leaf_of
-
-_CASTS = {"convert_element_type", "copy", "reduce_precision"}
+from .pair_rules import index_uses, leaf_of, varying_axis
+from .stream_terms import CASTS, factors, terms
 
 
 @dataclasses.dataclass
@@ -42,58 +41,127 @@ class Stream:
     centered: bool = False      # a channel sum or a per-token shift: Q must keep 1
 
 
+class _Level:
+    """One jaxpr the walk is in (the program, or a scan's body): its uses, producers, the
+    leaves it reads (var → (leaf index, axis offset): a stacked leaf's rows one axis less),
+    and the stream's values found in it."""
+
+    def __init__(self, jaxpr, leaves: dict):
+        self.jaxpr, self.leaves = jaxpr, leaves
+        self.uses, self.producer = index_uses(jaxpr)
+        self.stream, self.normed, self.done, self.work = set(), set(), set(), []
+
+    def ref(self, v, axis: int) -> tuple:
+        i, off = self.leaves[v]
+        return i, axis + off
+
+    def more(self, x, norm=False):
+        if x not in self.stream and x not in self.normed:
+            (self.normed if norm else self.stream).add(x)
+            self.work.append(x)
+
+
 def find_stream(jaxpr, n_leaves: int) -> Stream | str:
     """The stream of ``jaxpr`` (its first ``n_leaves`` inputs the parameter leaves), or why
     it cannot be rotated."""
-    uses, producer = index_uses(jaxpr)
-    leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
-    tables = [e for e in jaxpr.eqns if e.primitive.name == "gather" and e.invars[0] in leaves
-              and e.invars[0].aval.ndim == 2]
+    top = _Level(jaxpr, {v: (i, 0) for i, v in enumerate(jaxpr.invars[:n_leaves])})
+    tables = [e for e in jaxpr.eqns if e.primitive.name == "gather" and
+              e.invars[0] in top.leaves and e.invars[0].aval.ndim == 2]
     if len(tables) != 1:
         return (f"{len(tables)} embedding tables (a gather from a 2-D parameter) where one "
                 f"starts the residual stream")
     table = tables[0]
     out = table.outvars[0]
-    if len(uses.get(table.invars[0], [])) != 1:
+    if len(top.uses.get(table.invars[0], [])) != 1:
         return "the embedding table is read elsewhere too (a tied head: untie it first)"
-    width = int(out.aval.shape[-1])
-    s = Stream((leaves[table.invars[0]], 1), width=width)
-    stream, normed, done = {out}, set(), set()
-    work = [out]
-    while work:
-        v = work.pop()
-        last = v.aval.ndim - 1
-        for e, pos in uses.get(v, []):
-            if e is None:
-                return "the residual stream is an output of the program"
-            if id(e) in done and e.primitive.name == "add":
-                continue
-            why = _use(e, pos, v, last, v in normed, stream, normed, work, s, leaves,
-                       producer, uses)
-            if why:
-                return why
-            done.add(id(e))
+    s = Stream(top.ref(table.invars[0], 1), width=int(out.aval.shape[-1]))
+    top.more(out)
+    why = _walk(top, s, lambda v, lv: "the residual stream is an output of the program")
+    if why:
+        return why
     if not s.readers:
         return "no layer reads the residual stream"
     for i, _ in [*s.readers, *s.writers, *s.shifts]:
-        if len(uses.get(jaxpr.invars[i], [])) != 1:
+        if len(top.uses.get(jaxpr.invars[i], [])) != 1:
             return f"a weight the stream's rotation changes (leaf {i}) is read elsewhere too"
     return s
 
 
-def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, uses):
+def _walk(lv: _Level, s: Stream, at_output) -> str | None:
+    """Every use of the stream's values in ``lv``; ``at_output(v, lv)``: why the value
+    ``v`` cannot be an output of this jaxpr (None: it can)."""
+    while lv.work:
+        v = lv.work.pop()
+        last = v.aval.ndim - 1
+        for e, pos in lv.uses.get(v, []):
+            if e is None:
+                why = at_output(v, lv)
+                if why:
+                    return why
+                continue
+            if id(e) in lv.done and e.primitive.name == "add":
+                continue
+            why = _scan(e, pos, v, lv, s) if e.primitive.name == "scan" else \
+                _use(e, pos, v, last, v in lv.normed, lv, s)
+            if why:
+                return why
+            lv.done.add(id(e))
+    return None
+
+
+def _scan(e, pos, v, lv: _Level, s: Stream) -> str | None:
+    """The stream as a scan's carry (``nn.scan``, MaxText): each layer's body read as the
+    program is, its stacked weights' rows standing for the stacks (one ``Q`` for every
+    layer: the carry is shared); the carry out the stream again."""
+    try:
+        nc, ncar, _ = C.scan_layout(e)
+        body = C.scan_body(e)[0].jaxpr
+    except C.CompatError as err:            # (a JAX whose scan hlofold has not seen)
+        return f"a scan reads the residual stream, and {err}"
+    if not nc <= pos < nc + ncar or v in lv.normed:
+        return "a scan reads the residual stream other than as its carry"
+    if id(e) in lv.done:
+        return "the residual stream is two carries of one scan"
+    k = pos - nc
+    leaves = {}
+    for j, u in enumerate(e.invars):
+        if isinstance(u, C.Var) and u in lv.leaves and (j < nc or j >= nc + ncar):
+            i, off = lv.leaves[u]
+            leaves[body.invars[j]] = (i, off + (j >= nc + ncar))
+    inner = _Level(body, leaves)
+    inner.more(body.invars[nc + k])
+    reached = []
+
+    def at_output(x, b):
+        if x in b.normed or [o for o in body.outvars if o is x] != [body.outvars[k]]:
+            return "the residual stream is a scan's output other than its carry"
+        reached.append(x)
+        return None
+    before = {id(t) for t in [*s.readers, *s.writers, *s.shifts]}
+    why = _walk(inner, s, at_output)
+    if why:
+        return why
+    if not reached:
+        return "a scan's carry out is not the residual stream it was given"
+    for entry in [*s.readers, *s.writers, *s.shifts]:
+        if id(entry) not in before:
+            var = next(b for b, r in leaves.items() if r[0] == entry[0])
+            if len(inner.uses.get(var, [])) != 1:
+                return "a weight the stream's rotation changes is read twice in a scan's body"
+    lv.more(e.outvars[k])
+    return None
+
+
+def _use(e, pos, v, last, is_normed, lv: _Level, s: Stream):
     name = e.primitive.name
     o = e.outvars[0] if e.outvars else None
-
-    def more(x, norm=False):
-        if x not in stream and x not in normed:
-            (normed if norm else stream).add(x)
-            work.append(x)
+    more, leaves, producer, uses = lv.more, lv.leaves, lv.producer, lv.uses
+    stream, normed = lv.stream, lv.normed
     if name in ("squeeze", "reshape") and o.aval.ndim and o.aval.shape[-1] == v.aval.shape[-1] \
             and (name == "reshape" or last not in e.params["dimensions"]):
         more(o, is_normed)          # (a gather's slice axis squeezed: the channels stay last)
         return None
-    if name in _CASTS:
+    if name in CASTS:
         if not is_float(o.aval.dtype):
             return f"{name} of the residual stream to {o.aval.dtype} (not a float)"
         more(o, is_normed)
@@ -104,7 +172,7 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
         kernel = leaf_of(e.invars[1 - pos], leaves, producer, uses)
         if kernel is None or tuple(mine) != (last,) or lb:
             return "a dot reads the residual stream other than as a layer with a parameter kernel"
-        s.readers.append((leaves[kernel], theirs[0]))    # (Equinox: W @ x, the kernel first)
+        s.readers.append(lv.ref(kernel, theirs[0]))    # (Equinox: W @ x, the kernel first)
         return None
     other = e.invars[1 - pos] if len(e.invars) == 2 else None
     tracked = isinstance(other, C.Var) and (other in stream or other in normed)
@@ -114,7 +182,7 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
         return None
     if name in ("mul", "div") and not (name == "mul" and e.invars[0] is e.invars[1]) and \
             (name == "mul" or pos == 0) and not tracked:
-        why = _factors(other, last, s, leaves, producer, uses)
+        why = factors(other, last, s, leaves, producer, uses)
         if why is None:
             more(o, True)           # x · rsqrt(mean(x²) + ε) · γ: per token, γ all equal
             return None
@@ -122,7 +190,7 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
             return why
     if is_normed:
         if name in ("add", "sub") and not tracked:
-            why = _terms(other, last, s, leaves, producer, uses, True)
+            why = terms(other, last, s, leaves, producer, uses, True)
             if why is None:
                 more(o, True)       # + β (rotated with the stream), − mean·γ·rsqrt
                 return None
@@ -135,14 +203,14 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
             more(o)
             return None
         saved = (s.centered, len(s.scales))
-        if _terms(other, last, s, leaves, producer, uses, False) is None:
+        if terms(other, last, s, leaves, producer, uses, False) is None:
             more(o)                 # x − mean(x): a value per token
             return None
         s.centered = saved[0]
         del s.scales[saved[1]:]
         if name == "sub":
             return "something other than a value per token is subtracted from the stream"
-        why = _writer(other, last, s, leaves, producer, uses)
+        why = _writer(other, last, s, lv)
         if why:
             return why
         more(o)
@@ -166,119 +234,28 @@ def _use(e, pos, v, last, is_normed, stream, normed, work, s, leaves, producer, 
     return f"{name} reads the residual stream"
 
 
-_ELEMENTWISE = {"add", "sub", "mul", "div", "max", "min", "pow", "neg", "rsqrt", "sqrt",
-                "exp", "log", "abs", "square", "integer_pow", "reciprocal", "logistic",
-                "tanh", "select_n", "stop_gradient", *_CASTS}
-
-
-def _per_token(v, last, producer, depth=0) -> bool:
-    """``v`` is the same for every channel: a scalar, a size-1 channel axis, broadcast
-    from a value without it, or elementwise of such values (``rsqrt(mean + ε)``)."""
-    if isinstance(v, C.Literal) or not v.aval.shape:
-        return True
-    if len(v.aval.shape) != last + 1 or depth > 8:
-        return False
-    if v.aval.shape[last] == 1:
-        return True
-    p = producer.get(v)
-    if p is None:
-        return False
-    if p.primitive.name == "broadcast_in_dim":
-        dims = tuple(p.params["broadcast_dimensions"])
-        return last not in dims or p.invars[0].aval.shape[dims.index(last)] == 1
-    return p.primitive.name in _ELEMENTWISE and all(
-        _per_token(x, last, producer, depth + 1) for x in p.invars)
-
-
-def _zero(v, producer) -> bool:
-    """``v`` is a literal zero (broadcast or cast): adding it changes nothing."""
-    for _ in range(4):
-        if isinstance(v, C.Literal):
-            return np.ndim(v.val) == 0 and float(v.val) == 0.0
-        p = producer.get(v)
-        if p is None or p.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
-            return False
-        v = p.invars[0]
-    return False
-
-
-def _factors(v, last, s, leaves, producer, uses, depth=0):
-    """None where ``v`` is a product of values per token and norm scales (the scales'
-    leaves added to ``s.scales``: they must be all equal), or why not."""
-    why = "the residual stream is multiplied by a per-channel value (a norm's γ not folded)"
-    if depth > 8:
-        return why
-    if _per_token(v, last, producer):
-        return None
-    g = leaf_of(v, leaves, producer, uses)
-    if g is not None:
-        if g.aval.ndim != 1 or g.aval.shape[0] != s.width:
-            return why
-        s.scales.append(leaves[g])
-        return None
-    p = producer.get(v)
-    if p is None:
-        return why
-    name = p.primitive.name
-    if name in ("mul", "div"):
-        return _factors(p.invars[0], last, s, leaves, producer, uses, depth + 1) or \
-            _factors(p.invars[1], last, s, leaves, producer, uses, depth + 1)
-    if name in _CASTS | {"neg", "broadcast_in_dim", "reshape"} and \
-            p.invars[0].aval.shape[-1:] == v.aval.shape[-1:]:
-        return _factors(p.invars[0], last, s, leaves, producer, uses, depth + 1)
-    return why
-
-
-def _terms(v, last, s, leaves, producer, uses, normed, depth=0):
-    """None where ``v``, added to the stream, is a sum of values per token (``s.centered``:
-    Q must keep the all-ones direction) and — where the stream is normalized — of offset
-    vectors (β: added to ``s.shifts``, rotated with the stream); why not otherwise."""
-    why = "something other than a value per token is added to the stream"
-    if depth > 8:
-        return why
-    if _zero(v, producer):
-        return None
-    p = producer.get(v) if not isinstance(v, C.Literal) else None
-    if normed:
-        b = leaf_of(v, leaves, producer, uses)
-        if b is not None:
-            if b.aval.ndim != 1 or b.aval.shape[0] != s.width:
-                return "an offset added to the normalized stream is not a vector over its channels"
-            s.shifts.append((leaves[b], 0))
-            return None
-    if p is not None and p.primitive.name in ("add", "sub"):
-        return _terms(p.invars[0], last, s, leaves, producer, uses, normed, depth + 1) or \
-            _terms(p.invars[1], last, s, leaves, producer, uses, normed, depth + 1)
-    if p is not None and p.primitive.name == "neg":
-        return _terms(p.invars[0], last, s, leaves, producer, uses, normed, depth + 1)
-    n = len(s.scales)
-    if _factors(v, last, s, leaves, producer, uses) is None:
-        s.centered = True
-        return None
-    del s.scales[n:]
-    return why
-
-
 def _is_two(x) -> bool:
     """A literal 2 (Keras' RMSNorm squares with ``ops.power(x, 2)``)."""
     return isinstance(x, C.Literal) and np.ndim(x.val) == 0 and float(x.val) == 2.0
 
 
-def _writer(v, last, s, leaves, producer, uses):
+def _writer(v, last, s, lv: _Level):
     """A layer's output added into the stream: its kernel (and a bias added to it), through
     casts and transposes (Equinox's ``W @ x`` under ``vmap``: the channels first, moved
     last); every value on the way read only there."""
     other = "something other than a layer's output is added into the residual stream"
     bias, axis = None, last
+    leaves, producer, uses = lv.leaves, lv.producer, lv.uses
     p = producer.get(v)
-    while p is not None and p.primitive.name in _CASTS | {"add", "transpose"}:
+    while p is not None and p.primitive.name in CASTS | {"add", "transpose"}:
         if len(uses.get(v, [])) != 1:
             return "a layer's output is read elsewhere too before it is added into the stream"
         if p.primitive.name == "add":
             for k in (0, 1):
                 b = leaf_of(p.invars[k], leaves, producer, uses)
-                if b is not None and bias is None and b.aval.ndim == 1:
-                    bias, v = leaves[b], p.invars[1 - k]
+                if b is not None and bias is None and b.aval.ndim == 1 and \
+                        varying_axis(producer, p.invars[k], p.outvars[0].aval.ndim) == axis:
+                    bias, v = lv.ref(b, 0), p.invars[1 - k]
                     break
             else:
                 return other
@@ -303,7 +280,7 @@ def _writer(v, last, s, leaves, producer, uses):
         return "a layer writing into the residual stream has no parameter kernel of one output axis"
     if (x_free if kpos == 1 else 0) != axis:
         return "a layer's output channels do not reach the residual stream's channels"
-    s.writers.append((leaves[k], free[0]))
+    s.writers.append(lv.ref(k, free[0]))
     if bias is not None:
-        s.writers.append((bias, 0))
+        s.writers.append(bias)
     return None

@@ -58,10 +58,11 @@ def test_the_norm_folds_through_a_sharding_constraint_on_the_jaxpr_path(norm):
         if constrain:       # (the root reads the norm's output constrained, as written)
             jp = str(jax.make_jaxpr(ff)(p, x))
             assert _count(jp, "sharding_constraint[") == 1, jp
-        out = hlofold.fold_params(f, p, x)     # (LayerNorm's β: no bias leaf to carry it)
-        assert rel(f(p, x), f(out.params, x)) <= EXACT, str(out)
+        out = hlofold.fold_params(f, p, x)     # (LayerNorm's β: no bias leaf to carry it,
+        assert rel(f(p, x), f(out.params, x)) <= EXACT, str(out)    # kept in front as β/γ)
         counts.append((rep.num_folded, len(out.changes)))
-    assert counts == [(2, 2 if norm == "rms" else 0)] * 2, counts
+        assert {c.front for c in out.changes} == ({None} if norm == "rms" else {"['beta']"})
+    assert counts == [(2, 2)] * 2, counts
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])

@@ -160,7 +160,7 @@ def test_generated_decoders_rotate_exactly(seed):
 
 
 @pytest.mark.parametrize("what", ["max_centered", "channel_shift", "shared_reader",
-                                  "per_channel_mul", "token_sum"])
+                                  "per_channel_mul", "token_sum", "scan_ys", "scan_xs"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_what_does_not_commute_with_q_is_refused(what, seed):
     from tests.helpers.rotate_programs import breaking
@@ -189,3 +189,26 @@ def test_a_cast_of_the_stream_to_an_integer_is_refused():
     f, p, t = _tiny(rms)
     p = dict(p, embed=p["embed"] * 100)              # (values an integer cast keeps)
     _not_rotated(f, p, t, "(not a float)")
+
+
+def test_scanned_decoder_rotates_as_unrolled():
+    """One ``lax.scan`` over the stacked layers (MaxText's form): the carry is the stream,
+    one Q for every layer; each stacked row is what the unrolled decoder's layer gets."""
+    p = examples.init_decoder(3, d=64, vocab=128, seed=0)
+    t = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 7)))
+    unrolled = rotated(examples.decoder_apply, p, (t,))
+    sp = examples.stack_decoder(p)
+    scanned = rotated(examples.scanned_decoder_apply, sp, (t,))
+    assert (len(scanned.rotation.readers), len(scanned.rotation.writers)) == (6, 2)
+    for a, b in zip(jax.tree.leaves(examples.stack_decoder(unrolled.params)),
+                    jax.tree.leaves(scanned.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
+def test_flax_nn_scan_decoder_rotates(norm):
+    from tests.helpers.norm_decoders import flax_scanned_decoder
+    f, p, x = flax_scanned_decoder(norm)
+    rot = rotated(f, p, (x,)).rotation
+    assert rot.kind.endswith("(LayerNorm's mean)") == (norm == "LayerNorm"), rot.kind
+    assert any("ScanBlock" in r for r in rot.readers), rot.readers

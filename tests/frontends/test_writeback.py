@@ -232,13 +232,11 @@ def test_flax_norms_into_projections(kind):
     out = hlofold.fold_params(f, v, X)
     assert_close(f(v, X), f(out.params, X))
     written = {c.kernel for c in out.changes}
-    # the block's K projection has no bias: LayerNorm's β·W_k has no slot, so the first
-    # norm (Q/K/V as one group) stays; RMSNorm has no β, so all five fold
-    if kind == "RMSNorm":
-        assert len(written) == 5, str(out)
-    else:
-        assert len(written) == 2 and all("Dense_4" in k or "Dense_5" in k for k in written)
-        assert "no bias parameter" in str(out)
+    # all five fold; the block's K projection has no bias, so LayerNorm's β stays in front
+    # as β/γ (tests/frontends/test_front_shift.py); RMSNorm has no β
+    assert len(written) == 5, str(out)
+    assert {c.front is not None for c in out.changes} == ({False} if kind == "RMSNorm"
+                                                           else {True, False})
     norm = [p for c in out.changes for p in c.identity if "scale" in p]
     assert norm and all(np.all(np.asarray(leaf(out.params, p)) == 1) for p in norm)
     for c in out.changes:          # γ a scale, β a shift; the norm's ε is no parameter's

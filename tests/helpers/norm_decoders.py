@@ -79,3 +79,26 @@ def keras_decoder(norm: str):
     params = (trained([v.value for v in model.trainable_variables]),
               [v.value for v in model.non_trainable_variables])
     return (lambda p, t: model.stateless_call(p[0], p[1], t)[0]), params, TOKENS
+
+
+def flax_scanned_decoder(norm: str, layers: int = 3):
+    """Flax linen ``nn.scan`` over ``layers`` pre-norm blocks (the parameters stacked on a
+    leading axis), embedding, final norm and a bias-free head."""
+    import flax.linen as nn
+    Norm = getattr(nn, norm)
+
+    class ScanBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.Dense(2 * D)(Norm()(x))
+            return x + nn.Dense(D)(jax.nn.gelu(h)), None
+
+    class Decoder(nn.Module):
+        @nn.compact
+        def __call__(self, t):
+            x = nn.Embed(V, D)(t)
+            x, _ = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=layers)()(x, None)
+            return nn.Dense(V, use_bias=False)(Norm()(x))
+    m = Decoder()
+    return m.apply, trained(m.init(jax.random.key(0), TOKENS)), TOKENS

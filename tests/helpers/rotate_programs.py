@@ -5,7 +5,8 @@ squeezed as Equinox's is under ``vmap``, sometimes scaled by a number as Gemma's
 the libraries spell RMSNorm and LayerNorm (Flax's zero subtracted and ``rsqrt·γ`` first,
 Haiku's ``x·γ`` first, Keras' ``x·inv + (β − mean·inv)`` (no γ), a plain centered one over
 ``√var``, ``jnp.var``); each layer reads as ``h @ W`` or kernel first (``W @ h``), writes as
-``a @ W + b`` or Equinox's transposed ``W @ a``. :func:`program` gives ``(fn, params, tokens,
+``a @ W + b`` or Equinox's transposed ``W @ a``; a third of them run the blocks as one
+``lax.scan`` over stacked leaves (forward or reversed, unrolled by 1 or 2). :func:`program` gives ``(fn, params, tokens,
 expected)`` with the readers, writers and offsets the rotation must find and whether ``Q``
 must keep the all-ones direction; :func:`breaking` one the rotation must leave, with its
 reason."""
@@ -71,6 +72,10 @@ def program(seed: int):
     writes = [str(rng.choice(["x@w", "w@x"])) for _ in range(layers)]
     acts = [str(rng.choice(["relu", "gelu", "silu"])) for _ in range(layers)]
     embed = str(rng.choice(["index", "squeeze", "scaled"]))
+    scan = None if rng.integers(3) else (bool(rng.integers(2)), int(rng.choice([1, 2])))
+    if scan:                                  # one body for every layer: (reverse, unroll)
+        kinds[:layers], reads[:layers] = [kinds[0]] * layers, [reads[0]] * layers
+        writes, acts = [writes[0]] * layers, [acts[0]] * layers
 
     def w(*s):
         return jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)
@@ -95,16 +100,25 @@ def program(seed: int):
             x = p["embed"][t]
             if embed == "scaled":
                 x = x * np.float32(np.sqrt(d))
-        for i, lp in enumerate(p["layers"]):
+        def block(x, lp, i=0):
             h = norm(kinds[i], x, lp["g"], lp["b"])
-            x = x + write(writes[i], act[acts[i]](read(reads[i], h, lp["w1"], lp["b1"])),
-                          lp["w2"], lp["b2"])
+            return x + write(writes[i], act[acts[i]](read(reads[i], h, lp["w1"], lp["b1"])),
+                             lp["w2"], lp["b2"])
+        if scan:
+            x, _ = lax.scan(lambda x, lp: (block(x, lp), None), x, p["layers"],
+                            reverse=scan[0], unroll=scan[1])
+        else:
+            for i, lp in enumerate(p["layers"]):
+                x = block(x, lp, i)
         h = norm(kinds[-1], x, p["final"]["g"], p["final"]["b"])
         return read(reads[-1], h, p["head"], p["head_b"])
     tokens = jnp.asarray(rng.integers(0, vocab, (2, 5)))
-    expected = {"readers": layers + 1, "writers": 2 * layers,
-                "offsets": sum(k in LN for k in kinds),
-                "keep_ones": any(k in LN for k in kinds), "kinds": kinds}
+    used = kinds if not scan else [kinds[0], kinds[-1]]
+    if scan:                                  # the layers' leaves stacked, one per name
+        p["layers"] = {k: jnp.stack([lp[k] for lp in p["layers"]]) for k in p["layers"][0]}
+    n = 1 if scan else layers
+    expected = {"readers": n + 1, "writers": 2 * n, "offsets": sum(k in LN for k in used),
+                "keep_ones": any(k in LN for k in kinds), "kinds": kinds, "scan": scan}
     return fn, p, tokens, expected
 
 
@@ -114,6 +128,8 @@ BREAKING = {
     "shared_reader": ("a reader's kernel read elsewhere", "is read elsewhere too"),
     "per_channel_mul": ("x · a per-channel leaf", "reads the normalized stream"),
     "token_sum": ("a sum over tokens", "over other axes than its channels"),
+    "scan_ys": ("the stream a scan's per-layer output", "a scan's output other than its carry"),
+    "scan_xs": ("the stream scanned over", "other than as its carry"),
 }
 
 
@@ -126,7 +142,7 @@ def breaking(seed: int, what: str):
     def arr(*s, c=0.0):
         return jnp.asarray(c + rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)
     p = {"embed": arr(vocab, d), "g": arr(d, c=1.0), "head": arr(d, vocab),
-         "head_b": arr(vocab), "extra": arr(d)}
+         "head_b": arr(vocab), "extra": arr(d), "w": arr(d, d)}
 
     def fn(p, t):
         x = p["embed"][t]
@@ -138,6 +154,11 @@ def breaking(seed: int, what: str):
             x = x * p["extra"]
         elif what == "token_sum":
             x = x + x.sum(1, keepdims=True)
+        elif what == "scan_ys":
+            x, ys = lax.scan(lambda c, _: (c + c @ p["w"], c), x, None, length=2)
+            x = x + ys.sum(0)
+        elif what == "scan_xs":
+            x = x + lax.scan(lambda c, xt: (c, xt @ p["w"]), 0.0, x)[1]
         y = norm("rms_plain", x, p["g"], None) @ p["head"] + p["head_b"]
         if what == "shared_reader":
             y = y + jnp.tanh(p["head"]).sum()

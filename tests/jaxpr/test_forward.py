@@ -301,16 +301,19 @@ def test_keras_normalization_before_a_same_conv():
     assert "bias map" in rep.folded[0].note
 
 
-def test_bias_map_is_not_written_back():
-    """A per-position bias has no parameter to live in: ``fold_params`` keeps the site."""
+def test_bias_map_is_written_back_as_a_shift_kept_in_front():
+    """A per-position bias has no parameter to live in: ``fold_params`` keeps the shift in
+    front of the convolution as ``t/s`` (here ``mean``, unchanged) and puts ``1/std`` in the
+    kernel; the border exact."""
     conv, x, k, cin = padded_conv("same")
     f = lambda p, x: conv((x - p["mean"]) / p["std"], p["k"])
-    p = {"mean": vec(cin), "std": vec(cin, lo=True), "k": jnp.asarray(k)}
+    p = {"mean": vec(cin) + 2.0, "std": vec(cin, lo=True), "k": jnp.asarray(k)}
     out = hlofold.fold_params(f, p, x)
-    assert out.changes == []
-    assert "per output position" in str(out.report)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out.params),
-                                                     jax.tree.leaves(p)))
+    assert len(out.changes) == 1 and out.changes[0].front == "['mean']"
+    np.testing.assert_allclose(np.asarray(out.params["mean"]), p["mean"], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.params["std"]), 1.0)
+    ref, got = np.asarray(f(p, x), np.float64), np.asarray(f(out.params, x), np.float64)
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
 
 
 def test_multi_consumer_input_refused():
