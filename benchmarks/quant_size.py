@@ -2,7 +2,7 @@
 and fold_stablehlo(params=, smooth=) on its jax.export module.
 
 ``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth,
-stablehlo, stablehlo+smooth; scan, scan+smooth: the same decoder as one scan over stacked
+stablehlo, stablehlo+smooth; scan, scan+smooth, scan+rotate: the same decoder as one scan over stacked
 layers, ``examples.scanned_decoder_apply``; stablehlo+scan, stablehlo+scan+equalize,
 stablehlo+scan+smooth: that scan's module, folded, then equalized or smoothed per layer of its
 loop; one process each, so that the peak is the mode's own). Random weights made in code.
@@ -41,7 +41,7 @@ base = rss()
 print(f"{n/1e9:.3f} B params, {gib:.2f} GiB; peak RSS before {base:.2f} GiB", flush=True)
 modes = {"fold_params": {}, "rotate": {"rotate": True}, "smooth": {"smooth": calib},
          "rotate+smooth": {"rotate": True, "smooth": calib}, "stablehlo": {},
-         "stablehlo+smooth": {"smooth": calib}, "scan": {}, "scan+smooth": {"smooth": calib},
+         "stablehlo+smooth": {"smooth": calib}, "scan": {}, "scan+smooth": {"smooth": calib}, "scan+rotate": {"rotate": True},
          "stablehlo+scan": {}, "stablehlo+scan+equalize": {"equalize": True},
          "stablehlo+scan+smooth": {"smooth": calib}}
 start = now(); sampler = Sampled(); sampler.start()

@@ -228,10 +228,12 @@ def wxa8(f, params, *args, wbits: int = 8, abits: int = 8):
     return [read(v) for v in jaxpr.outvars][0]
 
 
-def smooth_case(name: str, seed: int, outliers: float = 30.0):
+def smooth_case(name: str, seed: int, outliers: float = 30.0, block_seed: int | None = None):
     """A pre-norm decoder whose residual stream carries a few massive channels (as real
     LLMs do): the built-in decoder (d = 128, 2 layers), the Flax linen decoders (RMSNorm,
-    LayerNorm: ``benchmarks/quant_decoders.py``), keras_hub's Llama or the Flax block."""
+    LayerNorm: ``benchmarks/quant_decoders.py``), keras_hub's Llama or the Flax block (its
+    parameters from ``block_seed``'s generator where given, else from the tests' shared one:
+    then they depend on the calls before, as in one benchmark run)."""
     rng = np.random.default_rng(300 + seed)
     if name == "keras_llama":
         from benchmarks.quant_decoders import keras_llama
@@ -254,7 +256,7 @@ def smooth_case(name: str, seed: int, outliers: float = 30.0):
         import flax.linen as nn
 
         from tests.helpers.blocks import X, flax_linen_block
-        f, p = flax_linen_block(getattr(nn, name))
+        f, p = flax_linen_block(getattr(nn, name), block_seed)
         massive = rng.choice(X.shape[-1], 3, replace=False)
 
         def inputs(k):

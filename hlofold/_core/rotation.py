@@ -21,27 +21,73 @@ from __future__ import annotations
 import numpy as np
 
 
-def orthogonal(d: int, seed: int = 0, keep_ones: bool = False) -> tuple[np.ndarray, str]:
-    """``(Q, kind)``: a ``d × d`` orthogonal matrix in float64 and what it is; with
-    ``keep_ones``, one with ``Q·1 = 1`` (for streams LayerNorm centers)."""
+class Orthogonal:
+    """``Q`` applied to rows, ``x @ Q``: a randomized Hadamard matrix as a fast Walsh–Hadamard
+    transform (``d·log d`` per row in place of ``d²``), else a dense matrix; then, where set,
+    the reflection ``I − 2·v·vᵀ/|v|²`` (a rank-one update)."""
+
+    __array_ufunc__ = None        # (``ndarray @ Q`` defers to ``Q.__rmatmul__``)
+
+    def __init__(self, d: int, signs=None, dense=None):
+        self.d, self.signs, self.matrix = d, signs, dense
+        self.v = self.qv = None
+
+    def _base(self, x: np.ndarray) -> np.ndarray:
+        if self.matrix is not None:
+            return x @ self.matrix
+        rows = x.reshape(-1, self.d)
+        out = np.empty(rows.shape)
+        for i in range(0, rows.shape[0], 64):       # (64 rows: the butterflies in cache)
+            y = rows[i:i + 64] * self.signs         # diag(±1)·H/√d, H symmetric: x·H by
+            o = np.empty_like(y)                    # log2(d) stages of a ± b
+            h = 1
+            while h < self.d:
+                a, b = (z.reshape(-1, self.d // (2 * h), 2, h) for z in (y, o))
+                np.add(a[:, :, 0], a[:, :, 1], out=b[:, :, 0])
+                np.subtract(a[:, :, 0], a[:, :, 1], out=b[:, :, 1])
+                y, o, h = o, y, 2 * h
+            out[i:i + 64] = y
+        return (out / np.sqrt(self.d)).reshape(x.shape)
+
+    def __rmatmul__(self, x) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        y = self._base(x)
+        if self.v is not None:
+            y = y - np.multiply.outer(x @ self.qv, self.v) * (2 / (self.v @ self.v))
+        return y
+
+    def keep_ones(self) -> "Orthogonal":
+        """The same ``Q`` followed by the reflection taking ``1ᵀ·Q/√d`` to ``1ᵀ/√d``."""
+        u = np.full(self.d, 1 / np.sqrt(self.d))
+        v = self._base(u) - u
+        if v @ v > 1e-24:
+            self.v = v
+            self.qv = self._column(v)
+        return self
+
+    def _column(self, v: np.ndarray) -> np.ndarray:
+        """``Q_base · v`` (a column): ``diag(±1)·H·v/√d`` or ``M·v``."""
+        if self.matrix is not None:
+            return self.matrix @ v
+        return self.signs * (Orthogonal(self.d, np.ones(self.d))._base(v))
+
+    def dense(self) -> np.ndarray:
+        """``Q`` as a matrix (for tests)."""
+        return np.eye(self.d) @ self
+
+
+def orthogonal(d: int, seed: int = 0, keep_ones: bool = False) -> tuple[Orthogonal, str]:
+    """``(Q, kind)``: a ``d × d`` orthogonal matrix in float64 (applied as ``rows @ Q``) and
+    what it is; with ``keep_ones``, one with ``Q·1 = 1`` (for streams LayerNorm centers)."""
     rng = np.random.default_rng(seed)
     if d > 0 and d & (d - 1) == 0:
-        h = np.ones((1, 1))
-        while h.shape[0] < d:
-            h = np.block([[h, h], [h, -h]])
-        signs = rng.choice([-1.0, 1.0], d)
-        q, kind = signs[:, None] * h / np.sqrt(d), "randomized Hadamard"
+        q, kind = Orthogonal(d, signs=rng.choice([-1.0, 1.0], d)), "randomized Hadamard"
     else:
-        q, r = np.linalg.qr(rng.standard_normal((d, d)))
-        q, kind = q * np.sign(np.diag(r))[None, :], "random orthogonal (QR)"
+        m, r = np.linalg.qr(rng.standard_normal((d, d)))
+        q, kind = Orthogonal(d, dense=m * np.sign(np.diag(r))[None, :]), "random orthogonal (QR)"
     if not keep_ones:
         return q, kind
-    u = np.full(d, 1 / np.sqrt(d))
-    v = u @ q - u                       # the reflection I − 2·v·vᵀ/|v|² takes uᵀ·Q to uᵀ
-    n = v @ v
-    if n > 1e-24:
-        q = q - np.outer(q @ v, v) * (2 / n)
-    return q, kind + " reflected to keep the all-ones direction (LayerNorm's mean)"
+    return q.keep_ones(), kind + " reflected to keep the all-ones direction (LayerNorm's mean)"
 
 
 ROWS = 1 << 12          # rows of a weight rotated at once (its float64 part: ROWS × d)

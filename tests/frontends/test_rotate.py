@@ -109,10 +109,10 @@ def test_layernorm_rotates_keeping_the_mean():
     assert rms.rotation.kind == "randomized Hadamard"     # RMSNorm: Q as it was
 
 
-@pytest.mark.parametrize("d", [1, 2, 8, 12, 64])
+@pytest.mark.parametrize("d", [1, 2, 8, 12, 64, 256])
 def test_a_rotation_keeping_the_ones_is_orthogonal_and_commutes_with_centering(d):
     from hlofold._core.rotation import orthogonal
-    q, _ = orthogonal(d, seed=d, keep_ones=True)
+    q = orthogonal(d, seed=d, keep_ones=True)[0].dense()
     np.testing.assert_allclose(q @ q.T, np.eye(d), atol=1e-12)
     np.testing.assert_allclose(q @ np.ones(d), np.ones(d), atol=1e-12)
     np.testing.assert_allclose(np.ones(d) @ q, np.ones(d), atol=1e-12)
@@ -121,6 +121,14 @@ def test_a_rotation_keeping_the_ones_is_orthogonal_and_commutes_with_centering(d
     np.testing.assert_allclose(center(x @ q), center(x) @ q, atol=1e-12)
     if d >= 8:                                  # a massive channel is spread, not kept
         assert np.abs(q).max() < 0.9
+    if d & (d - 1) == 0:            # the butterflies compute diag(±1)·H/√d's product
+        plain = orthogonal(d, seed=d)[0]
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        np.testing.assert_allclose(np.abs(plain.dense()) * np.sqrt(d), 1.0, atol=1e-12)
+        np.testing.assert_allclose(np.abs(plain.dense() @ h.T) / np.sqrt(d), np.eye(d), atol=1e-12)
+        np.testing.assert_allclose(x @ plain, x @ plain.dense(), atol=1e-12)
 
 
 @pytest.mark.parametrize("lib", ["flax", "haiku", "equinox", "keras"])

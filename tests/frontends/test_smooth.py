@@ -58,12 +58,17 @@ def test_flax_block(norm):
         assert any(b.endswith("['bias']") and "LayerNorm" in b for b in biases)
 
 
-def test_alpha_moves_more_into_weights():
-    f, p, x, calib = smooth_case("RMSNorm", 2)
+@pytest.mark.parametrize("block_seed", [0, 2, 5])
+def test_alpha_moves_more_into_weights(block_seed):
+    """With massive activation channels a larger α follows them more: the scales spread
+    wider (the block's parameters from their own generator: drawn from the shared one, they
+    depended on which tests ran before in the process, and one order on jax 0.10.2 drew a
+    block where they did not)."""
+    f, p, x, calib = smooth_case("RMSNorm", 2, block_seed=block_seed)
     lo = smoothed(f, p, x, calib, pairs=4, alpha=0.25)
     hi = smoothed(f, p, x, calib, pairs=4, alpha=0.75)
     span = lambda o: max(e.scale_range[1] / e.scale_range[0] for e in o.equalized)  # noqa: E731
-    assert span(hi) > span(lo)
+    assert span(hi) > 1.4 * span(lo)
     assert {e.alpha for e in lo.equalized} == {0.25} and {e.alpha for e in hi.equalized} == {0.75}
     assert "α 0.75, scales" in str(hi)
 

@@ -10,9 +10,11 @@ D, H, F = 16, 2, 24          # model width, heads, MLP width
 RNG = np.random.default_rng(12)
 
 
-def perturb(tree, scale=0.3):
-    """Trained-looking norm parameters: γ ≠ 1, β ≠ 0 (init values would fold trivially)."""
-    return jax.tree.map(lambda a: a + jnp.asarray(RNG.standard_normal(a.shape) * scale,
+def perturb(tree, scale=0.3, rng=None):
+    """Trained-looking norm parameters: γ ≠ 1, β ≠ 0 (init values would fold trivially);
+    drawn from ``rng``, else from the module's (then they depend on the calls before)."""
+    rng = RNG if rng is None else rng
+    return jax.tree.map(lambda a: a + jnp.asarray(rng.standard_normal(a.shape) * scale,
                                                   a.dtype) if hasattr(a, "shape") else a,
                         tree)
 
@@ -27,7 +29,8 @@ def attention(q, k, v):
 X = jnp.asarray(RNG.standard_normal((2, 5, D)), jnp.float32)
 
 
-def flax_linen_block(norm):
+def flax_linen_block(norm, seed: int | None = None):
+    """The block and its perturbed parameters (``seed``: drawn from their own generator)."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -41,7 +44,8 @@ def flax_linen_block(norm):
             return x + nn.Dense(D)(jax.nn.silu(g) * u)
 
     m = Block()
-    return m.apply, perturb(m.init(jax.random.key(0), X))
+    return m.apply, perturb(m.init(jax.random.key(0), X),
+                            rng=None if seed is None else np.random.default_rng(seed))
 
 
 def decoder(spelling, layers=2, vocab=32):
