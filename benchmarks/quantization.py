@@ -266,20 +266,31 @@ def smooth_case(name: str, seed: int, outliers: float = 30.0, block_seed: int | 
     return f, p, inputs(seed), [inputs(1000 + 10 * seed + j) for j in range(4)]
 
 
-def measure_smooth(f, params, x, calib, wbits: int, run=None):
+def measure_smooth(f, params, x, calib, wbits: int, run=None, draws: int = 0):
     """Errors: original, folded, + smooth, + rotate, + rotate and smooth (nan where the
     stream is not rotated); pairs smoothed. ``run``: a quantized model (Qwix) in place of
-    the plain quantizer."""
+    the plain quantizer. ``draws``: the last three each the median over that many draws
+    (smoothing's scales times exact random factors; rotation's ``seed``)."""
     ref = f(params, *x)
     run = run or (lambda t: wxa8(f, t, *x, wbits=wbits))
     folded = hlofold.fold_params(f, params, *x)
-    sm = hlofold.fold_params(f, params, *x, smooth=calib)
-    rot = hlofold.fold_params(f, params, *x, rotate=True)
-    both = hlofold.fold_params(f, params, *x, rotate=True, smooth=calib)
-    ok = rot.rotation.reason is None
-    return [rel_err(ref, run(t)) for t in (params, folded.params, sm.params)] + \
-        [rel_err(ref, run(t.params)) if ok else float("nan") for t in (rot, both)] + \
-        [len(sm.equalized)]
+    rows = []
+    for d in range(max(draws, 1)):
+        undo = lambda: None       # noqa: E731
+        if draws:
+            from benchmarks.quantization_full import with_smoothing_draws
+            undo = with_smoothing_draws(np.random.default_rng(d))
+        try:
+            sm = hlofold.fold_params(f, params, *x, smooth=calib)
+            both = hlofold.fold_params(f, params, *x, rotate=True, smooth=calib, seed=d)
+        finally:
+            undo()
+        rot = hlofold.fold_params(f, params, *x, rotate=True, seed=d)
+        ok = rot.rotation.reason is None
+        rows.append([rel_err(ref, run(sm.params))] +
+                    [rel_err(ref, run(t.params)) if ok else float("nan") for t in (rot, both)])
+    return [rel_err(ref, run(params)), rel_err(ref, run(folded.params)),
+            *np.median(np.asarray(rows), 0), len(sm.equalized)]
 
 
 SMOOTH_CASES = (("decoder", "built-in decoder, d = 128, 2 layers, 3 massive residual "
@@ -294,7 +305,7 @@ SMOOTH_CASES = (("decoder", "built-in decoder, d = 128, 2 layers, 3 massive resi
                                 "channels ×30 (its output: the final norm's, no head)"))
 
 
-def smooth_table(seeds, use_qwix: bool = False, only=None) -> list[str]:
+def smooth_table(seeds, use_qwix: bool = False, only=None, draws: int = 0) -> list[str]:
     lines = ["| model | quantizer | original | folded | + `smooth=` (α = 0.5) | "
              "+ `rotate=True` | + rotate and smooth | best / original | best / folded | "
              "pairs smoothed |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -308,7 +319,7 @@ def smooth_table(seeds, use_qwix: bool = False, only=None) -> list[str]:
             for s in seeds:
                 f, p, x, calib = smooth_case(name, s)
                 rows.append(measure_smooth(f, p, x, calib, wbits,
-                                           qwix_w8a8_run(f, x) if use_qwix else None))
+                                           qwix_w8a8_run(f, x) if use_qwix else None, draws))
             a = np.asarray(rows)
             med, lo, hi = np.median(a, 0), a.min(0), a.max(0)
             cell = lambda k: ("–" if np.isnan(med[k]) else    # noqa: E731
@@ -344,14 +355,17 @@ def main(argv=None):
                     help="cross-layer equalization: per-tensor int8 weights of BN CNNs")
     ap.add_argument("--smooth", action="store_true",
                     help="smoothing: w8a8 / w4a8 of decoders with massive channels")
+    ap.add_argument("--draws", type=int, default=0, help="with --smooth: smoothing and "
+                    "rotation each the median over this many rounding draws per seed")
     ap.add_argument("--only", nargs="*", help="with --smooth: these cases only "
                     f"({', '.join(n for n, _ in SMOOTH_CASES)})")
     a = ap.parse_args(argv)
     if a.smooth:
         text = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} "
-                f"CPUs, jax {jax.__version__}, {a.seeds} seeds (median, range); error "
+                f"CPUs, jax {jax.__version__}, {a.seeds} seeds (median, range)"
+                f"{f', {a.draws} draws each' if a.draws else ''}; error "
                 f"‖y_q − y‖/‖y‖ of the outputs.\n\n" +
-                "\n".join(smooth_table(range(a.seeds), a.qwix, a.only)) + "\n")
+                "\n".join(smooth_table(range(a.seeds), a.qwix, a.only, a.draws)) + "\n")
         print(text)
         if a.out:
             with open(a.out, "w") as fh:

@@ -66,6 +66,21 @@ def with_draws(rng):
     return lambda: setattr(_equalize, "equalize", orig)
 
 
+def with_smoothing_draws(rng):
+    """Patch SmoothQuant's rule so that every pair's scales get an exact random factor
+    ``exp(0.02·N(0,1))`` (the float model unchanged: any smoothing scale is exact; which
+    weights and activations round up or down changes); returns the undo. For
+    ``benchmarks.quantization --smooth --draws``."""
+    from hlofold._core import smoothquant as sq
+    orig = sq.smoothing
+
+    def patched(xmax, wmax, alpha, pow2=False):
+        s = orig(xmax, wmax, alpha) * np.exp(0.02 * rng.standard_normal(np.shape(xmax)))
+        return sq.powers_of_two(s) if pow2 else s
+    sq.smoothing = patched
+    return lambda: setattr(sq, "smoothing", orig)
+
+
 def drawn(f, v, x, rng, sweeps=None):
     """``fold_params(..., equalize=True)``'s parameters with one draw's factors after the
     sweeps (``sweeps=0``: none run — the folded weights with the draw's factors)."""

@@ -247,3 +247,24 @@ def test_keras_layernorm_dense():
     # Keras' LayerNormalization multiplies γ into a factor it applies to x and to the mean
     # (x·inv + (β − mean·inv)): two readers, so the norm is left, saying so
     assert any(n.kernel == "[0]" and "read 2 times" in n.reason for n in out.not_equalized)
+
+
+def test_the_benchmarks_smoothing_draws_keep_the_float_model():
+    """``benchmarks.quantization --smooth --draws``: each draw's factors on the smoothing
+    scales leave the float model as it was (rel ≤ 1e-5) but change the smoothed weights,
+    and the patch is undone after each fold."""
+    from benchmarks import quantization_full as qf
+    from hlofold._core import smoothquant as sq
+    f, p, x, calib = smooth_case("decoder", 0)
+    rule = sq.smoothing
+    plain = hlofold.fold_params(f, p, *x, smooth=calib).params
+    undo = qf.with_smoothing_draws(np.random.default_rng(0))
+    try:
+        drawn = hlofold.fold_params(f, p, *x, smooth=calib).params
+    finally:
+        undo()
+    assert sq.smoothing is rule
+    assert rel(f(p, *x), f(drawn, *x)) <= 1e-5
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain),
+                                                       jax.tree.leaves(drawn))]
+    assert sum(moved) >= 9, sum(moved)
