@@ -101,8 +101,7 @@ def _walk(lv: _Level, s: Stream, at_output) -> str | None:
                 continue
             if id(e) in lv.done and e.primitive.name == "add":
                 continue
-            why = _scan(e, pos, v, lv, s) if e.primitive.name == "scan" else \
-                _use(e, pos, v, last, v in lv.normed, lv, s)
+            why = _use(e, pos, v, last, v in lv.normed, lv, s)
             if why:
                 return why
             lv.done.add(id(e))
@@ -152,86 +151,133 @@ def _scan(e, pos, v, lv: _Level, s: Stream) -> str | None:
     return None
 
 
-def _use(e, pos, v, last, is_normed, lv: _Level, s: Stream):
-    name = e.primitive.name
-    o = e.outvars[0] if e.outvars else None
-    more, leaves, producer, uses = lv.more, lv.leaves, lv.producer, lv.uses
-    stream, normed = lv.stream, lv.normed
-    if name in ("squeeze", "reshape") and o.aval.ndim and o.aval.shape[-1] == v.aval.shape[-1] \
-            and (name == "reshape" or last not in e.params["dimensions"]):
-        more(o, is_normed)          # (a gather's slice axis squeezed: the channels stay last)
+def _use(e, pos, v, last, is_normed, lv: _Level, s: Stream) -> str | None:
+    """One use of a stream value ``v`` (operand ``pos`` of ``e``): by the primitive's rule
+    in :data:`_RULES`, or why it cannot be rotated."""
+    rule = _RULES.get(e.primitive.name)
+    return _other(e, is_normed) if rule is None else rule(e, pos, v, last, is_normed, lv, s)
+
+
+def _other(e, is_normed) -> str:
+    return f"{e.primitive.name} reads the {'normalized' if is_normed else 'residual'} stream"
+
+
+def _keep_channels(e, pos, v, last, is_normed, lv, s):
+    """squeeze, reshape: the channels stay last (a gather's slice axis squeezed)."""
+    o = e.outvars[0]
+    if o.aval.ndim and o.aval.shape[-1] == v.aval.shape[-1] and \
+            (e.primitive.name == "reshape" or last not in e.params["dimensions"]):
+        lv.more(o, is_normed)
         return None
-    if name in CASTS:
-        if not is_float(o.aval.dtype):
-            return f"{name} of the residual stream to {o.aval.dtype} (not a float)"
-        more(o, is_normed)
-        return None
-    if name == "dot_general":
-        (lc, rc), (lb, _) = e.params["dimension_numbers"]
-        mine, theirs = (lc, rc) if pos == 0 else (rc, lc)
-        kernel = leaf_of(e.invars[1 - pos], leaves, producer, uses)
-        if kernel is None or tuple(mine) != (last,) or lb:
-            return "a dot reads the residual stream other than as a layer with a parameter kernel"
-        s.readers.append(lv.ref(kernel, theirs[0]))    # (Equinox: W @ x, the kernel first)
-        return None
-    other = e.invars[1 - pos] if len(e.invars) == 2 else None
-    tracked = isinstance(other, C.Var) and (other in stream or other in normed)
-    if name in ("mul", "div") and not tracked and (name == "mul" or pos == 0) and \
-            (isinstance(other, C.Literal) or not other.aval.shape):
-        more(o, is_normed)          # x · √d (Gemma's embedding): a number commutes with Q
-        return None
-    if name in ("mul", "div") and not (name == "mul" and e.invars[0] is e.invars[1]) and \
-            (name == "mul" or pos == 0) and not tracked:
-        why = factors(other, last, s, leaves, producer, uses)
+    return _other(e, is_normed)
+
+
+def _cast(e, pos, v, last, is_normed, lv, s):
+    o = e.outvars[0]
+    if not is_float(o.aval.dtype):
+        return f"{e.primitive.name} of the residual stream to {o.aval.dtype} (not a float)"
+    lv.more(o, is_normed)
+    return None
+
+
+def _reader(e, pos, v, last, is_normed, lv, s):
+    """dot_general: a layer reading the stream, its kernel's input rows (Equinox's
+    ``W @ x``: the kernel first)."""
+    (lc, rc), (lb, _) = e.params["dimension_numbers"]
+    mine, theirs = (lc, rc) if pos == 0 else (rc, lc)
+    kernel = leaf_of(e.invars[1 - pos], lv.leaves, lv.producer, lv.uses)
+    if kernel is None or tuple(mine) != (last,) or lb:
+        return "a dot reads the residual stream other than as a layer with a parameter kernel"
+    s.readers.append(lv.ref(kernel, theirs[0]))
+    return None
+
+
+def _tracked(x, lv) -> bool:
+    return isinstance(x, C.Var) and (x in lv.stream or x in lv.normed)
+
+
+def _scale(e, pos, v, last, is_normed, lv, s):
+    """mul, div: by a number (Gemma's ``x·√d``: the same state), by values per token and
+    norm scales (``x·rsqrt(mean(x²) + ε)·γ``: normalized); ``x·x`` is a square."""
+    name, o = e.primitive.name, e.outvars[0]
+    if name == "mul" and e.invars[0] is e.invars[1]:
+        return _square(e, pos, v, last, is_normed, lv, s)
+    other = e.invars[1 - pos]
+    if not _tracked(other, lv) and (name == "mul" or pos == 0):
+        if isinstance(other, C.Literal) or not other.aval.shape:
+            lv.more(o, is_normed)
+            return None
+        why = factors(other, last, s, lv.leaves, lv.producer, lv.uses)
         if why is None:
-            more(o, True)           # x · rsqrt(mean(x²) + ε) · γ: per token, γ all equal
+            lv.more(o, True)
             return None
         if is_normed or name == "div":
             return why
+    if is_normed or name == "div":
+        return _other(e, is_normed)
+    return "the residual stream is multiplied by a per-channel value (a norm's γ not folded)"
+
+
+def _shift(e, pos, v, last, is_normed, lv, s):
+    """add, sub: of the stream (a residual add), of values per token (LayerNorm's mean; on
+    the normalized stream norms' offsets too, rotated), or of a layer's output (a writer)."""
+    name, o = e.primitive.name, e.outvars[0]
+    other = e.invars[1 - pos]
+    args = (other, last, s, lv.leaves, lv.producer, lv.uses)
     if is_normed:
-        if name in ("add", "sub") and not tracked:
-            why = terms(other, last, s, leaves, producer, uses, True)
-            if why is None:
-                more(o, True)       # + β (rotated with the stream), − mean·γ·rsqrt
-                return None
-            return why
-        return f"{name} reads the normalized stream"
-    if name in ("add", "sub"):
-        if isinstance(other, C.Var) and other in stream:
-            if name == "sub":
-                return "a difference of two residual stream values"
-            more(o)
-            return None
-        saved = (s.centered, len(s.scales))
-        if terms(other, last, s, leaves, producer, uses, False) is None:
-            more(o)                 # x − mean(x): a value per token
-            return None
-        s.centered = saved[0]
-        del s.scales[saved[1]:]
+        if _tracked(other, lv):
+            return _other(e, True)
+        why = terms(*args, True)
+        if why is None:
+            lv.more(o, True)
+        return why
+    if isinstance(other, C.Var) and other in lv.stream:
         if name == "sub":
-            return "something other than a value per token is subtracted from the stream"
-        why = _writer(other, last, s, lv)
-        if why:
-            return why
-        more(o)
+            return "a difference of two residual stream values"
+        lv.more(o)
         return None
-    if name in ("square", "integer_pow", "mul", "pow") and \
-            (name != "integer_pow" or e.params.get("y") == 2) and \
-            (name != "pow" or (pos == 0 and _is_two(e.invars[1]))) and \
-            (name != "mul" or e.invars[0] is e.invars[1]):
-        u = uses.get(o, [])
-        if len(u) == 1 and u[0][0] is not None and u[0][0].primitive.name == "reduce_sum" \
-                and tuple(u[0][0].params["axes"]) == (last,):
-            return None             # Σ x² over the channels: the same for x·Q
-        return "the square of the residual stream is read other than summed over its channels"
-    if name == "mul":
-        return "the residual stream is multiplied by a per-channel value (a norm's γ not folded)"
-    if name == "reduce_sum":
-        if tuple(e.params["axes"]) != (last,):
-            return "a sum of the residual stream over other axes than its channels"
-        s.centered = True           # Σ_j x_j: the same for x·Q where Q·1 = 1
+    saved = (s.centered, len(s.scales))
+    if terms(*args, False) is None:
+        lv.more(o)
         return None
-    return f"{name} reads the residual stream"
+    s.centered = saved[0]
+    del s.scales[saved[1]:]
+    if name == "sub":
+        return "something other than a value per token is subtracted from the stream"
+    why = _writer(other, last, s, lv)
+    if why is None:
+        lv.more(o)
+    return why
+
+
+def _square(e, pos, v, last, is_normed, lv, s):
+    """square, x², x·x: only summed over the channels (the same for ``x·Q``)."""
+    name = e.primitive.name
+    if is_normed or (name == "integer_pow" and e.params.get("y") != 2) or \
+            (name == "pow" and not (pos == 0 and _is_two(e.invars[1]))):
+        return _other(e, is_normed)
+    u = lv.uses.get(e.outvars[0], [])
+    if len(u) == 1 and u[0][0] is not None and u[0][0].primitive.name == "reduce_sum" \
+            and tuple(u[0][0].params["axes"]) == (last,):
+        return None
+    return "the square of the residual stream is read other than summed over its channels"
+
+
+def _sum(e, pos, v, last, is_normed, lv, s):
+    """reduce_sum over the channels: the same for ``x·Q`` where ``Q·1 = 1``."""
+    if is_normed:
+        return _other(e, True)
+    if tuple(e.params["axes"]) != (last,):
+        return "a sum of the residual stream over other axes than its channels"
+    s.centered = True
+    return None
+
+
+_RULES = {"squeeze": _keep_channels, "reshape": _keep_channels,
+          **{c: _cast for c in CASTS}, "dot_general": _reader, "mul": _scale, "div": _scale,
+          "add": _shift, "sub": _shift, "square": _square, "integer_pow": _square,
+          "pow": _square, "reduce_sum": _sum,
+          "scan": lambda e, pos, v, last, is_normed, lv, s: _scan(e, pos, v, lv, s)}
 
 
 def _is_two(x) -> bool:
