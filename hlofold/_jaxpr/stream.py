@@ -10,8 +10,10 @@ whose values are all equal (γ folded: ones), a norm's offset vector added (β: 
 the stream) — and the layers that read it (the *readers*: a dot contracting the channels
 with a parameter kernel). A sum over the channels or a value per token added makes the
 rotation one that keeps the all-ones direction (``Q·1 = 1``: the sum, so the mean, is then
-the same for ``x·Q``). Anything else — a per-channel γ, the stream as an output, a nonlinear
-function of it — and nothing is rotated, with the reason.
+the same for ``x·Q``). A scan whose carry is the stream (a scanned layer stack) is entered
+and its body read the same way, its stacked weights' rows standing for the stacks. One rule
+per primitive (:data:`_RULES`). Anything else — a per-channel γ, the stream as an output, a
+nonlinear function of it — and nothing is rotated, with the reason.
 """
 from __future__ import annotations
 
