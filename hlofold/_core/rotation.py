@@ -33,13 +33,16 @@ class Orthogonal:
         self.v = self.qv = None
 
     def _base(self, x: np.ndarray) -> np.ndarray:
-        if self.matrix is not None:
-            return x @ self.matrix
+        """``x`` times ``diag(±1)·H/√d`` (``H`` symmetric), or times the dense matrix."""
+        return x @ self.matrix if self.matrix is not None else self._hadamard(x * self.signs)
+
+    def _hadamard(self, x: np.ndarray) -> np.ndarray:
+        """``x·H/√d`` by log2(d) stages of ``a ± b``, 64 rows at a time (in cache)."""
         rows = x.reshape(-1, self.d)
         out = np.empty(rows.shape)
-        for i in range(0, rows.shape[0], 64):       # (64 rows: the butterflies in cache)
-            y = rows[i:i + 64] * self.signs         # diag(±1)·H/√d, H symmetric: x·H by
-            o = np.empty_like(y)                    # log2(d) stages of a ± b
+        for i in range(0, rows.shape[0], 64):
+            y = np.array(rows[i:i + 64], np.float64)
+            o = np.empty_like(y)
             h = 1
             while h < self.d:
                 a, b = (z.reshape(-1, self.d // (2 * h), 2, h) for z in (y, o))
@@ -60,16 +63,11 @@ class Orthogonal:
         """The same ``Q`` followed by the reflection taking ``1ᵀ·Q/√d`` to ``1ᵀ/√d``."""
         u = np.full(self.d, 1 / np.sqrt(self.d))
         v = self._base(u) - u
-        if v @ v > 1e-24:
+        if v @ v > 1e-24:          # (Q_base·v as a column: diag(±1)·H·v/√d, or M·v)
             self.v = v
-            self.qv = self._column(v)
+            self.qv = self.matrix @ v if self.matrix is not None else \
+                self.signs * self._hadamard(v)
         return self
-
-    def _column(self, v: np.ndarray) -> np.ndarray:
-        """``Q_base · v`` (a column): ``diag(±1)·H·v/√d`` or ``M·v``."""
-        if self.matrix is not None:
-            return self.matrix @ v
-        return self.signs * (Orthogonal(self.d, np.ones(self.d))._base(v))
 
     def dense(self) -> np.ndarray:
         """``Q`` as a matrix (for tests)."""

@@ -138,17 +138,16 @@ def _scan(e, pos, v, lv: _Level, s: Stream) -> str | None:
             return "the residual stream is a scan's output other than its carry"
         reached.append(x)
         return None
-    before = {id(t) for t in [*s.readers, *s.writers, *s.shifts]}
+    found = [len(s.readers), len(s.writers), len(s.shifts)]
     why = _walk(inner, s, at_output)
     if why:
         return why
     if not reached:
         return "a scan's carry out is not the residual stream it was given"
-    for entry in [*s.readers, *s.writers, *s.shifts]:
-        if id(entry) not in before:
-            var = next(b for b, r in leaves.items() if r[0] == entry[0])
-            if len(inner.uses.get(var, [])) != 1:
-                return "a weight the stream's rotation changes is read twice in a scan's body"
+    body_var = {r[0]: b for b, r in leaves.items()}
+    for got, n in zip((s.readers, s.writers, s.shifts), found):
+        if any(len(inner.uses.get(body_var[i], [])) != 1 for i, _ in got[n:]):
+            return "a weight the stream's rotation changes is read twice in a scan's body"
     lv.more(e.outvars[k])
     return None
 

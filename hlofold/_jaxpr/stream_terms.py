@@ -6,10 +6,10 @@ rotation ``Q`` commutes with multiplying by the first two; a value per token add
 stream needs ``Q·1 = 1`` (``Stream.centered``); an offset is rotated with the stream."""
 from __future__ import annotations
 
-import numpy as np
+import types
 
 from .. import _compat as C
-from .pair_rules import leaf_of
+from .pair_rules import is_zero, leaf_of
 
 CASTS = {"convert_element_type", "copy", "reduce_precision"}
 
@@ -35,18 +35,6 @@ def per_token(v, last, producer, depth=0) -> bool:
         return last not in dims or p.invars[0].aval.shape[dims.index(last)] == 1
     return p.primitive.name in ELEMENTWISE and all(
         per_token(x, last, producer, depth + 1) for x in p.invars)
-
-
-def is_zero(v, producer) -> bool:
-    """``v`` is a literal zero (broadcast or cast): adding it changes nothing."""
-    for _ in range(4):
-        if isinstance(v, C.Literal):
-            return np.ndim(v.val) == 0 and float(v.val) == 0.0
-        p = producer.get(v)
-        if p is None or p.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
-            return False
-        v = p.invars[0]
-    return False
 
 
 def factors(v, last, s, leaves, producer, uses, depth=0):
@@ -83,7 +71,7 @@ def terms(v, last, s, leaves, producer, uses, normed, depth=0):
     why = "something other than a value per token is added to the stream"
     if depth > 8:
         return why
-    if is_zero(v, producer):
+    if is_zero(types.SimpleNamespace(literals={}, producer=producer), v):   # (a literal 0)
         return None
     p = producer.get(v) if not isinstance(v, C.Literal) else None
     if normed:
