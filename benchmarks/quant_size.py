@@ -1,7 +1,8 @@
 """fold_params with rotate=/smooth= on the 0.54 B decoder: time, peak memory growth, outputs;
 and fold_stablehlo(params=, smooth=) on its jax.export module.
 
-``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, rotate+smooth,
+``python -m benchmarks.quant_size MODE`` (MODE: fold_params, rotate, smooth, smooth+search
+(``alpha="search:w4a8"``), rotate+smooth,
 stablehlo, stablehlo+smooth; scan, scan+smooth, scan+rotate: the same decoder as one scan over stacked
 layers, ``examples.scanned_decoder_apply``; stablehlo+scan, stablehlo+scan+equalize,
 stablehlo+scan+smooth: that scan's module, folded, then equalized or smoothed per layer of its
@@ -40,6 +41,7 @@ else:
 base = rss()
 print(f"{n/1e9:.3f} B params, {gib:.2f} GiB; peak RSS before {base:.2f} GiB", flush=True)
 modes = {"fold_params": {}, "rotate": {"rotate": True}, "smooth": {"smooth": calib},
+         "smooth+search": {"smooth": calib, "alpha": "search:w4a8"},
          "rotate+smooth": {"rotate": True, "smooth": calib}, "stablehlo": {},
          "stablehlo+smooth": {"smooth": calib}, "scan": {}, "scan+smooth": {"smooth": calib}, "scan+rotate": {"rotate": True},
          "stablehlo+scan": {}, "stablehlo+scan+equalize": {"equalize": True},

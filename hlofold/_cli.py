@@ -61,14 +61,14 @@ def _read_params(path: str) -> dict:
     return params
 
 
-def _alpha(text: str) -> float:
-    """``--alpha``: a number from 0 to 1."""
+def _alpha(text: str):
+    """``--alpha``: a number from 0 to 1, or ``search:wNaM``."""
     from ._core.smoothquant import check_alpha
     try:
-        return check_alpha(float(text), "--alpha")
+        return check_alpha(text if text.startswith("search") else float(text), "--alpha")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1 or search:wNaM "
+                                         f"(search:w4a8), got {text!r}") from None
 
 
 def _read_calibration(path: str, data, params: dict | None) -> list:
@@ -322,7 +322,8 @@ def main(argv=None) -> int:
                         "the weights' values: constants, or --params")
     p_fold.add_argument("--alpha", type=_alpha, default=0.5,
                         help="with --smooth: how much of each outlier moves into the weights "
-                        "(0 to 1)")
+                        "(0 to 1), or search:wNaM (search:w4a8: chosen per pair for N-bit "
+                        "weights, M-bit activations)")
     p_fold.add_argument("--backends", **backends)
     p_ver = sub.add_parser("verify", help="compare two StableHLO artifacts numerically")
     p_ver.add_argument("original")

@@ -167,7 +167,8 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
             scans.setdefault(g.scan.index, (g.scan.body, []))[1].extend(g.found)
     top = [f for g in groups if g.scan is None for f in g.found]
     run, consts = calibration_run(closed, top, scans)   # (outputs in ``groups``' order)
-    seen = [[[Observed() for _ in range(g.layers)] if g.layers else Observed()
+    seen = [[[Observed.for_alpha(alpha) for _ in range(g.layers)] if g.layers else
+              Observed.for_alpha(alpha)
              for _ in g.found] for g in groups]
     for args in calibration:
         got = iter(run(*consts, *leaves.live, *args))

@@ -54,9 +54,9 @@ class FoldedParams:
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
         for e in self.equalized:
-            alpha = "" if e.alpha is None else f"α {e.alpha:g}, "
             lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
-                         f"{alpha}scales {e.scale_range[0]:.3g}-{e.scale_range[1]:.3g}; channel "
+                         f"{e.alpha_words()}scales {e.scale_range[0]:.3g}-"
+                         f"{e.scale_range[1]:.3g}; channel "
                          f"spread {e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}, "
                          f"{e.spread_before[1]:.3g} -> {e.spread_after[1]:.3g}" +
                          (f"; a residual stream, written by {', '.join(e.writers)} too"

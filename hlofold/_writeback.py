@@ -42,7 +42,7 @@ from ._jaxpr.accumulation import output_profiles
 
 
 def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
-                smooth: Any = None, alpha: float = 0.5, rotate: bool = False,
+                smooth: Any = None, alpha: float | str = 0.5, rotate: bool = False,
                 seed: int = 0) -> FoldedParams:
     """Fold the normalizations of ``fn(params, *args)`` into ``params`` itself.
 
@@ -56,10 +56,13 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     Then, each keeping the same outputs and making the tree quantize better
     (``docs/quantization.md``): ``equalize=True`` equalizes the channels of each pair of
     layers joined by a positively homogeneous path, and of each residual stream's writers
-    and readers together (cross-layer equalization; CNNs quantized per tensor); ``smooth=[inputs, ...]`` (calibration inputs: each a call's ``args``, or one
-    array) moves SmoothQuant's scales ``max|X_j|^α / max|W_j|^(1−α)`` (``alpha``) from the
-    activations into the weights; ``rotate=True`` rotates a pre-norm decoder's residual
-    stream by an orthogonal ``Q`` (``seed``; for LayerNorm one keeping the all-ones direction). ``equalized``, ``not_equalized`` and
+    and readers together (cross-layer equalization; CNNs quantized per tensor);
+    ``smooth=[inputs, ...]`` (calibration inputs: each a call's ``args``, or one array)
+    moves SmoothQuant's scales ``max|X_j|^α / max|W_j|^(1−α)`` (``alpha``) from the
+    activations into the weights (``alpha="search:w4a8"``: each pair's α chosen from the
+    calibration rows for that quantization); ``rotate=True`` rotates a pre-norm decoder's
+    residual stream by an orthogonal ``Q`` (``seed``; for LayerNorm one keeping the
+    all-ones direction). ``equalized``, ``not_equalized`` and
     ``rotation`` say what was done, and why not the rest.
 
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back
@@ -79,7 +82,7 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
 
 
 def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
-                 smooth: Any = None, alpha: float = 0.5, rotate: bool = False,
+                 smooth: Any = None, alpha: float | str = 0.5, rotate: bool = False,
                  seed: int = 0) -> FoldedParams:
     inner = C.jit_info(fn)
     fn = inner[0] if inner else fn

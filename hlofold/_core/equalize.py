@@ -220,6 +220,7 @@ class Done:
     pow2: bool = False
     sweeps: int | None = None
     moving: float = 0.0
+    searched: str | None = None      # smoothing's α chosen per pair for this quantization
 
 
 def spreads(values: dict, pair: Pair) -> tuple[float, float]:
@@ -315,12 +316,22 @@ class EqualizedPair:
     spread_after: tuple[float, float]
     scale_range: tuple[float, float] = (1.0, 1.0)
     kind: str = "equalized"           # or "smoothed"
-    alpha: float | None = None        # smoothed: the α its scales were computed with
+    alpha: float | tuple | None = None  # smoothed: its α (searched in a stack: by layer)
     powers_of_two: bool = False       # scales rounded to powers of two (bfloat16 weights)
     writers: list = dataclasses.field(default_factory=list)   # a residual stream's others
     sweeps: int | None = None         # equalized: the sweeps run over its pairs
     settled: bool = True              # equalized: its scales settled within those sweeps
     moving: float = 0.0               # the largest change of its scales in the last sweep
+    searched: str | None = None       # smoothed, α searched: the quantization it was chosen for
+
+    def alpha_words(self) -> str:
+        """The report's words for the α (searched: for what; None there: left unsmoothed)."""
+        if self.searched is not None:
+            word = lambda a: "none better than unsmoothed" if a is None else f"{a:g}"  # noqa
+            got = (", ".join(map(word, self.alpha)) + " by layer"
+                   if isinstance(self.alpha, tuple) else word(self.alpha))
+            return f"α {got} (searched for {self.searched[len('search:'):]}), "
+        return "" if self.alpha is None else f"α {self.alpha:g}, "
 
     def unsettled(self) -> str:
         """The report's words for sweeps stopped before the scales settled ("" if they
@@ -338,7 +349,8 @@ def record(done: Done, first: str, seconds: list, biases: list, location: str,
     rng = (float(np.min(s)), float(np.max(s))) if np.size(s) else (1.0, 1.0)
     return EqualizedPair(first, seconds, biases, location, done.before, done.after, rng, kind,
                          done.alpha, done.pow2, list(writers), done.sweeps,
-                         done.sweeps is None or done.moving < SETTLED, done.moving)
+                         done.sweeps is None or done.moving < SETTLED, done.moving,
+                         done.searched)
 
 
 @dataclasses.dataclass

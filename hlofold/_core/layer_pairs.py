@@ -44,12 +44,15 @@ class Rows(Mapping):
 
 def merged(per_layer: list[Done]) -> Done:
     """One pair's record over its layers: every layer's scales (one row each), the widest
-    channel spreads before and after (what the worst layer's per-tensor quantizer sees)."""
+    channel spreads before and after (what the worst layer's per-tensor quantizer sees);
+    a searched α, each layer's (a tuple, where they differ)."""
     worst = lambda xs: tuple(max(x[j] for x in xs) for j in range(2))     # noqa: E731
+    alphas = tuple(d.alpha for d in per_layer)
     return Done(np.stack([d.scale for d in per_layer]), worst([d.before for d in per_layer]),
-                worst([d.after for d in per_layer]), per_layer[0].alpha, per_layer[0].pow2,
+                worst([d.after for d in per_layer]),
+                alphas[0] if len(set(alphas)) == 1 else alphas, per_layer[0].pow2,
                 None if per_layer[0].sweeps is None else max(d.sweeps for d in per_layer),
-                max(d.moving for d in per_layer))
+                max(d.moving for d in per_layer), per_layer[0].searched)
 
 
 def by_layer(values: Mapping, layers: int,

@@ -127,7 +127,7 @@ def _module_bytes(module, as_bytecode: bool, portable: str | None = None):
 
 def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_DEFAULT,
                    merge: bool = True, equalize: bool = False, smooth=None,
-                   alpha: float = 0.5):
+                   alpha: float | str = 0.5):
     """Fold a StableHLO artifact; returns ``(artifact of the same kind, FoldReport)``.
 
     Text in, text out; MLIR bytecode in, bytecode out; a StableHLO portable artifact in, a
@@ -168,7 +168,8 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     calibration inputs give (each the per-call inputs: an array, or a list of them in order),
     moved into the weights: a norm's output gets ``·(1/s)`` (its γ is in the layers after the
     fold), a layer before a gated product its output channels; the layers reading them
-    their input rows (records of kind ``"smoothed"``).
+    their input rows (records of kind ``"smoothed"``); ``alpha="search:w4a8"`` chooses
+    each pair's α for that quantization from the calibration rows.
 
     On a JAX whose MLIR bindings changed what this pass reads (``hlofold._compat``), the
     artifact comes back as given (without ``params``/``split``; with them a

@@ -210,7 +210,7 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
     s = smoothing_sites(func, names)
     if not s.every:
         return [], s.left
-    seen = [Observed() for _ in s.every]
+    seen = [Observed.for_alpha(alpha) for _ in s.every]
     for got in watched_runs(module, func, [f.end for f in s.every], calibration, hoist):
         for f, x, o in zip(s.every, got, seen):
             o.add(x, f.end_axis)

@@ -212,7 +212,7 @@ class _LayerSmoothing:
         loop = self.loop
         carried = [k for k in range(len(fop.regions[0].blocks[0].arguments))
                    if k not in loop.invariant]
-        seen = [Observed() for _ in found]
+        seen = [Observed.for_alpha(self.alpha) for _ in found]
         for state in self.states:
             args = []
             for k in kept:

@@ -268,3 +268,70 @@ def test_the_benchmarks_smoothing_draws_keep_the_float_model():
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain),
                                                        jax.tree.leaves(drawn))]
     assert sum(moved) >= 9, sum(moved)
+
+
+def test_searched_alpha_is_exact_reported_and_quantizes_better():
+    """``alpha="search:w4a8"``: each pair's α chosen from the calibration rows for int4
+    weights per channel and int8 activations per tensor (AWQ's search, offline): the
+    outputs exact, each record saying the α it took and for what; under that quantizer
+    the built-in decoder errs less than with α 0.5 (``benchmarks/smooth_search.py``)."""
+    from hlofold._core.smooth_search import GRID
+    f, p, x, calib = smooth_case("decoder", 0)
+    out = smoothed(f, p, x, calib, pairs=9, alpha="search:w4a8")
+    assert {e.searched for e in out.equalized} == {"search:w4a8"}
+    assert all(e.alpha is None or e.alpha in GRID for e in out.equalized)
+    assert len({e.alpha for e in out.equalized}) > 1, str(out)       # chosen per pair
+    assert "(searched for w4a8), scales" in str(out)
+    fixed = hlofold.fold_params(f, p, *x, smooth=calib)
+    ref = f(p, *x)
+    err = lambda t: rel(ref, wxa8(f, t, *x, wbits=4))                  # noqa: E731
+    assert err(out.params) < 0.97 * err(fixed.params), (err(out.params), err(fixed.params))
+
+
+def test_search_keeps_the_rows_unsmoothed_where_no_alpha_helps():
+    """Every channel alike (the same largest activation, the same largest weight row):
+    each α's scales are one number, which per-tensor activations and per-channel weights
+    do not see — no α beats no smoothing, the pair is left with scales 1 and says so."""
+    def f(p, x):
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
+        return h @ p["w"]
+    rng = np.random.default_rng(0)
+    w = np.sign(rng.standard_normal((8, 16))).astype(np.float32)
+    p = {"g": jnp.full(8, 2.0, jnp.float32), "w": jnp.asarray(w)}
+    x = jnp.asarray(np.sign(rng.standard_normal((32, 8))), jnp.float32)
+    out = smoothed(f, p, (x,), [x], pairs=1, alpha="search:w8a8")
+    e = out.equalized[0]
+    assert e.alpha is None and e.scale_range == (1.0, 1.0), str(out)
+    assert "α none better than unsmoothed (searched for w8a8)" in str(out)
+
+
+@pytest.mark.parametrize("alpha", ["search", "search:w9a8", "search:w4a1", "search:w4a8 "])
+def test_a_search_names_its_quantization(alpha):
+    f, p, x, calib = smooth_case("RMSNorm", 0)
+    with pytest.raises(ValueError, match="or \"search:wNaM\""):
+        hlofold.fold_params(f, p, *x, smooth=calib, alpha=alpha)
+
+
+@pytest.mark.parametrize("seed", range(0, 24, 3))
+def test_generated_decoders_searched(seed):
+    """The generated decoder layers (multi-head, transposed heads, β, stopped paths)
+    smoothed with a searched α: exact, the same pairs as α 0.5."""
+    from tests.helpers.pair_programs import decoder_program
+    fn, p, x, calib, expected = decoder_program(seed)
+    smoothed(fn, p, (x,), calib, pairs=expected, alpha="search:w4a8")
+
+
+@pytest.mark.parametrize("repeat", [2, 4])
+def test_grouped_query_attention_searched(repeat):
+    """v -> o through the repeated kv heads with a searched α: the rows kept are one copy
+    of each kv channel (their maxima the copies' largest), o's rows of one group scaled
+    alike; exact."""
+    from tests.helpers.blocks import gqa_block
+    f, p, x, calib = gqa_block(repeat)
+    out = smoothed(f, p, (x,), calib, pairs=1, alpha="search:w4a8")
+    e = out.equalized[0]
+    assert (e.first, e.seconds, e.searched) == ("['v']", ["['o']"], "search:w4a8")
+    rows = np.asarray(out.params["o"]) / np.asarray(p["o"])
+    assert np.allclose(rows, rows[:, :1], rtol=1e-5)              # one scale per row
+    per = rows[:, 0].reshape(4 // repeat, repeat, 4)             # (kv head, copy, head_dim)
+    assert np.allclose(per, per[:, :1], rtol=1e-5)                # each copy the kv channel's

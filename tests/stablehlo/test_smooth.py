@@ -212,7 +212,8 @@ def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     assert proc.returncode == 2 and f"give the per-call arguments arg{n}" in proc.stderr
     assert not out.exists()
     proc = run("--smooth", str(c), "--alpha", "1.5")
-    assert proc.returncode == 2 and "expected a number from 0 to 1, got '1.5'" in proc.stderr
+    assert proc.returncode == 2
+    assert "expected a number from 0 to 1 or search:wNaM (search:w4a8), got '1.5'" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
@@ -339,3 +340,50 @@ def test_bfloat16_weights_rewritten_bit_for_bit(rewrite):
                    for n in rep.not_equalized), str(rep)
     np.testing.assert_array_equal(np.asarray(got.call(*x, *prep), np.float32),
                                   np.asarray(base.call(*x, *bprep), np.float32))
+
+
+def test_searched_alpha_is_the_jaxpr_paths():
+    """``alpha="search:w4a8"`` on the exported decoder: each pair takes the α the jaxpr path
+    takes on the same calibration inputs (the search is the core's; each path reads its rows
+    where the second layers read), the module exact; the built-in scanned decoder searched
+    layer by layer the same way."""
+    f, p, x, calib = smooth_case("decoder", 0)
+    rep, _, _ = _smoothed(f, p, x, calib, alpha="search:w4a8")
+    want = hlofold.fold_params(f, p, *x, smooth=calib, alpha="search:w4a8")
+    assert {e.searched for e in rep.equalized} == {"search:w4a8"}
+    assert sorted(e.alpha or -1 for e in rep.equalized) == \
+        sorted(e.alpha or -1 for e in want.equalized), (str(rep), str(want))
+    sp = examples.stack_decoder(p)
+    rep, _, _ = _smoothed(examples.scanned_decoder_apply, sp, x, calib, alpha="search:w4a8")
+    got = [e for e in rep.equalized if "scanned stack" in e.location]
+    assert len(got) == 4 and all(e.searched == "search:w4a8" for e in got), str(rep)
+    want = hlofold.fold_params(examples.scanned_decoder_apply, sp, *x, smooth=calib,
+                               alpha="search:w4a8")
+    key = lambda e: str(e.alpha)                                          # noqa: E731
+    mine = [e for e in want.equalized if "scanned stack" in e.location]
+    assert sorted(map(key, got)) == sorted(map(key, mine)), (str(rep), str(want))
+
+
+def test_the_cli_searches_alpha(tmp_path):
+    import os
+    import subprocess
+    import sys
+    f, p, x, calib = smooth_case("RMSNorm", 0)
+    leaves, tree = jax.tree.flatten(p)
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    n = len(leaves)
+    src, out, w, c, prep = (tmp_path / k for k in ("m.mlir", "o.mlir", "w.npz", "c.npz",
+                                                    "p.npz"))
+    src.write_text(jax.export.export(g)(*leaves, *x).mlir_module())
+    np.savez(w, **{f"arg{i}": np.asarray(a) for i, a in enumerate(leaves)})
+    np.savez(c, **{f"arg{n}": np.stack([np.asarray(k[0]) for k in calib])})
+    run = lambda *extra: subprocess.run(                                  # noqa: E731
+        [sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out), "--params",
+         str(w), "--prepared-out", str(prep), "--smooth", str(c), *extra],
+        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = run("--alpha", "search:w4a8")
+    assert proc.returncode == 0, proc.stderr
+    assert "smoothed: 4 layer pairs" in proc.stdout and out.exists()
+    out.unlink()
+    proc = run("--alpha", "search")
+    assert proc.returncode == 2 and "search:wNaM" in proc.stderr and not out.exists()
