@@ -10,8 +10,11 @@ the search only chooses among them. IR-agnostic: both adapters call it through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .channel_axes import each
@@ -19,7 +22,7 @@ from .channel_axes import each
 ROWS = 256                # the calibration rows kept per pair (evenly over the inputs)
 GRID = tuple(i / 16 for i in range(17))   # the α a search may take
 COARSE = (0.0, 0.25, 0.5, 0.75, 1.0)     # tried first; then halving steps around the best
-TIE = 1e-6                # errors this close (relative) are one: the rows left unsmoothed
+TIE = 1e-4                # errors this close (relative) are one: the rows left unsmoothed
 _SPEC = re.compile(r"search:w([2-8])a([2-8]|16)")
 
 
@@ -77,11 +80,24 @@ def _quantize(w: np.ndarray, bits: int, axis) -> np.ndarray:
     return np.clip(np.round(w / step), -q, q) * step
 
 
+@functools.partial(jax.jit, static_argnums=4)
+def _dense_error(x, w, s, ref, bits: int):
+    """``‖x·Q(s·w) − ref‖²``: rows ``w (R, O, K)`` scaled by ``s (R,)``, quantized per
+    output channel (axis 1), read by ``x (n, R)`` (one XLA computation: no float temporaries
+    of a large kernel per candidate on the host)."""
+    ws = w * s[:, None, None]
+    q = 2.0 ** (bits - 1) - 1
+    m = jnp.max(jnp.abs(ws), axis=(0, 2), keepdims=True)
+    step = jnp.where(m > 0, m / q, 1.0)
+    wq = jnp.clip(jnp.round(ws / step), -q, q) * step
+    return jnp.sum(jnp.square(x @ wq.reshape(w.shape[0], -1) - ref))
+
+
 class _Layer:
     """A second layer as rows ``(R, O, rest)``: its input rows first, output channels
     next; which channel each row reads (``chan``) and, grouped, how many groups."""
 
-    def __init__(self, k: np.ndarray, sec, channels: int):
+    def __init__(self, k: np.ndarray, sec, rows: np.ndarray):
         ins = each(sec.in_axis)
         k = np.moveaxis(np.asarray(k, np.float32), (*ins, sec.out_axis),
                         tuple(range(len(ins) + 1)))
@@ -93,19 +109,25 @@ class _Layer:
         if self.chan is None:       # group g: columns g·O/G…, channels g·R…(g+1)·R
             per = self.w.shape[1] // sec.groups
             self.chan2 = (np.arange(self.w.shape[1])[None, :] // per) * r + np.arange(r)[:, None]
+            self.ref = self.apply(rows, self.w)
+        else:
+            self.w = jnp.asarray(self.w)
+            self.ref = jnp.asarray(rows[:, self.chan]) @ self.w.reshape(r, -1)
+        self.energy = float(jnp.sum(jnp.square(self.ref.astype(jnp.float32))))
 
-    def scaled(self, s: np.ndarray) -> np.ndarray:
-        """The rows multiplied by their channel's scale."""
+    def error(self, x: np.ndarray, s: np.ndarray, bits: int) -> float:
+        """The squared error of this layer's outputs on ``x`` (channels already divided by
+        ``s``, quantized or not) with its rows times ``s`` quantized to ``bits``."""
         if self.chan is not None:
-            return self.w * s[self.chan][:, None, None].astype(np.float32)
-        return self.w * s[self.chan2][:, :, None].astype(np.float32)
+            return float(_dense_error(jnp.asarray(x[:, self.chan]), self.w,
+                                      jnp.asarray(s[self.chan], jnp.float32), self.ref, bits))
+        ws = self.w * s[self.chan2][:, :, None].astype(np.float32)
+        return float(np.sum((self.apply(x, _quantize(ws, bits, 1)) - self.ref
+                             ).astype(np.float64) ** 2))
 
     def apply(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """``x (n, channels)`` through rows ``w``."""
-        n = len(x)
-        if self.chan is not None:
-            return x[:, self.chan] @ w.reshape(len(w), -1)
-        g, r = self.groups, w.shape[0]
+        """``x (n, channels)`` through a grouped layer's rows ``w``."""
+        n, g, r = len(x), self.groups, w.shape[0]
         per = w.shape[1] // g
         return np.einsum("ngr,rgpk->ngpk", x.reshape(n, g, r),
                          w.reshape(r, g, per, -1)).reshape(n, -1)
@@ -119,9 +141,8 @@ def choose(rows: np.ndarray, xmax: np.ndarray, values: dict, pair, search: Searc
     quantized outputs on ``rows`` nearest their float outputs (the squared error summed
     over them, relative). Returns it, its scales and each candidate's error."""
     c = len(xmax)
-    layers = [_Layer(values[sec.key], sec, c) for sec in pair.seconds]
-    ref = [lay.apply(rows, lay.w) for lay in layers]
-    norm = sum(float(np.sum(r.astype(np.float64) ** 2)) for r in ref) or 1.0
+    layers = [_Layer(values[sec.key], sec, rows) for sec in pair.seconds]
+    norm = sum(lay.energy for lay in layers) or 1.0
     cands, errs = {}, {}
 
     def error(a):
@@ -134,11 +155,7 @@ def choose(rows: np.ndarray, xmax: np.ndarray, values: dict, pair, search: Searc
             q = 2.0 ** (search.activations - 1) - 1
             step = top / q if top > 0 else 1.0
             x = np.clip(np.round(x / step), -q, q) * step
-        e = 0.0
-        for lay, r in zip(layers, ref):
-            wq = _quantize(lay.scaled(s), search.weights, 1)
-            e += float(np.sum((lay.apply(x, wq) - r).astype(np.float64) ** 2))
-        errs[a] = e / norm
+        errs[a] = sum(lay.error(x, s, search.weights) for lay in layers) / norm
         return errs[a]
 
     best, step = min(COARSE, key=error), 0.25      # (the errors over α: one valley)
