@@ -220,3 +220,28 @@ def test_flax_nn_scan_decoder_rotates(norm):
     rot = rotated(f, p, (x,)).rotation
     assert rot.kind.endswith("(LayerNorm's mean)") == (norm == "LayerNorm"), rot.kind
     assert any("ScanBlock" in r for r in rot.readers), rot.readers
+
+
+def test_rotation_and_a_searched_smoothing_from_many_threads():
+    """``fold_params(rotate=True, smooth=, alpha="search:w4a8")`` called from eight threads
+    at once, on two models and two seeds (the threads switching every microsecond): each
+    gets, bit for bit, what the same call alone returns — nothing in the walk, the search's
+    kept rows or its compiled products is shared between calls — and every tree is exact."""
+    from tests.helpers import in_threads
+    cases = [smooth_case("decoder", s) for s in (0, 1)]
+    kw = lambda k: dict(rotate=True, smooth=cases[k % 2][3], alpha="search:w4a8",  # noqa: E731
+                        seed=k // 2 % 2)
+    alone = [hlofold.fold_params(*cases[k % 2][:2], *cases[k % 2][2], **kw(k)) for k in range(4)]
+    got: dict = {}
+
+    def work(k):
+        f, p, x, _ = cases[k % 2]
+        got[k] = hlofold.fold_params(f, p, *x, **kw(k))
+    in_threads(work, 8)
+    for k, out in got.items():
+        want = alone[k % 4]
+        assert out.rotation.reason is None and str(out) == str(want)
+        for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(out.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        f, p, x, _ = cases[k % 2]
+        assert rel(f(p, *x), f(out.params, *x)) <= EXACT

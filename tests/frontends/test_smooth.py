@@ -199,7 +199,8 @@ def _outlier_inputs(shape, k):
     return jnp.asarray(x)
 
 
-def test_haiku_rmsnorm_linear():
+@pytest.mark.parametrize("alpha", [0.5, "search:w4a8"])
+def test_haiku_rmsnorm_linear(alpha):
     import haiku as hk
 
     def net(x):
@@ -209,10 +210,12 @@ def test_haiku_rmsnorm_linear():
     x = _outlier_inputs((4, 16), 0)
     p = jax.tree.map(lambda a: a * (1 + 0.3 * np.random.default_rng(1).random(a.shape))
                      .astype(np.float32), t.init(jax.random.key(0), x))
-    smoothed(t.apply, p, (x,), [_outlier_inputs((4, 16), k) for k in (1, 2)], pairs=2)
+    smoothed(t.apply, p, (x,), [_outlier_inputs((4, 16), k) for k in (1, 2)], pairs=2,
+             alpha=alpha)
 
 
-def test_equinox_layernorm_linear():
+@pytest.mark.parametrize("alpha", [0.5, "search:w4a8"])
+def test_equinox_layernorm_linear(alpha):
     """Equinox's Linear computes ``W @ x`` (the weight on the left): its input columns."""
     import equinox as eqx
     k1, k2 = jax.random.split(jax.random.key(0))
@@ -225,11 +228,13 @@ def test_equinox_layernorm_linear():
         n, a, b = eqx.combine(p, static)
         return jax.vmap(lambda r: b(jax.nn.relu(a(n(r)))))(x)
     x = _outlier_inputs((4, 16), 3)
-    out = smoothed(f, params, (x,), [_outlier_inputs((4, 16), k) for k in (4, 5)], pairs=2)
+    out = smoothed(f, params, (x,), [_outlier_inputs((4, 16), k) for k in (4, 5)], pairs=2,
+                   alpha=alpha)
     assert any(e.first.endswith(".weight") and len(e.biases) == 1 for e in out.equalized)
 
 
-def test_keras_layernorm_dense():
+@pytest.mark.parametrize("alpha", [0.5, "search:w4a8"])
+def test_keras_layernorm_dense(alpha):
     import os
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import keras
@@ -243,7 +248,8 @@ def test_keras_layernorm_dense():
     tv = [w.value for w in model.trainable_variables]
     f = lambda ws, x: model.stateless_call(ws, [], x)[0]          # noqa: E731
     x = _outlier_inputs((4, 16), 6)
-    out = smoothed(f, tv, (x,), [_outlier_inputs((4, 16), k) for k in (7, 8)], pairs=1)
+    out = smoothed(f, tv, (x,), [_outlier_inputs((4, 16), k) for k in (7, 8)], pairs=1,
+                   alpha=alpha)
     # Keras' LayerNormalization multiplies γ into a factor it applies to x and to the mean
     # (x·inv + (β − mean·inv)): two readers, so the norm is left, saying so
     assert any(n.kernel == "[0]" and "read 2 times" in n.reason for n in out.not_equalized)
