@@ -32,13 +32,15 @@ def test_power_of_two_scales_are_exact_in_bfloat16():
     assert list(scales(r1, r2, pow2=True)) == [2.0, 0.25, 1.0]    # √4/1; √9/9 → 1/4; dead
 
 
-@pytest.mark.parametrize("rewrite", ["smooth", "equalize"])
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize", "search"])
 def test_bfloat16_decoder_rewritten_bit_for_bit(rewrite):
     """The built-in decoder in bfloat16: the pairs of its float32 form, every scale a power
-    of two, and the outputs exactly those of the fold alone."""
+    of two (a searched α's candidates too), and the outputs exactly those of the fold
+    alone."""
     f, p, x, calib = smooth_case("decoder", 0)
     pb = _bf16(p)
-    kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
+    kw = ({"equalize": True} if rewrite == "equalize" else
+          {"smooth": calib, **({"alpha": "search:w4a8"} if rewrite == "search" else {})})
     base = hlofold.fold_params(f, pb, *x)
     out = hlofold.fold_params(f, pb, *x, **kw)
     ref = hlofold.fold_params(f, p, *x, **kw)
