@@ -182,11 +182,12 @@ def test_bad_calibration_inputs_and_split_are_errors():
     assert {e.alpha for e in rep.equalized} == {0.5}
 
 
-def test_the_cli_smooths_with_calibration_inputs(tmp_path):
+def _cli_case(tmp_path):
+    """The Flax RMSNorm block exported with its weights as arguments, written with its
+    weights and calibration inputs: ``(run(*flags), g, leaves, x, calib, paths)``."""
     import os
     import subprocess
     import sys
-    from hlofold._stablehlo.artifacts import module_callable
     f, p, x, calib = smooth_case("RMSNorm", 0)
     leaves, tree = jax.tree.flatten(p)
     g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
@@ -200,6 +201,13 @@ def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     run = lambda *extra: subprocess.run(                                  # noqa: E731
         [sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out), "--params",
          str(w), "--prepared-out", str(prep), *extra], capture_output=True, text=True, env=env)
+    return run, g, leaves, x, calib, (out, c, prep)
+
+
+def test_the_cli_smooths_with_calibration_inputs(tmp_path):
+    from hlofold._stablehlo.artifacts import module_callable
+    run, g, leaves, x, calib, (out, c, prep) = _cli_case(tmp_path)
+    n = len(leaves)
     proc = run("--smooth", str(c), "--alpha", "0.5")
     assert proc.returncode == 0, proc.stderr
     assert "smoothed: 4 layer pairs" in proc.stdout
@@ -365,25 +373,10 @@ def test_searched_alpha_is_the_jaxpr_paths():
 
 
 def test_the_cli_searches_alpha(tmp_path):
-    import os
-    import subprocess
-    import sys
-    f, p, x, calib = smooth_case("RMSNorm", 0)
-    leaves, tree = jax.tree.flatten(p)
-    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
-    n = len(leaves)
-    src, out, w, c, prep = (tmp_path / k for k in ("m.mlir", "o.mlir", "w.npz", "c.npz",
-                                                    "p.npz"))
-    src.write_text(jax.export.export(g)(*leaves, *x).mlir_module())
-    np.savez(w, **{f"arg{i}": np.asarray(a) for i, a in enumerate(leaves)})
-    np.savez(c, **{f"arg{n}": np.stack([np.asarray(k[0]) for k in calib])})
-    run = lambda *extra: subprocess.run(                                  # noqa: E731
-        [sys.executable, "-m", "hlofold", "fold", str(src), "-o", str(out), "--params",
-         str(w), "--prepared-out", str(prep), "--smooth", str(c), *extra],
-        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    proc = run("--alpha", "search:w4a8")
+    run, *_, (out, c, _) = _cli_case(tmp_path)
+    proc = run("--smooth", str(c), "--alpha", "search:w4a8")
     assert proc.returncode == 0, proc.stderr
     assert "smoothed: 4 layer pairs" in proc.stdout and out.exists()
     out.unlink()
-    proc = run("--alpha", "search")
+    proc = run("--smooth", str(c), "--alpha", "search")
     assert proc.returncode == 2 and "search:wNaM" in proc.stderr and not out.exists()
