@@ -55,13 +55,13 @@ def measure(f, params, x):
             rel_err(ref, f(quantize(folded.params), x)), len(folded.changes))
 
 
-def qwix_ptq(f, x):
+def qwix_ptq(f, x, weights=jnp.int8, acts=jnp.int8):
     """Qwix's post-training quantization of the Flax linen model behind ``f`` (its bound
-    ``apply``): int8 weights and int8 activations (w8a8, Qwix's rule for every module);
-    returns ``variables -> outputs`` of the quantized model, the weights quantized by
-    ``qwix.quantize_params``."""
+    ``apply``): int8 weights and int8 activations (w8a8, Qwix's rule for every module;
+    ``weights``/``acts`` other types, ``acts`` None: weights only); returns ``variables ->
+    outputs`` of the quantized model, the weights quantized by ``qwix.quantize_params``."""
     import qwix
-    rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)]
+    rules = [qwix.QtRule(module_path=".*", weight_qtype=weights, act_qtype=acts)]
     ptq = qwix.quantize_model(f.__self__, qwix.PtqProvider(rules))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
 
