@@ -71,17 +71,8 @@ def evenly(rows: np.ndarray, n: int = ROWS) -> np.ndarray:
     return rows[np.linspace(0, len(rows) - 1, n).astype(int)]
 
 
-def _quantize(w: np.ndarray, bits: int, axis) -> np.ndarray:
-    """Symmetric round-to-nearest, one scale per index of ``axis`` (None: per tensor)."""
-    q = 2.0 ** (bits - 1) - 1
-    rest = None if axis is None else tuple(a for a in range(w.ndim) if a != axis)
-    m = np.max(np.abs(w), axis=rest, keepdims=axis is not None)
-    step = np.where(m > 0, m / q, 1.0)
-    return np.clip(np.round(w / step), -q, q) * step
-
-
 @functools.partial(jax.jit, static_argnums=4)
-def _dense_error(x, w, s, ref, bits: int):
+def _error(x, w, s, ref, bits: int):
     """``‖x·Q(s·w) − ref‖²``: rows ``w (R, O, K)`` scaled by ``s (R,)``, quantized per
     output channel (axis 1), read by ``x (n, R)`` (one XLA computation: no float temporaries
     of a large kernel per candidate on the host)."""
@@ -94,43 +85,32 @@ def _dense_error(x, w, s, ref, bits: int):
 
 
 class _Layer:
-    """A second layer as rows ``(R, O, rest)``: its input rows first, output channels
-    next; which channel each row reads (``chan``) and, grouped, how many groups."""
+    """A second layer as rows ``(R, O, rest)``, its input rows first, output channels next,
+    and the channel each row reads (``chan``). A grouped layer is read as the dense one it
+    equals — group ``g``'s rows in channels ``g·R…(g+1)·R`` of its columns, zeros elsewhere
+    (a zero changes no output channel's largest entry: the same quantization)."""
 
     def __init__(self, k: np.ndarray, sec, rows: np.ndarray):
         ins = each(sec.in_axis)
         k = np.moveaxis(np.asarray(k, np.float32), (*ins, sec.out_axis),
                         tuple(range(len(ins) + 1)))
-        self.w = k.reshape(int(np.prod(k.shape[:len(ins)])), k.shape[len(ins)], -1)
-        self.groups = sec.groups
-        r = self.w.shape[0]
-        self.chan = (np.asarray(sec.channels) if sec.channels is not None else
-                     np.arange(r) if sec.groups == 1 else None)
-        if self.chan is None:       # group g: columns g·O/G…, channels g·R…(g+1)·R
-            per = self.w.shape[1] // sec.groups
-            self.chan2 = (np.arange(self.w.shape[1])[None, :] // per) * r + np.arange(r)[:, None]
-            self.ref = self.apply(rows, self.w)
-        else:
-            self.w = jnp.asarray(self.w)
-            self.ref = jnp.asarray(rows[:, self.chan]) @ self.w.reshape(r, -1)
-        self.energy = float(jnp.sum(jnp.square(self.ref.astype(jnp.float32))))
+        w = k.reshape(int(np.prod(k.shape[:len(ins)])), k.shape[len(ins)], -1)
+        r, o = w.shape[:2]
+        if sec.groups > 1:
+            dense = np.zeros((r * sec.groups, o, w.shape[2]), np.float32)
+            dense[(np.arange(o) // (o // sec.groups)) * r + np.arange(r)[:, None],
+                  np.arange(o)] = w
+            w, r = dense, r * sec.groups
+        self.chan = np.asarray(sec.channels) if sec.channels is not None else np.arange(r)
+        self.w = jnp.asarray(w)
+        self.ref = jnp.asarray(rows[:, self.chan]) @ self.w.reshape(r, -1)
+        self.energy = float(jnp.sum(jnp.square(self.ref)))
 
     def error(self, x: np.ndarray, s: np.ndarray, bits: int) -> float:
         """The squared error of this layer's outputs on ``x`` (channels already divided by
         ``s``, quantized or not) with its rows times ``s`` quantized to ``bits``."""
-        if self.chan is not None:
-            return float(_dense_error(jnp.asarray(x[:, self.chan]), self.w,
-                                      jnp.asarray(s[self.chan], jnp.float32), self.ref, bits))
-        ws = self.w * s[self.chan2][:, :, None].astype(np.float32)
-        return float(np.sum((self.apply(x, _quantize(ws, bits, 1)) - self.ref
-                             ).astype(np.float64) ** 2))
-
-    def apply(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """``x (n, channels)`` through a grouped layer's rows ``w``."""
-        n, g, r = len(x), self.groups, w.shape[0]
-        per = w.shape[1] // g
-        return np.einsum("ngr,rgpk->ngpk", x.reshape(n, g, r),
-                         w.reshape(r, g, per, -1)).reshape(n, -1)
+        return float(_error(jnp.asarray(x[:, self.chan]), self.w,
+                            jnp.asarray(s[self.chan], jnp.float32), self.ref, bits))
 
 
 def choose(rows: np.ndarray, xmax: np.ndarray, values: dict, pair, search: Search,

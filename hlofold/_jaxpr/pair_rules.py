@@ -133,12 +133,18 @@ def _other(e, pos):
 
 def is_zero(ctx, x) -> bool:
     """A literal zero (through casts and broadcasts; a call's body sees its operands)."""
+    return literal_zero(x, ctx.producer, ctx.literals)
+
+
+def literal_zero(x, producer: dict, literals=None) -> bool:
+    """``x`` a literal zero through casts and broadcasts (``producer``: var -> its equation;
+    ``literals``: vars known to hold a literal, a call's operands in its body)."""
     for _ in range(8):
         if isinstance(x, C.Literal):
             return bool(np.all(np.asarray(x.val) == 0))
-        if x in ctx.literals:
-            return bool(np.all(np.asarray(ctx.literals[x]) == 0))
-        p = ctx.producer.get(x)
+        if literals and x in literals:
+            return bool(np.all(np.asarray(literals[x]) == 0))
+        p = producer.get(x)
         if p is None or p.primitive.name not in ("convert_element_type", "broadcast_in_dim"):
             return False
         x = p.invars[0]

@@ -6,10 +6,8 @@ rotation ``Q`` commutes with multiplying by the first two; a value per token add
 stream needs ``Q·1 = 1`` (``Stream.centered``); an offset is rotated with the stream."""
 from __future__ import annotations
 
-import types
-
 from .. import _compat as C
-from .pair_rules import is_zero, leaf_of
+from .pair_rules import leaf_of, literal_zero
 
 CASTS = {"convert_element_type", "copy", "reduce_precision"}
 
@@ -71,7 +69,7 @@ def terms(v, last, s, leaves, producer, uses, normed, depth=0):
     why = "something other than a value per token is added to the stream"
     if depth > 8:
         return why
-    if is_zero(types.SimpleNamespace(literals={}, producer=producer), v):   # (a literal 0)
+    if literal_zero(v, producer):
         return None
     p = producer.get(v) if not isinstance(v, C.Literal) else None
     if normed:

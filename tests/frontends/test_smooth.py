@@ -341,3 +341,22 @@ def test_grouped_query_attention_searched(repeat):
     assert np.allclose(rows, rows[:, :1], rtol=1e-5)              # one scale per row
     per = rows[:, 0].reshape(4 // repeat, repeat, 4)             # (kv head, copy, head_dim)
     assert np.allclose(per, per[:, :1], rtol=1e-5)                # each copy the kv channel's
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5, 6, 15, 17])
+def test_generated_cnn_chains_searched_with_grouped_layers(seed):
+    """The equalization's generated conv chains (BN, biases, pooling, stopped paths), the
+    seeds where a depthwise or grouped layer is a pair's second, smoothed with a searched α:
+    the pairs of α 0.5, exact — the grouped layer read by the search as the dense layer it
+    equals."""
+    from tests.helpers.pair_programs import program
+    fn, p, x, _, (layers, _) = program(seed)
+    calib = [x, 2 * x + 1]
+    want = hlofold.fold_params(fn, p, x, smooth=calib)
+    grouped = [k for e in want.equalized for k in e.seconds
+               if k.startswith("['k") and layers[int(k[3:-2])][0] > 1]
+    assert grouped, str(want)
+    out = smoothed(fn, p, (x,), calib, pairs=len(want.equalized), alpha="search:w4a8")
+    assert [(e.first, e.seconds) for e in out.equalized] == \
+        [(e.first, e.seconds) for e in want.equalized]
+    assert all(e.searched == "search:w4a8" for e in out.equalized)
