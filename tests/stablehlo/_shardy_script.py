@@ -173,14 +173,17 @@ def run_check(name: str) -> str:
     same_sharding(out, ref, "export params=")
     if name in ("decoder", "stack"):    # smooth=: calibrated in this process, kept sharded
         calib = [[np.asarray(x)], [np.asarray((x + 7) % 256)]]
-        new, srep, prepared = hlofold.fold_stablehlo(
-            exp, params={i: np.asarray(v) for i, v in enumerate(leaves)}, smooth=calib)
-        assert len(srep.equalized) >= 5, srep
-        new_sh = C.exported_input_shardings(new)[1:]
-        placed = [jax.device_put(v, NamedSharding(mesh, s.spec if s is not None else P()))
-                  for v, s in zip(prepared, new_sh)]
-        out = jax.jit(new.call)(x, *placed)
-        close(ref, out, "export smooth=")
+        for alpha in (0.5, "search:w4a8"):      # (α searched: each pair's, or each layer's)
+            new, srep, prepared = hlofold.fold_stablehlo(
+                exp, params={i: np.asarray(v) for i, v in enumerate(leaves)}, smooth=calib,
+                alpha=alpha)
+            assert len(srep.equalized) >= 5, srep
+            assert all((e.searched is None) == (alpha == 0.5) for e in srep.equalized), srep
+            new_sh = C.exported_input_shardings(new)[1:]
+            placed = [jax.device_put(v, NamedSharding(mesh, s.spec if s is not None else P()))
+                      for v, s in zip(prepared, new_sh)]
+            out = jax.jit(new.call)(x, *placed)
+            close(ref, out, f"export smooth= alpha={alpha}")
         smoothed = f", {len(srep.equalized)} pairs smoothed"
     elif name == "residual":        # equalize=: the streams walked in the sharded module
         new, erep, prepared = hlofold.fold_stablehlo(
