@@ -108,7 +108,7 @@ def first_calls(arch: str, batch: int, size: int, runs: int, **make_kw) -> dict:
 
 
 def timm_part(arch: str, rounds: int, calls: int) -> dict:
-    from hlofold._stablehlo.artifacts import input_specs, module_callable
+    from hlofold._ir.stablehlo.artifacts import input_specs, module_callable
     sys.path.insert(0, os.path.join(HERE, os.pardir))
     from tests.helpers.torch_weights import weight
     text = open(os.path.join(DATA, f"{arch}_torch_xla.mlir")).read()
@@ -317,7 +317,7 @@ def grid_row(kind: str, batch: int, size: int, width: int, rounds: int,
 
 
 def settle(folded, *args, limit: float = 120.0) -> None:
-    """Call ``folded`` until its compile options are chosen (``hlofold._tune``: measured on
+    """Call ``folded`` until its compile options are chosen (``hlofold._front.tune``: measured on
     its first calls, the option compiled in the background): its steady state."""
     import time
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ import traceback
 
 import numpy as np
 
-from hlofold._stablehlo.artifacts import module_callable
+from hlofold._ir.stablehlo.artifacts import module_callable
 
 from .common import now, steady
 from .gpu_decorator import decorator_part

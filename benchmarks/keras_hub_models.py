@@ -129,7 +129,7 @@ def run(name: str) -> dict:
     n_x = len(jax.tree.leaves(x))
     ws = {f"arg{i}": np.asarray(w) for i, w in enumerate(flat)}
     folded, srep, prepared = hlofold.fold_stablehlo(text, params=ws)
-    from hlofold._stablehlo.artifacts import module_callable
+    from hlofold._ir.stablehlo.artifacts import module_callable
     got_s = module_callable(folded)(*jax.tree.leaves(x), *prepared)
     got_s = got_s[0] if isinstance(got_s, (list, tuple)) else got_s
     out["stablehlo"] = {"counts": srep.counts(),

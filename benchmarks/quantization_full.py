@@ -14,7 +14,7 @@ up and which down decides much of it. Each draw multiplies every pair's channels
 exact random factor ``exp(0.02·N(0, 1))`` (the first layer's output channels divided, the
 second's input rows multiplied: the float model is unchanged, the rounding is not), after
 the sweeps for the equalized column and with no sweeps for the folded ones; each column is
-the median over the draws. It reaches into ``hlofold._equalize`` (a measurement tool, not an
+the median over the draws. It reaches into ``hlofold._quant.jaxpr.rewrite`` (a measurement tool, not an
 API).
 
 Run: ``python -m benchmarks.quantization_full [--model resnet50] [--seeds 6] [--draws 0]
@@ -53,8 +53,8 @@ def case(name: str, seed: int):
 def with_draws(rng):
     """Patch the equalization so that every pair's scales get an exact random factor after
     the sweeps (see the module's text); returns the undo."""
-    from hlofold import _equalize
-    from hlofold._core import equalize as core
+    from hlofold._quant.jaxpr import rewrite as _equalize
+    from hlofold._quant.core import equalize as core
     orig = _equalize.equalize
 
     def patched(values, pairs, pow2=False):
@@ -71,7 +71,7 @@ def with_smoothing_draws(rng):
     ``exp(0.02·N(0,1))`` (the float model unchanged: any smoothing scale is exact; which
     weights and activations round up or down changes); returns the undo. For
     ``benchmarks.quantization --smooth --draws``."""
-    from hlofold._core import smoothquant as sq
+    from hlofold._quant.core import smooth as sq
     orig = sq.smoothing
 
     def patched(xmax, wmax, alpha, pow2=False):
@@ -84,7 +84,7 @@ def with_smoothing_draws(rng):
 def drawn(f, v, x, rng, sweeps=None):
     """``fold_params(..., equalize=True)``'s parameters with one draw's factors after the
     sweeps (``sweeps=0``: none run — the folded weights with the draw's factors)."""
-    from hlofold._core import equalize as core
+    from hlofold._quant.core import equalize as core
     undo, bound = with_draws(rng), core.SWEEPS
     core.SWEEPS = bound if sweeps is None else sweeps
     try:
@@ -125,10 +125,10 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--draws", type=int, default=0)
     ap.add_argument("--sweeps", type=int, default=None,
-                    help="the sweeps' bound (hlofold._core.equalize.SWEEPS) for this run")
+                    help="the sweeps' bound (hlofold._quant.core.equalize.SWEEPS) for this run")
     a = ap.parse_args(argv)
     if a.sweeps is not None:
-        from hlofold._core import equalize as core
+        from hlofold._quant.core import equalize as core
         core.SWEEPS = a.sweeps
     rows = []
     size = "32 px, batch 8" if a.model.endswith("-32") else "224 px, batch 2"

@@ -91,7 +91,7 @@ def main() -> None:
                  f"{r['rel_err']:.1e} |")
     L += ["", "Where the time goes (cProfile of the scanned fold, this VM): the weights bound "
           "and the constants the fold makes are held by reference while it runs "
-          "(`hlofold/_stablehlo/blobs.py`: MLIR `dense_resource` attributes over the NumPy "
+          "(`hlofold/_ir/stablehlo/blobs.py`: MLIR `dense_resource` attributes over the NumPy "
           "arrays, never copied into MLIR or read back); what is left is restacking each "
           "layer's folded kernels (one copy), copying the weights that stay as they are "
           "into the prepared arguments, and `jax.export`'s own work. Before that change "

@@ -18,7 +18,7 @@ import numpy as np
 
 import hlofold
 from hlofold import examples
-from hlofold._stablehlo.artifacts import input_specs
+from hlofold._ir.stablehlo.artifacts import input_specs
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "testdata", "stablehlo")
 
@@ -60,7 +60,7 @@ def main(argv=None):
              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     md = [f"# hlofold verification on {', '.join(backends)}", "", stamp, "",
           "Command: `python -m benchmarks.verify_suite`. Tolerance model: see "
-          "`hlofold/_verify.py` (eps·(8 + 2·√L)·max|ref|, L = longest accumulation).", "",
+          "`hlofold/_front/verify.py` (eps·(8 + 2·√L)·max|ref|, L = longest accumulation).", "",
           f"All passed: **{all(r['passed'] for r in results)}**", "",
           "| case | backend | against | out | dtype | max abs | max rel | eps units | "
           "tolerance | result |", "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]

@@ -130,7 +130,7 @@ def artifacts(quick: bool = False) -> dict:
     ``fold_stablehlo(..., params=weights)``, taking the input then the prepared weights."""
     import hlofold
     from hlofold import examples
-    from hlofold._stablehlo.artifacts import module_callable
+    from hlofold._ir.stablehlo.artifacts import module_callable
     out = {}
     data = os.path.join(TESTDATA, "stablehlo")
     text = open(os.path.join(data, "keras_tf_args.mlir")).read()

@@ -18,7 +18,7 @@ SCALING = {"mul", "sub", "div", "neg"}
 def walk_eqns(closed, fallbacks=False):
     """Every equation of ``closed`` and of every jaxpr nested in it; the fallback branch of
     a folded site's run-time guard (its original equations) only with ``fallbacks``."""
-    from hlofold._jaxpr.emit import is_guard
+    from hlofold._fold.jaxpr.emit import is_guard
     jaxpr = closed.jaxpr if isinstance(closed, C.ClosedJaxpr) else closed
     for eqn in jaxpr.eqns:
         yield eqn, jaxpr
@@ -65,11 +65,11 @@ def max_err(ref, out) -> float:
 
 def assert_close(ref, out, program=None, *, accumulation=64, depth=2):
     """Every leaf of ``out`` equals ``ref``'s under hlofold's one tolerance model
-    (:mod:`hlofold._core.tolerance`): ``(L, D)`` of ``program`` (a closed jaxpr) when given, else
+    (:mod:`hlofold._base.tolerance`): ``(L, D)`` of ``program`` (a closed jaxpr) when given, else
     ``accumulation`` and ``depth`` (defaults: the small nets of the unit tests)."""
     import jax
-    from hlofold._core.tolerance import compare
-    from hlofold._jaxpr.accumulation import accumulation_of
+    from hlofold._base.tolerance import compare
+    from hlofold._fold.jaxpr.accumulation import accumulation_of
     if program is not None:
         accumulation, depth = accumulation_of(program.jaxpr)
     refs, outs = jax.tree.leaves(ref), jax.tree.leaves(out)
@@ -122,7 +122,7 @@ def fold_checked(f, *args, folds, freeze=(), root=None, refused=None, **options)
 def unread_ops(text) -> int:
     """How many side-effect-free ops of a StableHLO module nobody reads (nested regions
     included)."""
-    from hlofold._stablehlo.module import PURE, parse_module
+    from hlofold._ir.stablehlo.module import PURE, parse_module
     module = parse_module(text)
     n = 0
 
@@ -155,8 +155,8 @@ def fold_both(f, *args, jaxpr_mode="guarded", in_graph=True, run=True):
     import jax
 
     import hlofold
-    from hlofold._stablehlo.artifacts import module_callable
-    from hlofold._stablehlo.module import parse_module
+    from hlofold._ir.stablehlo.artifacts import module_callable
+    from hlofold._ir.stablehlo.module import parse_module
     closed = jax.make_jaxpr(f)(*args)
     new, rep = hlofold.fold_jaxpr(closed, in_graph=jaxpr_mode)
     C.check_jaxpr(new.jaxpr)

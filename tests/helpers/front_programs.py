@@ -1,5 +1,5 @@
 """Generated programs for the differential test of ``fold_params`` keeping a front shift in
-place (:meth:`hlofold._identities.Writer.site`, ``keep_front``): a per-channel affine of
+place (:meth:`hlofold._front.identities.Writer.site`, ``keep_front``): a per-channel affine of
 parameter leaves in front of one or more layers — a BatchNorm (``(x − μ)·rsqrt(σ² + ε)·γ
 + β``), a norm's ``x̂·γ + β``, ``(x − m)/s``, ``(x + β)·γ`` — read by dense layers with and
 without a bias, or by a convolution padded (SAME, explicit, dilated, strided, grouped) or

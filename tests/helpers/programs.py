@@ -1,4 +1,4 @@
-"""Generated conv networks for the property tests (``tests/jaxpr/test_generated.py``,
+"""Generated conv networks for the property tests (``tests/fold/jaxpr/test_generated.py``,
 ``tests/parity/test_differential.py``): hypothesis strategies (:func:`specs`), the program a
 spec describes (:func:`build`) and the error bounds the tests hold it to.
 
@@ -32,7 +32,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax import lax
 
-from hlofold._core.tolerance import bound as tolerance_bound
+from hlofold._base.tolerance import bound as tolerance_bound
 
 SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 BF16 = np.dtype(jnp.bfloat16)
@@ -484,7 +484,7 @@ def accumulation(spec: Spec) -> int:
 
 
 def bound(spec: Spec, ref, dtype=np.float32) -> float:
-    """hlofold's tolerance model (:mod:`hlofold._core.tolerance`) for an output whose reference
+    """hlofold's tolerance model (:mod:`hlofold._base.tolerance`) for an output whose reference
     is ``ref``: ``min(eps·(8 + 2·√L)·(D + 1), 1/8)·(max|ref| + 1)`` with ``L`` the longest
     accumulation (kernel window × input features per group) and ``D`` the depth (layers,
     scan iterations counted); ``+ 1`` because activations are O(1) between layers."""

@@ -1,5 +1,5 @@
 """Generated programs for the differential test of residual-stream equalization
-(:mod:`hlofold._core.streams`): a stem convolution, stages of residual blocks — an identity
+(:mod:`hlofold._quant.core.streams`): a stem convolution, stages of residual blocks — an identity
 shortcut (``x + body(x)``) or a projecting one (``proj(x) + body(x)``, a 1×1 convolution with
 its BatchNorm), ReLU after the add (ResNet) or not (MobileNetV2's linear bottleneck) — a
 mean and a head. Each body is two convolutions with random ops between (a pair of its own),

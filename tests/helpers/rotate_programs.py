@@ -1,5 +1,5 @@
 """Generated decoders for the differential test of ``fold_params(..., rotate=True)``
-(:mod:`hlofold._jaxpr.stream`): an embedding (indexed, or sliced to ``(…, 1, d)`` and
+(:mod:`hlofold._quant.jaxpr.rotate`): an embedding (indexed, or sliced to ``(…, 1, d)`` and
 squeezed as Equinox's is under ``vmap``, sometimes scaled by a number as Gemma's), blocks
 ``x + write(act(read(norm(x))))`` and a head on a final norm. Each norm is one of the ways
 the libraries spell RMSNorm and LayerNorm (Flax's zero subtracted and ``rsqrt·γ`` first,

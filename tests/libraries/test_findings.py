@@ -16,7 +16,8 @@ from jax import lax
 from jax.extend.mlir.dialects import stablehlo as shlo
 
 import hlofold
-from hlofold._stablehlo.artifacts import module_callable, report_stablehlo
+from hlofold._front.artifacts import report_stablehlo
+from hlofold._ir.stablehlo.artifacts import module_callable
 from tests.helpers import assert_close
 
 RNG = np.random.default_rng(13)

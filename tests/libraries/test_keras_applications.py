@@ -21,8 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import hlofold  # noqa: E402
-from hlofold._core.tolerance import mismatch  # noqa: E402
-from hlofold._jaxpr.accumulation import accumulation_of  # noqa: E402
+from hlofold._base.tolerance import mismatch  # noqa: E402
+from hlofold._fold.jaxpr.accumulation import accumulation_of  # noqa: E402
 
 MODELS = {   # name: input size
     "ConvNeXtTiny": 32,

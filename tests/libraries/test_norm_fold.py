@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hlofold
-from hlofold._stablehlo.artifacts import module_callable
-from hlofold._core.reasons import reason_kind
+from hlofold._ir.stablehlo.artifacts import module_callable
+from hlofold._base.reasons import reason_kind
 from tests.helpers import (assert_close, assert_nothing_left_behind, fold_both, fold_checked,
                            fold_jaxpr_checked, max_err, walk_eqns)
 from tests.helpers.blocks import D, F, H, RNG, X, attention, decoder, flax_linen_block, perturb
@@ -75,7 +75,7 @@ def test_flax_linen(kind):
     import flax.linen as nn
     f, params = flax_linen_block(getattr(nn, kind))
     # the K projection has no bias: LayerNorm's β·W_k has no slot, so β stays in front as
-    # β/γ (tests/frontends/test_front_shift.py) and all five are written
+    # β/γ (tests/front/test_front_shift.py) and all five are written
     rep = check_block(f, params, folds=5, written=5)
     scale_names = [n for s in rep.folded for n in s.params if "scale" in n]
     assert scale_names, "the report names the norm parameters"

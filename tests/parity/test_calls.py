@@ -13,7 +13,7 @@ from jax import lax
 
 import hlofold
 import hlofold._compat as C
-from hlofold._core.reasons import reason_kind
+from hlofold._base.reasons import reason_kind
 from tests.helpers import assert_close, assert_no_scaling_after_convs, fold_both
 
 RNG = np.random.default_rng(11)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hlofold
-from hlofold._core.reasons import reason_kind
+from hlofold._base.reasons import reason_kind
 
 H, K, D = 4, 8, 32
 rng = np.random.default_rng(0)

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
-from hlofold._stablehlo.artifacts import module_callable  # noqa: E402
-from hlofold._core.reasons import reason_kind  # noqa: E402
+from hlofold._ir.stablehlo.artifacts import module_callable  # noqa: E402
+from hlofold._base.reasons import reason_kind  # noqa: E402
 from tests.helpers import assert_close, assert_nothing_left_behind  # noqa: E402
 from tests.helpers.programs import LOW, bf16_bound, bound, build, err, specs  # noqa: E402
 

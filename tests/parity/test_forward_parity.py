@@ -1,7 +1,7 @@
 """Forward folds (an affine *in front of* a root) on both paths: the same decision per site,
 the same reason kind for each refusal, and the unfolded program's outputs.
 
-``tests/jaxpr/test_forward.py`` covers the geometry of the jaxpr path in depth (bias maps of every
+``tests/fold/jaxpr/test_forward.py`` covers the geometry of the jaxpr path in depth (bias maps of every
 padding, layouts, per-token factors); these tests hold the StableHLO path to the same rules
 (``_core.decide.forward_refusal``, ``_core.patterns.border_masks``, ``_core.rules.bias_map_refusal``) on the
 programs both can read.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from hlofold._core.reasons import reason_kind
+from hlofold._base.reasons import reason_kind
 from tests.helpers import fold_both, max_err
 
 RNG = np.random.default_rng(11)

@@ -2,7 +2,7 @@
 caller applies, a norm's scale applied before a helper that holds the projection.
 
 Neither scope sees both ends, so the call is inlined first (the rule of
-``hlofold._core.boundary``: ``_jaxpr.nested.crossed_calls`` on the jaxpr path,
+``hlofold._fold.core.boundary``: ``_jaxpr.nested.crossed_calls`` on the jaxpr path,
 ``_stablehlo.calls.inline_crossed_calls`` for the private ``func.call`` JAX lowers the
 helper to) — what XLA does with the call anyway; a jit's shardings become sharding
 constraints, as JAX lowers them. Before, both paths left these sites ("value is an output of

@@ -25,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
-from hlofold._core.reasons import reason_kind  # noqa: E402
-from hlofold._stablehlo.artifacts import module_callable  # noqa: E402
+from hlofold._base.reasons import reason_kind  # noqa: E402
+from hlofold._ir.stablehlo.artifacts import module_callable  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 L = keras.layers

@@ -22,15 +22,14 @@ from jax import lax
 
 import hlofold
 from hlofold import _compat as C
-from hlofold._core.reasons import reason_kind
-from hlofold._stablehlo.artifacts import input_specs, module_callable
-from tests.helpers import assert_close
+from hlofold._base.reasons import reason_kind
+from hlofold._ir.stablehlo.artifacts import input_specs, module_callable
+from tests.helpers import DATA, assert_close
 from tests.helpers.torch_weights import weight
 
 repmodels = pytest.importorskip("benchmarks.repmodels")
 
 KINDS = ("repvgg", "mobileone", "acnet", "dbb")
-DATA = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "stablehlo")
 
 
 def convs_in(text: str) -> int:

@@ -27,11 +27,10 @@ import pytest
 
 import hlofold
 from hlofold import _compat as C
-from hlofold._stablehlo.artifacts import input_specs, module_callable
-from tests.helpers import assert_close
+from hlofold._ir.stablehlo.artifacts import input_specs, module_callable
+from tests.helpers import DATA, assert_close
 from tests.helpers.torch_weights import weight
 
-DATA = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "stablehlo")
 AFTER = "sub·mul·add after the sum"
 
 

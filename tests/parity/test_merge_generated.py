@@ -26,7 +26,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import hlofold  # noqa: E402
 from hlofold import _compat as C  # noqa: E402
-from hlofold._core.reasons import reason_kind  # noqa: E402
+from hlofold._base.reasons import reason_kind  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 LAYOUTS = {"NHWC": ("NHWC", "HWIO", "NHWC"), "NCHW": ("NCHW", "OIHW", "NCHW")}

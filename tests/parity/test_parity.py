@@ -17,10 +17,10 @@ from jax import lax
 
 import hlofold
 import hlofold._compat as C
-from hlofold._stablehlo.artifacts import module_callable
-from hlofold._jaxpr.emit import is_guard
-from hlofold._core.reasons import reason_kind
-from hlofold._stablehlo.fold import fold_module, parse_module
+from hlofold._ir.stablehlo.artifacts import module_callable
+from hlofold._fold.jaxpr.emit import is_guard
+from hlofold._base.reasons import reason_kind
+from hlofold._fold.stablehlo.fold import fold_module, parse_module
 from tests.helpers import fold_both
 
 RNG = np.random.default_rng(7)
@@ -224,7 +224,7 @@ def _structure(closed):
 @pytest.mark.parametrize("in_graph", ["guarded", "prepared"])
 def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
     from benchmarks import models
-    from hlofold._jaxpr import emit as _jaxpr_emit
+    from hlofold._fold.jaxpr import emit as _jaxpr_emit
     model, _, variables, _ = models.build("resnet18", image_size=32, width=8)
     x = np.zeros((1, 32, 32, 3), np.float32)
     closed = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x)
@@ -246,7 +246,7 @@ def test_spliced_activation_side_equals_the_traced_one(monkeypatch, in_graph):
     made of its own equations computes what tracing it computes, bit for bit, with the same
     equations: a ``cond`` per guarded site whose branches hold the same primitives."""
     from benchmarks import models
-    from hlofold._jaxpr import emit as _jaxpr_emit
+    from hlofold._fold.jaxpr import emit as _jaxpr_emit
     from tests.helpers import primitives
     model, _, variables, _ = models.build("resnet18", image_size=32, width=8)
     x = RNG.standard_normal((2, 32, 32, 3)).astype(np.float32)
@@ -268,7 +268,7 @@ def test_spliced_activation_side_equals_the_traced_one(monkeypatch, in_graph):
 def test_operand_computed_from_an_activation_is_refused_in_the_same_words():
     """A per-channel gate computed from another conv's output (squeeze-excite style) is not
     a parameter: both paths refuse it, in the shared words of ``_core.chain_rules``."""
-    from hlofold._core.chain import FROM_ACTIVATION
+    from hlofold._fold.core.chain import FROM_ACTIVATION
     x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
     k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
     k2 = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
@@ -314,7 +314,7 @@ def test_a_second_consumer_is_refused_in_the_same_words():
 
 
 def test_kernel_from_an_activation_and_a_canonical_bias_in_the_same_words():
-    from hlofold._core.chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION
+    from hlofold._fold.core.chain import CANONICAL_BIAS, KERNEL_FROM_ACTIVATION
     x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
     k = RNG.standard_normal((3, 3, 3, 3)).astype(np.float32)
     s = RNG.uniform(0.5, 2, 3).astype(np.float32)

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
-from hlofold._stablehlo.artifacts import module_callable  # noqa: E402
+from hlofold._ir.stablehlo.artifacts import module_callable  # noqa: E402
 from tests.helpers.stack_programs import FIXED, StackSpec, build, stack_specs  # noqa: E402
 
 RTOL = 2e-5            # of the output's largest magnitude
@@ -95,7 +95,7 @@ def check_every_entry_point(spec: StackSpec, tmp_path) -> None:
     check("split=", ref, module_callable(apply)(x, *made))
     assert counts(srep2) == want, str(srep2)
     # ---- the CLI, as a user runs it on the module with its weights in a file
-    from hlofold._cli import main as cli
+    from hlofold._front.cli import main as cli
     src, out, pout = (os.path.join(tmp_path, n) for n in ("m.mlir", "o.mlir", "p.npz"))
     with open(src, "w") as fh:
         fh.write(args_text)

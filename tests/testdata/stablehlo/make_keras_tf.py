@@ -28,7 +28,7 @@ CHECKS = """\
 // A Keras model (conv-BN-relu, depthwise-BN-relu, conv+bias-BN, dense) lowered by
 // TensorFlow with its weights as module arguments (see make_keras_tf.py). Folded without
 // weight values, each BN folds in the graph under a run-time guard; with the values
-// (fold_stablehlo(..., params=), tests/stablehlo/test_weight_args.py) they fold once, on the host.
+// (fold_stablehlo(..., params=), tests/fold/stablehlo/test_weight_args.py) they fold once, on the host.
 // CHECK-LABEL: func.func @main
 // CHECK-COUNT-3: hlofold_guard
 // CHECK-NOT: stablehlo.rsqrt {{.*}} : tensor<2x16x16
