@@ -19,8 +19,9 @@ from hlofold._base.chain_rules import Refusal, resolve_channel_operand
 from hlofold._base.reasons import Reason
 from hlofold._fold.core.rules import flushes_differently
 from hlofold._ir.stablehlo.facts import op_fact
-from hlofold._ir.stablehlo.ir import (DOTS, constant_values, dense_to_numpy, elem_type, int_dims,
-                                      is_float, np_dtype, op_name, owner_op, shape_of)
+from hlofold._ir.stablehlo.ir import (DOTS, constant_attr, constant_values, dense_to_numpy, elem_type,
+                                      int_dims, is_float, np_dtype, op_name, owner_op,
+                                      shape_of)
 from hlofold._ir.stablehlo.indices import index_value
 from hlofold._ir.stablehlo.module import call_sites, entering_value
 from hlofold._fold.core.patterns import (block_of, conv_axis_role, conv_layout, dot_axis_role,
@@ -131,7 +132,9 @@ class Evaluator:
             return ins[0] if ins else None
         name = op_name(op)
         if name == "stablehlo.constant":      # (an int8/fp8 kernel: read where converted)
-            attr = op.attributes["value"]
+            attr = constant_attr(op)
+            if attr is None:                  # (complex: not a value the fold reads)
+                return None
             return dense_to_numpy(attr, copy=False) if is_float(value) else \
                 constant_values(attr)
         if not is_float(value):

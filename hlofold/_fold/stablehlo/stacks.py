@@ -25,7 +25,7 @@ from hlofold._base.report import FOLDED
 from hlofold._fold.core.stacks import Restack, first_difference, layer_records, layers_differ
 from hlofold._ir.stablehlo import blobs
 from hlofold._ir.stablehlo.build import STACK, marked
-from hlofold._ir.stablehlo.ir import dense_to_numpy, op_name, parent_of
+from hlofold._ir.stablehlo.ir import constant_attr, dense_to_numpy, op_name, parent_of
 from .hoist import hoist_prepared
 from hlofold._ir.stablehlo.module import walk
 from .loops import (Loop, callees_changed, layer_counters, layer_module, loop_form,
@@ -45,8 +45,9 @@ def layer_constants(fop) -> tuple[Any, list, list]:
     values, ops, nested = [], [], []
 
     def take(op):
-        v = dense_to_numpy(op.attributes["value"], copy=False)
-        values.append(v if v is not None else str(op.attributes["value"]))
+        attr = constant_attr(op)
+        v = None if attr is None else dense_to_numpy(attr, copy=False)
+        values.append(v if v is not None else str(op))
         ops.append(op)
     for op in entry.operations:
         if op_name(op) == "stablehlo.constant":
@@ -56,7 +57,7 @@ def layer_constants(fop) -> tuple[Any, list, list]:
                 if branches:
                     take(c)
                 else:
-                    nested.append(_constant_key(c.attributes["value"]))
+                    nested.append(_constant_key(c))
     # (a large constant made by the fold is a resource named per layer: its name elided)
     key = (_RESOURCE_NAME.sub("dense_resource<>", fop.operation.get_asm(
         large_elements_limit=0)), tuple(nested))
@@ -66,9 +67,11 @@ def layer_constants(fop) -> tuple[Any, list, list]:
 _RESOURCE_NAME = re.compile(r"dense_resource<[^>]*>")
 
 
-def _constant_key(attr):
-    held = blobs.value(attr)
-    return str(attr) if held is None else (held.shape, held.dtype.str, held.tobytes())
+def _constant_key(op):
+    attr = constant_attr(op)
+    held = None if attr is None else blobs.value(attr)
+    return str(op if attr is None else attr) if held is None else (
+        held.shape, held.dtype.str, held.tobytes())
 
 
 def fold_stacks(module, symbols: dict, fold: Callable, bound: dict | None = None,

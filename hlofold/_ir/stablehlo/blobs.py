@@ -129,12 +129,18 @@ def materialize(module) -> None:
         _materialize(module, t.arrays)
 
 
+def _complex(op) -> bool:
+    """Whether ``op``'s result holds complex elements (its ``value`` cannot be read: no
+    constant this module holds is complex)."""
+    return len(op.results) == 1 and "complex<" in str(op.results[0].type)
+
+
 def _materialize(module, arrays: dict) -> None:
     todo = [module.body]
     while todo:
         block = todo.pop()
         for op in block.operations:
-            if "value" in op.attributes:
+            if "value" in op.attributes and not _complex(op):
                 arr = arrays.get(op.attributes["value"])
                 if arr is not None:
                     op.attributes["value"] = plain_dense(

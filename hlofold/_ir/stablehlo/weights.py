@@ -20,7 +20,7 @@ import numpy as np
 
 from hlofold import _compat as C
 from . import blobs
-from .ir import StableHLOError, dense_to_numpy, element_dtype
+from .ir import StableHLOError, constant_attr, dense_to_numpy, element_dtype
 
 ir, stablehlo, _ = C.mlir()
 
@@ -111,7 +111,9 @@ def hoist(main, copy: bool = True) -> list:
     for op in list(block.operations):
         if op.operation.name != "stablehlo.constant":
             continue
-        attr = op.attributes["value"]
+        attr = constant_attr(op)
+        if attr is None:
+            continue                  # (complex: stays in the module)
         if blobs.value(attr) is None and ir.DenseElementsAttr(attr).is_splat:
             continue
         val = dense_to_numpy(attr, copy=copy)

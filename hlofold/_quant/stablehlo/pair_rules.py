@@ -18,8 +18,8 @@ from hlofold._base.channel_axes import (REPEATED, Mapped, as_block, broadcast, e
                                         reshaped, settled, whole_block)
 from hlofold._quant.core.equalize import stops_here
 from hlofold._fold.stablehlo.forward import op_ints
-from hlofold._ir.stablehlo.ir import (attr_dims, constant_values, is_float, op_name, owner_op,
-                                      shape_of)
+from hlofold._ir.stablehlo.ir import (attr_dims, constant_attr, constant_values, is_float, op_name,
+                                      owner_op, shape_of)
 from hlofold._ir.stablehlo import ops
 from hlofold._ir.stablehlo.module import private_body
 from hlofold._fold.stablehlo.patterns import resolve
@@ -114,7 +114,8 @@ def constant(v):
                 return None
             continue
         if op_name(op) == "stablehlo.constant":
-            return constant_values(op.attributes["value"])
+            attr = constant_attr(op)
+            return None if attr is None else constant_values(attr)
         if ops.of(op_name(op)).shape not in ("broadcast", "cast", "reshape"):
             return None
         v = op.operands[0]
