@@ -16,7 +16,7 @@ import numpy as np
 
 from hlofold import _compat as C
 from hlofold._base.report import FoldReport
-from hlofold._fold.stablehlo.checked import checked
+from hlofold._fold.stablehlo.checked import check_rewrite, checked
 from hlofold._fold.stablehlo.fold import fold_module, fold_module_text
 from hlofold._fold.stablehlo.split import split_module
 from hlofold._ir.stablehlo import blobs
@@ -115,6 +115,8 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                 result[1].compat.append(
                     f"written for StableHLO {writable_target(art.target)}: the artifact "
                     f"targets {art.target}, which these bindings do not write")
+            if (equalize or smooth is not None) and result[1].equalized:
+                check_rewrite(data, result, params)     # (on any JAX, as fold_params does)
             return checked(data, result, params, split) if C.untested() else result
     if params is not None or split is not None:
         raise off       # their results take other arguments than the module given

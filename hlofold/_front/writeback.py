@@ -175,6 +175,13 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq, rotation)
     _check(ref, run(*new, *arg_leaves), closed, lambda: jax.jit(flat)(
         *(_widened(a) for a in arr), *(_widened(a) for a in arg_leaves)))
+    if equalize or calib is not None or rotate:
+        # a rewrite is checked on inputs of its own too: the example may be degenerate
+        # (zeros, as only its shapes and dtypes matter) and hide a rewrite that is wrong
+        fresh = fresh_inputs(arg_leaves, seed)
+        _check(run(*arr, *fresh), run(*new, *fresh), closed, lambda: jax.jit(flat)(
+            *(_widened(a) for a in arr), *(_widened(a) for a in fresh)),
+            on="random inputs of the example's shapes")
     del run
     _release_freed()
     return out
@@ -359,7 +366,26 @@ def _widened(a):
         and np.dtype(dt).itemsize < 4 else a
 
 
-def _check(ref, out, closed, wide=None) -> None:
+def fresh_inputs(leaves: list, seed: int = 0) -> list:
+    """Inputs like ``leaves`` (shape, dtype, placement) drawn at random: floats from a
+    standard normal (both signs: a ReLU's two sides), integers and booleans 0 or 1 (an index
+    any axis has)."""
+    rng = np.random.default_rng(seed + 0x5EED)
+    out = []
+    for a in leaves:
+        dt = np.dtype(getattr(a, "dtype", np.float32))
+        shape = np.shape(a)
+        if jnp.issubdtype(dt, jnp.floating):
+            val = rng.standard_normal(shape).astype(dt)
+        elif jnp.issubdtype(dt, jnp.integer) or dt == np.bool_:
+            val = rng.integers(0, 2, shape).astype(dt)
+        else:
+            val = np.asarray(a)           # (another kind of input: as the example gives it)
+        out.append(_like(a, val) if isinstance(a, jax.Array) else val)
+    return out
+
+
+def _check(ref, out, closed, wide=None, on: str | None = None) -> None:
     """The new tree's outputs ``out`` within the tolerance model of the original's ``ref``.
     Where the model computes in a float of fewer than 32 bits, the original's own rounding
     can exceed the bound a fold's rounding is held to (both err from the exact result; the
@@ -367,7 +393,7 @@ def _check(ref, out, closed, wide=None) -> None:
     model, with the same program run from the same values in float32 (``wide()``), and
     passes if the new tree's output is within the bound of that."""
     profiles = output_profiles(closed.jaxpr)
-    widened = None
+    widened, where = None, "" if on is None else f" on {on}"
     for j, ((acc, depth, compute), r, o) in enumerate(zip(
             profiles, jax.tree.leaves(ref), jax.tree.leaves(out))):
         if not jnp.issubdtype(r.dtype, jnp.floating):
@@ -384,11 +410,11 @@ def _check(ref, out, closed, wide=None) -> None:
                     widened = []
             if j >= len(widened):
                 raise RuntimeError(f"hlofold.fold_params: the folded parameters change the "
-                                   f"model's outputs ({why}); please report this")
+                                   f"model's outputs{where} ({why}); please report this")
             t = _gather(widened[j]).astype(np.float64)
             c2 = compare(t.astype(r.dtype), _gather(o), acc, depth, compute=compute)
             if c2.passed:
                 continue
             why += f"; from the float32 computation {c2.why}"
         raise RuntimeError(f"hlofold.fold_params: the folded parameters change the "
-                           f"model's outputs ({why}); please report this")
+                           f"model's outputs{where} ({why}); please report this")

@@ -101,3 +101,46 @@ def test_rotation_of_the_same_stream_without_the_rounding_still_rotates():
     widened = _tiny_decoder(lambda x: x.astype(jnp.float64 if jax.config.jax_enable_x64
                                                else jnp.float32))
     assert hlofold.fold_params(*widened, rotate=True).rotation.reason is None
+
+
+def test_a_wrong_rewrite_is_caught_on_random_inputs_where_the_example_is_degenerate(
+        monkeypatch):
+    """fold_params checks a rewritten tree on random inputs of the example's shapes too
+    (issue 68, item 2): the old reading of reduce_precision (an identity to the pair walk),
+    put back here, passed its check on an example of zeros and returned a wrong tree; now the
+    check on fresh inputs raises instead of returning it."""
+    from hlofold._quant.jaxpr import pair_rules, pairs
+    monkeypatch.setattr(pairs, "ROUNDING", frozenset())
+    monkeypatch.setitem(pair_rules.RULES, "reduce_precision", lambda ctx, e, pos, axis: axis)
+    f, p, rng = _two_convs(_rp, 2)
+    zeros = jnp.zeros((2, 6, 6, 3), jnp.float32)
+    with pytest.raises(RuntimeError, match="on random inputs of the example's shapes"):
+        hlofold.fold_params(f, p, zeros, equalize=True)
+
+
+def test_the_random_check_keeps_an_example_s_placement_and_integer_inputs():
+    """Token ids stay valid indices (0 or 1), and a rewrite of a decoder checks as before."""
+    from benchmarks.quantization import smooth_case
+    f, p, x, calib = smooth_case("decoder", 0)
+    out = hlofold.fold_params(f, p, *x, smooth=calib)
+    assert out.equalized
+    assert rel(f(p, *x), f(out.params, *x)) <= 1e-5
+
+
+def test_a_wrong_stablehlo_rewrite_is_caught_on_random_inputs(monkeypatch):
+    """fold_stablehlo checks a module rewritten for quantization on random inputs too, on
+    every JAX (issue 68, item 2), as fold_params does: the old StableHLO reading put back as
+    an identity (the jaxpr path's old bug) raises instead of returning a wrong module."""
+    from hlofold._quant.stablehlo import pair_rules, pairs
+    monkeypatch.setattr(pairs, "ROUNDING", frozenset())
+    monkeypatch.setitem(pair_rules.RULES, "stablehlo.reduce_precision",
+                        pair_rules.RULES["stablehlo.negate"])        # (the channel as it is)
+    f, p, rng = _two_convs(_rp, 2)
+    exp, leaves, _ = _exported(f, p, jnp.zeros((2, 6, 6, 3), jnp.float32))
+    bound = {i: np.asarray(a) for i, a in enumerate(leaves)}
+    with pytest.raises(RuntimeError, match="changes the outputs on random inputs"):
+        hlofold.fold_stablehlo(exp, params=bound, equalize=True)
+    text = exp.mlir_module()
+    with pytest.raises(RuntimeError, match="changes the outputs on random inputs"):
+        hlofold.fold_stablehlo(text, params={f"arg{i}": a for i, a in bound.items()},
+                               equalize=True)

@@ -1,10 +1,11 @@
-"""On a JAX newer than the tested window, ``fold_stablehlo`` checks its fold before it is
-returned: the folded artifact against the one given on random inputs (the weights bound by
-``params=`` as given; ``split=``: prepare, then apply), on the CPU, under hlofold's tolerance
+"""Folds and rewrites of ``fold_stablehlo`` checked before they are returned. On a JAX newer
+than the tested window every fold (:func:`checked`); on every JAX a rewrite for quantization
+(:func:`check_rewrite`, as ``fold_params`` checks one). The check: the folded artifact
+against the one given on random inputs (the weights bound by ``params=`` as given; ``split=``: prepare, then apply), on the CPU, under hlofold's tolerance
 model per result (:func:`artifact_profiles`). Where they differ the artifact comes back as
 given (with ``params=``/``split=``, whose results take other arguments, a ``CompatError``);
 where the check cannot run here (another platform, key or 64-bit inputs, symbolic shapes) the
-report says it was not checked. On a tested JAX nothing runs here.
+report says it was not checked. On a tested JAX a fold without a rewrite is not run here.
 """
 from __future__ import annotations
 
@@ -25,11 +26,49 @@ def checked(data, result: tuple, params, split):
     ``hlofold.fold`` verifies its first call there. Where they differ beyond hlofold's
     tolerance: without ``params``/``split`` the artifact as given, with the reason; with
     them (whose results take other arguments) a ``CompatError`` saying so."""
-    from hlofold._ir.stablehlo.artifacts import as_given, input_specs, module_callable
-    mismatch, random_inputs = tolerance.mismatch, tolerance.random_inputs   # (read now)
-    folded, report = result[0], result[1]
+    from hlofold._ir.stablehlo.artifacts import as_given
+    report = result[1]
     if not report.num_folded and not report.merged:
         return result
+    state, why = on_random_inputs(data, result, params, split)
+    if state == "unchecked":
+        report.compat.append(f"not checked on this untested JAX {C.JAX_VERSION}: {why}")
+        return result
+    if state == "same":
+        return result
+    if params is not None or split is not None:
+        raise C.CompatError(f"what hlofold reads (on random inputs the fold differs from "
+                            f"the module given: {why})", "stablehlo")
+    warnings.warn(f"hlofold.fold_stablehlo: on this untested JAX {C.JAX_VERSION} the folded "
+                  f"module differs from the one given ({why}); returning the one given",
+                  RuntimeWarning, stacklevel=3)
+    return as_given(data), dataclasses.replace(
+        report, running=f"the module as given (the fold differed from it on this untested "
+                        f"JAX {C.JAX_VERSION}: {why})")
+
+
+def check_rewrite(data, result: tuple, params) -> None:
+    """On every JAX: a module rewritten for quantization (``equalize=``, ``smooth=``) run
+    against the artifact given on random inputs of its shapes (the weights bound by
+    ``params=`` as given), as ``fold_params`` checks a rewritten tree — the calibration or
+    example inputs may be degenerate and hide a wrong rewrite. Raises where they differ;
+    where the check cannot run here (symbolic shapes, 64-bit or key inputs) the report
+    says the rewrite was not checked."""
+    state, why = on_random_inputs(data, result, params, None)
+    if state == "differs":
+        raise RuntimeError(f"hlofold.fold_stablehlo: the rewritten module changes the "
+                           f"outputs on random inputs ({why}); please report this")
+    if state == "unchecked":
+        result[1].compat.append(f"the rewrite was not checked on random inputs: {why}")
+
+
+def on_random_inputs(data, result: tuple, params, split) -> tuple[str, str | None]:
+    """``("same", None)``, ``("differs", why)`` or ``("unchecked", why)``: ``result`` (of
+    ``fold_stablehlo``) against the artifact given, on random inputs, on the CPU, under the
+    tolerance model per result."""
+    from hlofold._ir.stablehlo.artifacts import input_specs, module_callable
+    mismatch, random_inputs = tolerance.mismatch, tolerance.random_inputs   # (read now)
+    folded = result[0]
     specs = input_specs(data)
     try:
         plain = all(isinstance(d, int) for sp in specs for d in sp.shape) and (
@@ -37,9 +76,7 @@ def checked(data, result: tuple, params, split):
     except TypeError:           # an input of an extended type (a PRNG key)
         plain = False
     if not plain:
-        report.compat.append(f"not verified on this untested JAX {C.JAX_VERSION} (symbolic "
-                             f"shapes, 64-bit or key inputs): check it with hlofold.verify")
-        return result
+        return "unchecked", "symbolic shapes, 64-bit or key inputs: check it with hlofold.verify"
     args = random_inputs(specs)
     if params is not None:
         bound = {argument_index(k): np.asarray(v) for k, v in params.items()}
@@ -60,27 +97,16 @@ def checked(data, result: tuple, params, split):
     try:
         ref = jax.tree.leaves(module_callable(data, "cpu")(*args))
     except Exception as e:      # noqa: BLE001 — the module given does not run here: no check
-        report.compat.append(f"not checked on this untested JAX {C.JAX_VERSION}: the module "
-                             f"given does not run on this machine's CPU on random inputs "
-                             f"({type(e).__name__}: {str(e).strip()[:120]})")
-        return result
+        return "unchecked", (f"the module given does not run on this machine's CPU on random "
+                             f"inputs ({type(e).__name__}: {str(e).strip()[:120]})")
     got = run()
     out = [] if got is None else jax.tree.leaves(got)
     bad = [why for p, r, o in zip(artifact_profiles(data), ref, out)
            if (why := mismatch(np.asarray(r), np.asarray(o), *p)) is not None]
     if len(ref) == len(out) and not bad:
-        return result
-    why = bad[0] if bad else ("prepare's ok is false" if got is None else
-                              "a different number of outputs")
-    if params is not None or split is not None:
-        raise C.CompatError(f"what hlofold reads (on random inputs the fold differs from "
-                            f"the module given: {why})", "stablehlo")
-    warnings.warn(f"hlofold.fold_stablehlo: on this untested JAX {C.JAX_VERSION} the folded "
-                  f"module differs from the one given ({why}); returning the one given",
-                  RuntimeWarning, stacklevel=3)
-    return as_given(data), dataclasses.replace(
-        report, running=f"the module as given (the fold differed from it on this untested "
-                        f"JAX {C.JAX_VERSION}: {why})")
+        return "same", None
+    return "differs", bad[0] if bad else ("prepare's ok is false" if got is None else
+                                          "a different number of outputs")
 
 
 def artifact_profiles(data) -> list[tuple]:
