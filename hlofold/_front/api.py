@@ -193,7 +193,8 @@ class Folded(FoldedViews):
         try:
             frz_key = (jax.tree_util.tree_structure(frozen),
                        tuple(frozen_leaf_key(x) for x in frz_leaves))
-            key = (tree, avals, static_key(static), frz_key)
+            # (x64 decides how NumPy and Python inputs are typed, as in jax.jit's key)
+            key = (tree, avals, static_key(static), frz_key, jax.config.jax_enable_x64)
             hash(key)
         except TypeError as e:
             raise TypeError(f"hlofold.fold: static arguments (and the static fields of frozen "
@@ -213,6 +214,16 @@ class Folded(FoldedViews):
     def _build(self, key, arguments, static, frozen, leaves_p, tree, frz_leaves) -> Program:
         names = [self.signature.leaf_name(p) for p, _ in leaves_p]
         leaves = [l for _, l in leaves_p]
+        # frozen NumPy arrays are traced as hlofold's own copies (kept to see an in-place
+        # change): JAX caches device buffers of a jaxpr's constants by the array, so the
+        # user's own arrays would carry this trace's typing (float64 under x64) into their
+        # later jax.jit calls once x64 is off
+        copies = {i: np.array(x, copy=True) for i, x in enumerate(frz_leaves)
+                  if isinstance(x, np.ndarray)}
+        if copies:
+            frz_tree = jax.tree_util.tree_structure(frozen)
+            frozen = jax.tree_util.tree_unflatten(
+                frz_tree, [copies.get(i, x) for i, x in enumerate(frz_leaves)])
 
         out_trees = []
 
@@ -249,8 +260,7 @@ class Folded(FoldedViews):
                         Executables([j for j, i in enumerate(unknown_idx) if i in donated],
                                     self._options),
                         frozen_refs=tuple(frz_leaves),
-                        frozen_copies=tuple((i, np.array(x, copy=True)) for i, x in
-                                            enumerate(frz_leaves) if isinstance(x, np.ndarray)),
+                        frozen_copies=tuple(copies.items()),
                         donated=donated, options=self._options)
         prog.variants["never"] = (folded, found)    # what traced calls run by default
         if not known_idx and not C.in_manual_context():

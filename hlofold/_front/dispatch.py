@@ -127,6 +127,7 @@ class Fast:
     types: tuple | None = None     # fn has compile options: per-call inputs of these types
     # only (a traced input goes the full path, which inlines fn: a nested jit takes none)
     deleted: Callable = operator.methodcaller("is_deleted")   # array -> whether deleted
+    x64: bool = False              # jax_enable_x64 when made: it types NumPy/Python inputs
 
 
 def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Callable,
@@ -159,7 +160,8 @@ def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Ca
                 _getter([pos[id(x)] for x in per_call]), avals,
                 [leaf_key(x) for x in per_call], fn, tuple(prepared), out_tree,
                 out_tree == jax.tree_util.tree_structure(0),
-                tuple(map(type, per_call)) if options else None, _deleted(arrays))
+                tuple(map(type, per_call)) if options else None, _deleted(arrays),
+                jax.config.jax_enable_x64)
 
 
 def _deleted(arrays: tuple) -> Callable:
@@ -189,8 +191,9 @@ def fast_call(fast: Fast, args: tuple):
     per_call = fast.get_per_call(leaves)
     if not _all_leaves(per_call):    # flatten_up_to stops at the recorded leaves' places
         return MISS
-    if fast.avals is None:           # NumPy inputs, Python scalars
-        ok = list(map(leaf_key, per_call)) == fast.keys
+    if fast.avals is None:           # NumPy inputs, Python scalars (typed by x64)
+        ok = list(map(leaf_key, per_call)) == fast.keys and \
+            jax.config.jax_enable_x64 == fast.x64
     else:
         try:
             ok = all(map(eq, map(_aval, per_call), fast.avals))
