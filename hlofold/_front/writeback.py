@@ -166,7 +166,8 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
         new[i] = _like(arr[i], val)
         return new[i]
     eq, rotation = rewrite(closed, new, paths, place, _host, equalize=equalize, smooth=calib,
-                           alpha=alpha, rotate=rotate, seed=seed)
+                           alpha=alpha, rotate=rotate, seed=seed,
+                           retrace=lambda xs: inline_all(jax.make_jaxpr(flat)(*arr, *xs)))
     where = {p: i for i, p in enumerate(paths)}
     for c in changes:
         if c.site.layers is None:

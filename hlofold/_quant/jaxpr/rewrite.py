@@ -22,7 +22,7 @@ from hlofold._quant.core.smooth import Observed, check_alpha, smooth
 from hlofold._base.channel_axes import Mapped
 from hlofold._quant.core.layer_pairs import by_layer
 from hlofold._quant.core.rotation import orthogonal, rotate
-from .pairs import Refused, find_pairs
+from .pairs import Found, Refused, find_pairs
 from .residual import find_streams
 from .scan_pairs import (LOOP_LAYERS, NESTED_LAYERS, ScanPairs, calibration_run, loop_layers,
                          scan_pairs)
@@ -149,8 +149,60 @@ def _shifted(axis):
     return tuple(a + 1 for a in axis) if isinstance(axis, tuple) else axis + 1
 
 
+def _shapes(xs) -> tuple:
+    """The shapes of values, or of a jaxpr's variables: a calibration input's signature."""
+    return tuple(tuple(x.aval.shape) if isinstance(x, C.Var) else tuple(np.shape(x))
+                 for x in xs)
+
+
+def _run_at(closed, top: list[Found], scans: dict, retrace, args: list, n: int):
+    """:func:`calibration_run` for a calibration input of other shapes than the example's:
+    the program traced at its shapes (``retrace``), each pair's end found at its place —
+    the same equations, in the same order, only their shapes differ — or a clear error
+    where the program is another at those shapes."""
+    why = None
+    if retrace is None:
+        why = "no program to trace at them"
+    else:
+        other = retrace(args)
+        a, b = closed.jaxpr, other.jaxpr
+        if [e.primitive.name for e in a.eqns] != [e.primitive.name for e in b.eqns]:
+            why = "the program traced at them is another one (other equations)"
+        else:
+            place = _places(a)
+            top2 = [dataclasses.replace(f, end=_at(b, place[f.end])) for f in top]
+            scans2 = {}
+            for i, (body, found) in scans.items():
+                body2 = C.as_closed(C.scan_body(b.eqns[i])[0])
+                if [e.primitive.name for e in body.jaxpr.eqns] != \
+                        [e.primitive.name for e in body2.jaxpr.eqns]:
+                    why = "a scan's body traced at them is another one"
+                    break
+                inner = _places(body.jaxpr)
+                scans2[i] = (body2, [dataclasses.replace(f, end=_at(body2.jaxpr, inner[f.end]))
+                                     for f in found])
+            if why is None:
+                return calibration_run(other, top2, scans2)
+    raise ValueError(f"hlofold.fold_params: smooth= input {n} has shapes "
+                     f"{list(_shapes(args))} unlike the example's, and {why}: give "
+                     f"calibration inputs the program runs the same at")
+
+
+def _places(jaxpr) -> dict:
+    """Each variable of ``jaxpr`` -> where it is: ``("in", k)`` or ``(equation, output)``."""
+    out = {v: ("in", k) for k, v in enumerate(jaxpr.invars)}
+    for i, e in enumerate(jaxpr.eqns):
+        out.update({v: (i, j) for j, v in enumerate(e.outvars)})
+    return out
+
+
+def _at(jaxpr, place):
+    return jaxpr.invars[place[1]] if place[0] == "in" else jaxpr.eqns[place[0]].outvars[place[1]]
+
+
 def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: list,
-                  alpha: float, place) -> tuple[list[EqualizedPair], list[NotEqualized]]:
+                  alpha: float, place, retrace=None
+                  ) -> tuple[list[EqualizedPair], list[NotEqualized]]:
     """SmoothQuant's scales moved into the model: each norm's γ (and β) or layer's output
     channels divided, the layers reading them multiplied, by ``s_j = max|X_j|^α /
     max|W_j|^(1−α)`` where ``X`` is what those layers read on the ``calibration`` inputs
@@ -166,11 +218,16 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
         if g.scan is not None:
             scans.setdefault(g.scan.index, (g.scan.body, []))[1].extend(g.found)
     top = [f for g in groups if g.scan is None for f in g.found]
-    run, consts = calibration_run(closed, top, scans)   # (outputs in ``groups``' order)
+    runs = {_shapes(closed.jaxpr.invars[len(leaves):]):  # (outputs in ``groups``' order)
+            calibration_run(closed, top, scans)}
     seen = [[[Observed.for_alpha(alpha) for _ in range(g.layers)] if g.layers else
               Observed.for_alpha(alpha)
              for _ in g.found] for g in groups]
-    for args in calibration:
+    for n, args in enumerate(calibration):
+        key = _shapes(args)
+        if key not in runs:        # another batch or length: the program traced at it
+            runs[key] = _run_at(closed, top, scans, retrace, args, n)
+        run, consts = runs[key]
         got = iter(run(*consts, *leaves.live, *args))
         for g, obs in zip(groups, seen):
             for f, o in zip(g.found, obs):
@@ -267,12 +324,14 @@ def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:
 
 
 def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bool,
-            smooth: list | None, alpha: float, rotate: bool, seed: int) -> tuple:
+            smooth: list | None, alpha: float, rotate: bool, seed: int,
+            retrace=None) -> tuple:
     """``fold_params``' rewrites after the fold, in order — the stream rotated (smoothing
     then sees rotated channels), pairs equalized, then smoothed — each on the leaves as the
     one before left them (``leaves``: changed through ``place(i, value)``; ``host(leaf)``:
     its value on the host; ``closed``: the program as read, :func:`~._jaxpr.nested.
-    inline_all`). Returns ``((equalized, not_equalized), rotation)``."""
+    inline_all`; ``retrace(args)``: the program as read at other argument shapes, for
+    calibration inputs of other shapes). Returns ``((equalized, not_equalized), rotation)``."""
     eq, rotation = ([], []), None
     if not (rotate or equalize or smooth is not None):
         return eq, rotation
@@ -284,6 +343,6 @@ def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bo
         for i, val in got.items():
             place(i, val)
     if smooth is not None:
-        done, left = smooth_leaves(closed, view, paths, smooth, alpha, place)
+        done, left = smooth_leaves(closed, view, paths, smooth, alpha, place, retrace)
         eq = (eq[0] + done, eq[1] + left)
     return eq, rotation

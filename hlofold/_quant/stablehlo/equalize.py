@@ -21,8 +21,8 @@ from hlofold import _compat as C
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
 from hlofold._quant.core.smooth import Observed, smooth
 from hlofold._ir.stablehlo.build import broadcast
-from hlofold._ir.stablehlo.ir import (dense_to_numpy, elem_type, float_dtype, numpy_to_dense,
-                                      op_name, owner_op, shape_of)
+from hlofold._ir.stablehlo.ir import (StableHLOError, dense_to_numpy, elem_type, float_dtype,
+                                      numpy_to_dense, op_name, owner_op, shape_of)
 from .residual import find_streams
 from hlofold._ir.stablehlo.module import main_function
 from .pairs import (LOOP_LAYERS, NESTED_LAYERS, ROOTS, Refused, find_pairs, layer, loop_layers,
@@ -257,8 +257,17 @@ def watched_runs(module, func, watch: list, calibration: list, hoist):
     constant is printed), and JAX runs it."""
     from hlofold._ir.stablehlo.artifacts import module_callable
     copy, cfunc = watching_copy(module, func, watch)
+    takes = [tuple(ir.RankedTensorType(a.type).shape)
+             for a in cfunc.regions[0].blocks[0].arguments]
     prepared = hoist(cfunc, copy=False)
     run = module_callable(str(copy))
-    for args in calibration:
+    for n, args in enumerate(calibration):
+        given = [tuple(np.shape(a)) for a in args]
+        if given != takes[:len(given)]:
+            raise StableHLOError(
+                f"smooth= input {n} has shapes {given}, the module's per-call inputs "
+                f"{takes[:len(given)]}: a module's shapes are fixed (unlike fold_params, "
+                f"which traces the model at each input's shapes); give calibration inputs "
+                f"of its shapes")
         out = run(*args, *prepared)
         yield [np.asarray(x) for x in out[len(out) - len(watch):]]
