@@ -341,6 +341,12 @@ def _like(old, val):
     its sharding). Nothing is copied that is already so (a kernel rescaled on the host is
     64-byte aligned: placed on the CPU, JAX aliases it)."""
     dt = np.dtype(old.dtype)
+    if isinstance(old, jax.Array) and not getattr(old, "committed", True) and \
+            old.is_fully_addressable and len(old.sharding.device_set) == 1:
+        # an array placed by no one (``jnp`` made it): its replacement too, so that jit
+        # places it where the program needs it, as it placed the original (a committed
+        # leaf on one device breaks a program whose activations are sharding-constrained)
+        return jax.device_put(np.asarray(val).astype(dt, copy=False).reshape(old.shape))
     if isinstance(val, jax.Array) and isinstance(old, jax.Array):
         val = val if val.dtype == dt else val.astype(dt)
         val = val if val.shape == old.shape else val.reshape(old.shape)

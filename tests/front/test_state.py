@@ -65,3 +65,50 @@ def test_the_frozen_arrays_are_left_as_given():
     with x64(True):
         hlofold.fold(f, freeze=0)(p, x)
     assert all(np.array_equal(before[k], p[k]) and p[k].dtype == np.float64 for k in p)
+
+
+_CONSTRAINED = r"""
+import jax, jax.numpy as jnp, numpy as np, hlofold
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+rng = np.random.default_rng(0)
+def f(p, x):
+    y = lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = lax.with_sharding_constraint(y, NamedSharding(mesh, P("data")))
+    y = jax.nn.relu((y - p["m"]) * lax.rsqrt(p["v"] + 1e-3) * p["g"] + p["b"])
+    return lax.conv_general_dilated(y, p["k2"], (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+w = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+p = {"k": w(3, 3, 3, 8), "m": w(8), "v": jnp.asarray(rng.random(8) + .5, jnp.float32),
+     "g": w(8), "b": w(8), "k2": w(1, 1, 8, 4)}
+x = w(4, 6, 6, 3)
+ref = jax.jit(f)(p, x)
+for kw in ({}, {"equalize": True}):
+    out = hlofold.fold_params(f, p, x, **kw)          # (raised: input shardings disagree)
+    assert out.changes, out
+    assert all(not a.committed for a in jax.tree.leaves(out.params)), "committed leaves"
+    got = jax.jit(f)(out.params, x)
+    assert got.sharding == ref.sharding, (got.sharding, ref.sharding)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4)
+print("ok constrained")
+"""
+
+
+def test_fold_params_on_constrained_activations_with_plain_parameters():
+    """Issue 68, item 6: a model constraining its activations on a 2 × 4 mesh, its parameters
+    plain (uncommitted) arrays: fold_params' check raised "Computation was compiled for input
+    shardings that disagree…" — its new leaves were committed to device 0, which also broke
+    the user's own jax.jit of the new tree. New leaves are placed as the old ones: by no one."""
+    import os
+    import subprocess
+    import sys
+    from tests.helpers import ROOT
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          " --xla_force_host_platform_device_count=8").strip())
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-c", _CONSTRAINED], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok constrained" in r.stdout, (r.stdout + r.stderr)[-4000:]
