@@ -25,7 +25,7 @@ from hlofold._ir.stablehlo.artifacts import (EXPORT, Artifact, as_given, module_
 from hlofold._ir.stablehlo.ir import StableHLOError, numpy_to_dense
 from hlofold._ir.stablehlo.module import main_function, parse_module
 from hlofold._ir.stablehlo.shardings import argument_shardings, by_type, set_argument_shardings
-from hlofold._ir.stablehlo.weights import (argument_index, bound_values, check_value,
+from hlofold._ir.stablehlo.weights import (argument_index, as_module_aval, bound_values, check_value,
                                            export_arguments, export_calibration, hoist,
                                            set_arguments)
 from hlofold._quant.core.smooth import check_alpha
@@ -185,8 +185,9 @@ def _origin(exp, bound: list[int], value) -> int | None:
     """The bound input whose sharding a prepared ``value`` takes: one of its shape and dtype,
     where all such inputs are sharded alike (see ``shardings``)."""
     shardings = C.exported_input_shardings(exp)
-    same = [i for i in bound if tuple(exp.in_avals[i].shape) == tuple(np.shape(value))
-            and np.dtype(exp.in_avals[i].dtype) == np.asarray(value).dtype]
+    avals = {i: as_module_aval(exp.in_avals[i]) for i in bound}
+    same = [i for i in bound if tuple(avals[i].shape) == tuple(np.shape(value))
+            and np.dtype(avals[i].dtype) == np.asarray(value).dtype]
     if not same or shardings[same[0]] is None or len({str(shardings[i]) for i in same}) != 1:
         return None
     return same[0]

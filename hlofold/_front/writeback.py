@@ -112,7 +112,7 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     # vectors a fold reads (statistics, scales, biases) are read on the host
     deferred = {i: a for i, a in enumerate(arr) if isinstance(a, jax.Array)
                 and not a.is_fully_addressable and a.ndim >= 2}
-    known = [None if i in deferred else _host(a) for i, a in enumerate(arr)]
+    known = [None if i in deferred or is_extended(a) else _host(a) for i, a in enumerate(arr)]
     closed = inline_all(closed)      # (read, not run: a checkpoint's sites are written too)
     scope = plan_sites(closed, known + [None] * len(arg_leaves),
                        paths + [f"args{i}" for i in range(len(arg_leaves))],
@@ -325,6 +325,12 @@ def _groups(scope) -> list[list]:
             groups.append(by_top[top])
         by_top[top].append(site)
     return groups
+
+
+def is_extended(a) -> bool:
+    """Whether ``a`` is of an extended dtype (a PRNG key): no value a fold reads, passed
+    through untouched (NumPy cannot hold it)."""
+    return jax.dtypes.issubdtype(getattr(a, "dtype", np.float32), jax.dtypes.extended)
 
 
 def _host(a) -> np.ndarray:

@@ -163,7 +163,11 @@ SUBNORMAL = Reason("subnormal", "a value computed at transform time from these p
 
 
 def has_subnormal(a) -> bool:
-    """Whether the float array ``a`` holds numbers subnormal in its type."""
+    """Whether the float array ``a`` holds numbers subnormal in its type (never for another:
+    an integer, or an extended dtype — a PRNG key — which NumPy cannot even hold)."""
+    dt = getattr(a, "dtype", None)
+    if dt is not None and not jnp.issubdtype(dt, jnp.floating):
+        return False
     a = np.asarray(a)
     if _float(a.dtype) is None or not a.size:
         return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from hlofold import _compat as C
@@ -46,8 +47,18 @@ def bound_values(params: Mapping[Any, Any]) -> dict[int, np.ndarray]:
         i = argument_index(k)
         if i in values:
             raise StableHLOError(f"params= names argument {i} twice ({names[i]!r} and {k!r})")
+        if jax.dtypes.issubdtype(getattr(v, "dtype", np.float32), jax.dtypes.extended):
+            v = jax.random.key_data(v)       # (a PRNG key: the module's argument is its bits)
         values[i], names[i] = np.asarray(v), k
     return values
+
+
+def as_module_aval(aval):
+    """An export input's shape and dtype as its module takes it: a PRNG key's as its bits
+    (``jax.random.key_data``), any other as it is."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return aval
 
 
 def export_arguments(exp, params) -> tuple[dict, int]:
@@ -63,7 +74,7 @@ def export_arguments(exp, params) -> tuple[dict, int]:
     for i, v in bound_values(params).items():
         if not 0 <= i < len(exp.in_avals):
             raise StableHLOError(f"arg{i}: the export takes {len(exp.in_avals)} inputs")
-        a, v = exp.in_avals[i], np.asarray(v)
+        a, v = as_module_aval(exp.in_avals[i]), np.asarray(v)
         if tuple(v.shape) != tuple(a.shape) or v.dtype != np.dtype(a.dtype):
             raise StableHLOError(f"arg{i}: {v.dtype}{list(v.shape)}, the export's input is "
                                  f"{np.dtype(a.dtype)}{list(a.shape)}")

@@ -1,0 +1,77 @@
+"""Trees holding PRNG keys (issue 69, item 7): Flax NNX state from a model built with
+``rngs=`` holds key arrays (an extended dtype NumPy cannot hold: ``np.asarray`` raises), and
+MaxText's scanned layers carry stacked keys. Key leaves, and any extended dtype, pass through
+untouched on every path: ``fold`` (with ``freeze=`` too), ``fold_params`` (plain and with every
+rewrite), ``fold_stablehlo(Exported, params=)`` (a key bound as its bits)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlofold
+from benchmarks.quantization import smooth_case
+
+
+def _case():
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)      # noqa: E731
+
+    def f(p, x):
+        y = lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = jax.nn.relu((y - p["m"]) * lax.rsqrt(p["v"] + 1e-3) * p["g"] + p["b"])
+        y = lax.conv_general_dilated(y, p["k2"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y, jax.random.uniform(p["rngs"]["dropout"], (2,)), p["stack"]
+    p = {"k": w(3, 3, 3, 8), "m": w(8), "v": jnp.asarray(rng.random(8) + .5, jnp.float32),
+         "g": w(8), "b": w(8), "k2": w(1, 1, 8, 4),
+         "rngs": {"dropout": jax.random.key(0)}, "stack": jax.random.split(jax.random.key(1), 3)}
+    return f, p, w(2, 6, 6, 3)
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("freeze", [(), 0])
+def test_fold_with_key_leaves(freeze):
+    f, p, x = _case()
+    folded = hlofold.fold(f, freeze=freeze)                 # (raised: PRNGKey to NumPy)
+    _same(folded(p, x), jax.jit(f)(p, x))
+    assert folded.report(p, x).num_folded >= 1
+
+
+@pytest.mark.parametrize("kw", [{}, {"equalize": True}, {"smooth": "calib"}])
+def test_fold_params_passes_key_leaves_through(kw):
+    f, p, x = _case()
+    kw = {"smooth": [x, x * 2]} if kw.get("smooth") else kw
+    out = hlofold.fold_params(f, p, x, **kw)
+    assert out.changes and (out.equalized or not kw), str(out)
+    assert out.params["rngs"]["dropout"] is p["rngs"]["dropout"]
+    assert out.params["stack"] is p["stack"]
+    _same(f(out.params, x), f(p, x))
+
+
+def test_rotation_with_a_key_leaf():
+    f, p, x, _ = smooth_case("decoder", 0)
+    pk = dict(p, rngs=jax.random.key(3))
+    out = hlofold.fold_params(lambda q, t: f({k: v for k, v in q.items() if k != "rngs"}, t),
+                              pk, *x, rotate=True)
+    assert out.rotation.reason is None and out.params["rngs"] is pk["rngs"], str(out)
+
+
+def test_fold_stablehlo_binds_a_key_as_its_bits():
+    f, p, x = _case()
+    leaves, tree = jax.tree.flatten(p)
+    g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
+    exp = jax.export.export(g)(*leaves, x)
+    apply, rep, prepared = hlofold.fold_stablehlo(
+        exp, params={i: a for i, a in enumerate(leaves)})   # (raised: PRNGKey to NumPy)
+    assert rep.num_folded >= 1, str(rep)
+    _same(apply.call(x, *prepared), g(*leaves, x))
