@@ -6,7 +6,7 @@ A chain of per-channel affine ops after a root collapses into one ``y·s + t``
 axes, for any feature grouping). The arithmetic is a parameter: NumPy float64 on the host
 (:class:`np64`, for values known at transform time), ``lax`` in a trace (:func:`lax_arith`),
 or StableHLO ops (``hlofold._fold.stablehlo.fold``). The dtype policy: known values are computed in
-float64 and rounded once to the kernel's dtype (``_core.rules.round_kernel``); in the graph the
+float64 and rounded once to the kernel's dtype (``_fold.core.rules.round_kernel``); in the graph the
 arithmetic runs in float32, or float64 when the program computes in float64.
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ def forward_kernel(k, s_in, t_in, ko: int, ki: int, groups: int, out_channels: i
                    bias_map=None):
     """An affine ``x·s_in + t_in`` in front of a root, folded on the host: ``(factor, b)``
     with ``factor`` what the kernel is multiplied by (:func:`input_scale`; the caller rounds
-    ``K·factor·s`` once, ``_core.rules.round_kernel``) and ``b`` the bias the shift adds,
+    ``K·factor·s`` once, ``_fold.core.rules.round_kernel``) and ``b`` the bias the shift adds,
     ``Σ K·t_in`` per output channel in float64, or ``bias_map(taps)`` (a padded convolution:
     ``taps`` is the kernel with the input features contracted against ``t_in``, that axis
     kept with size 1). ``k`` in any float dtype: read in blocks, no kernel-sized float64

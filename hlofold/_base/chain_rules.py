@@ -23,7 +23,7 @@ from .reasons import Reason
 @dataclasses.dataclass(frozen=True)
 class Refusal:
     """Why a match failed, in words a user can act on (``axis``: the offending axis, if any;
-    ``kind``: the rule, a key of ``_core.reasons.KINDS``, unless ``reason`` is a Reason)."""
+    ``kind``: the rule, a key of ``_base.reasons.KINDS``, unless ``reason`` is a Reason)."""
 
     reason: str
     axis: int | None = None

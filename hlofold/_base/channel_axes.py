@@ -1,5 +1,5 @@
 """Where a pair's channel goes through reshapes and dots of activations: the shape
-arithmetic both adapters' pair rules (``_jaxpr.pair_rules``, ``_stablehlo.pair_rules``) use.
+arithmetic both adapters' pair rules (``_quant.jaxpr.pair_rules``, ``_quant.stablehlo.pair_rules``) use.
 
 A channel is an axis, or a tuple of axes (most significant first) where it is split over
 several — attention's heads: ``(…, d) → (…, heads, head_dim)``, transposed, a batch axis of

@@ -12,7 +12,7 @@ REFUSED = "refused"          # a chain was there but could not be folded safely
 CANONICAL = "canonical"      # already conv + bias: nothing to gain
 NO_PATTERN = "no-pattern"    # the conv is not followed by per-channel affine arithmetic
 NOT_REACHED = "not-reached"  # a per-channel scale (a normalization) that no root reaches
-LEFT = "left"                # safe to fold, left by hlofold.fold's cost rule (_core.cost)
+LEFT = "left"                # safe to fold, left by hlofold.fold's cost rule (_fold.core.cost)
 MERGED = "merged"            # parallel branches summed, merged into one convolution
 
 
@@ -40,7 +40,7 @@ class FoldSite:
     kernel: str | None = None         # pytree path of the kernel, when it is an input
     reason: str | None = None         # why not folded
     note: str | None = None           # for folded sites: where and why the chain stopped
-    cost: dict | None = None          # the cost rule's figures (_core.cost.SiteCost), where asked
+    cost: dict | None = None          # the cost rule's figures (_fold.core.cost.SiteCost), where asked
     layers: int | None = None         # in a scanned layer stack: its length (one record, every layer)
 
     @property

@@ -116,7 +116,7 @@ class Folded(FoldedViews):
         self._prepare = prepare
         self._float32_kernels = float32_kernels
         self._merge = bool(merge)
-        self._cost = None if fold_costly else frozenset()     # the cost rule (_core.cost)
+        self._cost = None if fold_costly else frozenset()     # the cost rule (_fold.core.cost)
         self._verify = C.untested() if verify is None else bool(verify)
         self.in_graph = bool(in_graph)
         # fail closed: where this JAX changed what the jaxpr path reads, every call runs

@@ -3,7 +3,7 @@ the same reason kind for each refusal, and the unfolded program's outputs.
 
 ``tests/fold/jaxpr/test_forward.py`` covers the geometry of the jaxpr path in depth (bias maps of every
 padding, layouts, per-token factors); these tests hold the StableHLO path to the same rules
-(``_core.decide.forward_refusal``, ``_core.patterns.border_masks``, ``_core.rules.bias_map_refusal``) on the
+(``_fold.core.decide.forward_refusal``, ``_fold.core.patterns.border_masks``, ``_fold.core.rules.bias_map_refusal``) on the
 programs both can read.
 """
 from __future__ import annotations

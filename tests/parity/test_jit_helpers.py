@@ -2,8 +2,8 @@
 caller applies, a norm's scale applied before a helper that holds the projection.
 
 Neither scope sees both ends, so the call is inlined first (the rule of
-``hlofold._fold.core.boundary``: ``_jaxpr.nested.crossed_calls`` on the jaxpr path,
-``_stablehlo.calls.inline_crossed_calls`` for the private ``func.call`` JAX lowers the
+``hlofold._fold.core.boundary``: ``_fold.jaxpr.nested.crossed_calls`` on the jaxpr path,
+``_fold.stablehlo.calls.inline_crossed_calls`` for the private ``func.call`` JAX lowers the
 helper to) — what XLA does with the call anyway; a jit's shardings become sharding
 constraints, as JAX lowers them. Before, both paths left these sites ("value is an output of
 the top/jit(conv) program"). A jit with layouts, donations or shardings on explicit mesh axes

@@ -57,7 +57,7 @@ class Block:
 
     def aligned(self) -> bool:
         """Whether every branch sits in the merged window (an oracle written apart from
-        ``_core.merge``: the target is the widest conv, the denser one among equals)."""
+        ``_fold.core.merge``: the target is the widest conv, the denser one among equals)."""
         def extent(br):
             return np.prod([br.dilation * (k - 1) + 1 for k in br.size])
 

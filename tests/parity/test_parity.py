@@ -77,7 +77,7 @@ def test_reshape_merging_the_channel_axis_stops_both_paths():
         "as the channels: matched by axis, not size)"),
 ])
 def test_operand_refusals_are_the_same_words_on_both_paths(size, words):
-    """One operand rule (``_core.chain_rules.resolve_channel_operand``) on both adapters: the
+    """One operand rule (``_base.chain_rules.resolve_channel_operand``) on both adapters: the
     same refusal, in the same words."""
     x = RNG.standard_normal((2, size, size, 3)).astype(np.float32)
     k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
@@ -267,7 +267,7 @@ def test_spliced_activation_side_equals_the_traced_one(monkeypatch, in_graph):
 
 def test_operand_computed_from_an_activation_is_refused_in_the_same_words():
     """A per-channel gate computed from another conv's output (squeeze-excite style) is not
-    a parameter: both paths refuse it, in the shared words of ``_core.chain_rules``."""
+    a parameter: both paths refuse it, in the shared words of ``_base.chain_rules``."""
     from hlofold._fold.core.chain import FROM_ACTIVATION
     x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
     k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
@@ -293,7 +293,7 @@ def _main_site(rep):
 
 
 def test_a_second_consumer_is_refused_in_the_same_words():
-    """The walk's consumer rule, written once in ``_core.chain.walk``: the conv output read twice
+    """The walk's consumer rule, written once in ``_fold.core.chain.walk``: the conv output read twice
     is refused on both paths with the same sentence (the ops named as each IR names them)."""
     x = RNG.standard_normal((2, 5, 5, 3)).astype(np.float32)
     k = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)
@@ -354,7 +354,7 @@ def test_a_chain_that_is_returned_stops_in_the_same_words():
 
 
 def _decisions(f, *args, jaxpr_mode, in_graph):
-    """The main site's (status, reason kind) on both paths (``_core.decide.decide``'s order)."""
+    """The main site's (status, reason kind) on both paths (``_fold.core.decide.decide``'s order)."""
     results, _, unchanged = fold_both(f, *args, jaxpr_mode=jaxpr_mode, in_graph=in_graph,
                                       run=False)
     got = {}

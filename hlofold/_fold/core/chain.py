@@ -3,7 +3,7 @@
 A *chain* is the run of ops after a root (a convolution or a dot) along which the value stays
 a per-channel affine image ``y·s + t`` of the root's output, passed through shape ops and
 float casts. :func:`walk` is the one walk of both paths. An IR adapter (:class:`ChainIR`:
-``_jaxpr.plan.JaxprChain`` on a jaxpr, ``_stablehlo.match.HloChain`` on StableHLO) says who reads
+``_fold.jaxpr.plan.JaxprChain`` on a jaxpr, ``_fold.stablehlo.match.HloChain`` on StableHLO) says who reads
 a value and what one op does to the chain, through its per-op rule table; the rules that
 decide are here, once:
 
@@ -14,7 +14,7 @@ decide are here, once:
   whose other operand is an activation and that cannot be absorbed ends the chain without
   refusing it (nothing per-channel was there to fold);
 * a refusal about an axis of the root's output says what that axis is;
-* a cast to a narrower float type ends the chain (``_core.rules.narrowing_cast``): it
+* a cast to a narrower float type ends the chain (``_fold.core.rules.narrowing_cast``): it
   rounds, so what follows is not an affine image of the root's output — unless nothing was
   absorbed yet and it returns to a type that holds every value the chain has had;
 * the chain is cut after its last absorbed affine op (trailing shape ops stay).

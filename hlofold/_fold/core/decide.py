@@ -1,11 +1,11 @@
 """The site decision, made once for both IR paths.
 
-After the chain walk (``_core.chain.walk``), an adapter (``_jaxpr.plan`` on a jaxpr, ``_stablehlo.fold``
+After the chain walk (``_fold.core.chain.walk``), an adapter (``_fold.jaxpr.plan`` on a jaxpr, ``_fold.stablehlo.fold``
 on a module) gathers what it knows about a site and asks two questions here:
 
 * :func:`chain_status`: does the walked chain fold at all (nothing to fold, already a
   canonical bias, or a fold)?
-* :func:`decide`: may this fold be made, and how? The rules of ``_core.rules`` are applied in
+* :func:`decide`: may this fold be made, and how? The rules of ``_fold.core.rules`` are applied in
   one order, on both paths, so that a site failing two rules is refused for the same one:
 
   1. the kernel is not computed from an activation;
@@ -92,7 +92,7 @@ def decide(*, kernel_dtype, math_dtypes: Sequence, s: np.ndarray | None,
         guarded site is guarded when it is not.
       subnormal: a value of the site computed now depends on subnormal numbers.
       kernel_factors: what else the kernel is multiplied by before it is rounded (a forward
-        fold's input scale, ``_core.algebra.input_scale``): rounded once with ``s``.
+        fold's input scale, ``_base.algebra.input_scale``): rounded once with ``s``.
     """
     if in_graph not in IN_GRAPH_POLICIES:
         raise ValueError(f"in_graph must be one of {IN_GRAPH_POLICIES}, got {in_graph!r}")

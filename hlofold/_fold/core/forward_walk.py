@@ -2,12 +2,12 @@
 
 ``root(x·s + t, K) = root(x, K ⊙_in s) + root(t, K)`` for ``s``/``t`` per input feature.
 :func:`walk_forward` follows the root's input back through per-input-channel affine ops; an
-IR adapter (:class:`ForwardIR`: ``_jaxpr.forward.JaxprForwardIR`` on a jaxpr,
-``_stablehlo.forward.HloForwardIR`` on StableHLO) says what an op is and what it computes from.
+IR adapter (:class:`ForwardIR`: ``_fold.jaxpr.forward.JaxprForwardIR`` on a jaxpr,
+``_fold.stablehlo.forward.HloForwardIR`` on StableHLO) says what an op is and what it computes from.
 The rules that decide are here, once:
 
 * a value before the root has one reader (the root's input may feed several linear roots:
-  ``_core.decide.forward_consumers_refusal``, asked of the adapter);
+  ``_fold.core.decide.forward_consumers_refusal``, asked of the adapter);
 * an operand is not computed from the activations; where both operands of an op look
   per-channel, the chain value is the one not known now, and computed (the other an input);
 * LayerNorm/RMSNorm **per-token factors**: a ``mul`` by a value constant along the feature

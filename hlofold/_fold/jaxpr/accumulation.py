@@ -72,7 +72,7 @@ def tolerance_profile(jaxpr) -> tuple[int, int, np.dtype | None]:
 
 def computes_in(jaxpr) -> np.dtype | None:
     """The narrowest float type a conv/dot of ``jaxpr`` (nested jaxprs included) reads or
-    writes: the precision the program computes in (``_core.tolerance``'s ``compute``)."""
+    writes: the precision the program computes in (``_base.tolerance``'s ``compute``)."""
     found = []
     for e in jaxpr.eqns:
         if e.primitive.name in _ACCUMULATING:

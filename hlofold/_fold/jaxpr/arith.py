@@ -74,7 +74,7 @@ def place_traced(m, o_axis: int, i_axis: int, ndim: int):
 
 
 def input_traced(vec, ko, ki: int, groups: int, out_channels: int, ndim: int):
-    """A per-input-channel vector placed on a kernel (``_core.algebra.input_scale`` in the
+    """A per-input-channel vector placed on a kernel (``_base.algebra.input_scale`` in the
     graph): along ``ki`` for one group (``ko`` may then be a Block), else each output
     channel's group matrix."""
     if groups == 1:
@@ -98,7 +98,7 @@ def cast(x, dtype):
     return lax.convert_element_type(x, dtype)
 
 
-# (reshape, broadcast_to) in the graph, for _core.chain_rules.block_values
+# (reshape, broadcast_to) in the graph, for _base.chain_rules.block_values
 LAX_BROADCAST = (lax.reshape, lambda v, d: lax.broadcast_in_dim(v, d, tuple(range(len(d)))))
 
 

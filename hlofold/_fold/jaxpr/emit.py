@@ -6,7 +6,7 @@ together (:meth:`SiteEmitter._traced_site_eqns`), split per site; its activation
 of its own equations (:meth:`SiteEmitter._spliced_eqns`: the root on the rescaled kernel, the
 chain's shape steps, the bias add); a site whose parameters are known only at run time gets a
 guard: a ``cond`` running its original equations when the rescaled kernel or bias is not
-finite. Sites with equal plans (``_jaxpr.templates.template_key``) are traced once and cloned.
+finite. Sites with equal plans (``_ir.jaxpr.templates.template_key``) are traced once and cloned.
 A forward fold's per-token factors (and the sharding constraints its input had), a bias map
 and float32 kernels of a narrower conv are traced whole (:meth:`SiteEmitter._folded_value`)."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _Splice(NamedTuple):
 
 
 class SiteEmitter:
-    """The emission half of a jaxpr scope (``_jaxpr.fold._Scope``): reads its plan (``site_at_end``,
+    """The emission half of a jaxpr scope (``_fold.jaxpr.fold._Scope``): reads its plan (``site_at_end``,
     ``skip``, ``new_eqn``) and writes the folded program."""
 
     def _emit(self) -> C.ClosedJaxpr:
@@ -127,7 +127,7 @@ class SiteEmitter:
               if isinstance(v, C.Var) and v not in internal] if site.guard else [])))
 
     def _template_key(self, site):
-        """``_jaxpr.templates.template_key`` of a site; None also when an operand of its
+        """``_ir.jaxpr.templates.template_key`` of a site; None also when an operand of its
         chains is known at transform time (its value is baked into the equations)."""
         if any(self.operand_value(st.operand) is not None
                for st in site.steps + (site.fwd.steps if site.fwd else [])

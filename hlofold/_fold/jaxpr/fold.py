@@ -2,7 +2,7 @@
 
 For every root equation a pattern is registered for (``conv_general_dilated``,
 ``dot_general``), the scope follows the root's output through a chain of per-output-channel
-affine operations, collapsing them into a running ``y·s + t`` (``_core.algebra``):
+affine operations, collapsing them into a running ``y·s + t`` (``_base.algebra``):
 
     add c: t += c    sub c: t -= c    c - y: s, t = -s, c - t    neg: s, t = -s, -t
     mul c: s, t = s·c, t·c      div c: s, t = s/c, t/c
@@ -12,9 +12,9 @@ kernel along its output-feature dimension, which is exact for any rank, stride, 
 dilation (lhs dilation included) and feature/batch grouping.
 
 The work is split by job: this module holds the scope (the walk over equations, the report
-records, nested jaxprs through the rule table of ``_jaxpr.nested``); ``_jaxpr.values`` its
-known values and provenance; ``_jaxpr.plan`` decides each site (matching with ``_core.patterns``
-and ``_core.chain_rules``, the shared decision of ``_core.decide``); ``_jaxpr.emit`` splices the
+records, nested jaxprs through the rule table of ``_fold.jaxpr.nested``); ``_fold.jaxpr.values`` its
+known values and provenance; ``_fold.jaxpr.plan`` decides each site (matching with ``_fold.core.patterns``
+and ``_base.chain_rules``, the shared decision of ``_fold.core.decide``); ``_fold.jaxpr.emit`` splices the
 folded equations into the program. The plan is made outside any trace, with constants
 evaluated eagerly (``K ⊙ s`` of constant parameters computed once, in float64 on the host);
 emission keeps every untouched equation and traces only the folded sites' parameter side.
@@ -79,7 +79,7 @@ def fold_jaxpr(closed: C.ClosedJaxpr, *, invar_names: Sequence[str] | None = Non
         over a tensor is left (status ``left``, with its figures). None (default): fold
         every safe site.
 
-      merge: merge sums of parallel branches into one convolution (``_jaxpr.merge``).
+      merge: merge sums of parallel branches into one convolution (``_fold.jaxpr.merge``).
 
     Returns ``(folded, report)``. ``folded`` has the same inputs and outputs as ``closed``;
     when nothing folds it *is* ``closed``.
@@ -138,7 +138,7 @@ def plan_sites(closed: C.ClosedJaxpr, known: Sequence[Any], names: Sequence[str]
     return scope
 
 
-# the in-graph policies of ``_core.decide`` a caller of fold_jaxpr picks ("unguarded": the
+# the in-graph policies of ``_fold.core.decide`` a caller of fold_jaxpr picks ("unguarded": the
 # caller checks the folded values for finiteness itself, as hlofold.fold's device prepare)
 IN_GRAPH_MODES = IN_GRAPH_POLICIES
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ class _Options:
     float32_kernels: bool = False
     in_graph: str = "guarded"
     cost: frozenset | None = None     # hlofold.fold's cost rule (names of prepared constants)
-    merge: bool = True                # parallel branches merged (_jaxpr.merge)
+    merge: bool = True                # parallel branches merged (_fold.jaxpr.merge)
     keep_stacks: bool = False         # keep each folded stack's per-layer scopes (fold_params)
     # what this JAX changed that kept the fold out of part of the program (filled on the way)
     compat: list = dataclasses.field(default_factory=list, compare=False, hash=False)
@@ -234,7 +234,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
 
     def _merged(self, closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
         """``closed`` (this scope, folded) with its sums of parallel branches merged
-        (``_jaxpr.merge``), planned over a scope of its own."""
+        (``_fold.jaxpr.merge``), planned over a scope of its own."""
         prims = {e.primitive.name for e in closed.jaxpr.eqns}
         if not self.opts.merge or "add" not in prims or not prims & {"conv_general_dilated", "cond"}:
             return closed

@@ -1,7 +1,7 @@
 """Planning a forward fold on a jaxpr: the affine chain *in front of* a root.
 
 ``root(x·s + t, K) = root(x, K ⊙_in s) + root(t, K)`` for ``s``/``t`` per input feature. The
-chain is the shared walk ``_core.forward_walk.walk_forward`` (per-input-channel steps, LayerNorm's
+chain is the shared walk ``_fold.core.forward_walk.walk_forward`` (per-input-channel steps, LayerNorm's
 and RMSNorm's per-token factors kept in the graph as :attr:`Forward.tokens`) over
 :class:`JaxprForwardIR`; here are the jaxpr's answers to its questions (who reads a value,
 what is computed from the activations, what is per token) and the site's record.
@@ -74,7 +74,7 @@ class ForwardPlanner:
 
     def _plan_forward(self, eqn, pattern, info: RootInfo) -> Forward | None:
         """Follow the root's lhs back through per-input-channel affine ops
-        (``_core.forward_walk.walk_forward``). Returns the forward fold, or None (no chain, or
+        (``_fold.core.forward_walk.walk_forward``). Returns the forward fold, or None (no chain, or
         refused: then recorded)."""
         act = 1 - info.kernel_index          # the operand holding the activations
         axis = pattern.input_feature_axis(eqn, act)
@@ -148,7 +148,7 @@ class ForwardPlanner:
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
         """None if the chain may take the op producing ``v``
-        (``_core.decide.forward_consumers_refusal``)."""
+        (``_fold.core.decide.forward_consumers_refusal``)."""
         def readers():
             for j, pos in self.uses.get(v, []):
                 c = self.jaxpr.eqns[j]
@@ -199,7 +199,7 @@ class ForwardPlanner:
 
 
 class JaxprForwardIR:
-    """The jaxpr adapter of the forward walk (``_core.forward_walk.ForwardIR``), for one scope
+    """The jaxpr adapter of the forward walk (``_fold.core.forward_walk.ForwardIR``), for one scope
     (a jaxpr has no regions: the walk's questions do not depend on the root)."""
 
     def __init__(self, planner: ForwardPlanner):

@@ -86,7 +86,7 @@ RULES: dict[str, Callable] = {
 
 def flushes(eqn, vals: Sequence[Any], out: Sequence[Any]) -> bool:
     """Whether ``out`` (``eqn`` on ``vals``, as :func:`evaluate` or JAX computed it) depends on
-    subnormal numbers a backend would flush (``_core.rules.flushes_differently``); an
+    subnormal numbers a backend would flush (``_fold.core.rules.flushes_differently``); an
     equation without a NumPy rule here is flagged when any of its values is subnormal."""
     rule = RULES.get(eqn.primitive.name)
     if rule is not None and not getattr(rule, "arithmetic", False):

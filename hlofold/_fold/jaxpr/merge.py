@@ -1,10 +1,10 @@
-"""Parallel branches merged on a jaxpr: the rule of ``_core.merge`` read from equations.
+"""Parallel branches merged on a jaxpr: the rule of ``_fold.core.merge`` read from equations.
 
 After a scope's BatchNorms are folded, a RepVGG-style block is a sum (a tree of ``add``
 equations) whose leaves are branches reading one input ``x``: ``conv(x, K)`` with the affine
 left after it (``+ t`` of a folded site, or a BatchNorm no root took: the identity branch's),
 an average pool (``reduce_window_sum`` then ``/ n``), a 1×1 → k×k pair, ``x`` itself, and
-per-channel biases. :func:`merge_scope` reads each tree into ``_core.merge.Term`` s, asks the
+per-channel biases. :func:`merge_scope` reads each tree into ``_fold.core.merge.Term`` s, asks the
 core which merge (:func:`hlofold._fold.core.merge.plan`), and writes the merged
 ``conv(x, Σ embed(Kᵢ·sᵢ)) + Σ t`` in place of the tree's last ``add`` (the branches' equations
 are then dead, and the scope drops them). Known weights are merged in float64 on the host and

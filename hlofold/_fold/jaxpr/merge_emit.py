@@ -1,5 +1,5 @@
 """A jaxpr branch merge decided and written: values on the host or in the graph, the report
-record, and the merged ``conv + bias`` spliced in place of the sum (``_jaxpr.merge`` reads
+record, and the merged ``conv + bias`` spliced in place of the sum (``_fold.jaxpr.merge`` reads
 the branches)."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Merge:
     needs: list = dataclasses.field(default_factory=list)
     members: dict = dataclasses.field(default_factory=dict)     # term index -> leaf
     biases: list = dataclasses.field(default_factory=list)      # the sum's biases taken
-    after: Any = None               # the affine after the sum it absorbed (``_jaxpr.merge``)
+    after: Any = None               # the affine after the sum it absorbed (``_fold.jaxpr.merge``)
 
 
 def _names(view, atoms) -> list[str]:
@@ -72,10 +72,10 @@ def _known(view, a) -> bool:
 
 def merge_group(view, g, in_graph: str, path: str, sites: list, write: bool = True,
                 biases=(), after=None) -> Merge | None:
-    """Decide the merge of group ``g`` (``_jaxpr.merge._Group``) and record it (with
+    """Decide the merge of group ``g`` (``_fold.jaxpr.merge._Group``) and record it (with
     ``write`` False, only say that it would merge and cannot be written back); ``biases``:
     the sum's per-channel terms (ChannelOperands), added to the merged bias; ``after``: the
-    affine after the sum (``_jaxpr.merge.After``), absorbed when every branch merges."""
+    affine after the sum (``_fold.jaxpr.merge.After``), absorbed when every branch merges."""
     structs = [g.structure(lf) for lf in g.leaves]
     ok = [i for i, s in enumerate(structs) if isinstance(s, M.Term)]
     terms = [structs[i] for i in ok]

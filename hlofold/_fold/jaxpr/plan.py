@@ -1,11 +1,11 @@
 """Planning one jaxpr site: the chain after a root, the chain before it, and the decision.
 
-:class:`SitePlanner` is the planning half of a jaxpr scope (``_jaxpr.fold._Scope``). For a root
+:class:`SitePlanner` is the planning half of a jaxpr scope (``_fold.jaxpr.fold._Scope``). For a root
 equation it walks the root's output through per-output-channel affine ops and shape ops
-(``_core.chain.walk`` over :class:`JaxprChain`, whose rule table :data:`JAXPR_STEPS` applies the
-step rules of ``_core.chain_rules``), the root's input back
-through per-input-channel affine ops (``_jaxpr.forward.ForwardPlanner``), and decides with
-the decision both paths share (``_core.decide``): fold (constants computed now, in float64), fold
+(``_fold.core.chain.walk`` over :class:`JaxprChain`, whose rule table :data:`JAXPR_STEPS` applies the
+step rules of ``_base.chain_rules``), the root's input back
+through per-input-channel affine ops (``_fold.jaxpr.forward.ForwardPlanner``), and decides with
+the decision both paths share (``_fold.core.decide``): fold (constants computed now, in float64), fold
 in the graph (guarded, prepared by the caller, or not at all: ``in_graph``), or refuse with a
 reason. A chain that continues into a ``jit`` call is marked (``_call_rule``); the scope
 inlines the call and plans again.
@@ -31,7 +31,7 @@ from hlofold._base.report import CANONICAL, FOLDED, LEFT, NO_PATTERN, REFUSED, F
 from hlofold._base.reasons import Reason
 from hlofold._fold.core.rules import WEIGHT_CONE, weight_like
 
-# the jaxpr's ops of _core.rules.WEIGHT_LAYOUT, by its names (other ops by their own)
+# the jaxpr's ops of _fold.core.rules.WEIGHT_LAYOUT, by its names (other ops by their own)
 _LAYOUT = ops.OPS.kinds("shape", {"cast": "convert", "transpose": "transpose",
                                   "reshape": "reshape"})
 
@@ -217,7 +217,7 @@ class SitePlanner(ForwardPlanner):
 
     def _left_for_cost(self, eqn, info, kernel, k_val, affine, op_vals, fwd, backward,
                        rec) -> bool:
-        """``hlofold.fold``'s cost rule (``_core.cost``), before any kernel-sized work: a
+        """``hlofold.fold``'s cost rule (``_fold.core.cost``), before any kernel-sized work: a
         site whose parameters are inputs (prepared per value, or rescaled in the graph) or
         prepared constants (``opts.cost``: their names) folds only where it removes a pass;
         else its records say ``left``, with the figures. True: left."""
@@ -259,7 +259,7 @@ class SitePlanner(ForwardPlanner):
         return reason is not None
 
     def _check_forward(self, fwd: Forward, info, kd, hint, all_known: bool) -> bool:
-        """The forward fold's own rules (``_core.decide.forward_refusal``), before the shared
+        """The forward fold's own rules (``_fold.core.decide.forward_refusal``), before the shared
         decision; ``fwd.s_known``/``t_known`` set when known. False: refused."""
         vals = [None if s.operand is None else self.operand_value(s.operand)
                 for s in fwd.steps]
@@ -286,7 +286,7 @@ class SitePlanner(ForwardPlanner):
                               (lambda taps: pattern.bias_map(eqn, taps, fwd.masks)))
 
     def _weight_like(self, eqn, k: int) -> bool:
-        """Operand ``k`` of ``eqn`` is the weight, not yet known (``_core.rules.weight_like``)."""
+        """Operand ``k`` of ``eqn`` is the weight, not yet known (``_fold.core.rules.weight_like``)."""
         kinds = lambda v: None if (c := self.cone(v, limit=WEIGHT_CONE)) is None else [
             _LAYOUT.get(n, n) for n in (self.producer[u][1].primitive.name
                                         for u in c if u in self.producer)]
@@ -318,7 +318,7 @@ class SitePlanner(ForwardPlanner):
 
 
 class JaxprChain:
-    """The jaxpr adapter of the chain walk (``_core.chain.ChainIR``), for one root of a scope;
+    """The jaxpr adapter of the chain walk (``_fold.core.chain.ChainIR``), for one root of a scope;
     what each primitive does to the chain is the rule table :data:`JAXPR_STEPS`."""
 
     def __init__(self, scope: "SitePlanner", root: C.JaxprEqn, pattern):
@@ -383,7 +383,7 @@ def _pass_rule(chain: JaxprChain, eqn, pos, axis):
 
 def _call_rule(chain: JaxprChain, eqn, pos, axis):
     """A call (jit/pjit) whose body takes the chain on: the scope inlines it and plans
-    again (``_jaxpr.fold._Scope.plan``), as the StableHLO path inlines a private callee."""
+    again (``_fold.jaxpr.fold._Scope.plan``), as the StableHLO path inlines a private callee."""
     if not C.inlinable_call(eqn):      # its layouts or donations would be lost
         return f"chain ends at {eqn.primitive.name}"
     body = C.call_body(eqn)[1]
@@ -394,7 +394,7 @@ def _call_rule(chain: JaxprChain, eqn, pos, axis):
         chain.scope.calls_reached.add(chain.scope.producer[eqn.outvars[0]][0])
         return f"chain ends at {eqn.primitive.name}"
     return (f"chain ends at {eqn.primitive.name} (its argument feeds "
-            f"{', '.join(readers) or 'nothing'})")     # a chain-end (``_core.chain.walk``)
+            f"{', '.join(readers) or 'nothing'})")     # a chain-end (``_fold.core.chain.walk``)
 
 
 # what each primitive does to a chain that reaches it (others end the chain)

@@ -4,9 +4,9 @@
 ``L`` times, iteration ``l`` reading slice ``l`` of each scanned operand. When some of those
 operands are known (frozen or prepared parameters), :func:`stacked_scan` folds the body once
 per layer with its slices known, and restacks the results with the core rule
-(``_core.stacks.Restack``): the new scan takes the folded kernels and biases as scanned
+(``_fold.core.stacks.Restack``): the new scan takes the folded kernels and biases as scanned
 operands of its own (computed once, for the stack), and its body runs conv + bias. Layers
-that do not fold alike leave the scan to the usual rule (``_jaxpr.nested.scan_rule``),
+that do not fold alike leave the scan to the usual rule (``_fold.jaxpr.nested.scan_rule``),
 with the reason.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _counters(scope, eqn, sub, nc: int, ncarry: int) -> dict:
 def _into_stacks(layer_scope, kernels: dict, layer: int, length: int) -> None:
     """Each folded kernel of one layer's scope moved into a stack of its own (made at
     layer 0, aligned as JAX's CPU client aliases), the site keeping a view: fold_params
-    then writes the stack as it is (``_core.stacks.stacked_view``), and no layer's kernel
+    then writes the stack as it is (``_fold.core.stacks.stacked_view``), and no layer's kernel
     is held twice."""
     for idx, site in enumerate(layer_scope.site_at_end[i]
                                for i in sorted(layer_scope.site_at_end)):

@@ -1,8 +1,8 @@
-"""Known values and provenance in a jaxpr scope (the values half of ``_jaxpr.fold._Scope``).
+"""Known values and provenance in a jaxpr scope (the values half of ``_fold.jaxpr.fold._Scope``).
 
 * :meth:`ScopeValues.value`: the concrete value of a variable when it is known at transform
   time (constants, and values computed from them: evaluated on the host with the NumPy rules
-  of ``_jaxpr.host``, one per primitive, else with ``jax.ensure_compile_time_eval``), else None; a
+  of ``_fold.jaxpr.host``, one per primitive, else with ``jax.ensure_compile_time_eval``), else None; a
   value computed from an input not known now is None at once (a cheap sweep says so);
 * :meth:`ScopeValues.names`: the program inputs (or named constants) a value derives from;
 * :meth:`ScopeValues.sources`: the program inputs a value is computed from (a bit set);
@@ -10,7 +10,7 @@
   activation, never a parameter).
 
 All are memoized per scope; the last two (and the known-ness test) are one sweep over the
-equations in program order, the value a memoized walk back (``_core.chain.postorder``): programs
+equations in program order, the value a memoized walk back (``_fold.core.chain.postorder``): programs
 can be deeper than Python's stack.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ScopeValues:
     ``activation``, ``maybe_known`` and ``swept`` (set by the scope's ``_index``)."""
 
     def _backward(self, atom, memo: dict, literal, leaf, combine):
-        """Memoized walk from ``atom`` back to the inputs (``_core.chain.postorder``): ``leaf(v)``
+        """Memoized walk from ``atom`` back to the inputs (``_fold.core.chain.postorder``): ``leaf(v)``
         gives the value of a variable without a producer in this scope,
         ``combine(eqn, input_values)`` the values of an equation's outputs."""
         if isinstance(atom, C.Literal):
@@ -123,7 +123,7 @@ class ScopeValues:
 
     def flushes(self, atom) -> bool:
         """Whether :meth:`value` left ``atom`` unknown because its host value depends on
-        subnormal numbers a backend flushes (``_core.rules.flushes_differently``)."""
+        subnormal numbers a backend flushes (``_fold.core.rules.flushes_differently``)."""
         return isinstance(atom, C.Var) and atom in self.flushed
 
     def names(self, atom) -> frozenset:

@@ -47,7 +47,7 @@ def _region_accumulation(region, funcs, memo) -> tuple[int, int]:
 
 def module_computes_in(module) -> np.dtype | None:
     """The narrowest float type a convolution or dot of ``module`` (any function, any region)
-    reads or writes: the precision the module computes in (``_core.tolerance``'s
+    reads or writes: the precision the module computes in (``_base.tolerance``'s
     ``compute``)."""
     found = []
 

@@ -90,7 +90,7 @@ def inline_crossed_calls(module) -> int:
     """Inline each call of a private function that a fold crosses
     (:func:`hlofold._fold.core.boundary.crosses`): a layer inside whose result the caller scales
     per channel, per-channel arithmetic before a call whose body holds the layer — as the
-    jaxpr path inlines such a ``jit`` call (``_jaxpr.nested.crossed_calls``). Calls inside
+    jaxpr path inlines such a ``jit`` call (``_fold.jaxpr.nested.crossed_calls``). Calls inside
     bodies brought up by inlining are looked at again. Returns how many were inlined."""
     def crossed(symbols):
         if not any(_private_with_root(f) for f in symbols.values()):
@@ -117,7 +117,7 @@ def inline_layer_calls(module) -> int:
     """Inline every call in ``@main`` of a private function holding a conv/dot, and the
     calls those bring up: the layers of ``@jax.jit`` helpers read where they are called, so
     that they pair with those around them (``equalize=``, ``smooth=``) as on the jaxpr path,
-    which reads calls inlined (``_jaxpr.nested.inline_all``). Returns how many."""
+    which reads calls inlined (``_fold.jaxpr.nested.inline_all``). Returns how many."""
     main = main_function(module)
 
     def in_main(symbols):

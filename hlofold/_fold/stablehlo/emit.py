@@ -1,4 +1,4 @@
-"""Writing a folded StableHLO site: the emission half of the pass (``_stablehlo.fold``).
+"""Writing a folded StableHLO site: the emission half of the pass (``_fold.stablehlo.fold``).
 
 A decided site's ops are replaced by ``root(x, K')`` (with a bias map where a padded
 convolution needs one), the chain's casts and shape ops replayed, and ``+ t``. Where the
@@ -24,7 +24,7 @@ ir, stablehlo, func_dialect = C.mlir()
 
 class SiteWriter:
     """Reads the pass's state (``ct``, ``guard``, ``guard_parts``, ``written``, ``claimed``,
-    ``replaced``, ``dead``, ``token_inputs``) and its value helpers (``_stablehlo.values``)."""
+    ``replaced``, ``dead``, ``token_inputs``) and its value helpers (``_fold.stablehlo.values``)."""
 
     def _rewrite(self, root, steps, real, info, fwd, dec, known, s_vec, t_vec, bmap, add_t):
         """Replace the site's ops: ``root(x, K')`` (+ bias map), the chain's casts and shape

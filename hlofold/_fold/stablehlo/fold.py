@@ -5,8 +5,8 @@ TF, PyTorch/XLA, hand-written modules and plain ``jax.export`` artifacts carry B
 (``convolution → subtract/multiply/add/divide`` with ``broadcast_in_dim`` of per-channel
 values, with ``convert`` casts). This pass walks every ``stablehlo.convolution`` (and
 ``stablehlo.dot_general`` and ``stablehlo.dot``), follows its result through such a chain
-(``_core.chain.walk``; into private functions that continue it), decides the site
-(``_core.decide``), collapses the chain into ``y·s + t`` and rewrites it to
+(``_fold.core.chain.walk``; into private functions that continue it), decides the site
+(``_fold.core.decide``), collapses the chain into ``y·s + t`` and rewrites it to
 ``convolution(x, K ⊙ s) + broadcast_in_dim(t)``:
 
 * operands that are constants (possibly computed from constants) give a new constant kernel
@@ -105,7 +105,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         # root (bit 0)
         self.lineage: dict[Any, int] = {}
         self.n_args = 0                            # block arguments given a bit so far
-        self.invariant_memo: dict = {}             # _core.forward_walk.invariant
+        self.invariant_memo: dict = {}             # _fold.core.forward_walk.invariant
         self.reads_memo: dict = {}                 # op with regions -> the values it reads
         # ops a folded site replaced: erased after all sites, so that no op is freed while
         # the memos (keyed by the ops' addresses) are in use
@@ -304,7 +304,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         return why
 
     def _check_forward(self, root, fwd, info, kd, policy, k_np, s_known: bool):
-        """The forward fold's own rules (``_core.decide.forward_refusal``); returns ``(fwd or None
+        """The forward fold's own rules (``_fold.core.decide.forward_refusal``); returns ``(fwd or None
         when refused, the kernel known now or None, what it is multiplied by for s_in, the
         bias the shift adds)``."""
         c_in, c_out = info[4], channel_count(root_shapes(root)[2], info[0])

@@ -1,8 +1,8 @@
 """Planning a forward fold on StableHLO: the affine chain *in front of* a root.
 
-The StableHLO side of ``_jaxpr.forward``: ``root(x·s + t, K) = root(x, K ⊙_in s) + root(t, K)``
+The StableHLO side of ``_fold.jaxpr.forward``: ``root(x·s + t, K) = root(x, K ⊙_in s) + root(t, K)``
 for ``s``/``t`` per input feature. The chain is the shared walk
-``_core.forward_walk.walk_forward`` (per-channel steps of ``_stablehlo.match.HLO_STEPS``; LayerNorm's
+``_fold.core.forward_walk.walk_forward`` (per-channel steps of ``_fold.stablehlo.match.HLO_STEPS``; LayerNorm's
 and RMSNorm's per-token factors, kept in the graph) over :class:`HloForwardIR`, with the
 rules both paths share:
 
@@ -10,9 +10,9 @@ rules both paths share:
   every one of them is a linear layer reading it as its input features;
 * an operand is not computed from the activations (a root's output, or the values the
   chain itself is computed from: a statistic of the token);
-* a shift the padding hides from some taps becomes a bias map (``_core.patterns.border_masks``,
-  ``_core.patterns.bias_map``), refused where it costs more than it saves
-  (``_core.rules.bias_map_refusal``);
+* a shift the padding hides from some taps becomes a bias map (``_fold.core.patterns.border_masks``,
+  ``_fold.core.patterns.bias_map``), refused where it costs more than it saves
+  (``_fold.core.rules.bias_map_refusal``);
 * an op an earlier root's chain took is not taken again (one op, one owner).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def input_feature_axis(root, act: int) -> int | None:
 
 def input_channel(root, act: int) -> tuple[int, int] | Refusal:
     """(activation feature axis, kernel input-feature axis), or why not (the words of
-    ``_core.patterns``' ``input_channel``)."""
+    ``_fold.core.patterns``' ``input_channel``)."""
     if op_name(root) == "stablehlo.convolution":
         if "batch_group_count" in root.attributes and \
                 ir.IntegerAttr(root.attributes["batch_group_count"]).value != 1:
@@ -151,7 +151,7 @@ def _elems(shape, skip: int | None = None) -> int:
 
 
 class HloForwardPlanner:
-    """The forward-chain half of the StableHLO pass (``_stablehlo.fold._Pass``)."""
+    """The forward-chain half of the StableHLO pass (``_fold.stablehlo.fold._Pass``)."""
 
     def plan_forward(self, root, info, fname) -> HloForward | None:
         """Follow the root's activation operand back through per-input-channel affine ops.
@@ -223,7 +223,7 @@ class HloForwardPlanner:
 
     def _readers(self, v) -> list:
         """The ops reading ``v`` in the program as written (the jaxpr path plans on the
-        original equations): ``_stablehlo.ir.readers`` but for the ops folds wrote (their roots,
+        original equations): ``_ir.stablehlo.ir.readers`` but for the ops folds wrote (their roots,
         per-token ops, guards and the original ops a guard holds)."""
         written = self.written
 
@@ -242,7 +242,7 @@ class HloForwardPlanner:
 
     def _consumers_refusal(self, v, top, axis: int) -> str | None:
         """None if the chain may take the op producing ``v``
-        (``_core.decide.forward_consumers_refusal``)."""
+        (``_fold.core.decide.forward_consumers_refusal``)."""
         got = self._readers(v)
 
         def readers():
@@ -258,7 +258,7 @@ class HloForwardPlanner:
                                          readers())
 
     def weight_like(self, root, k: int) -> bool:
-        """Operand ``k`` of ``root`` is the weight, not yet known (``_core.rules.weight_like``)."""
+        """Operand ``k`` of ``root`` is the weight, not yet known (``_fold.core.rules.weight_like``)."""
         def kinds(v):
             cone = self._cone(v, WEIGHT_CONE)
             return None if cone is None else [
@@ -318,7 +318,7 @@ class HloForwardPlanner:
 
 
 class HloForwardIR:
-    """The StableHLO adapter of the forward walk (``_core.forward_walk.ForwardIR``), for one
+    """The StableHLO adapter of the forward walk (``_fold.core.forward_walk.ForwardIR``), for one
     root."""
 
     def __init__(self, planner: HloForwardPlanner, root):

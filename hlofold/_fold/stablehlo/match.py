@@ -1,11 +1,11 @@
 """Matching on StableHLO: the chain after a root.
 
-Roots and operands are read by ``_stablehlo.patterns``. :class:`ChainWalker` (the matching half of
-the pass in ``_stablehlo.fold``) holds what the walk needs across sites; the pass follows a
-root's result with the one chain walk of both paths (``_core.chain.walk``) over
+Roots and operands are read by ``_fold.stablehlo.patterns``. :class:`ChainWalker` (the matching half of
+the pass in ``_fold.stablehlo.fold``) holds what the walk needs across sites; the pass follows a
+root's result with the one chain walk of both paths (``_fold.core.chain.walk``) over
 :class:`HloChain`, whose rule table :data:`HLO_STEPS` says what each op does: per-channel
 arithmetic, ``batch_norm_inference``, the shape ops of the shared rule
-``_core.chain_rules.pass_axis``, private callees (inlined on trial). It also accounts for
+``_base.chain_rules.pass_axis``, private callees (inlined on trial). It also accounts for
 normalizations no root reaches.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ UNREACHED_OPS = ops.names(lambda o: o.affine in ("bn", "mul"))
 
 
 class ChainWalker:
-    """What the StableHLO pass (``_stablehlo.fold._Pass``) keeps for its chain walks: private calls
+    """What the StableHLO pass (``_fold.stablehlo.fold._Pass``) keeps for its chain walks: private calls
     inlined on trial, the values' lineage (sources, activation), and the records of unreached
     normalizations."""
 
@@ -260,7 +260,7 @@ class ChainWalker:
 
 
 class HloChain:
-    """The StableHLO adapter of the chain walk (``_core.chain.ChainIR``), for one root; what each
+    """The StableHLO adapter of the chain walk (``_fold.core.chain.ChainIR``), for one root; what each
     op does to the chain is the rule table :data:`HLO_STEPS`."""
 
     def __init__(self, walker: ChainWalker, root, fname: str):

@@ -1,6 +1,6 @@
-"""Parallel branches merged on StableHLO: the rule of ``_core.merge`` read from ops.
+"""Parallel branches merged on StableHLO: the rule of ``_fold.core.merge`` read from ops.
 
-The StableHLO twin of ``_jaxpr.merge``: after the pass folded each branch's BatchNorm, a
+The StableHLO twin of ``_fold.jaxpr.merge``: after the pass folded each branch's BatchNorm, a
 tree of ``stablehlo.add`` whose leaves read one input ``x`` — ``convolution(x, K)`` with the
 affine after it (a folded site's ``+ t``, the arithmetic or ``batch_norm_inference`` of an
 identity branch), an average pool (``reduce_window`` of ``add``, then ``/ n``), a 1×1 → k×k

@@ -1,4 +1,4 @@
-"""StableHLO branch merges decided and written (``_stablehlo.merge`` reads the branches):
+"""StableHLO branch merges decided and written (``_fold.stablehlo.merge`` reads the branches):
 :func:`merge_module` finds each sum, the terms get their values, the report its record,
 and the merged ``convolution + bias`` takes the sum's place."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """StableHLO roots and per-channel operands: the StableHLO side of the matcher.
 
 :func:`root_info` reads a convolution or dot: which output dimension carries the features,
-which operand is the kernel and along which axis (layouts named by ``_core.patterns``);
+which operand is the kernel and along which axis (layouts named by ``_fold.core.patterns``);
 :func:`resolve` traces a binary op's other operand back to a source that varies only along
 the feature dimension; :class:`Evaluator` computes constant sub-expressions on the host.
 """
@@ -37,7 +37,7 @@ class Operand:
     casts: tuple               # element types converted to, in order
     size: int
     block: tuple | None = None       # on a (heads, head_dim) Block: the source's extents
-    block_dims: tuple | None = None  # ... and the block's (_core.chain_rules.block_values)
+    block_dims: tuple | None = None  # ... and the block's (_base.chain_rules.block_values)
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class Evaluator:
     type), memoized. Iterative: a chain of constant ops is as deep as the module.
 
     A value whose host result depends on subnormal numbers a backend flushes
-    (``_core.rules.flushes_differently``) is left unknown and recorded in ``flushed``."""
+    (``_fold.core.rules.flushes_differently``) is left unknown and recorded in ``flushed``."""
 
     _UNARY = {"stablehlo.negate": np.negative, "stablehlo.sqrt": np.sqrt,
               "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a), "stablehlo.exponential": np.exp}
@@ -71,7 +71,7 @@ class Evaluator:
         self.module = module
         self._calls: dict | None = None
         # block arguments whose values are given (one layer of a scanned stack: its
-        # counters and the known loop operands, ``_stablehlo.stacks``)
+        # counters and the known loop operands, ``_fold.stablehlo.stacks``)
         self.bound: dict = dict(bound or {})
 
     @property
@@ -221,7 +221,7 @@ def resolve(value, out_shape, axis, explain: bool = True) -> Operand | Refusal:
 
 
 def axis_role(op, axis: int) -> str:
-    """What output axis ``axis`` of root ``op`` is (the shared words of ``_core.patterns``)."""
+    """What output axis ``axis`` of root ``op`` is (the shared words of ``_fold.core.patterns``)."""
     if op_name(op) == "stablehlo.convolution":
         dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
         return conv_axis_role(axis, dn.output_batch_dimension)
@@ -263,7 +263,7 @@ def root_info(op):
         return Reason("root", f"the rhs has {len(rfree)} free dimensions")
     # several free dimensions on both sides (a multi-head projection): the block of them
     # (contiguous in the kernel), else the rhs's first, as on jaxprs
-    # (``_jaxpr.patterns.DotAffinePattern``)
+    # (``_fold.jaxpr.patterns.DotAffinePattern``)
     block = block_of(rhs, rfree, len(lb) + len(lfree))
     if block is not None:
         return (block[0], 1, block[1], dot_layout(lhs, rhs, out),

@@ -9,7 +9,7 @@ one (a counter from a constant start by a constant step, the condition ``counter
 private callees inlined, the counters and the known operands given to the evaluator —
 ``patterns.Evaluator.bound``: the slices are read as views of the stacks, never copied), with
 every rule of the pass (``fold_module``), and restacks the folded constants with the core rule
-(``_core.stacks.Restack``): the new loop takes the folded kernels and biases as stacked
+(``_fold.core.stacks.Restack``): the new loop takes the folded kernels and biases as stacked
 operands of its own, read at the iteration number, and its body runs conv + bias; the old
 stacks it no longer reads are dropped. Layers that do not fold alike leave the loop as it was,
 and the pass gives its sites that reason.

@@ -1,7 +1,7 @@
 """Values of a StableHLO site: chain operands on the host (float64) or as graph values.
 
-:class:`HloValues` is the value half of the StableHLO pass (``_stablehlo.fold._Pass``): the chain
-after a root (and the one in front of it) as ``(kinds, operands)`` for ``_core.algebra.collapse``,
+:class:`HloValues` is the value half of the StableHLO pass (``_fold.stablehlo.fold._Pass``): the chain
+after a root (and the one in front of it) as ``(kinds, operands)`` for ``_base.algebra.collapse``,
 with the operands known now (float64 NumPy, ``batch_norm_inference`` spelled out) or as
 ``tensor<c x f32|f64>`` values in the graph; the in-graph kernel arithmetic of a forward
 fold (``K ⊙_in s`` and ``Σ K·t``); and small IR builders. Used inside an insertion point.
@@ -156,7 +156,7 @@ class HloValues:
 
     def _on_kernel(self, vec, c_in: int, g: int, c_out: int, ktype, ko: int, ki: int):
         """A per-input-channel vector (length C_in) broadcast over the kernel: output channel
-        o reads the inputs of its group (``_core.algebra.group_matrix_np``)."""
+        o reads the inputs of its group (``_base.algebra.group_matrix_np``)."""
         ipg = c_in // g
         vec = self.const_or(vec, c_in)
         if g == 1:

@@ -329,7 +329,7 @@ def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bo
     """``fold_params``' rewrites after the fold, in order — the stream rotated (smoothing
     then sees rotated channels), pairs equalized, then smoothed — each on the leaves as the
     one before left them (``leaves``: changed through ``place(i, value)``; ``host(leaf)``:
-    its value on the host; ``closed``: the program as read, :func:`~._jaxpr.nested.
+    its value on the host; ``closed``: the program as read, :func:`~hlofold._fold.jaxpr.nested.
     inline_all`; ``retrace(args)``: the program as read at other argument shapes, for
     calibration inputs of other shapes). Returns ``((equalized, not_equalized), rotation)``."""
     eq, rotation = ([], []), None

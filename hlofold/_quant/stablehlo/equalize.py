@@ -204,7 +204,7 @@ def smooth_function(module, names: dict, calibration: list, alpha: float, hoist
     ``@main``: each pair's first layer divided (or, after a norm, a ``·(1/s)`` put there),
     its second layers' input rows multiplied. ``calibration``: argument lists of the
     function's remaining (not bound) arguments; ``hoist``: the weights' hoisting
-    (``_stablehlo.weights``), used on a copy to run it."""
+    (``_ir.stablehlo.weights``), used on a copy to run it."""
     func = main_function(module)
     s = smoothing_sites(func, names)
     if not s.every:

@@ -10,7 +10,7 @@ rows it reads of the known stacks become constants there, and the body's pairs a
 or smoothed as a function's are (:mod:`hlofold._quant.stablehlo.equalize`: each layer its own
 scales, from its own rows and, to smooth, its own activations — the calibration inputs run
 up to the loop, then through each layer's module in turn, :class:`_LayerSmoothing`). The
-layers' constants are restacked (``_core.stacks.Restack``) and the loop rebuilt to read them
+layers' constants are restacked (``_fold.core.stacks.Restack``) and the loop rebuilt to read them
 at the iteration number, as the scanned-stack fold does; one record per pair, merged over
 the layers by the core (``layer_pairs.merged``).
 """

@@ -1,5 +1,5 @@
 """Pairs for cross-layer equalization (:mod:`hlofold._quant.core.equalize`) read from StableHLO:
-the twin of ``_jaxpr.pairs`` for a function whose weights are constants (bound with
+the twin of ``_quant.jaxpr.pairs`` for a function whose weights are constants (bound with
 ``params=``, or constants of the module; the fold's kernels and biases are constants too).
 
 A pair starts at a ``convolution`` or ``dot_general`` whose kernel is a constant (directly or

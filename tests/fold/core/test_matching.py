@@ -1,6 +1,6 @@
 """Unit tests of the matching layer: the chain rules shared by both adapters
-(``_core.chain_rules``), the root patterns (``_core.patterns``) and their StableHLO side
-(``_stablehlo.patterns``), each rule on its own, with the same cases on both IRs where a rule
+(``_base.chain_rules``), the root patterns (``_fold.core.patterns``) and their StableHLO side
+(``_fold.stablehlo.patterns``), each rule on its own, with the same cases on both IRs where a rule
 exists on both."""
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def test_matching_layer_reads_jax_through_compat_only():
 
 
 class _ToyIR:
-    """A minimal ``_core.chain.ChainIR``: ops are names in a list, each reads the one before it;
+    """A minimal ``_fold.core.chain.ChainIR``: ops are names in a list, each reads the one before it;
     ``extra`` adds readers, ``rules`` says what each op does."""
 
     program = "toy program"
@@ -377,7 +377,7 @@ def test_a_reason_keeps_its_kind_through_copies_and_extensions():
 
 
 def test_every_rule_writes_its_kind():
-    """The rules of ``_core.rules`` and the shared sentences carry their kinds."""
+    """The rules of ``_fold.core.rules`` and the shared sentences carry their kinds."""
     import numpy as np
 
     from hlofold._fold.core import chain as _chain, rules as _rules

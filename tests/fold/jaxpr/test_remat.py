@@ -3,7 +3,7 @@
 Lowered, a forward-only checkpoint is its body (the StableHLO path never sees it), so the
 jaxpr path folds across its boundary as StableHLO does: a checkpoint a chain crosses — a layer
 on one side, its per-channel arithmetic on the other, in either direction — is inlined
-(``_jaxpr.nested.crossed_calls``); one that holds a whole site is folded inside and kept.
+(``_fold.jaxpr.nested.crossed_calls``); one that holds a whole site is folded inside and kept.
 Found by the differential test (an affine op in front of a checkpointed convolution:
 StableHLO folded it, the jaxpr path did not).
 """

@@ -1,4 +1,4 @@
-"""The pass's per-op facts (``_stablehlo.facts``): computed once per op while a pass runs,
+"""The pass's per-op facts (``_ir.stablehlo.facts``): computed once per op while a pass runs,
 never shared between threads, forgotten when asked (a trial inlining undone)."""
 import threading
 
