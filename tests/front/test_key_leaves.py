@@ -66,12 +66,16 @@ def test_rotation_with_a_key_leaf():
     assert out.rotation.reason is None and out.params["rngs"] is pk["rngs"], str(out)
 
 
-def test_fold_stablehlo_binds_a_key_as_its_bits():
+@pytest.mark.parametrize("equalize", [False, True])
+def test_fold_stablehlo_binds_a_key_as_its_bits(equalize):
+    """(``equalize=``: the rewrite's check on random inputs cannot draw a key input, and the
+    report says the rewrite was not checked.)"""
     f, p, x = _case()
     leaves, tree = jax.tree.flatten(p)
     g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
     exp = jax.export.export(g)(*leaves, x)
-    apply, rep, prepared = hlofold.fold_stablehlo(
-        exp, params={i: a for i, a in enumerate(leaves)})   # (raised: PRNGKey to NumPy)
-    assert rep.num_folded >= 1, str(rep)
+    apply, rep, prepared = hlofold.fold_stablehlo(   # (raised: PRNGKey to NumPy)
+        exp, params={i: a for i, a in enumerate(leaves)}, equalize=equalize)
+    assert rep.num_folded >= 1 and bool(rep.equalized) == equalize, str(rep)
+    assert any("not checked on random inputs" in c for c in rep.compat) == equalize
     _same(apply.call(x, *prepared), g(*leaves, x))

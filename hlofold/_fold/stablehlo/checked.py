@@ -79,7 +79,10 @@ def on_random_inputs(data, result: tuple, params, split) -> tuple[str, str | Non
         return "unchecked", "symbolic shapes, 64-bit or key inputs: check it with hlofold.verify"
     args = random_inputs(specs)
     if params is not None:
-        bound = {argument_index(k): np.asarray(v) for k, v in params.items()}
+        # (arrays as given: a jax.Array is not copied to the host and back, a PRNG key
+        # stays a key, as the module given takes it)
+        bound = {argument_index(k): v if isinstance(v, jax.Array) else np.asarray(v)
+                 for k, v in params.items()}
         args = [bound.get(i, a) for i, a in enumerate(args)]
         rest = [a for i, a in enumerate(args) if i not in bound]
         run = lambda: module_callable(folded, "cpu")(*rest, *result[2])   # noqa: E731
