@@ -147,15 +147,18 @@ def mismatch(ref, out, accumulation: int = 1, depth: int = 0, compute=None) -> s
     return compare(ref, out, accumulation, depth, compute=compute).why
 
 
-def random_inputs(specs, seed: int = 0) -> list[np.ndarray]:
+def random_inputs(specs, seed: int = 0, signed: bool = False) -> list[np.ndarray]:
     """Inputs for checking a module: integers and booleans 0/1, floats in [0.5, 1.5]
-    (positive: an input may be a BatchNorm variance, whose rsqrt must not be NaN)."""
+    (positive: an input may be a BatchNorm variance, whose rsqrt must not be NaN), or with
+    ``signed`` from a standard normal (both sides of a ReLU: the activations of a model)."""
     rng = np.random.default_rng(seed)
     out = []
     for sp in specs:
         dt = np.dtype(sp.dtype)
         if np.issubdtype(dt, np.integer) or dt == np.bool_:
             out.append(rng.integers(0, 2, sp.shape).astype(dt))
+        elif signed:
+            out.append(rng.standard_normal(sp.shape).astype(dt))
         else:
             out.append(rng.uniform(0.5, 1.5, sp.shape).astype(dt))
     return out

@@ -37,7 +37,7 @@ from hlofold._fold.core.rescale import aligned_empty
 from hlofold._base.reasons import Reason, reason_kind
 from hlofold._base.report import FOLDED, REFUSED, FoldReport
 from .folded_params import NOT_WRITTEN, FoldedParams, ParamChange
-from hlofold._base.tolerance import compare, eps
+from hlofold._base.tolerance import compare, eps, random_inputs
 from hlofold._fold.jaxpr.accumulation import output_profiles
 
 
@@ -380,21 +380,15 @@ def _widened(a):
 
 
 def fresh_inputs(leaves: list, seed: int = 0) -> list:
-    """Inputs like ``leaves`` (shape, dtype, placement) drawn at random: floats from a
-    standard normal (both signs: a ReLU's two sides), integers and booleans 0 or 1 (an index
-    any axis has)."""
-    rng = np.random.default_rng(seed + 0x5EED)
-    out = []
-    for a in leaves:
-        dt = np.dtype(getattr(a, "dtype", np.float32))
-        shape = np.shape(a)
-        if jnp.issubdtype(dt, jnp.floating):
-            val = rng.standard_normal(shape).astype(dt)
-        elif jnp.issubdtype(dt, jnp.integer) or dt == np.bool_:
-            val = rng.integers(0, 2, shape).astype(dt)
-        else:
-            val = np.asarray(a)           # (another kind of input: as the example gives it)
-        out.append(_like(a, val) if isinstance(a, jax.Array) else val)
+    """Inputs like ``leaves`` (shape, dtype, placement) drawn by the tolerance model's
+    ``random_inputs(signed=True)``; a leaf of an extended dtype (a PRNG key) as given."""
+    drawn = [i for i, a in enumerate(leaves) if not is_extended(a)]
+    vals = random_inputs([jax.ShapeDtypeStruct(np.shape(leaves[i]),
+                                               getattr(leaves[i], "dtype", np.float32))
+                          for i in drawn], seed + 0x5EED, signed=True)
+    out = list(leaves)
+    for i, val in zip(drawn, vals):
+        out[i] = _like(leaves[i], val) if isinstance(leaves[i], jax.Array) else val
     return out
 
 

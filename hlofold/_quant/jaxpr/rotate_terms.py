@@ -6,11 +6,11 @@ rotation ``Q`` commutes with multiplying by the first two; a value per token add
 stream needs ``Q·1 = 1`` (``Stream.centered``); an offset is rotated with the stream."""
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from hlofold import _compat as C
 from hlofold._base.chain_rules import is_float
+from hlofold._fold.core.rules import narrowing_cast
 from hlofold._ir.jaxpr import ops
 from .pair_rules import leaf_of, literal_zero
 
@@ -21,14 +21,15 @@ ELEMENTWISE = ops.names(lambda o: o.elementwise)
 
 def rounds(e) -> str | None:
     """What ``e`` rounds its float values to — ``reduce_precision``, or a convert to a float
-    of fewer mantissa bits — or None: a rotation does not commute with a rounding."""
+    that cannot hold its operand (the fold chain's rule, ``narrowing_cast``) — or None: a
+    rotation does not commute with a rounding."""
     facts = ops.of(e.primitive.name)
     if facts.rounding == "always":
         return (f"{e.params.get('mantissa_bits', '?')} mantissa bits "
                 f"(reduce_precision)")
     if facts.rounding == "narrowing":
         src, dst = e.invars[0].aval.dtype, e.outvars[0].aval.dtype
-        if is_float(src) and is_float(dst) and jnp.finfo(dst).nmant < jnp.finfo(src).nmant:
+        if is_float(src) and is_float(dst) and narrowing_cast(src, dst) is not None:
             return np.dtype(dst).name
     return None
 
