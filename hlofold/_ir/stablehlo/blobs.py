@@ -129,9 +129,9 @@ def materialize(module) -> None:
         _materialize(module, t.arrays)
 
 
-def _complex(op) -> bool:
-    """Whether ``op``'s result holds complex elements (its ``value`` cannot be read: no
-    constant this module holds is complex)."""
+def complex_result(op) -> bool:
+    """Whether ``op``'s one result holds complex elements (a constant's ``value`` then cannot
+    be read through the bindings; no constant held here is complex)."""
     return len(op.results) == 1 and "complex<" in str(op.results[0].type)
 
 
@@ -140,7 +140,7 @@ def _materialize(module, arrays: dict) -> None:
     while todo:
         block = todo.pop()
         for op in block.operations:
-            if "value" in op.attributes and not _complex(op):
+            if "value" in op.attributes and not complex_result(op):
                 arr = arrays.get(op.attributes["value"])
                 if arr is not None:
                     op.attributes["value"] = plain_dense(

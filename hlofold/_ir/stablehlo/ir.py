@@ -220,14 +220,9 @@ def constant_attr(op):
     """A ``stablehlo.constant``'s ``value`` attribute, or None where its elements are of a type
     these bindings give no Python class for (complex: reading the attribute raises). Such a
     constant takes no part in a fold, a rewrite or a hoist: it stays in the module as it is."""
-    if is_complex(op.results[0]):
+    if blobs.complex_result(op):
         return None
     return op.attributes["value"]
-
-
-def is_complex(value) -> bool:
-    """Whether ``value`` is a tensor of complex elements."""
-    return str(ir.RankedTensorType(value.type).element_type).startswith("complex")
 
 
 def constant_values(attr) -> np.ndarray | None:
