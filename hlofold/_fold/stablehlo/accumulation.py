@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._ir.stablehlo.indices import trip_count
 from hlofold._base.tolerance import narrowest
 from hlofold._ir.stablehlo.ir import ROOTS, elem_type, float_dtype
 from .patterns import dot_dims
@@ -118,7 +119,6 @@ def _trips(op) -> int:
     count (its layers are as deep as the same layers unrolled), else once."""
     if op.operation.name != "stablehlo.while":
         return 1
-    from hlofold._ir.stablehlo.indices import trip_count
     got = trip_count(op, {})
     return max(1, got[0]) if got else 1
 

@@ -16,6 +16,9 @@ import jax
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._ir.stablehlo.artifacts import as_given, input_specs, module_callable, read_artifact
+from hlofold._ir.stablehlo.module import parse_module
+from .accumulation import module_output_profiles
 from hlofold._base import tolerance
 from hlofold._ir.stablehlo.weights import argument_index
 
@@ -26,7 +29,6 @@ def checked(data, result: tuple, params, split):
     ``hlofold.fold`` verifies its first call there. Where they differ beyond hlofold's
     tolerance: without ``params``/``split`` the artifact as given, with the reason; with
     them (whose results take other arguments) a ``CompatError`` saying so."""
-    from hlofold._ir.stablehlo.artifacts import as_given
     report = result[1]
     if not report.num_folded and not report.merged:
         return result
@@ -66,7 +68,6 @@ def on_random_inputs(data, result: tuple, params, split) -> tuple[str, str | Non
     """``("same", None)``, ``("differs", why)`` or ``("unchecked", why)``: ``result`` (of
     ``fold_stablehlo``) against the artifact given, on random inputs, on the CPU, under the
     tolerance model per result."""
-    from hlofold._ir.stablehlo.artifacts import input_specs, module_callable
     mismatch, random_inputs = tolerance.mismatch, tolerance.random_inputs   # (read now)
     folded = result[0]
     specs = input_specs(data)
@@ -114,8 +115,5 @@ def on_random_inputs(data, result: tuple, params, split) -> tuple[str, str | Non
 
 def artifact_profiles(data) -> list[tuple]:
     """``(L, D, compute)`` of each result of an artifact, for the tolerance model."""
-    from .accumulation import module_output_profiles
-    from hlofold._ir.stablehlo.artifacts import read_artifact
-    from hlofold._ir.stablehlo.module import parse_module
     with C.mlir_context():
         return module_output_profiles(parse_module(read_artifact(data).module))

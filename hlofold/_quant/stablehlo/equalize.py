@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._ir.stablehlo.artifacts import module_callable
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
 from hlofold._quant.core.smooth import Observed, smooth
 from hlofold._ir.stablehlo.build import broadcast
@@ -255,7 +256,6 @@ def watched_runs(module, func, watch: list, calibration: list, hoist):
     """For each calibration input (the function's remaining arguments), the values
     ``watch`` take: a copy of the module returns them too, its weights hoisted (no large
     constant is printed), and JAX runs it."""
-    from hlofold._ir.stablehlo.artifacts import module_callable
     copy, cfunc = watching_copy(module, func, watch)
     takes = [tuple(ir.RankedTensorType(a.type).shape)
              for a in cfunc.regions[0].blocks[0].arguments]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._ir.stablehlo.artifacts import module_callable
 from hlofold._ir.stablehlo import ops
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, record
 from hlofold._quant.core.smooth import Observed
@@ -201,7 +202,6 @@ class _LayerSmoothing:
     def _run(self, layer: int, module, fop, found: list) -> list[Observed]:
         """Run layer ``layer``'s module on each state: what the second layers of ``found``
         read, per channel; the states advanced."""
-        from hlofold._ir.stablehlo.artifacts import module_callable
         copy, cfunc = watching_copy(module, fop, [f.end for f in found])
         block = cfunc.regions[0].blocks[0]
         kept = [k for k, a in enumerate(block.arguments) if next(iter(a.uses), None)]
