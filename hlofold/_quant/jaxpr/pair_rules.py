@@ -17,9 +17,9 @@ from hlofold import _compat as C
 from hlofold._ir.jaxpr import ops
 from hlofold._ir.jaxpr.uses import index_uses
 from hlofold._base.chain_rules import Refusal, is_float
-from hlofold._base.channel_axes import (REPEATED, Mapped, as_block, broadcast, each, one, permuted,
-                                        reshaped, settled, whole_block)
-from hlofold._quant.core.equalize import stops_here
+from hlofold._base.channel_axes import (as_block, broadcast, each, one, permuted, reshaped,
+                                        whole_block)
+from hlofold._quant.core.pair_walk import through_body
 from hlofold._fold.jaxpr.steps import resolve_operand
 
 CALLS = ops.names(lambda o: o.call in ("jit", "custom"))
@@ -278,7 +278,9 @@ def _broadcast(ctx, e, pos, axis):
 
 
 def call_rule(ctx, e, pos, axis):
-    """A jit or custom-derivative call (ReLU is one): followed through its body."""
+    """A jit or custom-derivative call (ReLU is one): followed through its body
+    (:func:`hlofold._quant.core.pair_walk.through_body`; ``ctx`` is the pair walk's view, read
+    again over the body)."""
     body = C.call_body(e)[1]
     if body is None or len(e.outvars) != 1:
         return f"a {e.primitive.name} with several outputs"
@@ -287,29 +289,10 @@ def call_rule(ctx, e, pos, axis):
     lits = {iv: (o.val if isinstance(o, C.Literal) else ctx.literals[o])
             for iv, o in zip(inner.invars, e.invars)
             if isinstance(o, C.Literal) or o in ctx.literals}
-    sub = Ctx(inner, uses, producer, {}, [], lits)
-    v, a = inner.invars[pos], axis
-    for _ in range(1000):
-        u = uses.get(v, [])
-        if len(u) != 1:
-            return f"inside {e.primitive.name}: the channels are read {len(u)} times"
-        ie, ipos = u[0]
-        if ie is None:
-            return a
-        name = ie.primitive.name
-        rule = RULES.get(name) or (call_rule if name in CALLS else None)
-        if isinstance(a, Mapped) and name not in MAPPED:
-            a = settled(a)
-            if isinstance(a, Mapped):
-                return REPEATED.format(op=name)
-        if rule is None:
-            return stops_here(name, name in NOT_HOMOGENEOUS,
-                              f"(inside {e.params.get('name', e.primitive.name)})")
-        got = rule(sub, ie, ipos, a)
-        if isinstance(got, str):
-            return got
-        v, a = ie.outvars[0], got
-    return "the path is too long"
+    sub = dataclasses.replace(ctx, jaxpr=inner, uses=uses, producer=producer, leaves={},
+                              biases=[], literals=lits)
+    return through_body(sub, inner.invars[pos], axis, e.primitive.name,
+                        f"(inside {e.params.get('name', e.primitive.name)})")
 
 
 def _cast(ctx, e, pos, axis):

@@ -1,50 +1,96 @@
 """Pairs for cross-layer equalization (:mod:`hlofold._quant.core.equalize`) read from a jaxpr.
 
-A pair starts at a convolution or dot whose kernel is a parameter leaf and follows its output
-channel, equation by equation, to the next convolution or dot whose activations it is and
-whose kernel is a leaf too. Each equation on the way must commute with a positive
-per-channel scale: :data:`RULES` has one entry per primitive (how the channel axis moves
-through it, or why the pair stops there). Every value on the path is read once (a residual
-add, a second reader, would see the scaled channels), and the two kernels and every bias
-scaled with them are leaves read nowhere else.
+The walk is :mod:`hlofold._quant.core.pair_walk`'s; this module reads a jaxpr for it
+(:class:`Path`): a pair starts at a convolution or dot whose kernel is a parameter leaf (or
+at a norm's scale, a leaf vector) and ends at the next convolutions or dots whose
+activations it is and whose kernels are leaves too, each read once. How the channels move
+through each equation on the way is :data:`~.pair_rules.RULES`' (one entry per primitive).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from hlofold import _compat as C
 from hlofold._base.chain_rules import Refusal
-from hlofold._quant.core.equalize import Pair, Second, exact_in, stops_here
-from hlofold._base.channel_axes import REPEATED, Mapped, read_by_kernel, settled, through_dot
+from hlofold._base.channel_axes import Mapped, read_by_kernel, through_dot
+from hlofold._fold.jaxpr.patterns import PATTERNS
 from hlofold._ir.jaxpr.uses import index_uses
+from hlofold._quant.core import pair_walk
+from hlofold._quant.core.equalize import Second, exact_in
+from hlofold._quant.core.pair_walk import Found, Refused, Start
 from .pair_rules import (CALLS, MAPPED, NOT_HOMOGENEOUS, ROUNDING, RULES, Ctx, call_rule,
                          cast_leaf, is_zero, leaf_of, single_leaf, varying_axis)
-from hlofold._fold.jaxpr.patterns import PATTERNS
-
-
-
-@dataclasses.dataclass
-class Refused:
-    """A first layer whose pair was not formed: its kernel leaf, where, and why."""
-
-    kernel: int
-    eqn: object
-    reason: str
-    where: str = ""          # (a scan body's: which stack)
 
 
 @dataclasses.dataclass
-class Found:
-    """A pair, the equation it starts at, and the value its second layers read (its channel
-    axis): what calibration measures for smoothing. ``low``: a value from the first
-    layer's output to the second layers' input is of a low-precision float (then its scales
-    are powers of two)."""
+class Path(Ctx):
+    """The jaxpr read for the pair walk (:class:`hlofold._quant.core.pair_walk.PathIR`); the
+    rules of :mod:`.pair_rules` read it as their :class:`~.pair_rules.Ctx`."""
 
-    pair: Pair
-    eqn: object
-    end: object
-    end_axis: int
-    low: bool = False
+    norms: bool = False              # a norm's scale starts a pair too
+
+    def readers(self, v):
+        return self.uses.get(v, [])
+
+    def name(self, e):
+        return e.primitive.name
+
+    def result(self, e):
+        return e.outvars[0]
+
+    def low(self, v):
+        return exact_in(v.aval.dtype)
+
+    def leaky(self, three):
+        return leaky(self, three)
+
+    def is_layer(self, e):
+        return e.primitive.name in PATTERNS
+
+    def rounds(self, e):
+        return e.primitive.name in ROUNDING
+
+    def rule(self, e):
+        name = e.primitive.name
+        rule = RULES.get(name) or (call_rule if name in CALLS else None)
+        return None if rule is None else functools.partial(rule, self)
+
+    def keeps_mapped(self, e):
+        return e.primitive.name in MAPPED or e.primitive.name in CALLS
+
+    def not_homogeneous(self, e):
+        return e.primitive.name in NOT_HOMOGENEOUS
+
+    def through_dot(self, e, pos, axis):
+        return _through_dot(self, e, pos, axis)
+
+    def input_channel(self, e, pos):
+        return PATTERNS[e.primitive.name].input_channel(e, pos)
+
+    def second_kernel(self, e, pos, in_axis):
+        return _second_kernel(self, e, pos, in_axis)
+
+    def second_over_axes(self, e, pos, axis):
+        return _second_over_axes(self, e, pos, axis)
+
+    def start(self, e):
+        got = layer_start(self, e) or (_norm_start(self, e) if self.norms else None)
+        if got is None or isinstance(got, Start):
+            return got
+        return got[0], str(got[1])
+
+    def key(self, kernel):
+        return str(self.leaves[kernel])
+
+    def bias_keys(self):
+        return [(str(i), ax) for i, ax in self.biases]
+
+
+def view(jaxpr, leaves: dict, outputs: str = "a program output", norms: bool = False) -> Path:
+    """``jaxpr`` read for the pair walk, ``leaves`` (var -> leaf index) its parameter leaves."""
+    uses, producer = index_uses(jaxpr)
+    return Path(jaxpr, uses, producer, leaves, [], outputs=outputs, norms=norms)
 
 
 def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = None,
@@ -52,40 +98,18 @@ def find_pairs(jaxpr, n_leaves: int, norms: bool = False, leaves: dict | None = 
     """Every pair of the top level of ``jaxpr`` whose inputs begin with ``n_leaves``
     parameter leaves (keys of the pairs: leaf indices), starting at a layer (a convolution
     or dot whose kernel is a leaf) — and with ``norms``, at a norm's scale too (a leaf
-    vector multiplied into the activations: γ); and the starts refused. Second layers
-    claimed by an earlier pair are not paired again. ``leaves`` (var -> leaf index) says
+    vector multiplied into the activations: γ); and the starts refused
+    (:func:`hlofold._quant.core.pair_walk.find_pairs`). ``leaves`` (var -> leaf index) says
     which variables are leaves instead (a scan body's rows of them); ``outputs`` names
     what the jaxpr's outputs are in the reasons."""
-    uses, producer = index_uses(jaxpr)
     if leaves is None:
         leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
-    found, refused, claimed = [], [], set()
-    for e in jaxpr.eqns:
-        ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
-        start = layer_start(ctx, e) or (_norm_start(ctx, e) if norms else None)
-        if start is None:
-            continue
-        if isinstance(start[0], str):
-            refused.append(Refused(start[1], e, start[0]))
-            continue
-        k1, axis, out_axis = start
-        got = _follow(ctx, e.outvars[0], axis)
-        if isinstance(got, str):
-            refused.append(Refused(leaves[k1], e, got))
-            continue
-        seconds, end, end_axis, low = got
-        if any(sec.key in claimed for sec in seconds):
-            continue
-        claimed.update(sec.key for sec in seconds)
-        found.append(Found(Pair(str(leaves[k1]), out_axis, seconds,
-                                [(str(i), ax) for i, ax in ctx.biases]), e, end, end_axis,
-                           low))
-    return found, refused
+    return pair_walk.find_pairs(view(jaxpr, leaves, outputs, norms), jaxpr.eqns)
 
 
 def layer_start(ctx, e):
-    """``(kernel var, output channel axis, kernel output axis)`` of a layer whose kernel is a
-    leaf; ``(why, leaf index)`` for a shared one; None for anything else."""
+    """The :class:`~hlofold._quant.core.pair_walk.Start` of a layer whose kernel is a leaf;
+    ``(why, leaf index)`` for a shared one; None for anything else."""
     pat = PATTERNS.get(e.primitive.name)
     if pat is None:
         return None
@@ -103,8 +127,8 @@ def layer_start(ctx, e):
     if why:
         return why, ctx.leaves[k1]
     if not isinstance(info.kernel_axis, int):    # a multi-head kernel: channels over a Block
-        return k1, tuple(info.channel_axis.axes), tuple(info.kernel_axis.axes)
-    return k1, info.channel_axis, info.kernel_axis
+        return Start(k1, tuple(info.channel_axis.axes), tuple(info.kernel_axis.axes))
+    return Start(k1, info.channel_axis, info.kernel_axis)
 
 
 def _norm_start(ctx, e):
@@ -123,59 +147,8 @@ def _norm_start(ctx, e):
         gdims = [d for d, n in enumerate(g.aval.shape) if n != 1] if g is not None else []
         if g is not None and len(gdims) == 1 and g.aval.shape[gdims[0]] == out[axis]:
             why = single_leaf(ctx, g, "the norm's scale")
-            return (why, ctx.leaves[g]) if why else (g, axis, gdims[0])
+            return (why, ctx.leaves[g]) if why else Start(g, axis, gdims[0])
     return None
-
-
-def _follow(ctx, v, axis: int):
-    """From the first layer's output ``v`` (channel ``axis``) to the layers that read it:
-    ``([Second], the value they read, its channel axis, whether a value on the way is of a
-    low-precision float)``, or why not."""
-    low = False
-    for _ in range(10_000):
-        low = low or exact_in(v.aval.dtype)
-        u = ctx.uses.get(v, [])
-        if any(e is None for e, _ in u):
-            return f"its output is {ctx.outputs} before another layer reads it"
-        if len(u) == 3 and (leaky_out := leaky(ctx, u)) is not None:
-            v = leaky_out                             # (the channel axis stays)
-            continue
-        if len(u) > 1:
-            seconds = [second_layer(ctx, e, pos, axis) for e, pos in u]
-            if all(not isinstance(x, str) for x in seconds):
-                return seconds, v, axis, low      # (q, k and v; gate and up)
-            return (f"its output is read {len(u)} times, not only by layers (a residual or "
-                    f"another reader would see the scaled channels)")
-        if not u:
-            return "its output is not read"
-        e, pos = u[0]
-        name = e.primitive.name
-        if name in PATTERNS:
-            got = second_layer(ctx, e, pos, axis)
-            if not isinstance(got, str):
-                return [got], v, axis, low
-            through = _through_dot(ctx, e, pos, axis)
-            if through is None:
-                return got
-            v, axis = e.outvars[0], through
-            continue
-        if name in ROUNDING:     # (it rounds: only powers of two pass exactly)
-            low, v = True, e.outvars[0]
-            continue
-        rule = RULES.get(name)
-        if rule is None and name in CALLS:
-            rule = call_rule
-        if isinstance(axis, Mapped) and name not in MAPPED and name not in CALLS:
-            axis = settled(axis)
-            if isinstance(axis, Mapped):
-                return REPEATED.format(op=name)
-        if rule is None:
-            return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")
-        got = rule(ctx, e, pos, axis)
-        if isinstance(got, str):
-            return got
-        v, axis = e.outvars[0], got
-    return "the path is too long"
 
 
 def leaky(ctx, u):
@@ -219,24 +192,10 @@ def _second_over_axes(ctx, e, pos, axis):
                channels=axis.positions() if isinstance(axis, Mapped) else None)
 
 
-def second_layer(ctx, e, pos, axis):
-    """The layer ``e`` reading the channels (``axis``) at operand ``pos`` as a
-    :class:`Second` — its kernel a leaf read once, contracting the channels — or why not."""
-    pat = PATTERNS.get(e.primitive.name)
-    if pat is None:
-        return f"{e.primitive.name} reads it besides the layers"
-    if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
-        got, plain = _second_over_axes(ctx, e, pos, axis), settled(axis)
-        return second_layer(ctx, e, pos, plain) if isinstance(got, str) and \
-            not isinstance(plain, Mapped) else got
-    if isinstance(axis, tuple):
-        return _second_over_axes(ctx, e, pos, axis)
-    ch = pat.input_channel(e, pos)
-    if isinstance(ch, Refusal):
-        return f"the next {e.primitive.name}: {ch.reason}"
-    act_axis, in_axis = ch
-    if act_axis != axis:
-        return f"the next {e.primitive.name} does not contract the channel axis"
+def _second_kernel(ctx, e, pos, in_axis):
+    """The layer ``e`` contracting the channels at operand ``pos`` as a :class:`Second`: its
+    kernel a leaf read once."""
+    pat = PATTERNS[e.primitive.name]
     info = pat.inspect_root(e)
     if getattr(info, "kernel_index", None) != 1 - pos:     # (the weight on the lhs: W @ x)
         info = next((a for a in pat.alternatives(e) if a.kernel_index == 1 - pos), info)
@@ -251,3 +210,9 @@ def second_layer(ctx, e, pos, axis):
     # its output axes serves to read them)
     out = info.kernel_axis if isinstance(info.kernel_axis, int) else info.kernel_axis.axes[0]
     return Second(str(ctx.leaves[k2]), in_axis, out, int(e.params.get("feature_group_count", 1)))
+
+
+def second_layer(ctx, e, pos, axis):
+    """The layer ``e`` reading the channels (``axis``) at operand ``pos`` as a
+    :class:`Second`, or why not (:func:`hlofold._quant.core.pair_walk.second_layer`)."""
+    return pair_walk.second_layer(ctx, e, pos, axis)

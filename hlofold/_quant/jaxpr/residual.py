@@ -11,13 +11,13 @@ with several writers; its starts leave the refusals.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from hlofold import _compat as C
 from hlofold._quant.core.equalize import exact_in, stops_here
 from hlofold._quant.core.streams import Writer, streams, summands, walk, with_leaky
-from hlofold._ir.jaxpr.uses import index_uses
-from .pair_rules import CALLS, NOT_HOMOGENEOUS, RULES, Ctx, call_rule
-from .pairs import Found, layer_start, leaky, second_layer
-from hlofold._fold.jaxpr.patterns import PATTERNS
+from hlofold._quant.core.pair_walk import Found, Start
+from .pairs import Path, layer_start, second_layer, view
 
 def data_values(jaxpr, leaves: dict) -> set:
     """The variables computed from the program's non-parameter inputs (activations; a
@@ -32,7 +32,7 @@ def data_values(jaxpr, leaves: dict) -> set:
 class _Graph:
     """The jaxpr read for :func:`hlofold._quant.core.streams.walk`."""
 
-    def __init__(self, ctx: Ctx, data: set):
+    def __init__(self, ctx: Path, data: set):
         self.ctx, self.data = ctx, data
         self.outputs = ctx.outputs
 
@@ -43,7 +43,7 @@ class _Graph:
         return with_leaky(self.ctx.uses.get(v, []), self._leaky)
 
     def _leaky(self, three):
-        out = leaky(self.ctx, three)
+        out = self.ctx.leaky(three)
         return None if out is None else self.ctx.producer[out]
 
     def name(self, e):
@@ -65,14 +65,13 @@ class _Graph:
         return v in self.data
 
     def reader(self, e, pos, axis):
-        return second_layer(self.ctx, e, pos, axis) if e.primitive.name in PATTERNS else None
+        return second_layer(self.ctx, e, pos, axis) if self.ctx.is_layer(e) else None
 
     def rule(self, e, pos, axis):
-        name = e.primitive.name
-        rule = RULES.get(name) or (call_rule if name in CALLS else None)
+        rule = self.ctx.rule(e)
         if rule is None or len(e.outvars) != 1:
-            return stops_here(name, name in NOT_HOMOGENEOUS, "on the stream")
-        return rule(self.ctx, e, pos, axis)
+            return stops_here(e.primitive.name, self.ctx.not_homogeneous(e), "on the stream")
+        return rule(e, pos, axis)
 
     def origins(self, v, depth: int = 0):
         p = self.ctx.producer.get(v)
@@ -80,9 +79,9 @@ class _Graph:
             return "a program input is added into the stream"
         start = layer_start(self.ctx, p)
         if start is not None:
-            if isinstance(start[0], str):
+            if not isinstance(start, Start):
                 return f"a layer writing into the stream: {start[0]}"
-            k, axis, out_axis = start
+            k, axis, out_axis = start.kernel, start.axis, start.out_axis
             if not isinstance(axis, int):
                 return "a layer writing into the stream has its channels over several axes"
             return [Writer(str(self.ctx.leaves[k]), out_axis, p, p.outvars[0], axis)]
@@ -98,21 +97,20 @@ def find_streams(jaxpr, n_leaves: int, found: list, refused: list,
     ``refused`` holds (:func:`hlofold._quant.core.streams.streams`); the refusals of the layers a
     stream took are removed, those of a stream left say why. ``found``: the pairs (their kernels are not
     taken again as a stream's first layer)."""
-    uses, producer = index_uses(jaxpr)
     leaves = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}
     data = data_values(jaxpr, leaves)
-    ctx = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
+    ctx = view(jaxpr, leaves, outputs)
     starts = []
     for r in refused:
-        start = layer_start(ctx, r.eqn) if r.eqn is not None else None
-        if start is not None and not isinstance(start[0], str) and isinstance(start[1], int):
-            k, axis, out_axis = start
-            starts.append((r, Writer(str(leaves[k]), out_axis, r.eqn, r.eqn.outvars[0], axis)))
+        start = layer_start(ctx, r.at) if r.at is not None else None
+        if isinstance(start, Start) and isinstance(start.axis, int):
+            starts.append((r, Writer(ctx.key(start.kernel), start.out_axis, r.at,
+                                     r.at.outvars[0], start.axis)))
 
     def walk_from(w):
-        one = Ctx(jaxpr, uses, producer, leaves, [], outputs=outputs)
-        return walk(_Graph(one, data), w), [(str(i), ax) for i, ax in one.biases]
+        one = dataclasses.replace(ctx, biases=[])
+        return walk(_Graph(one, data), w), one.bias_keys()
     got = streams(starts, walk_from, {f.pair.first for f in found}, id, refused,
-                  lambda r: r.eqn)
-    return [Found(pair, r.eqn, s.end, s.end_axis,
+                  lambda r: r.at)
+    return [Found(pair, r.at, s.end, s.end_axis,
                   any(exact_in(v.aval.dtype) for v in s.values)) for r, pair, s in got]

@@ -22,7 +22,8 @@ from hlofold._quant.core.smooth import Observed, check_alpha, smooth
 from hlofold._base.channel_axes import Mapped
 from hlofold._quant.core.layer_pairs import by_layer
 from hlofold._quant.core.rotation import orthogonal, rotate
-from .pairs import Found, Refused, find_pairs
+from hlofold._quant.core.pair_walk import Found, Refused
+from .pairs import find_pairs
 from .residual import find_streams
 from .scan_pairs import (LOOP_LAYERS, NESTED_LAYERS, ScanPairs, calibration_run, loop_layers,
                          scan_pairs)
@@ -40,20 +41,20 @@ def _float_pairs(found, refused, leaves):
         if all(jnp.issubdtype(leaves.dtype(k), jnp.floating) for k in f.pair.keys()):
             ok.append(f)
         else:
-            refused.append(Refused(int(f.pair.first), f.eqn, "a weight that is not floating point"))
+            refused.append(Refused(f.pair.first, f.at, "a weight that is not floating point"))
     return ok
 
 
 def _records(ok, done, paths, where="", kind="equalized"):
     return [record(d, paths[int(f.pair.first)], [paths[int(s.key)] for s in f.pair.seconds],
-                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.eqn) + where, kind,
+                   [paths[int(b)] for b, _ in f.pair.biases], _where(f.at) + where, kind,
                    [paths[int(w)] for w, _ in f.pair.writers])
             for f, d in zip(ok, done)]
 
 
 def _left(refused, paths, jaxpr=None):
     """The starts refused, and (``jaxpr``) the layers of its while loops, with the reasons."""
-    return [NotEqualized(paths[r.kernel], ("" if r.eqn is None else _where(r.eqn)) + r.where,
+    return [NotEqualized(paths[int(r.key)], ("" if r.at is None else _where(r.at)) + r.where,
                          r.reason) for r in refused] + [
         NotEqualized("the layers of a loop", _where(e), LOOP_LAYERS.format(n=n))
         if e.primitive.name == "while" else

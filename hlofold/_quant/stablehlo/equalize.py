@@ -50,7 +50,7 @@ def _readable(found, refused, weights):
                for k in f.pair.keys() if k in weights}      # (views: read pair by pair)
         if any(v is None or float_dtype(elem_type(weights[k].const.results[0])) is None
                for k, v in got.items()):
-            refused.append(Refused(f.pair.first, f.op, "a weight that is not floating point "
+            refused.append(Refused(f.pair.first, f.at, "a weight that is not floating point "
                                    "(or not readable)"))
             continue
         values.update(got)
@@ -99,7 +99,7 @@ def _records(ok, done, called, kind):
 
 def _left_starts(refused, weights, names) -> list[NotEqualized]:
     return [NotEqualized(_name(weights[r.key], names) if r.key else "a layer's kernel",
-                         where(r.op), r.reason) for r in refused]
+                         where(r.at), r.reason) for r in refused]
 
 
 def _left(func, refused, weights, names) -> list[NotEqualized]:
@@ -131,7 +131,7 @@ def equalized_pairs(func, names: dict, loops: bool = True) -> tuple[list, list, 
     left = _left(func, refused, weights, names) if loops else _left_starts(refused, weights,
                                                                             names)
     for f in ok:
-        f.location = where(f.op)
+        f.location = where(f.at)
     if not ok:
         return [], [], {}, left
     called = {k: _name(w, names) for k, w in weights.items()}    # (before a write)
@@ -167,9 +167,9 @@ def smoothing_sites(func, names: dict, loops: bool = True) -> Sites:
     left = _left(func, refused, weights, names) if loops else \
         _left_starts(refused, weights, names)
     order = {op: i for i, op in enumerate(func.regions[0].blocks[0].operations)}
-    every = sorted(ok + sites, key=lambda f: order[f.op])   # (program order: as fold_params)
+    every = sorted(ok + sites, key=lambda f: order[f.at])   # (program order: as fold_params)
     for f in every:
-        f.location = where(f.op)
+        f.location = where(f.at)
     called = {k: _name(w, names) for k, w in weights.items()}      # (before a write)
     called.update({f.pair.first: f"the norm output at {f.location}" for f in sites})
     return Sites(every, sites, weights, values, called, left)

@@ -14,9 +14,9 @@ import numpy as np
 
 from hlofold import _compat as C
 from hlofold._base.chain_rules import Refusal
-from hlofold._base.channel_axes import (REPEATED, Mapped, as_block, broadcast, each, one, permuted,
-                                        reshaped, settled, whole_block)
-from hlofold._quant.core.equalize import stops_here
+from hlofold._base.channel_axes import (Mapped, as_block, broadcast, each, one, permuted,
+                                        reshaped, whole_block)
+from hlofold._quant.core.pair_walk import through_body
 from hlofold._fold.stablehlo.forward import op_ints
 from hlofold._ir.stablehlo.ir import (attr_dims, constant_attr, constant_values, is_float, op_name,
                                       owner_op, shape_of)
@@ -262,37 +262,16 @@ def _same(ctx, op, pos, axis):
 
 def _call(ctx, op, pos, axis):
     """A call of a private function (``jax.nn.relu`` exports as one): followed through its
-    body to its return."""
+    body to its return (:func:`hlofold._quant.core.pair_walk.through_body`; ``ctx`` is the
+    pair walk's view), its arguments standing for the values passed."""
     body = private_body(op)
     if body is None or len(op.results) != 1:
         return "a call of a function hlofold does not enter (public, or several results)"
     args, stack = list(zip(body.arguments, op.operands)), passed()
     stack.extend(args)
     try:
-        v = body.arguments[pos]
-        for _ in range(1000):
-            u = uses(v)
-            if len(u) == 3 and (lk := leaky(u)) is not None:
-                v = lk
-                continue
-            if len(u) != 1:
-                return f"inside {op_name(op)}: the channels are read {len(u)} times"
-            inner, ipos = u[0]
-            if op_name(inner) == "func.return":
-                return axis
-            rule = RULES.get(op_name(inner))
-            if isinstance(axis, Mapped) and op_name(inner) not in MAPPED:
-                axis = settled(axis)
-                if isinstance(axis, Mapped):
-                    return REPEATED.format(op=op_name(inner))
-            if rule is None or len(inner.results) != 1:
-                return stops_here(op_name(inner), op_name(inner) in NOT_HOMOGENEOUS,
-                                  "(inside a called function)")
-            got = rule(ctx, inner, ipos, axis)
-            if isinstance(got, str):
-                return got
-            v, axis = inner.results[0], got
-        return "the path is too long"
+        return through_body(ctx, body.arguments[pos], axis, op_name(op),
+                            "(inside a called function)")
     finally:
         del stack[len(stack) - len(args):]
 

@@ -1,36 +1,36 @@
-"""Pairs for cross-layer equalization (:mod:`hlofold._quant.core.equalize`) read from StableHLO:
-the twin of ``_quant.jaxpr.pairs`` for a function whose weights are constants (bound with
-``params=``, or constants of the module; the fold's kernels and biases are constants too).
+"""Pairs for cross-layer equalization (:mod:`hlofold._quant.core.equalize`) read from StableHLO,
+for a function whose weights are constants (bound with ``params=``, or constants of the
+module; the fold's kernels and biases are constants too).
 
-A pair starts at a ``convolution`` or ``dot_general`` whose kernel is a constant (directly or
-through a ``transpose``: PyTorch's Linear) and follows its output channel, op by op, to the
-next convolutions or dots that read it as their activations, with constant kernels too.
-Each op on the way must commute with a positive per-channel scale: ``pair_rules.RULES`` has one
-entry per op (the channel axis it moves to, or why the pair stops there), with the words of
-the jaxpr rules. Every value on the way is read once (a residual add would see the scaled
-channels), and every constant scaled is read by the pair alone. Channels split over several
-axes (attention's heads: a reshape, transposes, a batch axis of ``probs @ v``, merged back)
-are followed as on the jaxpr path (:mod:`hlofold._base.channel_axes`).
+The walk is :mod:`hlofold._quant.core.pair_walk`'s, as on a jaxpr; this module reads a
+function for it (:class:`Path`): a pair starts at a ``convolution`` or ``dot_general`` whose
+kernel is a constant read once (directly or through a ``transpose``: PyTorch's Linear) and
+ends at the next convolutions or dots that read it as their activations, with constant
+kernels too. How the channels move through each op on the way is
+:data:`~.pair_rules.RULES`' (one entry per op, with the words of the jaxpr rules). The norm
+sites of smoothing (:func:`norm_sites`) and the layers left in loops are read here too.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
 
 from hlofold import _compat as C
 from hlofold._base.chain_rules import Refusal
-from hlofold._base.channel_axes import (REPEATED, Mapped, each, one, read_by_kernel, settled,
-                                        through_dot)
-from hlofold._quant.core.equalize import Pair, Second, exact_in, stops_here
+from hlofold._base.channel_axes import Mapped, each, one, read_by_kernel, through_dot
+from hlofold._fold.stablehlo.forward import input_channel
+from hlofold._fold.stablehlo.patterns import dot_dims, root_info
 from hlofold._ir.stablehlo import ops
 from hlofold._ir.stablehlo.build import GUARD, STACK, marked
-from hlofold._fold.stablehlo.forward import input_channel
 from hlofold._ir.stablehlo.ir import (attr_dims, elem_type, float_dtype, location, op_name,
                                       owner_op, shape_of)
+from hlofold._quant.core import pair_walk
+from hlofold._quant.core.equalize import Pair, Second, exact_in
+from hlofold._quant.core.pair_walk import Found, Refused, Start
 from .pair_rules import MAPPED, NOT_HOMOGENEOUS, ROUNDING, RULES, Ctx, leaky, uses, weight
-from hlofold._fold.stablehlo.patterns import dot_dims, root_info
 
 ir, stablehlo, _ = C.mlir()
 
@@ -38,23 +38,67 @@ ROOTS = ops.names(lambda o: o.layer is not None)
 
 
 @dataclasses.dataclass
-class Found:
-    """A pair, the op it starts at, and the value its second layers read (its channel axis):
-    what calibration measures for smoothing. A norm site's start is the value itself (no
-    op: the smoothing scale goes into a multiply put there)."""
+class Path(Ctx):
+    """A function read for the pair walk (:class:`hlofold._quant.core.pair_walk.PathIR`);
+    the rules of :mod:`.pair_rules` read it as their :class:`~.pair_rules.Ctx`."""
 
-    pair: Pair
-    op: object
-    end: object = None
-    end_axis: int = 0
-    low: bool = False          # a value between the layers is of a low-precision float
+    outputs: str = "a program output"
 
+    def readers(self, v):
+        return [(None, -1) if op_name(o) == "func.return" else (o, p) for o, p in uses(v)]
 
-@dataclasses.dataclass
-class Refused:
-    key: str | None
-    op: object
-    reason: str
+    def name(self, op):
+        return op_name(op)
+
+    def result(self, op):
+        return op.results[0]
+
+    def low(self, v):
+        return exact_in(float_dtype(elem_type(v)) or np.float32)
+
+    def leaky(self, three):
+        return None if any(o is None for o, _ in three) else leaky(three)
+
+    def is_layer(self, op):
+        return op_name(op) in ROOTS
+
+    def rounds(self, op):
+        return op_name(op) in ROUNDING
+
+    def rule(self, op):
+        name = op_name(op)
+        rule = RULES.get(name)
+        if rule is None:
+            return None
+        if len(op.results) != 1:
+            return lambda *_: f"{name} with several results"
+        return functools.partial(rule, self)
+
+    def keeps_mapped(self, op):
+        return op_name(op) in MAPPED
+
+    def not_homogeneous(self, op):
+        return op_name(op) in NOT_HOMOGENEOUS
+
+    def through_dot(self, op, pos, axis):
+        return _through_dot(op, pos, axis)
+
+    def input_channel(self, op, pos):
+        return input_channel(op, pos) if pos == 0 or op_name(op) != "stablehlo.convolution" \
+            else Refusal("a convolution reading the channels as its kernel")
+
+    def second_kernel(self, op, pos, in_axis):
+        return _second_kernel(self, op, pos, in_axis)
+
+    def second_over_axes(self, op, pos, axis):
+        return _second_over_axes(self, op, pos, axis)
+
+    def start(self, op):
+        got = layer_start(op) if op_name(op) in ROOTS else None
+        return (got, None) if isinstance(got, str) else got
+
+    def bias_keys(self):
+        return list(self.biases)
 
 
 
@@ -77,19 +121,14 @@ def _second_over_axes(ctx, op, pos, axis):
 
 
 def second_layer(ctx, op, pos, axis):
-    if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
-        got, plain = _second_over_axes(ctx, op, pos, axis), settled(axis)
-        return second_layer(ctx, op, pos, plain) if isinstance(got, str) and \
-            not isinstance(plain, Mapped) else got
-    if isinstance(axis, tuple):
-        return _second_over_axes(ctx, op, pos, axis)
-    ch = input_channel(op, pos) if pos == 0 or op_name(op) != "stablehlo.convolution" else \
-        Refusal("a convolution reading the channels as its kernel")
-    if isinstance(ch, Refusal):
-        return f"the next {op_name(op)}: {ch.reason}"
-    act_axis, in_axis = ch
-    if act_axis != axis:
-        return f"the next {op_name(op)} does not contract the channel axis"
+    """The layer ``op`` reading the channels (``axis``) at operand ``pos`` as a
+    :class:`Second`, or why not (:func:`hlofold._quant.core.pair_walk.second_layer`)."""
+    return pair_walk.second_layer(ctx, op, pos, axis)
+
+
+def _second_kernel(ctx, op, pos, in_axis):
+    """The layer ``op`` contracting the channels at operand ``pos``: its kernel a constant
+    read once."""
     k = op.operands[1 - pos]
     w = weight(k, op)
     if w is None:
@@ -118,62 +157,10 @@ def _through_dot(op, pos, axis):
     return through_dot([len(shape_of(o)) for o in op.operands], (lc, rc), (lb, rb), pos, axis)
 
 
-def _follow(ctx, v, axis: int):
-    """From the first layer's output ``v`` (channel ``axis``) to the layers that read it:
-    ``([Second], the value they read, its channel axis, whether a value on the way is of a
-    low-precision float)``, or why not."""
-    low = False
-    for _ in range(10_000):
-        low = low or exact_in(float_dtype(elem_type(v)) or np.float32)
-        u = uses(v)
-        if any(op_name(o) == "func.return" for o, _ in u):
-            return "its output is a program output before another layer reads it"
-        if len(u) == 3 and (lk := leaky(u)) is not None:
-            v = lk
-            continue
-        if len(u) > 1:
-            seconds = [second_layer(ctx, o, p, axis) if op_name(o) in ROOTS else "x"
-                       for o, p in u]
-            if all(not isinstance(x, str) for x in seconds):
-                return seconds, v, axis, low
-            return (f"its output is read {len(u)} times, not only by layers (a residual or "
-                    f"another reader would see the scaled channels)")
-        if not u:
-            return "its output is not read"
-        op, pos = u[0]
-        name = op_name(op)
-        if name in ROOTS:
-            got = second_layer(ctx, op, pos, axis)
-            if not isinstance(got, str):
-                return [got], v, axis, low
-            through = _through_dot(op, pos, axis)
-            if through is None:
-                return got
-            v, axis = op.results[0], through
-            continue
-        if name in ROUNDING:     # (it rounds: only powers of two pass exactly)
-            low, v = True, op.results[0]
-            continue
-        rule = RULES.get(name)
-        if isinstance(axis, Mapped) and name not in MAPPED:
-            axis = settled(axis)
-            if isinstance(axis, Mapped):
-                return REPEATED.format(op=name)
-        if rule is None:
-            return stops_here(name, name in NOT_HOMOGENEOUS, "on the way")
-        if len(op.results) != 1:
-            return f"{name} with several results"
-        got = rule(ctx, op, pos, axis)
-        if isinstance(got, str):
-            return got
-        v, axis = op.results[0], got
-    return "the path is too long"
-
-
 def layer_start(op):
-    """``(Weight, output channel axis, kernel output axis)`` of a layer whose kernel is a
-    constant read once (a multi-head kernel's: tuples of axes); a reason for a shared one;
-    None for no layer."""
+    """The :class:`~hlofold._quant.core.pair_walk.Start` of a layer whose kernel is a
+    constant read once (a multi-head kernel's: tuples of axes; the kernel a
+    :class:`~.pair_rules.Weight`); a reason for a shared one; None for no layer."""
     info = root_info(op)
     if not isinstance(info, tuple) or op_name(op) not in ROOTS:
         return None
@@ -182,8 +169,8 @@ def layer_start(op):
         return "its kernel is a constant read elsewhere too (a shared weight)" if \
             _constant_behind(op.operands[info[1]]) else None
     if not isinstance(info[2], int):    # a multi-head kernel: channels over a Block
-        return w, tuple(info[0].axes), tuple(w.axes[a] for a in info[2].axes)
-    return w, info[0], w.axes[info[2]]
+        return Start(w, tuple(info[0].axes), tuple(w.axes[a] for a in info[2].axes))
+    return Start(w, info[0], w.axes[info[2]])
 
 
 def _per_token(v, axis: int) -> bool:
@@ -206,31 +193,11 @@ def _constant_behind(v) -> bool:
 
 
 def find_pairs(func) -> tuple[list[Found], list[Refused], dict]:
-    """Every pair in ``func``'s body (top level), the starts refused, and the weights the
-    pairs name (key -> :class:`Weight`). Second layers claimed by an earlier pair are not
-    paired again."""
-    ctx = Ctx({}, {}, [])
-    found, refused, claimed = [], [], set()
-    for op in func.regions[0].blocks[0].operations:
-        start = layer_start(op) if op_name(op) in ROOTS else None
-        if start is None:
-            continue
-        if isinstance(start, str):
-            refused.append(Refused(None, op, start))
-            continue
-        w, axis, out_axis = start
-        ctx.biases = []
-        got = _follow(ctx, op.results[0], axis)
-        k1 = ctx.key(w)
-        if isinstance(got, str):
-            refused.append(Refused(k1, op, got))
-            continue
-        seconds, end, end_axis, low = got
-        if any(s.key in claimed for s in seconds):
-            continue
-        claimed.update(s.key for s in seconds)
-        found.append(Found(Pair(k1, out_axis, seconds, list(ctx.biases)), op, end, end_axis,
-                           low))
+    """Every pair in ``func``'s body (top level), the starts refused
+    (:func:`hlofold._quant.core.pair_walk.find_pairs`), and the weights the pairs name (key ->
+    :class:`~.pair_rules.Weight`)."""
+    ctx = Path({}, {}, [])
+    found, refused = pair_walk.find_pairs(ctx, func.regions[0].blocks[0].operations)
     return found, refused, ctx.weights
 
 
@@ -239,7 +206,7 @@ def norm_sites(func, weights: dict, taken: set) -> list[Found]:
     with γ moved forward into the layers) read by layers alone, along one channel axis, with
     constant kernels read once (keys not in ``taken``): smoothing puts ``·(1/s)`` there. Each site's start
     key is ``"norm:<n>"`` (no weight yet: its values start as ones)."""
-    ctx = Ctx(weights, {w.const: k for k, w in weights.items()}, [])
+    ctx = Path(weights, {w.const: k for k, w in weights.items()}, [])
     out = []
     for op in func.regions[0].blocks[0].operations:
         if op_name(op) != "stablehlo.multiply":

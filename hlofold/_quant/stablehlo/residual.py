@@ -16,8 +16,9 @@ import numpy as np
 from hlofold._quant.core.equalize import exact_in, stops_here
 from hlofold._quant.core.streams import Writer, streams, summands, walk, with_leaky
 from hlofold._ir.stablehlo.ir import elem_type, float_dtype, op_name, owner_op, shape_of
-from .pair_rules import NOT_HOMOGENEOUS, RULES, Ctx, leaky, uses
-from .pairs import ROOTS, Found, layer_start, second_layer
+from hlofold._quant.core.pair_walk import Found, Start
+from .pair_rules import uses
+from .pairs import Path, layer_start, second_layer
 
 def data_values(func) -> set:
     """The values of ``func``'s top level computed from its arguments (activations; a
@@ -35,7 +36,7 @@ class _Graph:
 
     outputs = "a program output"
 
-    def __init__(self, ctx: Ctx, data: set):
+    def __init__(self, ctx: Path, data: set):
         self.ctx, self.data = ctx, data
 
     def ident(self, op):
@@ -45,9 +46,8 @@ class _Graph:
         return with_leaky([(None, -1) if op_name(o) == "func.return" else (o, p)
                            for o, p in uses(v)], self._leaky)
 
-    @staticmethod
-    def _leaky(three):
-        out = leaky(three)
+    def _leaky(self, three):
+        out = self.ctx.leaky(three)
         return None if out is None else owner_op(out)
 
     def name(self, op):
@@ -70,24 +70,23 @@ class _Graph:
         return v in self.data
 
     def reader(self, op, pos, axis):
-        return second_layer(self.ctx, op, pos, axis) if op_name(op) in ROOTS else None
+        return second_layer(self.ctx, op, pos, axis) if self.ctx.is_layer(op) else None
 
     def rule(self, op, pos, axis):
-        name = op_name(op)
-        rule = RULES.get(name)
+        rule = self.ctx.rule(op)
         if rule is None or len(op.results) != 1:
-            return stops_here(name, name in NOT_HOMOGENEOUS, "on the stream")
-        return rule(self.ctx, op, pos, axis)
+            return stops_here(op_name(op), self.ctx.not_homogeneous(op), "on the stream")
+        return rule(op, pos, axis)
 
     def origins(self, v, depth: int = 0):
         op = owner_op(v)
         if op is None:
             return "a program input is added into the stream"
-        start = layer_start(op) if op_name(op) in ROOTS else None
+        start = self.ctx.start(op)
         if start is not None:
-            if isinstance(start, str):
-                return f"a layer writing into the stream: {start}"
-            w, axis, out_axis = start
+            if not isinstance(start, Start):
+                return f"a layer writing into the stream: {start[0]}"
+            w, axis, out_axis = start.kernel, start.axis, start.out_axis
             if not isinstance(axis, int):
                 return "a layer writing into the stream has its channels over several axes"
             return [Writer(self.ctx.key(w), out_axis, op, op.results[0], axis)]
@@ -106,17 +105,17 @@ def find_streams(func, found: list, refused: list, weights: dict) -> list[Found]
     keys = {w.const: k for k, w in weights.items()}
     starts = []
     for r in refused:
-        start = layer_start(r.op) if r.op is not None else None
-        if isinstance(start, tuple) and isinstance(start[1], int):
-            w, axis, out_axis = start
-            key = Ctx(weights, keys, []).key(w)
-            starts.append((r, Writer(key, out_axis, r.op, r.op.results[0], axis)))
+        start = layer_start(r.at) if r.at is not None else None
+        if isinstance(start, Start) and isinstance(start.axis, int):
+            key = Path(weights, keys, []).key(start.kernel)
+            starts.append((r, Writer(key, start.out_axis, r.at, r.at.results[0],
+                                     start.axis)))
 
     def walk_from(w):
-        ctx = Ctx(weights, keys, [])
+        ctx = Path(weights, keys, [])
         return walk(_Graph(ctx, data), w), ctx.biases
     got = streams(starts, walk_from, {f.pair.first for f in found}, lambda op: op.operation,
-                  refused, lambda r: r.op)
-    return [Found(pair, r.op, s.end, s.end_axis,
+                  refused, lambda r: r.at)
+    return [Found(pair, r.at, s.end, s.end_axis,
                   any(exact_in(float_dtype(elem_type(v)) or np.float32) for v in s.values))
             for r, pair, s in got]
