@@ -30,7 +30,7 @@ class SiteWriter:
         """Replace the site's ops: ``root(x, K')`` (+ bias map), the chain's casts and shape
         ops, ``+ t``; in the graph, guarded: an ``if`` that runs the original ops when the
         folded kernel or bias is not finite."""
-        out_axis, kidx, kaxis = info[:3]
+        out_axis, kidx, kaxis = info.channel_axis, info.kernel_index, info.kernel_axis
         kernel = root.operands[kidx]
         C_out = channel_count(root_shapes(root)[2], out_axis)
         end_op = steps[-1].op if steps else root
@@ -118,7 +118,7 @@ class SiteWriter:
         replayed, plus ``broadcast(t_of())``; the final op is claimed (a later root's forward
         chain does not take it)."""
         new_root = root.clone()           # (its attributes and location, as one call)
-        new_root.operands[info[1]] = new_k
+        new_root.operands[info.kernel_index] = new_k
         if x is not None:
             new_root.operands[fwd.act] = x
         y = new_root.results[0]
@@ -137,7 +137,7 @@ class SiteWriter:
                 new.operands[0] = y
                 y = new.results[0]
         if add_t:
-            axis = steps[-1].axis if steps else info[0]
+            axis = steps[-1].axis if steps else info.channel_axis
             t_b = broadcast_channels(out_t, t_of(), axis)
             y = stablehlo.AddOp(y, t_b).result
         if owner_op(y) is not None:

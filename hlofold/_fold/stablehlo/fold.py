@@ -179,8 +179,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
                        file=file, line=line, name_stack=name,
                        dtype=type_name(elem_type(op.results[0])), **kw)
         if not isinstance(info, str):
-            rec.layout, rec.in_channels, rec.groups = info[3], info[4], info[5]
-            rec.out_channels = channel_count(shape, info[0])
+            rec.layout, rec.in_channels, rec.groups = info.layout, info.in_channels, info.groups
+            rec.out_channels = channel_count(shape, info.channel_axis)
         self.sites.append(rec)
         return rec
 
@@ -200,12 +200,12 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             return
         chosen = None
         for info in cands:              # the first reading of the root that folds
-            if info is not first and self.eval(root.operands[info[1]]) is None and \
-                    not self.weight_like(root, info[1]):
+            if info is not first and self.eval(root.operands[info.kernel_index]) is None and \
+                    not self.weight_like(root, info.kernel_index):
                 continue     # another reading only for a weight: an input on the lhs may as
                 # well be the activations
-            w = walk(HloChain(self, root, fname), root.results[0], info[0])
-            k = root.operands[info[1]]
+            w = walk(HloChain(self, root, fname), root.results[0], info.channel_axis)
+            k = root.operands[info.kernel_index]
             folds = chain_kind(s.kind for s in w.steps if s.kind not in PASS_KINDS) == \
                 "fold" and not (owner_op(k) is not None and self._from_root(k))
             if chosen is None or folds:
@@ -216,7 +216,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
             return nothing()
         info, w = chosen
         steps, stop, refusal = w.steps, w.stop, w.refusal
-        out_axis, kidx, kaxis = info[:3]
+        out_axis, kidx, kaxis = info.channel_axis, info.kernel_index, info.kernel_axis
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
         real = [s for s in steps if s.kind not in PASS_KINDS]
         status, reason = chain_status((s.kind for s in real), stop, refusal)
@@ -307,7 +307,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         """The forward fold's own rules (``_fold.core.decide.forward_refusal``); returns ``(fwd or None
         when refused, the kernel known now or None, what it is multiplied by for s_in, the
         bias the shift adds)``."""
-        c_in, c_out = info[4], channel_count(root_shapes(root)[2], info[0])
+        c_in, c_out = info.in_channels, channel_count(root_shapes(root)[2], info.channel_axis)
         fv = self.np_chain(fwd.steps, c_in)
         s_in = t_in = None
         if fv is not None:
@@ -324,8 +324,8 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         fwd.s_known, fwd.t_known = s_in, t_in
         if s_in is None or k_np is None:
             return fwd, None, None, None      # the input scale is computed in the graph
-        k_in, b64 = forward_kernel(k_np, s_in, t_in, info[2], fwd.k_in_axis, fwd.groups, c_out,
-                                   None if fwd.masks is None else
+        k_in, b64 = forward_kernel(k_np, s_in, t_in, info.kernel_axis, fwd.k_in_axis,
+                                   fwd.groups, c_out, None if fwd.masks is None else
                                    (lambda taps: bias_map(taps, fwd.masks, *conv_specs(root))))
         return fwd, k_np, k_in, b64
 

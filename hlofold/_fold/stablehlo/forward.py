@@ -156,7 +156,7 @@ class HloForwardPlanner:
     def plan_forward(self, root, info, fname) -> HloForward | None:
         """Follow the root's activation operand back through per-input-channel affine ops.
         Returns the forward fold, or None (no chain, or refused: then recorded)."""
-        act = 1 - info[1]
+        act = 1 - info.kernel_index
         axis = input_feature_axis(root, act)
         if axis is None:
             return None
@@ -177,8 +177,8 @@ class HloForwardPlanner:
         ic = input_channel(root, act)
         masks = conv_masks(root) if has_shift(steps) else None
         why = next((r.reason for r in (ic, masks) if isinstance(r, Refusal)), None) or \
-            multi_output_shift(has_shift(steps), output_dims(root, info[1]),
-                               isinstance(info[2], Block))
+            multi_output_shift(has_shift(steps), output_dims(root, info.kernel_index),
+                               isinstance(info.kernel_axis, Block))
         if why is None and masks is not None:
             batch = stablehlo.ConvDimensionNumbers(
                 root.attributes["dimension_numbers"]).output_batch_dimension
@@ -191,7 +191,7 @@ class HloForwardPlanner:
         rec = self._record(root, fname, FOLDED, info, pattern=pattern, absorbed=absorbed)
         rec.note = forward_note(len(chain.tokens), self._n_top_readers(chain, top),
                                 masks is not None, reason)
-        return HloForward(steps, v, ic[1], info[5], rec, act, tokens=chain.tokens,
+        return HloForward(steps, v, ic[1], info.groups, rec, act, tokens=chain.tokens,
                           passes=chain.passes,
                           masks=masks, taken=chain.taken)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from hlofold import _compat as C
 from hlofold._ir.stablehlo import ops
-from hlofold._base.chain_rules import Refusal, resolve_channel_operand
+from hlofold._base.chain_rules import Refusal, channel_count, resolve_channel_operand
 from hlofold._base.reasons import Reason
 from hlofold._fold.core.rules import flushes_differently
 from hlofold._ir.stablehlo.facts import op_fact
@@ -24,8 +24,8 @@ from hlofold._ir.stablehlo.ir import (DOTS, constant_attr, constant_values, dens
                                       shape_of)
 from hlofold._ir.stablehlo.indices import index_value
 from hlofold._ir.stablehlo.module import call_sites, entering_value
-from hlofold._fold.core.patterns import (block_of, conv_axis_role, conv_layout, dot_axis_role,
-                                         dot_layout)
+from hlofold._fold.core.patterns import (RootInfo, block_of, conv_axis_role, conv_layout,
+                                         dot_axis_role, dot_layout)
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -240,8 +240,8 @@ def _root_shapes(op) -> tuple:
 
 
 def root_info(op):
-    """(output feature dim, kernel operand index, kernel feature dim, layout text, input
-    channels, feature groups) or a reason."""
+    """The :class:`~hlofold._fold.core.patterns.RootInfo` of a convolution or dot (the type
+    the jaxpr patterns' ``inspect_root`` gives), or a reason."""
     name = op_name(op)
     lhs, rhs, out = root_shapes(op)
     if name == "stablehlo.convolution":
@@ -254,8 +254,8 @@ def root_info(op):
              *dn.output_spatial_dimensions))
         groups = (ir.IntegerAttr(op.attributes["feature_group_count"]).value
                   if "feature_group_count" in op.attributes else 1)
-        return (dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension, layout,
-                int(lhs[dn.input_feature_dimension]), int(groups))
+        return _root(out, dn.output_feature_dimension, 1, dn.kernel_output_feature_dimension,
+                     layout, int(lhs[dn.input_feature_dimension]), int(groups))
     lb, lc, rb, rc = dot_dims(op)
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     rfree = [d for d in range(len(rhs)) if d not in rb + rc]
@@ -266,10 +266,15 @@ def root_info(op):
     # (``_fold.jaxpr.patterns.DotAffinePattern``)
     block = block_of(rhs, rfree, len(lb) + len(lfree))
     if block is not None:
-        return (block[0], 1, block[1], dot_layout(lhs, rhs, out),
-                math.prod(lhs[d] for d in lc), 1)
-    return (len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
-            math.prod(lhs[d] for d in lc), 1)
+        return _root(out, block[0], 1, block[1], dot_layout(lhs, rhs, out),
+                     math.prod(lhs[d] for d in lc), 1)
+    return _root(out, len(lb) + len(lfree), 1, rfree[0], dot_layout(lhs, rhs, out),
+                 math.prod(lhs[d] for d in lc), 1)
+
+
+def _root(out_shape, axis, kernel_index, kernel_axis, layout, in_channels, groups) -> RootInfo:
+    return RootInfo(axis, kernel_index, kernel_axis, layout, int(in_channels),
+                    channel_count(out_shape, axis), int(groups))
 
 
 def output_dims(op, kernel_index: int) -> int:
@@ -306,5 +311,5 @@ def lhs_root_info(op):
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
     if len(lfree) != 1 or not is_float(op.operands[0]):
         return None
-    return (len(lb), 0, lfree[0], dot_layout(lhs, rhs, out, True),
-            math.prod(lhs[d] for d in lc), 1)
+    return _root(out, len(lb), 0, lfree[0], dot_layout(lhs, rhs, out, True),
+                 math.prod(lhs[d] for d in lc), 1)

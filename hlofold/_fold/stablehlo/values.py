@@ -134,7 +134,7 @@ class HloValues:
         root: ``s`` and ``t`` over the kernel are written once for the roots that share the
         chain in one block with kernels of one type (Q, K, V read one broadcast of γ; later
         roots of a block sit after the first)."""
-        c_in, ko, ki = info[4], info[2], fwd.k_in_axis
+        c_in, ko, ki = info.in_channels, info.kernel_axis, fwd.k_in_axis
         ktype = ir.RankedTensorType.get(shape_of(kc), self.ct)
         shared = self.shared_by_chain(fwd.steps)
         key = ("on kernel", ir.InsertionPoint.current.block, ktype, ko, ki, fwd.groups, c_out)

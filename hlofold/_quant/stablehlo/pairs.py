@@ -22,6 +22,7 @@ from hlofold import _compat as C
 from hlofold._base.chain_rules import Refusal
 from hlofold._base.channel_axes import Mapped, each, one, read_by_kernel, through_dot
 from hlofold._fold.stablehlo.forward import input_channel
+from hlofold._fold.core.patterns import RootInfo
 from hlofold._fold.stablehlo.patterns import dot_dims, root_info
 from hlofold._ir.stablehlo import ops
 from hlofold._ir.stablehlo.build import GUARD, STACK, marked
@@ -134,14 +135,15 @@ def _second_kernel(ctx, op, pos, in_axis):
     if w is None:
         return f"the next {op_name(op)}'s kernel is not a constant read once"
     info = root_info(op) if pos == 0 else None
-    if pos == 0 and not isinstance(info, tuple):
+    if pos == 0 and not isinstance(info, RootInfo):
         return f"the next {op_name(op)}'s kernel is not read as a layer's"
     free = [a for a in range(len(shape_of(k))) if a != in_axis]
     if pos == 1 and len(free) != 1:
         return f"the next {op_name(op)}'s kernel (its lhs) has {len(free)} free dimensions"
     # (a multi-head kernel, (d, heads, head_dim): its input rows are what is scaled; any of
     # its output axes serves to read them, as on the jaxpr path)
-    out = (info[2] if isinstance(info[2], int) else info[2].axes[0]) if pos == 0 else free[0]
+    ka = info.kernel_axis if pos == 0 else None
+    out = (ka if isinstance(ka, int) else ka.axes[0]) if pos == 0 else free[0]
     groups = ir.IntegerAttr(op.attributes["feature_group_count"]).value \
         if "feature_group_count" in op.attributes else 1
     return Second(ctx.key(w), w.axes[in_axis], w.axes[out], int(groups))
@@ -162,15 +164,16 @@ def layer_start(op):
     constant read once (a multi-head kernel's: tuples of axes; the kernel a
     :class:`~.pair_rules.Weight`); a reason for a shared one; None for no layer."""
     info = root_info(op)
-    if not isinstance(info, tuple) or op_name(op) not in ROOTS:
+    if not isinstance(info, RootInfo) or op_name(op) not in ROOTS:
         return None
-    w = weight(op.operands[info[1]], op)
+    w = weight(op.operands[info.kernel_index], op)
     if w is None:           # a constant read elsewhere too; else no layer (q @ kᵀ)
         return "its kernel is a constant read elsewhere too (a shared weight)" if \
-            _constant_behind(op.operands[info[1]]) else None
-    if not isinstance(info[2], int):    # a multi-head kernel: channels over a Block
-        return Start(w, tuple(info[0].axes), tuple(w.axes[a] for a in info[2].axes))
-    return Start(w, info[0], w.axes[info[2]])
+            _constant_behind(op.operands[info.kernel_index]) else None
+    if not isinstance(info.kernel_axis, int):    # a multi-head kernel: channels over a Block
+        return Start(w, tuple(info.channel_axis.axes),
+                     tuple(w.axes[a] for a in info.kernel_axis.axes))
+    return Start(w, info.channel_axis, w.axes[info.kernel_axis])
 
 
 def _per_token(v, axis: int) -> bool:

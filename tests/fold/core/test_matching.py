@@ -178,8 +178,7 @@ def test_conv_root_on_both_irs(dn, xs, ks, axis, kaxis):
     assert (info.in_channels, info.out_channels, info.groups) == (4, 6, 1)
     _, ops = _hlo_ops(f, xs, ks)
     hinfo = root_info(_last(ops, "stablehlo.convolution"))
-    assert hinfo[:3] == (axis, 1, kaxis) and hinfo[3] == info.layout
-    assert hinfo[4:] == (4, 1)
+    assert hinfo == info           # (one root type on both IRs: RootInfo)
 
 
 def test_grouped_conv_root():
@@ -197,9 +196,9 @@ def test_dot_root_on_both_irs():
     _, ops = _hlo_ops(f, (3, 8), (8, 5))
     op = _last(ops, "stablehlo.dot_general")
     assert dot_dims(op) == ((), (1,), (), (0,))
-    assert root_info(op)[:3] == (1, 1, 1) and root_info(op)[4] == 8
+    assert root_info(op) == info
     lhs = lhs_root_info(op)            # the weight read as the lhs: its free dim is rows
-    assert lhs[:3] == (0, 0, 0)
+    assert (lhs.channel_axis, lhs.kernel_index, lhs.kernel_axis) == (0, 0, 0)
 
 
 def test_dot_root_refuses_integer_dots():
