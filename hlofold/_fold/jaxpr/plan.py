@@ -20,14 +20,15 @@ import numpy as np
 from hlofold import _compat as C
 from hlofold._ir.jaxpr import ops
 from hlofold._base.algebra import along, collapse, forward_kernel, has_shift, kinds
-from hlofold._fold.core.chain import UNUSED, Absorb, Pass, affine_after, chain_kind, walk
-from hlofold._fold.core.decide import chain_status, decide, forward_refusal
+from hlofold._fold.core.chain import Absorb, Pass, affine_after, walk
+from hlofold._fold.core.decide import decide, forward_refusal
+from hlofold._fold.core.site import plan_site
 from hlofold._base.chain_rules import ChannelOperand, Refusal, block_values
 from .steps import AFFINE_STEPS, PASS_STEPS, AffineStep, PassStep, affine_step, pass_step
 from .forward import Forward, ForwardPlanner, elems
 from hlofold._fold.core.patterns import RootInfo
 from hlofold._fold.core.cost import SiteCost, cost_refusal
-from hlofold._base.report import CANONICAL, FOLDED, LEFT, NO_PATTERN, REFUSED, FoldSite
+from hlofold._base.report import FOLDED, LEFT, NO_PATTERN, REFUSED, FoldSite
 from hlofold._base.reasons import Reason
 from hlofold._fold.core.rules import WEIGHT_CONE, weight_like
 
@@ -89,52 +90,69 @@ class Site:
     bias_map: np.ndarray | None = None
 
 
+class _JaxprSite:
+    """A jaxpr scope's root read for ``_fold.core.site.plan_site`` (:class:`~hlofold._fold.
+    core.site.SiteIR`): the scope, the root's index and its pattern."""
+
+    def __init__(self, scope: "SitePlanner", i: int, pattern):
+        self.scope, self.i, self.pattern = scope, i, pattern
+
+    def readings(self, eqn):
+        return [self.pattern.inspect_root(eqn)] + self.pattern.alternatives(eqn)
+
+    def root_refusal(self, eqn):
+        return None
+
+    def kernel_known(self, eqn, info):
+        return self.scope.value(eqn.invars[info.kernel_index]) is not None or \
+            self.scope._weight_like(eqn, info.kernel_index)
+
+    def walk(self, eqn, info):
+        return walk(JaxprChain(self.scope, eqn, self.pattern), eqn.outvars[0],
+                    info.channel_axis)
+
+    def affine(self, steps):
+        return [s for s in steps if isinstance(s, AffineStep)]
+
+    def kernel_from_root(self, eqn, info):
+        return self.scope.from_root(eqn.invars[info.kernel_index])
+
+    def nothing(self, eqn, first):
+        after = affine_after(JaxprChain(self.scope, eqn, self.pattern), eqn.outvars[0],
+                             eqn.outvars[0].aval.ndim)
+        self.scope._record(eqn, self.pattern, None, REFUSED if after else NO_PATTERN,
+                           reason=first.reason)
+
+    def claim(self, steps):
+        self.scope.claimed.update(self.scope.producer[s.eqn.outvars[0]][0] for s in steps)
+
+    def plan_forward(self, eqn, info):
+        return self.scope._plan_forward(eqn, self.pattern, info)
+
+    def record(self, eqn, info, status, **kw):
+        return self.scope._record(eqn, self.pattern, info, status, **kw)
+
+    def absorbed(self, steps):
+        return [s.eqn.primitive.name for s in steps]
+
+    def fold(self, eqn, info, w, steps, affine, fwd, backward):
+        return self.scope._fold_site(self.i, eqn, self.pattern, info, w, steps, affine, fwd,
+                                     backward)
+
+
 class SitePlanner(ForwardPlanner):
     """Decides each root's site; records it in the report (``self._record``) and, when it
     folds, in the plan the emitter reads (``site_at_end``, ``skip``, ``claimed``)."""
 
     def _plan_site(self, i, eqn, pattern) -> bool:
-        first = pattern.inspect_root(eqn)
-        chosen = None
-        for info in [first] + pattern.alternatives(eqn):   # the first reading that folds
-            if isinstance(info, Refusal):
-                continue
-            if info is not first and self.value(eqn.invars[info.kernel_index]) is None \
-                    and not self._weight_like(eqn, info.kernel_index):
-                continue     # another reading only for a weight: an input on the lhs may as
-                # well be the activations
-            w = walk(JaxprChain(self, eqn, pattern), eqn.outvars[0], info.channel_axis)
-            folds = chain_kind(s.kind for s in w.steps if isinstance(s, AffineStep)) == "fold" \
-                and not self.from_root(eqn.invars[info.kernel_index])
-            if chosen is None or folds:
-                chosen = (info, w)
-            if folds:
-                break
-        if chosen is None:
-            self._record(eqn, pattern, None, REFUSED if affine_after(
-                JaxprChain(self, eqn, pattern), eqn.outvars[0], eqn.outvars[0].aval.ndim)
-                else NO_PATTERN, reason=first.reason)
-            return False
-        info, w = chosen
-        steps, end_axis, stop, stop_is_refusal = w.steps, w.axis, w.stop, w.refusal
-        self.claimed.update(self.producer[s.eqn.outvars[0]][0] for s in steps)
-        affine = [s for s in steps if isinstance(s, AffineStep)]
-        absorbed = [s.eqn.primitive.name for s in steps]
-        status, reason = chain_status((s.kind for s in affine), stop, stop_is_refusal)
-        backward = status == FOLDED
-        fwd = self._plan_forward(eqn, pattern, info)
-        if not backward:
-            if status == CANONICAL:
-                self._record(eqn, pattern, info, CANONICAL, absorbed=absorbed, reason=reason)
-            elif not (fwd is not None and stop == UNUSED):
-                self._record(eqn, pattern, info, status, reason=reason)
-            if fwd is None:
-                return False
-            if not affine:
-                steps, end_axis = [], info.channel_axis
-            # else: a canonical bias after the root is merged into the forward fold's bias,
-            # so the result is conv + one bias and folding again changes nothing
+        """Plan the site at the root ``eqn`` (the ``i``-th equation) by the procedure both
+        paths share (``_fold.core.site.plan_site``)."""
+        return plan_site(_JaxprSite(self, i, pattern), eqn)
 
+    def _fold_site(self, i, eqn, pattern, info, w, steps, affine, fwd, backward) -> bool:
+        """Step 7 of ``_fold.core.site``: the values now, the decision, the plan."""
+        end_axis, stop = (w.axis if steps else info.channel_axis), w.stop
+        absorbed = [s.eqn.primitive.name for s in steps]
         kernel = eqn.invars[info.kernel_index]
         kernel_names = sorted(n for n in self.names(kernel) if n)
         kfa = self.from_root(kernel)

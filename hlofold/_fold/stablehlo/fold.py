@@ -28,8 +28,9 @@ import numpy as np
 from hlofold import _compat as C
 from hlofold._ir.stablehlo import blobs
 from hlofold._base.algebra import along, collapse, forward_kernel, per_channel
-from hlofold._fold.core.chain import UNUSED, affine_after, chain_kind, walk
-from hlofold._fold.core.decide import chain_status, decide, forward_refusal
+from hlofold._fold.core.chain import affine_after, walk
+from hlofold._fold.core.decide import decide, forward_refusal
+from hlofold._fold.core.site import plan_site
 from .forward import HloForwardPlanner, conv_specs
 from hlofold._ir.stablehlo.facts import op_facts
 from hlofold._ir.stablehlo.ir import (PASS_KINDS, elem_type, float_dtype, is_float, location,
@@ -49,7 +50,7 @@ from .stacks import fold_stacks, stack_loops
 from hlofold._fold.core.patterns import bias_map
 from hlofold._base.chain_rules import channel_count
 from hlofold._base.reasons import Reason
-from hlofold._base.report import CANONICAL, FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
+from hlofold._base.report import FOLDED, NO_PATTERN, REFUSED, FoldReport, FoldSite
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -90,6 +91,56 @@ def enclosing_loop(op, calls: dict, seen: frozenset = frozenset()):
                          if (w := enclosing_loop(c, calls, seen | {name})) is not None), None)
         p = parent_of(p)
     return None
+
+
+class _HloSite:
+    """A module pass's root read for ``_fold.core.site.plan_site`` (:class:`~hlofold._fold.
+    core.site.SiteIR`): the pass and the function the root is in."""
+
+    def __init__(self, p: "_Pass", fname: str):
+        self.p, self.fname = p, fname
+
+    def readings(self, root):
+        lhs = lhs_root_info(root)
+        return [root_info(root)] + ([lhs] if lhs is not None else [])
+
+    def root_refusal(self, root):
+        return None if is_float(root.results[0]) else Reason("not-float", "not a float root")
+
+    def kernel_known(self, root, info):
+        return self.p.eval(root.operands[info.kernel_index]) is not None or \
+            self.p.weight_like(root, info.kernel_index)
+
+    def walk(self, root, info):
+        return walk(HloChain(self.p, root, self.fname), root.results[0], info.channel_axis)
+
+    def affine(self, steps):
+        return [s for s in steps if s.kind not in PASS_KINDS]
+
+    def kernel_from_root(self, root, info):
+        k = root.operands[info.kernel_index]
+        return owner_op(k) is not None and self.p._from_root(k)
+
+    def nothing(self, root, first):
+        after = affine_after(HloChain(self.p, root, self.fname), root.results[0],
+                             len(root_shapes(root)[2]))
+        self.p._record(root, self.fname, REFUSED if after else NO_PATTERN, reason=first)
+
+    def claim(self, steps):
+        self.p.claimed.update(s.op.operation for s in steps)
+
+    def plan_forward(self, root, info):
+        return self.p.plan_forward(root, info, self.fname)
+
+    def record(self, root, info, status, **kw):
+        return self.p._record(root, self.fname, info=info, status=status, **kw)
+
+    def absorbed(self, steps):
+        return [op_name(s.op).split(".")[-1] for s in steps]
+
+    def fold(self, root, info, w, steps, affine, fwd, backward):
+        self.p._fold_site(root, self.fname, info, w, steps, affine, fwd, backward)
+        return True
 
 
 class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
@@ -187,53 +238,15 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
     # -- folding
 
     def _site(self, root, fname):
-        first = root_info(root)
-        cands = [c for c in (first, lhs_root_info(root)) if c is not None and
-                 not isinstance(c, str)]
-        nothing = lambda: self._record(root, fname, REFUSED if affine_after(   # noqa: E731
-            HloChain(self, root, fname), root.results[0], len(root_shapes(root)[2]))
-            else NO_PATTERN, reason=first)
-        if not cands:
-            return nothing()
-        if not is_float(root.results[0]):
-            self._record(root, fname, REFUSED, reason=Reason("not-float", "not a float root"))
-            return
-        chosen = None
-        for info in cands:              # the first reading of the root that folds
-            if info is not first and self.eval(root.operands[info.kernel_index]) is None and \
-                    not self.weight_like(root, info.kernel_index):
-                continue     # another reading only for a weight: an input on the lhs may as
-                # well be the activations
-            w = walk(HloChain(self, root, fname), root.results[0], info.channel_axis)
-            k = root.operands[info.kernel_index]
-            folds = chain_kind(s.kind for s in w.steps if s.kind not in PASS_KINDS) == \
-                "fold" and not (owner_op(k) is not None and self._from_root(k))
-            if chosen is None or folds:
-                chosen = (info, w)
-            if folds:
-                break
-        if chosen is None:
-            return nothing()
-        info, w = chosen
-        steps, stop, refusal = w.steps, w.stop, w.refusal
+        """Fold the site at ``root`` by the procedure both paths share
+        (``_fold.core.site.plan_site``)."""
+        plan_site(_HloSite(self, fname), root)
+
+    def _fold_site(self, root, fname, info, w, steps, real, fwd, backward):
+        """Step 7 of ``_fold.core.site``: the values now, the decision, the rewrite."""
+        stop = w.stop
         out_axis, kidx, kaxis = info.channel_axis, info.kernel_index, info.kernel_axis
         absorbed = [op_name(s.op).split(".")[-1] for s in steps]
-        real = [s for s in steps if s.kind not in PASS_KINDS]
-        status, reason = chain_status((s.kind for s in real), stop, refusal)
-        self.claimed.update(s.op.operation for s in steps)
-        fwd = self.plan_forward(root, info, fname)
-        backward = status == FOLDED
-        if not backward:
-            if status == CANONICAL:
-                self._record(root, fname, info=info, status=status, reason=reason,
-                             absorbed=absorbed)
-            elif not (fwd is not None and stop == UNUSED):
-                self._record(root, fname, info=info, status=status, reason=reason)
-            if fwd is None:
-                return
-            if not real:
-                steps = []
-            # else: a canonical bias after the root merges into the forward fold's bias
         kernel = root.operands[kidx]
         C_out = channel_count(root_shapes(root)[2], out_axis)
         kfa = owner_op(kernel) is not None and self._from_root(kernel)
