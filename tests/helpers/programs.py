@@ -38,7 +38,8 @@ SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 BF16 = np.dtype(jnp.bfloat16)
 LOW = ("bfloat16", "float16")     # nets checked against a float32 run of the same numbers
 AFFINE = ("add", "sub", "rsub", "mul", "div", "neg")
-OPERANDS = ("literal", "scalar", "unit", "vec-bid", "vec-reshape", "vec-implicit", "vec-bn")
+OPERANDS = ("literal", "scalar", "unit", "vec-bid", "vec-reshape", "vec-implicit", "vec-bn",
+            "vec-einsum")
 TOKEN_OPERANDS = ("token", "token-vec")   # per-token factors: in front of the first conv only
 
 
@@ -166,7 +167,7 @@ def specs(draw, dtypes=("float32",) * 4 + ("bfloat16",), params=("input", "froze
             # alone or times a per-channel γ: kept in the graph, γ folded
             pre.append(Op(kind, draw(st.sampled_from(
                 ["scalar", "vec-bid", "vec-reshape"] +
-                (list(TOKEN_OPERANDS) if kind == "mul" else []))),
+                (list(TOKEN_OPERANDS) + ["vec-einsum"] if kind == "mul" else []))),
                           left=draw(st.booleans())))
     layers = []
     cur = dict(sizes)
@@ -321,11 +322,21 @@ class _Builder:
             p = cast(val())
         shape = [1] * nd
         shape[ca] = p.shape[0]
-        if how == "vec-bid":
+        if how in ("vec-bid", "vec-einsum"):     # (einsum: a product's own spelling)
             return lax.broadcast_in_dim(p, y.shape, (ca,))
         if how == "vec-implicit":
             return p if ca == nd - 1 else jnp.reshape(p, shape[ca:])
         return jnp.reshape(p, shape)
+
+    @staticmethod
+    def einsum_product(y, val, ca: int):
+        """``y`` times a per-channel vector by ``jnp.einsum`` (a dot contracting nothing,
+        then a transpose back)."""
+        p = val()
+        if np.dtype(p.dtype) != np.dtype(y.dtype):
+            p = lax.convert_element_type(p, y.dtype)
+        letters = "abcdefgh"[:y.ndim]
+        return jnp.einsum(f"{letters},{letters[ca]}->{letters}", y, p)
 
     @staticmethod
     def affine(op: Op, y, c):
@@ -364,6 +375,9 @@ class _Builder:
                 if op.kind == "transpose":
                     z = jnp.transpose(z, op.perm)
                     layout = "".join(layout[p] for p in op.perm)
+                    continue
+                if op.kind == "mul" and operand[0] == "vec-einsum":
+                    z = self.einsum_product(z, operand[1], layout.index("C"))
                     continue
                 c_op = None if operand is None else self.apply_operand(
                     operand, z, layout.index("C"), z.dtype)
@@ -455,6 +469,9 @@ class _Builder:
             self.args = args
             h = args[0]
             for op, operand in zip(spec.pre, pre):
+                if op.kind == "mul" and operand[0] == "vec-einsum":    # (MaxText's γ)
+                    h = self.einsum_product(h, operand[1], spec.lhs.index("C"))
+                    continue
                 h = self.affine(op, h, self.apply_operand(operand, h, spec.lhs.index("C"),
                                                           h.dtype))
             total = jnp.zeros((), jnp.float32)

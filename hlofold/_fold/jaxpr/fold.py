@@ -31,6 +31,7 @@ from hlofold import _compat as C
 from .check import checked
 from .emit import SiteEmitter, is_guard
 from .merge import merge_scope
+from .canonical import products
 from .nested import NESTED_RULES, contains_root, inline_calls, inline_crossed, other_rule
 from hlofold._fold.core.decide import IN_GRAPH_POLICIES
 from .plan import Site, SitePlanner
@@ -253,7 +254,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
         chain continues into (``jit``; first, checkpoints a chain crosses, as lowered) are
         inlined and the scope planned again, as StableHLO inlines a private ``func.call``."""
         first = len(self.sites)
-        if (flat := inline_crossed(self.closed)) is not self.closed:
+        if (flat := products(inline_crossed(self.closed))) is not self.closed:
             self._index(flat, self.const_names)
         for _ in range(_MAX_INLINE_ROUNDS - 1):
             changed = self._plan_once()

@@ -35,8 +35,8 @@ from hlofold._fold.core.rules import bias_map_refusal
 _OWN_PASS = ops.names(lambda o: o.opaque)
 _CALLS = ops.names(lambda o: o.call in ("jit", "custom"))
 _ELEMENTWISE = ops.names(lambda o: o.elementwise)
-# (the same values: the root reads them constrained again)
-_PASS = ops.names(lambda o: o.shape == "constraint")
+# (the same values: the root reads them constrained, or named (checkpoint_name), again)
+_PASS = ops.names(lambda o: o.shape in ("constraint", "copy"))
 
 
 def elems(shape, skip: int | None = None) -> int:

@@ -45,6 +45,7 @@ from .merge_write import merge_module
 from hlofold._ir.stablehlo.platforms import inline_uniform_cases
 from hlofold._ir.stablehlo.indices import constant_counters
 from .calls import inline_crossed_calls, inline_weighted_calls
+from .canonical import products
 from hlofold._ir.stablehlo.build import STACK, unmark
 from .stacks import fold_stacks, stack_loops
 from hlofold._fold.core.patterns import bias_map
@@ -363,6 +364,7 @@ def fold_module(module, in_graph: bool = True, guard: bool = True,
 def _fold_module(module, in_graph: bool, guard: bool, merge: bool,
                  bound: dict | None) -> FoldReport:
     inline_uniform_cases(module)     # a multi-platform module's per-platform copies
+    products(module)                 # a scale applied by a dot that contracts nothing
     constant_counters(module)        # an unrolled scan's last layers: their rows known
     if inline_weighted_calls(module, Evaluator(module, bound)) + \
             inline_crossed_calls(module):   # a jit block per layer; a helper a fold crosses

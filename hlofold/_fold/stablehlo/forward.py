@@ -44,7 +44,7 @@ ir, stablehlo, func_dialect = C.mlir()
 
 _AFFINE = ops.names(lambda o: o.affine is not None)
 # (the same values: the root reads them constrained again)
-_PASS = ops.names(lambda o: o.shape == "constraint")
+_PASS = ops.names(lambda o: o.shape in ("constraint", "copy"))
 _KINDS = {**ops.OPS.kinds("affine", {k: k for k in ("add", "sub", "mul", "div", "neg")}),
           **ops.OPS.kinds("shape", {"broadcast": "broadcast_in_dim"})}
 # ops computing each element from the same element of their operands (per-token stays so)

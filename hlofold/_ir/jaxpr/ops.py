@@ -29,6 +29,7 @@ OPS = Registry("jaxpr", {
     "transpose": Op(shape="transpose"),
     "copy": Op(shape="copy", homogeneous=True, **_EW),
     "copy_p": Op(shape="copy", homogeneous=True, **_EW),
+    "name": Op(shape="copy", homogeneous=True, **_EW),     # checkpoint_name: the same values
     "sharding_constraint": Op(shape="constraint", homogeneous=True),
     # rounding
     "reduce_precision": Op(rounding="always", **_EW),
