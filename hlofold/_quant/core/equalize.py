@@ -61,13 +61,16 @@ class Pair:
     ``biases`` are the vectors added on the way, ``(key, axis)``: each is divided by the
     scale along ``axis``. ``writers``: the other layers whose outputs are added into the
     same channels, ``(key, out_axis)`` — a residual stream's (:func:`ranges` takes the
-    largest entry over all of them; each is divided alike)."""
+    largest entry over all of them; each is divided alike). ``offset``: the first is
+    applied as ``first + offset`` (Gemma's norm, ``x·(1 + scale)``): that sum is what the
+    scale divides."""
 
     first: str
     out_axis: int
     seconds: list
     biases: list = dataclasses.field(default_factory=list)
     writers: list = dataclasses.field(default_factory=list)
+    offset: float = 0.0
 
     def keys(self) -> list[str]:
         return [self.first, *(w for w, _ in self.writers), *(s.key for s in self.seconds),
@@ -185,7 +188,11 @@ def apply_to(key: str, k: np.ndarray, pair: Pair, s: np.ndarray) -> None:
     """:func:`apply` for one of the pair's arrays (``key``: in every role it has there),
     ``k`` changed in place."""
     if key == pair.first:
+        if pair.offset:              # ((γ + c)/s − c: the product the model computes)
+            k += pair.offset
         k /= along(s, k.shape, pair.out_axis)
+        if pair.offset:
+            k -= pair.offset
     for b, axis in [*pair.writers, *pair.biases]:
         if b == key:
             k /= along(s, k.shape, axis)

@@ -64,11 +64,13 @@ class Refused:
 class Start:
     """A layer a pair may start at: its kernel (the adapter's handle, keyed by
     :meth:`PathIR.key` once the path is read), the output's channel axis and the kernel's
-    output axis (tuples of axes for a multi-head kernel)."""
+    output axis (tuples of axes for a multi-head kernel); ``offset``: a norm's scale read as
+    ``kernel + offset`` (``x·(1 + γ)``)."""
 
     kernel: Any
     axis: Any
     out_axis: Any
+    offset: float = 0.0
 
 
 class PathIR(Protocol):
@@ -251,6 +253,6 @@ def find_pairs(g: PathIR, ops) -> tuple[list[Found], list[Refused]]:
         if any(sec.key in claimed for sec in seconds):
             continue
         claimed.update(sec.key for sec in seconds)
-        found.append(Found(Pair(k1, start.out_axis, seconds, g.bias_keys()), op, end,
-                           end_axis, low))
+        found.append(Found(Pair(k1, start.out_axis, seconds, g.bias_keys(),
+                                offset=start.offset), op, end, end_axis, low))
     return found, refused

@@ -15,7 +15,7 @@ from hlofold._ir.jaxpr import ops
 from .pair_rules import leaf_of, literal_zero
 
 # the values as they are, maybe rounded (see ``rounds``)
-CASTS = ops.names(lambda o: o.shape in ("cast", "copy") or o.rounding == "always")
+CASTS = ops.names(lambda o: o.shape in ("cast", "copy", "constraint") or o.rounding == "always")
 ELEMENTWISE = ops.names(lambda o: o.elementwise)
 
 
