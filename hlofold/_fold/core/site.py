@@ -9,9 +9,11 @@ the root and writes what was decided. The steps, in order:
    of a dot — Equinox's ``W @ x``); none: the site is "no pattern", or refused where an affine
    op follows it all the same;
 2. the adapter's own refusal of the root (a StableHLO root of integers);
-3. the first reading whose chain folds (``_fold.core.chain.walk``), else the first one walked;
-   a reading other than the first is tried only for a kernel known now or shaped as a weight
-   (an input on the lhs may as well be the activations);
+3. the first reading whose chain folds (``_fold.core.chain.walk``), else the first one walked
+   whose kernel is not an activation (Gemma's ``einsum("BTD,SNDH->SBTNH", x, W)``: the
+   weight is the lhs; the forward fold needs it), else the first; a reading other than the
+   first is tried only for a kernel known now or shaped as a weight (an input on the lhs
+   may as well be the activations);
 4. the chain's status (``_fold.core.decide.chain_status``); its ops claimed (no other root
    takes them);
 5. the forward fold before the root (the adapter's forward planner; recorded there);
@@ -75,17 +77,19 @@ class SiteIR(Protocol):
 def first_reading(ad: SiteIR, root, readings: list):
     """``(reading, walk)`` of the first reading whose chain folds, else of the first one
     walked; None where none is walked (step 3)."""
-    first, chosen = readings[0], None
+    first, chosen, chosen_weak = readings[0], None, False
     for info in readings:
         if not isinstance(info, RootInfo):
             continue
-        if info is not first and not ad.kernel_known(root, info):
+        known = ad.kernel_known(root, info)
+        if info is not first and not known:
             continue
         w = ad.walk(root, info)
-        folds = chain_kind(s.kind for s in ad.affine(w.steps)) == "fold" and \
-            not ad.kernel_from_root(root, info)
-        if chosen is None or folds:
-            chosen = (info, w)
+        kfa = ad.kernel_from_root(root, info)
+        folds = chain_kind(s.kind for s in ad.affine(w.steps)) == "fold" and not kfa
+        weak = kfa or not known          # (its "kernel" is no weight: an activation)
+        if chosen is None or folds or (chosen_weak and not weak):
+            chosen, chosen_weak = (info, w), weak   # (a weight's reading over an activation's)
         if folds:
             break
     return chosen

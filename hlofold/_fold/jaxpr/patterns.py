@@ -135,17 +135,25 @@ class DotAffinePattern:
                         out_channels=int(rhs.shape[rhs_free[0]]), groups=1)
 
     def alternatives(self, eqn: C.JaxprEqn) -> list:
-        """The weight as the *lhs* (``einsum("oi,bi->bo", W, x)``): its one free dimension
-        is the output feature. Tried when the rhs reading folds nothing, and only for a weight
-        known at transform time (an input on the lhs may as well be the activations)."""
+        """The weight as the *lhs* (``einsum("oi,bi->bo", W, x)``; a multi-head weight,
+        Gemma's ``einsum("BTD,SNDH->SBTNH")``): its free dimensions are the output features
+        (their block where contiguous in it, else the first). Tried when the rhs reading folds
+        nothing or reads an activation as its kernel, and only for a weight known at
+        transform time (an input on the lhs may as well be the activations)."""
         lc, rc, lb, rb, lhs_free, rhs_free = _dot_dims(eqn)
         lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
-        if len(lhs_free) != 1 or not (is_float(lhs.dtype) and is_float(out.dtype)) or \
+        if not lhs_free or not (is_float(lhs.dtype) and is_float(out.dtype)) or \
                 not all(isinstance(d, int) for d in lhs.shape):   # (a weight is not symbolic)
             return []
+        layout = dot_layout(lhs.shape, rhs.shape, out.shape, True)
+        cin = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
+        block = block_of(lhs.shape, lhs_free, len(lb))
+        if block is not None:
+            return [RootInfo(channel_axis=block[0], kernel_index=0, kernel_axis=block[1],
+                             layout=layout, in_channels=cin, out_channels=block[0].size,
+                             groups=1)]
         return [RootInfo(channel_axis=len(lb), kernel_index=0, kernel_axis=lhs_free[0],
-                         layout=dot_layout(lhs.shape, rhs.shape, out.shape, True),
-                         in_channels=int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)),
+                         layout=layout, in_channels=cin,
                          out_channels=int(lhs.shape[lhs_free[0]]), groups=1)]
 
     def explain_axis(self, eqn: C.JaxprEqn, axis: int) -> str:

@@ -302,14 +302,19 @@ def _dot_dims(op) -> tuple:
 
 
 def lhs_root_info(op):
-    """The weight as the lhs of a dot (its one free dimension is the output feature), tried
-    when the rhs reading folds nothing; None for convolutions."""
+    """The weight as the lhs of a dot (its free dimensions are the output features: their
+    block where contiguous, else the first, as on jaxprs), tried when the rhs reading folds
+    nothing or reads an activation as its kernel; None for convolutions."""
     if op_name(op) not in DOTS:
         return None
     lb, lc, rb, rc = dot_dims(op)
     lhs, rhs, out = root_shapes(op)
     lfree = [d for d in range(len(lhs)) if d not in lb + lc]
-    if len(lfree) != 1 or not is_float(op.operands[0]):
+    if not lfree or not is_float(op.operands[0]) or any(d < 0 for d in lhs):
         return None
+    block = block_of(lhs, lfree, len(lb))
+    if block is not None:
+        return _root(out, block[0], 0, block[1], dot_layout(lhs, rhs, out, True),
+                     math.prod(lhs[d] for d in lc), 1)
     return _root(out, len(lb), 0, lfree[0], dot_layout(lhs, rhs, out, True),
                  math.prod(lhs[d] for d in lc), 1)
