@@ -20,14 +20,20 @@ _LIMIT = 64              # shape ops followed at most, on either side
 
 
 def made_by(v, producer: Callable[[Any], Any], kind: Callable[[Any], str | None],
-            operand: Callable[[Any], Any]) -> str | None:
+            operand: Callable[[Any], Any], through: Callable | None = None) -> str | None:
     """The kind of op that makes ``v``, looking through :data:`PASS` ops (``producer(v)``:
-    the op or None for an input; ``operand(op)``: the value a pass op passes)."""
+    the op or None for an input; ``operand(op)``: the value a pass op passes) and, with
+    ``through``, into the calls that return it (``through(call, v)``: ``(the value the
+    body returns for v, the body's producer)``, or None: a call nested in a call, whose
+    layer's per-channel arithmetic is applied by the outermost caller)."""
     for _ in range(_LIMIT):
         op = producer(v)
         if op is None:
             return None
         k = kind(op)
+        if k is None and through is not None and (inner := through(op, v)) is not None:
+            v, producer = inner
+            continue
         if k != PASS:
             return k
         v = operand(op)
@@ -37,10 +43,12 @@ def made_by(v, producer: Callable[[Any], Any], kind: Callable[[Any], str | None]
 def read_by(v, readers: Callable[[Any], list], kind: Callable[[Any], str | None],
             result: Callable[[Any], Any]) -> str | None:
     """The kind of the one op that reads ``v``, looking through :data:`PASS` ops (None where
-    ``v`` has several readers or is an output: ``readers(v)`` lists ops, None for an
-    output)."""
+    ``v`` is an output or has several readers, unless all are layers: ``readers(v)`` lists
+    ops, None for an output)."""
     for _ in range(_LIMIT):
         rs = readers(v)
+        if len(rs) > 1 and all(r is not None and kind(r) == LAYER for r in rs):
+            return LAYER        # (a norm's output read by q, k and v: the forward fold's)
         if len(rs) != 1 or rs[0] is None:
             return None
         k = kind(rs[0])

@@ -288,19 +288,28 @@ def crossed_calls(jaxpr) -> set[int]:
 
     def producer(prod):
         return lambda v: prod.get(v) if isinstance(v, C.Var) else None
+    def through(call, v):          # (a call nested in the body: what it returns for v)
+        if not (C.forward_remat(call) or C.inlinable_call(call)):
+            return None
+        inner = _call_jaxpr(call)
+        b = inner.outvars[call.outvars.index(v)]
+        return (b, producer(index_uses(inner)[1])) if isinstance(b, C.Var) else None
     for i, e in found:
-        body = C.remat_body(e) if e.primitive.name in C.REMAT_NAMES else \
-            C.call_body(e)[1].jaxpr
+        body = _call_jaxpr(e)
         b_uses, b_prod = index_uses(body)
-        pairs = [(made_by(a, producer(here_prod), _kind, first),
+        pairs = [(made_by(a, producer(here_prod), _kind, first, through),
                   read_by(b, readers(b_uses), _kind, result))
                  for a, b in zip(e.invars, body.invars) if isinstance(a, C.Var)]
-        pairs += [(made_by(b, producer(b_prod), _kind, first),
+        pairs += [(made_by(b, producer(b_prod), _kind, first, through),
                    read_by(o, readers(here_uses), _kind, result))
                   for o, b in zip(e.outvars, body.outvars) if isinstance(b, C.Var)]
         if crosses(pairs):
             out.add(i)
     return out
+
+
+def _call_jaxpr(e):
+    return C.remat_body(e) if e.primitive.name in C.REMAT_NAMES else C.call_body(e)[1].jaxpr
 
 
 def _readable(eqn) -> bool:

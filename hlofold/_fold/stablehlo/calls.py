@@ -21,7 +21,8 @@ from hlofold._fold.core.boundary import AFFINE, LAYER, PASS, crosses, made_by, r
 from hlofold._ir.stablehlo.ir import ROOTS, SHAPE_KIND, op_name, owner_op, readers
 from hlofold._ir.stablehlo.module import walk
 from .loops import clone
-from hlofold._ir.stablehlo.module import call_sites, functions, is_private, main_function
+from hlofold._ir.stablehlo.module import (call_sites, functions, is_private, main_function,
+                                          private_body)
 
 ir, stablehlo, func_dialect = C.mlir()
 
@@ -82,30 +83,45 @@ def _first(op):
     return op.operands[0]
 
 
+def _through(op, v):
+    """A private call nested in a body: the value its body returns for ``v``."""
+    if op_name(op) != "func.call":
+        return None
+    body = private_body(op)
+    if body is None:
+        return None
+    ret = list(body.operations)[-1]
+    return ret.operands[ir.OpResult(v).result_number], owner_op
+
+
 def _result(op):
     return op.results[0]
 
 
 def inline_crossed_calls(module) -> int:
     """Inline each call of a private function that a fold crosses
-    (:func:`hlofold._fold.core.boundary.crosses`): a layer inside whose result the caller scales
-    per channel, per-channel arithmetic before a call whose body holds the layer — as the
+    (:func:`hlofold._fold.core.boundary.crosses`): a layer inside (or in a call inside) whose
+    result the caller scales per channel, per-channel arithmetic before a call whose body
+    holds the layer, or inside one whose result layers read (a norm's scale) — as the
     jaxpr path inlines such a ``jit`` call (``_fold.jaxpr.nested.crossed_calls``). Calls inside
     bodies brought up by inlining are looked at again. Returns how many were inlined."""
     def crossed(symbols):
-        if not any(_private_with_root(f) for f in symbols.values()):
-            return            # (no layer in a private function: no walk of the module)
+        # (a layer in a private function, or one called from one; per-channel arithmetic
+        # in a private function whose result layers read: no such function, no walk)
+        if not any(fop is not None and is_private(fop) for fop in symbols.values()) or \
+                not any(_holds_root(f) for f in symbols.values()):
+            return
         for name, calls in call_sites(module).items():
             fop = symbols.get(name)
-            if not _private_with_root(fop):
+            if fop is None or not is_private(fop) or not fop.regions[0].blocks:
                 continue
             body = fop.regions[0].blocks[0]
             ret = list(body.operations)[-1]
             for call in calls:
-                pairs = [(made_by(a, owner_op, _kind, _first),
+                pairs = [(made_by(a, owner_op, _kind, _first, _through),
                           read_by(b, _readers, _kind, _result))
                          for a, b in zip(call.operands, body.arguments)]
-                pairs += [(made_by(o, owner_op, _kind, _first),
+                pairs += [(made_by(o, owner_op, _kind, _first, _through),
                            read_by(r, _readers, _kind, _result))
                           for r, o in zip(call.results, ret.operands)]
                 if crosses(pairs):

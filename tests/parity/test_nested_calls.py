@@ -1,0 +1,101 @@
+"""Calls a fold crosses from inside (issue 68, item 10): a convolution in a jit nested in a
+jit, its BatchNorm in the caller; a norm's scale in a helper whose result two projections
+read outside. ``fold(f)`` (frozen or not), ``fold_params`` and ``fold_stablehlo`` fold them
+alike — the call-boundary rule (``_fold.core.boundary``) looks into nested calls and takes a
+value read by several layers as read by a layer, on both IRs. A ``conv·2`` in the helper
+before a BatchNorm outside folds in the program; ``fold_params`` says why it cannot write it
+back (the literal 2 has no leaf to carry it)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlofold
+
+TOL = 2e-5
+C = 4
+
+
+def _conv(h, k):
+    return lax.conv_general_dilated(h, k, (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+_inner = jax.jit(_conv)
+_outer = jax.jit(lambda h, k: _inner(h, k))
+_twice = jax.jit(lambda h, k: _conv(h, k) * 2.0)
+
+
+def _bn(y, p):
+    return (y - p["m"]) * p["g"] * lax.rsqrt(p["v"] + 1e-5) + p["b"]
+
+
+@jax.jit
+def _norm(x, g):
+    return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+
+def nested_jit(p, x):
+    return _bn(_outer(x, p["k"]), p)
+
+
+def doubled(p, x):
+    return _bn(_twice(x, p["k"]), p)
+
+
+def norm_in_helper(p, x):
+    h = _norm(x, p["g"])
+    return h @ p["wq"], h @ p["wk"]
+
+
+def _params(seed=0):
+    r = np.random.default_rng(seed)
+    p = {"k": r.standard_normal((3, 3, C, C)), "g": r.uniform(0.5, 1.5, C),
+         "b": r.standard_normal(C), "m": r.standard_normal(C), "v": r.uniform(0.5, 1.5, C),
+         "wq": r.standard_normal((C, 8)), "wk": r.standard_normal((C, 8))}
+    p = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+    return p, jnp.asarray(r.standard_normal((2, 6, 6, C)), jnp.float32)
+
+
+def _err(a, b):
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _stablehlo(f, p, x):
+    exp = jax.export.export(jax.jit(f))(p, x)
+    bound = {f"arg{i}": v for i, v in enumerate(jax.tree.leaves(p))}
+    new, rep, prep = hlofold.fold_stablehlo(exp, params=bound)
+    return rep, new.call(x, *prep)
+
+
+@pytest.mark.parametrize("f,n", [(nested_jit, 1), (norm_in_helper, 2), (doubled, 1)])
+def test_every_entry_point_folds_across_the_call(f, n):
+    p, x = _params()
+    ref = jax.jit(f)(p, x)
+    for ff in (hlofold.fold(f, freeze=0, fold_costly=True), hlofold.fold(f, fold_costly=True)):
+        assert ff.report(p, x).num_folded == n, str(ff.report(p, x))
+        assert _err(ff(p, x), ref) < TOL
+    rep, got = _stablehlo(f, p, x)
+    assert rep.num_folded == n, str(rep)
+    assert _err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("f,n", [(nested_jit, 1), (norm_in_helper, 2)])
+def test_fold_params_writes_them(f, n):
+    p, x = _params()
+    out = hlofold.fold_params(f, p, x)
+    assert len(out.changes) == n, str(out)
+    assert _err(f(out.params, x), f(p, x)) < TOL
+
+
+def test_fold_params_says_why_the_doubled_conv_is_not_written_back():
+    p, x = _params()
+    out = hlofold.fold_params(doubled, p, x)
+    assert not out.changes
+    (site,) = out.report.sites
+    assert "not written back" in site.reason and "mul" in site.reason, str(out)
+    assert _err(doubled(out.params, x), doubled(p, x)) == 0.0
