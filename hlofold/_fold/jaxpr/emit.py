@@ -269,6 +269,8 @@ class SiteEmitter:
                     t = xp.add(xp.mul(s, b), xp.asarray(t))
                 kp = xp.mul(kc, along_traced(s, info.kernel_axis, len(kernel.aval.shape)))
                 kp = cast(kp, self._kernel_dtype(kernel))
+            for e in self._kernel_constraints(kernel):   # (a jit's in_shardings, inlined:
+                kp = C.bind_eqn(e, [kp])[0]             # where the kernel was, K' is)
             ok = None
             if site.guard:
                 # run-time check of what transform time could not see (σ² = 0, inf γ,
@@ -318,6 +320,17 @@ class SiteEmitter:
                 invars=[ren.get(v, v) if isinstance(v, C.Var) else v for v in e.invars],
                 outvars=[ren.setdefault(o, C.new_var(o.aval)) for o in e.outvars]))
         return C.jaxpr_of(ins, eqns, [ren[site.end_var]])
+
+    def _kernel_constraints(self, kernel) -> list:
+        """The sharding constraints the root's kernel was read through, innermost first."""
+        out = []
+        while isinstance(kernel, C.Var) and kernel in self.producer:
+            e = self.producer[kernel][1]
+            if e.primitive.name != "sharding_constraint":
+                break
+            out.append(e)
+            kernel = e.invars[0]
+        return out[::-1]
 
     def _folded_value(self, site: Site, read, kp, t):
         """``root(x, kp)``, the chain's shape ops replayed, plus the bias ``t``."""
