@@ -183,14 +183,27 @@ def _fold_with_params(art: Artifact, data, params, merge=True, equalize=False,
 
 def _origin(exp, bound: list[int], value) -> int | None:
     """The bound input whose sharding a prepared ``value`` takes: one of its shape and dtype,
-    where all such inputs are sharded alike (see ``shardings``)."""
+    where all such inputs that split over a mesh axis are sharded alike — a replicated one
+    yields to them, as the compiler's propagation does (β replicated beside γ, μ, σ² on
+    "model" gives "model"; the module's own attributes: ``shardings.agreed``)."""
     shardings = C.exported_input_shardings(exp)
     avals = {i: as_module_aval(exp.in_avals[i]) for i in bound}
     same = [i for i in bound if tuple(avals[i].shape) == tuple(np.shape(value))
             and np.dtype(avals[i].dtype) == np.asarray(value).dtype]
-    if not same or shardings[same[0]] is None or len({str(shardings[i]) for i in same}) != 1:
+    split = [i for i in same if shardings[i] is not None and not _replicated(shardings[i])]
+    pool = split or same
+    if not pool or shardings[pool[0]] is None or len({str(shardings[i]) for i in pool}) != 1:
         return None
-    return same[0]
+    return pool[0]
+
+
+def _replicated(sharding) -> bool:
+    """Whether an export's input sharding (named, or HLO) splits over no mesh axis."""
+    spec = getattr(sharding, "spec", None)
+    if spec is not None:
+        return all(p is None or p == () for p in spec)
+    rep = getattr(sharding, "is_replicated", None)
+    return bool(rep()) if callable(rep) else False
 
 
 def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT, merge: bool = True) -> FoldReport:

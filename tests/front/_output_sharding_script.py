@@ -56,19 +56,28 @@ def main() -> int:
             if not y.sharding.is_equivalent_to(ref.sharding, 4) or err > 1e-4:
                 bad.append(f"kernel {k}, vectors {v} (beta {vb}), x {xs}, {kw}: {y.sharding.spec} "
                            f"vs jax.jit's {ref.sharding.spec}, max|Δ| {err:.2g}")
-        if k == kernels[0] and xs == inputs[0]:      # a sharded export, params= (item 9)
-            n += 1
-            pin = jax.tree.map(lambda a: a.sharding, p)
-            exp = jax.export.export(jax.jit(net, in_shardings=(pin, x.sharding)))(p, x)
-            new, rep, prepared = hlofold.fold_stablehlo(exp, params={
-                i: np.asarray(a) for i, a in enumerate(jax.tree.leaves(p))})
-            shs = new.in_shardings_jax(mesh)
-            y = new.call(jax.device_put(x, shs[0]),
-                         *[jax.device_put(v, s) for v, s in zip(prepared, shs[1:])])
-            err = float(jnp.max(jnp.abs(y - ref)))
-            if not y.sharding.is_equivalent_to(ref.sharding, 4) or err > 1e-4:
-                bad.append(f"export params=, vectors {v} (beta {vb}): {y.sharding.spec} vs "
-                           f"jax.jit's {ref.sharding.spec}, max|Δ| {err:.2g}")
+    # a sharded export, params= (issue 50 item 9; issue 68 item 9: the kernel replicated or
+    # sharded on its input channels, the vectors mixed)
+    for k, (v, vb) in itertools.product(
+            [kernels[0], P(), P(None, None, "model", None)], vectors):
+        vec = NamedSharding(mesh, v)
+        p = jax.device_put(p0, {"k": NamedSharding(mesh, k), "mean": vec, "var": vec,
+                                "gamma": vec, "beta": NamedSharding(mesh, vb)})
+        x = jax.device_put(x0, NamedSharding(mesh, inputs[0]))
+        ref = jax.jit(net)(p, x)
+        n += 1
+        pin = jax.tree.map(lambda a: a.sharding, p)
+        exp = jax.export.export(jax.jit(net, in_shardings=(pin, x.sharding)))(p, x)
+        new, rep, prepared = hlofold.fold_stablehlo(exp, params={
+            i: np.asarray(a) for i, a in enumerate(jax.tree.leaves(p))})
+        shs = new.in_shardings_jax(mesh)
+        y = new.call(jax.device_put(x, shs[0]),
+                     *[jax.device_put(v, s) for v, s in zip(prepared, shs[1:])])
+        err = float(jnp.max(jnp.abs(y - ref)))
+        if not y.sharding.is_equivalent_to(ref.sharding, 4) or err > 1e-4:
+            bad.append(f"export params=, kernel {k}, vectors {v} (beta {vb}): "
+                       f"{y.sharding.spec} vs "
+                       f"jax.jit's {ref.sharding.spec}, max|Δ| {err:.2g}")
     if bad:
         print("\n".join(bad))
         return 1
