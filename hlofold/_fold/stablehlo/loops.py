@@ -183,7 +183,21 @@ def layer_module(w, loop: Loop, symbols: dict, ev: Evaluator):
         clone(list(body.operations)[:-1], mapping, symbols, pure)
         func_dialect.ReturnOp([mapping.get(ret.operands[k], ret.operands[k]) for k in carried])
     copy_callees(module, symbols)
+    copy_meshes(module, w)
     return module, fop
+
+
+def copy_meshes(module, op) -> None:
+    """The ``sdy.mesh`` symbols of the module holding ``op``, put in ``module`` (the layer
+    module of a loop whose body names them: sharding constraints of a scanned stack)."""
+    top = op
+    while (p := parent_of(top)) is not None:
+        top = p
+    meshes = [m for m in top.regions[0].blocks[0].operations if op_name(m) == "sdy.mesh"]
+    first = next(iter(module.body.operations), None)
+    for m in meshes:
+        m.clone(ip=ir.InsertionPoint(first) if first is not None else
+                ir.InsertionPoint(module.body))
 
 
 @contextlib.contextmanager
@@ -229,7 +243,8 @@ def copy_callees(module, symbols: dict) -> None:
 
 def callees_changed(module, symbols: dict) -> bool:
     return any(str(f) != str(symbols[n]) for f in module.body.operations
-               if (n := ir.StringAttr(f.attributes["sym_name"]).value) != "main")
+               if op_name(f) == "func.func" and
+               (n := ir.StringAttr(f.attributes["sym_name"]).value) != "main")
 
 
 def callees(block, symbols: dict) -> set:
