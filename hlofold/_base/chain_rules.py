@@ -14,6 +14,7 @@ import math
 import dataclasses
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,6 +41,12 @@ class Refusal:
 
 def is_float(dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def is_extended(x) -> bool:
+    """Whether ``x`` (a value) is of an extended dtype — a PRNG key: no number a fold reads,
+    and NumPy cannot hold it; passed as it is."""
+    return bool(jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.extended))
 
 
 # --------------------------------------------------------------------------- chain steps

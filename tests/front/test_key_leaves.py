@@ -79,3 +79,40 @@ def test_fold_stablehlo_binds_a_key_as_its_bits(equalize):
     assert rep.num_folded >= 1 and bool(rep.equalized) == equalize, str(rep)
     assert any("not checked on random inputs" in c for c in rep.compat) == equalize
     _same(apply.call(x, *prepared), g(*leaves, x))
+
+
+def _scanned(keys_in_tree: bool):
+    """A scanned stack (conv+BN per layer, as MaxText's ``scan_layers``) whose scan also
+    carries one PRNG key per layer: a closure constant, or leaves of the tree."""
+    L, C = 3, 8
+    r = np.random.default_rng(2)
+    p = {"k": r.standard_normal((L, C, C)), "g": r.uniform(0.5, 1.5, (L, C)),
+         "b": r.standard_normal((L, C)), "m": r.standard_normal((L, C)),
+         "v": r.uniform(0.5, 1.5, (L, C))}
+    p = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+    keys = jax.random.split(jax.random.key(0), L)
+
+    def run(p, x, keys):
+        def body(h, w):
+            w, key = w
+            y = (h @ w["k"] - w["m"]) * w["g"] * lax.rsqrt(w["v"] + 1e-5) + w["b"]
+            return jax.nn.relu(y) + 0.0 * jax.random.uniform(key, y.shape), None
+        return lax.scan(body, x, (p, keys))[0]
+    x = jnp.asarray(r.standard_normal((4, C)), jnp.float32)
+    if keys_in_tree:
+        return (lambda q, x: run(q["p"], x, q["keys"])), {"p": p, "keys": keys}, x
+    return (lambda p, x: run(p, x, keys)), p, x
+
+
+@pytest.mark.parametrize("keys_in_tree", [False, True])
+def test_a_scanned_stack_carrying_keys_folds_per_layer(keys_in_tree):
+    """The stacked keys are read as no weight (``np.asarray`` of a key array had raised
+    from the stack fold): every entry point folds the stack's layers."""
+    f, p, x = _scanned(keys_in_tree)
+    ref = jax.jit(f)(p, x)
+    for ff in (hlofold.fold(f), hlofold.fold(f, freeze=0)):
+        assert ff.report(p, x).num_folded == 1, str(ff.report(p, x))
+        np.testing.assert_allclose(ff(p, x), ref, rtol=1e-5, atol=1e-5)
+    out = hlofold.fold_params(f, p, x)
+    assert len(out.changes) == 1 and out.changes[0].site.layers == 3, str(out)
+    np.testing.assert_allclose(f(out.params, x), ref, rtol=1e-5, atol=1e-5)

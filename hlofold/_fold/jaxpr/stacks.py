@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._base.chain_rules import is_extended
 from hlofold._fold.core.rescale import aligned_empty
 from hlofold._fold.core.stacks import Restack, first_difference, layer_records
 
@@ -41,7 +42,8 @@ def stacked_scan(scope, eqn, label: str) -> "tuple | str | None":
     _, ncarry, length = C.scan_layout(eqn)
     n = len(eqn.invars)
     known = {k: scope.value(eqn.invars[k]) for k in range(nc + ncarry, n)}
-    known = {k: np.asarray(v) for k, v in known.items() if v is not None}
+    known = {k: np.asarray(v) for k, v in known.items()        # (a key: no weight)
+             if v is not None and not is_extended(v)}
     # the fori_loop form: known constant stacks read at a counter the loop carries
     # (``params["K"][i]``: ``i`` from a known start by a constant step; any rows, any number
     # of them), alone or beside scanned ones (BatchNorm statistics read at the counter)
