@@ -194,3 +194,21 @@ def whole_block(operand, block) -> bool:
     """Whether a per-channel operand (``chain_rules.ChannelOperand``) varies over the whole
     ``block`` (one value per channel: a bias it divides by the scale)."""
     return operand.block is not None and tuple(operand.block) == tuple(block.dims)
+
+
+def back_through_shape(kind: str, in_shape, out_shape, axis: int, dims=None) -> int | None:
+    """The operand's axis holding the channels a shape op's result holds on ``axis``, where
+    the op keeps them whole and moves no value across them: a reshape, squeeze or
+    expand_dims (other axes merged or split, as Equinox's unbatched layers under ``vmap``
+    write), a ``broadcast_in_dim`` that keeps that axis (``dims``); else None."""
+    if not isinstance(axis, int):
+        return None
+    if kind in ("reshape", "squeeze", "expand"):
+        got = reshaped(tuple(out_shape), tuple(in_shape), axis)
+    elif kind == "broadcast" and dims is not None and axis in dims:
+        got = list(dims).index(axis)
+    else:
+        return None
+    if not isinstance(got, int) or int(in_shape[got]) != int(out_shape[axis]):
+        return None
+    return got

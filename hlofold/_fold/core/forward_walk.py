@@ -27,6 +27,7 @@ from hlofold._base.reasons import Reason
 
 _SCALE_KINDS = ("mul", "div", "neg")
 PASS = "pass"     # an identity on the values (a sharding constraint): replayed, not folded
+# (a shape op next to the root that keeps the channels whole is replayed as well: pass_axis)
 _ELEMENTWISE = ("add", "sub", "mul", "div", "neg", "elementwise")
 
 AMBIGUOUS = Reason("feature-axis", "both operands of the op before the root look per-channel")
@@ -50,6 +51,11 @@ class ForwardIR(Protocol):
         (any other op computing each element from the same element of its operands),
         ``pass`` (an identity on the values: a sharding constraint, which ``takeable``
         admits), or ``other``."""
+
+    def pass_axis(self, op, axis: int) -> int | None:
+        """Where ``op`` passes the values as they are — a sharding constraint, a copy, or a
+        shape op that keeps the channels whole (replayed on the root's new input): the
+        channels' axis in its operand; None for any other op."""
 
     def operands(self, op) -> list: ...
 
@@ -112,12 +118,13 @@ def walk_forward(ir: ForwardIR, top, axis: int) -> ForwardChain | Reason:
         if why:
             stop = why
             break
-        if ir.kind(op) == PASS:       # (the same values: the walk goes on before it)
-            if pending:
-                break
+        moved = ir.pass_axis(op, axis)
+        if moved is not None:         # (the same values: the walk goes on before it)
+            if pending or (moved != axis and (steps or tokens)):
+                break                 # (the channels move only next to the root)
             passes.append(op)
             taken.append(op)
-            v = ir.operands(op)[0]
+            v, axis = ir.operands(op)[0], moved
             continue
         ops = ir.operands(op)
         cands = []

@@ -23,6 +23,7 @@ from hlofold import _compat as C
 from hlofold._ir.jaxpr import ops
 from hlofold._base.algebra import has_shift
 from hlofold._base.chain_rules import Block, Refusal
+from hlofold._base.channel_axes import back_through_shape
 from .steps import AFFINE_STEPS, AffineStep, affine_step, resolve_operand
 from hlofold._fold.core.decide import forward_consumers_refusal, forward_note, multi_output_shift
 from hlofold._fold.core.forward_walk import PASS, walk_forward
@@ -37,6 +38,8 @@ _CALLS = ops.names(lambda o: o.call in ("jit", "custom"))
 _ELEMENTWISE = ops.names(lambda o: o.elementwise)
 # (the same values: the root reads them constrained, or named (checkpoint_name), again)
 _PASS = ops.names(lambda o: o.shape in ("constraint", "copy"))
+# shape ops a forward chain passes next to the root where they keep the channels whole
+_MOVES = ops.OPS.kinds("shape", {k: k for k in ("reshape", "squeeze", "expand", "broadcast")})
 
 
 def elems(shape, skip: int | None = None) -> int:
@@ -211,8 +214,20 @@ class JaxprForwardIR:
         return self.get(value) if isinstance(value, C.Var) else None
 
     def takeable(self, e) -> bool:
-        return (e.primitive.name in AFFINE_STEPS or e.primitive.name in _PASS) and \
+        name = e.primitive.name
+        return (name in AFFINE_STEPS or name in _PASS or name in _MOVES) and \
             self.p.producer[e.outvars[0]][0] not in self.p.claimed
+
+    def pass_axis(self, e, axis: int):
+        name = e.primitive.name
+        if name in _PASS:
+            return axis
+        src = e.invars[0] if name in _MOVES else None
+        if not isinstance(src, C.Var):
+            return None
+        dims = e.params.get("broadcast_dimensions") if _MOVES[name] == "broadcast" else None
+        return back_through_shape(_MOVES[name], src.aval.shape, e.outvars[0].aval.shape,
+                                  axis, dims)
 
     def kind(self, e) -> str:
         name = e.primitive.name

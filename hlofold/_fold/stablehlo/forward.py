@@ -39,12 +39,15 @@ from hlofold._fold.core.patterns import border_masks
 from hlofold._base.reasons import Reason
 from hlofold._base.report import FOLDED, REFUSED, FoldSite
 from hlofold._fold.core.rules import WEIGHT_CONE, bias_map_refusal, weight_like
+from hlofold._base.channel_axes import back_through_shape
 
 ir, stablehlo, func_dialect = C.mlir()
 
 _AFFINE = ops.names(lambda o: o.affine is not None)
 # (the same values: the root reads them constrained again)
 _PASS = ops.names(lambda o: o.shape in ("constraint", "copy"))
+# shape ops a forward chain passes next to the root where they keep the channels whole
+_MOVES = ops.OPS.kinds("shape", {k: k for k in ("reshape", "squeeze", "expand", "broadcast")})
 _KINDS = {**ops.OPS.kinds("affine", {k: k for k in ("add", "sub", "mul", "div", "neg")}),
           **ops.OPS.kinds("shape", {"broadcast": "broadcast_in_dim"})}
 # ops computing each element from the same element of their operands (per-token stays so)
@@ -331,9 +334,20 @@ class HloForwardIR:
     def takeable(self, op) -> bool:
         # (a value from outside the root's region ends the chain: as on a jaxpr, where a
         # nested jaxpr's input has no producer)
-        return (op_name(op) in _AFFINE or op_name(op) in _PASS) and \
+        name = op_name(op)
+        return (name in _AFFINE or name in _PASS or name in _MOVES) and \
             op.operation not in self.p.claimed and is_float(op.results[0]) and \
             same_block(op, self.root)
+
+    def pass_axis(self, op, axis: int):
+        name = op_name(op)
+        if name in _PASS:
+            return axis
+        if name not in _MOVES or len(op.operands) != 1:
+            return None
+        dims = attr_dims(op, "broadcast_dimensions") if _MOVES[name] == "broadcast" else None
+        return back_through_shape(_MOVES[name], shape_of(op.operands[0]),
+                                  shape_of(op.results[0]), axis, dims)
 
     def kind(self, op) -> str:
         name = op_name(op)
