@@ -250,6 +250,8 @@ class JaxprForwardIR:
         return tuple(e.params["broadcast_dimensions"])
 
     def affine(self, e, pos: int, axis: int):
+        if e.primitive.name not in AFFINE_STEPS:     # (a shape op pass_axis did not pass)
+            return None
         r = affine_step(e, pos, axis, self.get)
         if not isinstance(r, AffineStep):
             return None

@@ -117,10 +117,13 @@ def inline_crossed_calls(module) -> int:
                 continue
             body = fop.regions[0].blocks[0]
             ret = list(body.operations)[-1]
+            # (per-channel arithmetic of the caller's layer in a body without one is
+            # followed by the chain walk, into the call: only what the body returns counts)
+            rooted = _holds_root(fop)
             for call in calls:
                 pairs = [(made_by(a, owner_op, _kind, _first, _through),
                           read_by(b, _readers, _kind, _result))
-                         for a, b in zip(call.operands, body.arguments)]
+                         for a, b in zip(call.operands, body.arguments)] if rooted else []
                 pairs += [(made_by(o, owner_op, _kind, _first, _through),
                            read_by(r, _readers, _kind, _result))
                           for r, o in zip(call.results, ret.operands)]

@@ -374,6 +374,8 @@ class HloForwardIR:
         return tuple(attr_dims(op, "broadcast_dimensions"))
 
     def affine(self, op, pos: int, axis: int):
+        if op_name(op) not in _AFFINE:       # (a shape op pass_axis did not pass)
+            return None
         got = HLO_STEPS[op_name(op)](None, op, pos, op.operands[pos], axis)
         return (got.step, got.source) if isinstance(got, Absorb) else None
 

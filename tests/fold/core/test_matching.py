@@ -431,6 +431,9 @@ class _ToyForward:
     def kind(self, op):
         return self.ops[op][0]
 
+    def pass_axis(self, op, axis):
+        return None                 # (no constraint or shape op in these programs)
+
     def operands(self, op):
         return self.ops[op][1]
 

@@ -136,6 +136,10 @@ def effnet():
     return text, names, weights, io["x"], io["y"]
 
 
+def _folded(rep, pattern: str) -> int:
+    return sum(s.status == "folded" and s.pattern == pattern for s in rep.sites)
+
+
 def test_efficientnet_from_torch_xla_folds_with_params_and_split():
     text, names, weights, x, y_torch = effnet()
     n_bn = text.count("\"stablehlo.batch_norm_inference\"(")
@@ -143,11 +147,14 @@ def test_efficientnet_from_torch_xla_folds_with_params_and_split():
     ref = module_callable(text)(*full)[0]
     assert_close(y_torch, ref)                 # the module computes what PyTorch did
     apply, rep, prepared = hlofold.fold_stablehlo(text, params=weights)
-    assert rep.num_folded == n_bn == 49, rep.counts()
+    # every BatchNorm, and each squeeze-excitation's mean scale (÷ H·W, through the reshape
+    # in front of its first conv) folded into that conv
+    assert _folded(rep, "stablehlo_conv_affine") == n_bn == 49, rep.counts()
+    assert _folded(rep, "stablehlo_affine_conv") == 11, rep.counts()
     assert "batch_norm_inference" not in str(apply)
     assert_close(ref, module_callable(apply)(x, *prepared)[0])
     app, srep, prep = hlofold.fold_stablehlo(text, split=[f"arg{names.index('input')}"])
-    assert srep.num_folded == n_bn, srep.counts()
+    assert _folded(srep, "stablehlo_conv_affine") == n_bn, srep.counts()
     *made, ok = module_callable(prep)(*[w for w, n in zip(full, names) if n != "input"])
     assert bool(ok)
     assert_close(ref, module_callable(app)(x, *made)[0])
