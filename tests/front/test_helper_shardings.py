@@ -6,12 +6,9 @@ placed as ``jax.jit(f)`` places it (``P('data', None, None, 'model')``, not ``P(
 Runs in a subprocess: 8 host devices must be set before JAX initializes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-from tests.helpers import ROOT
+from tests.helpers import run_on_devices
 
 SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np, hlofold
@@ -46,13 +43,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_a_helpers_kernel_sharding_is_kept():
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=8").strip()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_on_devices(SCRIPT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "ok fold P('data', None, None, 'model')" in proc.stdout, out[-4000:]

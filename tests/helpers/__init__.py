@@ -204,3 +204,18 @@ def in_threads(work, n: int = 8, interval: float = 1e-6) -> None:
             t.join()
     finally:
         sys.setswitchinterval(old)
+
+
+def run_on_devices(script: str, n: int = 8, timeout: int = 600):
+    """``python -c script`` on ``n`` host CPU devices (set before JAX initializes: a
+    subprocess, since this process already runs JAX on one), the repository importable."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={n}").strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
