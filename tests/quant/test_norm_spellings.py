@@ -96,3 +96,16 @@ def test_rotate_passes_a_sharding_constraint_on_the_stream():
     out = hlofold.fold_params(f, p, t, rotate=True)
     assert out.rotation is not None and out.rotation.reason is None, str(out)
     assert _rel(f(p, t), f(out.params, t)) < 1e-4
+
+
+def test_maxtexts_einsum_scale_is_smoothed():
+    """MaxText applies γ as ``einsum("...k,k->...k", y, scale)``: read as the product it is
+    (``_fold.jaxpr.canonical``), the norm pairs with the layer after it."""
+    def f(p, x):
+        y = jnp.einsum("...k,k->...k", _rms(x), p["g"])
+        return jax.nn.gelu(y @ p["w1"]) @ p["w2"]
+    _, p, x = _mlp(False)
+    p = dict(p, g=1 + p["g"])
+    out = hlofold.fold_params(f, p, x, smooth=[x])
+    assert [(e.kind, e.first) for e in out.equalized] == [("smoothed", "['g']")], str(out)
+    assert _rel(f(p, x), f(out.params, x)) < TOL

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from hlofold import _compat as C
+from .canonical import products
 from hlofold._ir.jaxpr.uses import index_uses
 from .patterns import PATTERNS
 from .steps import AFFINE_STEPS, PASS_STEPS
@@ -329,6 +330,7 @@ def inline_all(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
         if not at:
             break
         closed = inline_calls(closed, at)
+    closed = products(closed)        # (a scale applied by einsum: the product it is)
     eqns = list(closed.jaxpr.eqns)
     for i, e in enumerate(eqns):
         if e.primitive.name != "scan":
