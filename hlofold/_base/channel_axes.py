@@ -10,6 +10,8 @@ holds.
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from typing import Sequence
 
@@ -116,13 +118,16 @@ def reshaped(old: Sequence[int], new: Sequence[int], axis):
         return ("a reshape of channels split over axes that are not together (another "
                 "axis between them)")
     lo, hi = ax[0], ax[-1] + 1
-    before, size = int(np.prod(old[:lo])), int(np.prod(old[lo:hi]))
-    starts = [k for k in range(len(new) + 1) if int(np.prod(new[:k])) == before]
+    if not all(isinstance(d, (int, np.integer)) for d in (*old, *new)):
+        return "a reshape of symbolic dimensions"
+    old, new = [int(d) for d in old], [int(d) for d in new]
+    before, size = math.prod(old[:lo]), math.prod(old[lo:hi])
+    starts = [k for k in range(len(new) + 1) if math.prod(new[:k]) == before]
     for k in reversed(starts):                 # (after any unit axes before them)
         for m in range(k + 1, len(new) + 1):
-            if int(np.prod(new[k:m])) == size:
+            if math.prod(new[k:m]) == size:
                 return one(tuple(range(k, m)))
-            if int(np.prod(new[k:m])) > size:
+            if math.prod(new[k:m]) > size:
                 break
     return "a reshape that merges the channels with another axis (a flatten)"
 

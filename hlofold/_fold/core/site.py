@@ -12,8 +12,8 @@ the root and writes what was decided. The steps, in order:
 3. the first reading whose chain folds (``_fold.core.chain.walk``), else the first one walked
    whose kernel is not an activation (Gemma's ``einsum("BTD,SNDH->SBTNH", x, W)``: the
    weight is the lhs; the forward fold needs it), else the first; a reading other than the
-   first is tried only for a kernel known now or shaped as a weight (an input on the lhs
-   may as well be the activations);
+   first is tried only where the first's kernel is no weight, and only for a kernel known
+   now or shaped as a weight (an input on the lhs may as well be the activations);
 4. the chain's status (``_fold.core.decide.chain_status``); its ops claimed (no other root
    takes them);
 5. the forward fold before the root (the adapter's forward planner; recorded there);
@@ -36,8 +36,11 @@ from .patterns import RootInfo
 class SiteIR(Protocol):
     """What :func:`plan_site` needs of an IR (one root at a time)."""
 
-    def readings(self, root) -> list:
-        """The root's readings, the first first: :class:`RootInfo` or a refusal."""
+    def reading(self, root):
+        """The root's first reading (the kernel its rhs): :class:`RootInfo` or a refusal."""
+
+    def alternatives(self, root) -> list:
+        """Its other readings (the weight on the lhs of a dot), asked only where needed."""
 
     def root_refusal(self, root):
         """A reason to refuse the root before any reading is walked, or None."""
@@ -74,23 +77,32 @@ class SiteIR(Protocol):
         """Fold the site (step 7); True where it is planned to be rewritten."""
 
 
-def first_reading(ad: SiteIR, root, readings: list):
+def first_reading(ad: SiteIR, root, first, others):
     """``(reading, walk)`` of the first reading whose chain folds, else of the first one
-    walked; None where none is walked (step 3)."""
-    first, chosen, chosen_weak = readings[0], None, False
-    for info in readings:
-        if not isinstance(info, RootInfo):
-            continue
-        known = ad.kernel_known(root, info)
-        if info is not first and not known:
-            continue
+    walked whose kernel is a weight, else of the first; None where none is walked (step 3).
+    ``others()``: the readings after ``first``, asked only where the first does not fold and
+    its kernel is no weight (an activation: Equinox's ``W @ x``, Gemma's reordered einsum)."""
+    chosen = None
+    if isinstance(first, RootInfo):
+        w = ad.walk(root, first)
+        kfa = ad.kernel_from_root(root, first)
+        if chain_kind(s.kind for s in ad.affine(w.steps)) == "fold" and not kfa:
+            return first, w
+        chosen = (first, w)
+    alternatives = others()
+    if not alternatives:
+        return chosen
+    if chosen is not None and not kfa and ad.kernel_known(root, first):
+        return chosen                   # (the first reads a weight: it stays)
+    for info in alternatives:
+        if not isinstance(info, RootInfo) or not ad.kernel_known(root, info):
+            continue     # (an input on the lhs may as well be the activations)
         w = ad.walk(root, info)
         kfa = ad.kernel_from_root(root, info)
         folds = chain_kind(s.kind for s in ad.affine(w.steps)) == "fold" and not kfa
-        weak = kfa or not known          # (its "kernel" is no weight: an activation)
-        if chosen is None or folds or (chosen_weak and not weak):
-            chosen, chosen_weak = (info, w), weak   # (a weight's reading over an activation's)
-        if folds:
+        if chosen is None or folds or not kfa:
+            chosen = (info, w)           # (a weight's reading over an activation's)
+        if folds or not kfa:
             break
     return chosen
 
@@ -98,17 +110,18 @@ def first_reading(ad: SiteIR, root, readings: list):
 def plan_site(ad: SiteIR, root) -> bool:
     """Plan the site at ``root`` (the steps of the module's docstring); True where it is
     planned to be rewritten."""
-    readings = ad.readings(root)
-    if not any(isinstance(r, RootInfo) for r in readings):
-        ad.nothing(root, readings[0])
+    first = ad.reading(root)
+    if not isinstance(first, RootInfo) and \
+            not any(isinstance(r, RootInfo) for r in ad.alternatives(root)):
+        ad.nothing(root, first)
         return False
     why = ad.root_refusal(root)
     if why is not None:
         ad.record(root, None, REFUSED, reason=why)
         return False
-    chosen = first_reading(ad, root, readings)
+    chosen = first_reading(ad, root, first, lambda: ad.alternatives(root))
     if chosen is None:
-        ad.nothing(root, readings[0])
+        ad.nothing(root, first)
         return False
     info, w = chosen
     steps = w.steps

@@ -97,8 +97,11 @@ class _JaxprSite:
     def __init__(self, scope: "SitePlanner", i: int, pattern):
         self.scope, self.i, self.pattern = scope, i, pattern
 
-    def readings(self, eqn):
-        return [self.pattern.inspect_root(eqn)] + self.pattern.alternatives(eqn)
+    def reading(self, eqn):
+        return self.pattern.inspect_root(eqn)
+
+    def alternatives(self, eqn):
+        return self.pattern.alternatives(eqn)
 
     def root_refusal(self, eqn):
         return None

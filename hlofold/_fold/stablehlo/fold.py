@@ -101,9 +101,12 @@ class _HloSite:
     def __init__(self, p: "_Pass", fname: str):
         self.p, self.fname = p, fname
 
-    def readings(self, root):
+    def reading(self, root):
+        return root_info(root)
+
+    def alternatives(self, root):
         lhs = lhs_root_info(root)
-        return [root_info(root)] + ([lhs] if lhs is not None else [])
+        return [] if lhs is None else [lhs]
 
     def root_refusal(self, root):
         return None if is_float(root.results[0]) else Reason("not-float", "not a float root")
