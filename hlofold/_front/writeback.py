@@ -29,6 +29,7 @@ from hlofold._quant.jaxpr.rewrite import calibration_inputs, rewrite
 from .identities import Writer
 from hlofold._fold.jaxpr.fold import plan_sites
 from hlofold._fold.jaxpr.merge import merge_scope
+from hlofold._base.chain_rules import is_extended
 from hlofold._fold.jaxpr.nested import inline_all
 from hlofold._fold.jaxpr.roles import site_roles
 from hlofold._fold.jaxpr.steps import AffineStep
@@ -325,12 +326,6 @@ def _groups(scope) -> list[list]:
             groups.append(by_top[top])
         by_top[top].append(site)
     return groups
-
-
-def is_extended(a) -> bool:
-    """Whether ``a`` is of an extended dtype (a PRNG key): no value a fold reads, passed
-    through untouched (NumPy cannot hold it)."""
-    return jax.dtypes.issubdtype(getattr(a, "dtype", np.float32), jax.dtypes.extended)
 
 
 def _host(a) -> np.ndarray:

@@ -21,6 +21,7 @@ import numpy as np
 
 from hlofold import _compat as C
 from . import blobs
+from hlofold._base.chain_rules import is_extended
 from .ir import StableHLOError, constant_attr, dense_to_numpy, element_dtype
 
 ir, stablehlo, _ = C.mlir()
@@ -47,7 +48,7 @@ def bound_values(params: Mapping[Any, Any]) -> dict[int, np.ndarray]:
         i = argument_index(k)
         if i in values:
             raise StableHLOError(f"params= names argument {i} twice ({names[i]!r} and {k!r})")
-        if jax.dtypes.issubdtype(getattr(v, "dtype", np.float32), jax.dtypes.extended):
+        if is_extended(v):
             v = jax.random.key_data(v)       # (a PRNG key: the module's argument is its bits)
         values[i], names[i] = np.asarray(v), k
     return values
@@ -56,7 +57,7 @@ def bound_values(params: Mapping[Any, Any]) -> dict[int, np.ndarray]:
 def as_module_aval(aval):
     """An export input's shape and dtype as its module takes it: a PRNG key's as its bits
     (``jax.random.key_data``), any other as it is."""
-    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+    if is_extended(aval):
         return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     return aval
 
