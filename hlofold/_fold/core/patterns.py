@@ -146,3 +146,20 @@ def block_of(rhs_shape, rhs_free, out_first: int):
         return None
     dims = tuple(int(rhs_shape[d]) for d in rhs_free)
     return Block(tuple(range(out_first, out_first + len(dims))), dims), Block(tuple(rhs_free), dims)
+
+
+def product_layout(lhs_rank: int, rhs_rank: int, lc, rc, lb, rb):
+    """A ``dot_general`` that contracts nothing and one of whose operands has only batch
+    axes (a per-channel scale applied by ``einsum("...k,k->...k")``): ``(the other operand's
+    index, the dot's layout as a permutation of its axes, the vector's index, the vector's
+    axes and the other's, in batch order)`` — each output element one product, which both IR
+    adapters spell as such (``_fold.{jaxpr,stablehlo}.canonical``); else None."""
+    if lc or rc or not lb:
+        return None
+    ranks = (lhs_rank, rhs_rank)
+    for j, (vb, xb) in enumerate(((lb, rb), (rb, lb))):     # j: the vector's operand
+        if ranks[j] != len(vb):
+            continue
+        free = [d for d in range(ranks[1 - j]) if d not in xb]
+        return 1 - j, tuple(xb) + tuple(free), j, tuple(vb), tuple(xb)
+    return None

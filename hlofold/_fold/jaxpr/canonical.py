@@ -17,28 +17,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from hlofold import _compat as C
+from hlofold._fold.core.patterns import product_layout
 
 
 def _as_product(eqn):
-    """``(x index, the dot's layout as a permutation of x's axes, vector index, its axes and
-    x's in batch order)`` of a ``dot_general`` that contracts nothing and whose other operand
-    has only batch axes; else None."""
-    if eqn.primitive.name != "dot_general" or eqn.params.get("out_sharding") is not None:
-        return None
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if lc or rc or not lb:
+    """:func:`hlofold._fold.core.patterns.product_layout` of a float ``dot_general``."""
+    if eqn.params.get("out_sharding") is not None:
         return None
     avals = [getattr(v, "aval", None) for v in eqn.invars]
-    out = eqn.outvars[0].aval
-    if any(a is None or not jnp.issubdtype(a.dtype, jnp.floating) for a in avals + [out]):
+    if any(a is None or not jnp.issubdtype(a.dtype, jnp.floating)
+           for a in avals + [eqn.outvars[0].aval]):
         return None
-    for j, (vb, xb) in enumerate(((lb, rb), (rb, lb))):     # j: the vector's operand
-        vec, x = avals[j], avals[1 - j]
-        if len(vec.shape) != len(vb):
-            continue
-        free = [d for d in range(len(x.shape)) if d not in xb]
-        return 1 - j, tuple(xb) + tuple(free), j, tuple(vb), tuple(xb)
-    return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    return product_layout(len(avals[0].shape), len(avals[1].shape), lc, rc, lb, rb)
 
 
 def _product_fn(x_first: bool, dims: tuple, vperm: tuple, out_dtype):
@@ -83,14 +74,12 @@ def products(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
              for e in jaxpr.eqns]
     if not any(found):
         return closed
-    readers: dict = {}
+    readers: dict = {}           # a variable -> the equations reading it
     for e in jaxpr.eqns:
         for a in e.invars:
             if isinstance(a, C.Var):
-                readers[a] = readers.get(a, 0) + 1
-    for a in jaxpr.outvars:
-        if isinstance(a, C.Var):
-            readers[a] = readers.get(a, 0) + 2          # (an output keeps its layout)
+                readers.setdefault(a, []).append(e)
+    outputs = {a for a in jaxpr.outvars if isinstance(a, C.Var)}   # (keep their layout)
     sub: dict = {}           # a result -> the variable holding its values now
     pending: dict = {}       # a dot's result read by one transpose -> (product, perm)
     rd = lambda a: sub.get(a, a) if isinstance(a, C.Var) else a   # noqa: E731
@@ -119,8 +108,8 @@ def products(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
         eqns.extend(_inlined(C.trace(fn, [a.aval for a in ins]), ins, t, e.source_info))
         if perm == tuple(range(len(perm))):
             sub[out] = t
-        elif readers.get(out, 0) == 1 and any(
-                g.primitive.name == "transpose" and g.invars[0] is out for g in jaxpr.eqns):
+        elif out not in outputs and len(rs := readers.get(out, [])) == 1 and \
+                rs[0].primitive.name == "transpose":
             pending[out] = (t, perm)
         else:
             eqns.extend(_transpose(t, perm, out, e.source_info))

@@ -12,6 +12,7 @@ einsum's). The values are the same; every walk then reads a per-channel multiply
 from __future__ import annotations
 
 from hlofold import _compat as C
+from hlofold._fold.core.patterns import product_layout
 from hlofold._ir.stablehlo.build import broadcast, make
 from hlofold._ir.stablehlo.ir import attr_dims, elem_type, is_float, op_name, shape_of
 from hlofold._ir.stablehlo.module import walk
@@ -21,40 +22,33 @@ ir, stablehlo, _ = C.mlir()
 
 
 def _as_product(op):
-    """``(x index, the dot's layout as a permutation of x's dims, vector index, its dims and
-    x's in batch order)``, or None (see ``_fold.jaxpr.canonical``)."""
+    """:func:`hlofold._fold.core.patterns.product_layout` of a float, static-shaped
+    ``dot_general``."""
     if op_name(op) != "stablehlo.dot_general" or len(op.results) != 1:
-        return None
-    lb, lc, rb, rc = dot_dims(op)
-    if lc or rc or not lb:
         return None
     vals = list(op.operands) + [op.results[0]]
     if not all(is_float(v) for v in vals) or \
             any(d < 0 for v in vals for d in shape_of(v)):     # (static shapes only)
         return None
-    for j, (vb, xb) in enumerate(((lb, rb), (rb, lb))):
-        if len(shape_of(op.operands[j])) != len(vb):
-            continue
-        x_rank = len(shape_of(op.operands[1 - j]))
-        free = [d for d in range(x_rank) if d not in xb]
-        return 1 - j, tuple(xb) + tuple(free), j, tuple(vb), tuple(xb)
-    return None
+    lb, lc, rb, rc = dot_dims(op)
+    return product_layout(len(shape_of(op.operands[0])), len(shape_of(op.operands[1])),
+                          lc, rc, lb, rb)
 
 
-def _typed(value, shape, et):
+def _typed(shape, et):
     return ir.RankedTensorType.get(list(shape), et)
 
 
 def _convert(value, et):
     if elem_type(value) == et:
         return value
-    return make("stablehlo.convert", [_typed(value, shape_of(value), et)], [value]).result
+    return make("stablehlo.convert", [_typed(shape_of(value), et)], [value]).result
 
 
 def _transpose(value, perm):
     shape = shape_of(value)
-    return make("stablehlo.transpose", [_typed(value, [shape[p] for p in perm],
-                                               elem_type(value))], [value],
+    return make("stablehlo.transpose", [_typed([shape[p] for p in perm], elem_type(value))],
+                [value],
                 {"permutation": ir.DenseI64ArrayAttr.get(list(perm))}).result
 
 
