@@ -110,16 +110,21 @@ def first_reading(ad: SiteIR, root, first, others):
 def plan_site(ad: SiteIR, root) -> bool:
     """Plan the site at ``root`` (the steps of the module's docstring); True where it is
     planned to be rewritten."""
-    first = ad.reading(root)
-    if not isinstance(first, RootInfo) and \
-            not any(isinstance(r, RootInfo) for r in ad.alternatives(root)):
+    first, alternatives = ad.reading(root), None
+
+    def others():                    # (asked once, and only where needed)
+        nonlocal alternatives
+        if alternatives is None:
+            alternatives = ad.alternatives(root)
+        return alternatives
+    if not isinstance(first, RootInfo) and not any(isinstance(r, RootInfo) for r in others()):
         ad.nothing(root, first)
         return False
     why = ad.root_refusal(root)
     if why is not None:
         ad.record(root, None, REFUSED, reason=why)
         return False
-    chosen = first_reading(ad, root, first, lambda: ad.alternatives(root))
+    chosen = first_reading(ad, root, first, others)
     if chosen is None:
         ad.nothing(root, first)
         return False
