@@ -289,12 +289,16 @@ def crossed_calls(jaxpr) -> set[int]:
 
     def producer(prod):
         return lambda v: prod.get(v) if isinstance(v, C.Var) else None
+    indexed: dict = {}             # a nested body -> its producers (read once)
+
     def through(call, v):          # (a call nested in the body: what it returns for v)
         if not (C.forward_remat(call) or C.inlinable_call(call)):
             return None
         inner = _call_jaxpr(call)
+        if id(inner) not in indexed:
+            indexed[id(inner)] = (inner, producer(index_uses(inner)[1]))
         b = inner.outvars[call.outvars.index(v)]
-        return (b, producer(index_uses(inner)[1])) if isinstance(b, C.Var) else None
+        return (b, indexed[id(inner)][1]) if isinstance(b, C.Var) else None
     for i, e in found:
         body = _call_jaxpr(e)
         b_uses, b_prod = index_uses(body)

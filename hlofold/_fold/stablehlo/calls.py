@@ -108,8 +108,8 @@ def inline_crossed_calls(module) -> int:
     def crossed(symbols):
         # (a layer in a private function, or one called from one; per-channel arithmetic
         # in a private function whose result layers read: no such function, no walk)
-        if not any(fop is not None and is_private(fop) for fop in symbols.values()) or \
-                not any(_holds_root(f) for f in symbols.values()):
+        rooted = {n: _holds_root(f) for n, f in symbols.items() if f.regions[0].blocks}
+        if not any(is_private(f) for f in symbols.values()) or not any(rooted.values()):
             return
         for name, calls in call_sites(module).items():
             fop = symbols.get(name)
@@ -119,11 +119,10 @@ def inline_crossed_calls(module) -> int:
             ret = list(body.operations)[-1]
             # (per-channel arithmetic of the caller's layer in a body without one is
             # followed by the chain walk, into the call: only what the body returns counts)
-            rooted = _holds_root(fop)
             for call in calls:
                 pairs = [(made_by(a, owner_op, _kind, _first, _through),
                           read_by(b, _readers, _kind, _result))
-                         for a, b in zip(call.operands, body.arguments)] if rooted else []
+                         for a, b in zip(call.operands, body.arguments)] if rooted[name] else []
                 pairs += [(made_by(o, owner_op, _kind, _first, _through),
                            read_by(r, _readers, _kind, _result))
                           for r, o in zip(call.results, ret.operands)]
