@@ -30,7 +30,7 @@ from .params import (JIT_NAMES, OPEN_SLOTS, REMAT_NAMES, call_body, call_constra
                      scan_reverse, while_body, with_call_consts, with_cond_branches,
                      with_remat_body, with_scan_body, with_scan_operands, with_while_body)
 from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, location_view, mlir,
-                   mlir_context, module_to_portable_artifact)
+                   mlir_context, module_to_portable_artifact, ops_named)
 from .xla import YNN_FUSION, option_supported, ynn_fused_convolutions, ynn_single_ops
 
 __all__ = [
@@ -51,6 +51,6 @@ __all__ = [
     "with_cond_branches", "with_remat_body", "with_scan_body", "with_scan_operands",
     "with_while_body",
     "bfloat16", "exported_input_shardings", "exported_with_inputs", "location_view",
-    "mlir", "mlir_context", "module_to_portable_artifact",
+    "mlir", "mlir_context", "module_to_portable_artifact", "ops_named",
     "YNN_FUSION", "option_supported", "ynn_fused_convolutions", "ynn_single_ops",
 ]

@@ -125,3 +125,26 @@ def exported_with_inputs(exp, kept, new_avals, module_bytes, new_from=None, used
         fields["_in_named_shardings"] = tuple(named[i] for i in kept) + tuple(
             None if i is None else named[i] for i in new_from)
     return dataclasses.replace(exp, **fields)
+
+
+def ops_named(op, name: str) -> list:
+    """Every op named ``name`` in ``op`` (a module, a function), nested regions included, in
+    program order: the bindings' own walk (C++; a Python walk where these bindings lack it)."""
+    ir = mlir()[0]
+    found = []
+    walk = getattr(op.operation, "walk", None)
+    if walk is not None and hasattr(ir, "WalkResult"):
+        def visit(o):
+            if o.name == name:
+                found.append(o.opview)
+            return ir.WalkResult.ADVANCE
+        walk(visit)
+        return found
+    todo = [op.operation]
+    while todo:
+        o = todo.pop()
+        if o.name == name:
+            found.append(o.opview)
+        todo.extend(reversed([i.operation for r in o.regions for b in r.blocks
+                              for i in b.operations]))
+    return found

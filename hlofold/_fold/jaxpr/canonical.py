@@ -22,13 +22,13 @@ from hlofold._fold.core.patterns import product_layout
 
 def _as_product(eqn):
     """:func:`hlofold._fold.core.patterns.product_layout` of a float ``dot_general``."""
-    if eqn.params.get("out_sharding") is not None:
-        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lc or rc or not lb or eqn.params.get("out_sharding") is not None:
+        return None                      # (every layer contracts: read nothing more)
     avals = [getattr(v, "aval", None) for v in eqn.invars]
     if any(a is None or not jnp.issubdtype(a.dtype, jnp.floating)
            for a in avals + [eqn.outvars[0].aval]):
         return None
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     return product_layout(len(avals[0].shape), len(avals[1].shape), lc, rc, lb, rb)
 
 

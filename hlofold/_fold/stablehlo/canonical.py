@@ -15,7 +15,6 @@ from hlofold import _compat as C
 from hlofold._fold.core.patterns import product_layout
 from hlofold._ir.stablehlo.build import broadcast, make
 from hlofold._ir.stablehlo.ir import attr_dims, elem_type, is_float, op_name, shape_of
-from hlofold._ir.stablehlo.module import walk
 from .patterns import dot_dims
 
 ir, stablehlo, _ = C.mlir()
@@ -26,11 +25,13 @@ def _as_product(op):
     ``dot_general``."""
     if op_name(op) != "stablehlo.dot_general" or len(op.results) != 1:
         return None
+    lb, lc, rb, rc = dot_dims(op)
+    if lc or rc or not lb:               # (every layer contracts: read nothing more)
+        return None
     vals = list(op.operands) + [op.results[0]]
     if not all(is_float(v) for v in vals) or \
             any(d < 0 for v in vals for d in shape_of(v)):     # (static shapes only)
         return None
-    lb, lc, rb, rc = dot_dims(op)
     return product_layout(len(shape_of(op.operands[0])), len(shape_of(op.operands[1])),
                           lc, rc, lb, rb)
 
@@ -87,9 +88,8 @@ def _rewrite(op, found) -> None:
 def products(module) -> int:
     """Rewrite every ``dot_general`` of ``module`` that is a product by a vector of batch
     dimensions (call inside its context); returns how many."""
-    todo = [(op, f) for fn in module.body.operations for region in fn.regions
-            for block in region.blocks for op in walk(block)
-            if op_name(op) == "stablehlo.dot_general" and (f := _as_product(op)) is not None]
+    todo = [(op, f) for op in C.ops_named(module, "stablehlo.dot_general")
+            if (f := _as_product(op)) is not None]
     for op, f in todo:
         _rewrite(op, f)
     return len(todo)
