@@ -74,16 +74,32 @@ def varying_axis(producer, v, rank: int):
 def leaf_of(v, leaves, producer, uses):
     """The parameter leaf ``v`` is, through reshapes, broadcasts and casts each read once;
     None otherwise (a computed value, a literal)."""
-    for _ in range(8):
-        if isinstance(v, C.Literal):
-            return None
+    return leaf_with_offset(v, leaves, producer, uses, offsets=False)[0]
+
+
+def leaf_with_offset(v, leaves, producer, uses, offsets: bool = True):
+    """``(leaf, c)``: ``v`` is the parameter leaf, or (``offsets``) the leaf plus a literal
+    scalar ``c`` (Gemma's ``1 + scale``), through reshapes, broadcasts and casts each read
+    once; ``(None, 0.0)`` otherwise."""
+    offset = None
+    for _ in range(12 if offsets else 8):
+        if not isinstance(v, C.Var):
+            return None, 0.0
         if v in leaves:
-            return v
+            return v, offset or 0.0
         p = producer.get(v)
-        if p is None or p.primitive.name not in SHAPES or len(uses.get(v, [])) != 1:
-            return None
-        v = p.invars[0]
-    return None
+        if p is None or len(uses.get(v, [])) != 1:
+            return None, 0.0
+        if p.primitive.name in SHAPES:
+            v = p.invars[0]
+            continue
+        lits = [a for a in p.invars if isinstance(a, C.Literal) and np.ndim(a.val) == 0]
+        vs = [a for a in p.invars if isinstance(a, C.Var)]
+        if not offsets or p.primitive.name != "add" or offset is not None or \
+                len(lits) != 1 or len(vs) != 1:
+            return None, 0.0
+        offset, v = float(np.asarray(lits[0].val)), vs[0]
+    return None, 0.0
 
 
 def cast_leaf(ctx, v):

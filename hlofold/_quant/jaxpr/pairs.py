@@ -21,8 +21,8 @@ from hlofold._ir.jaxpr.uses import index_uses
 from hlofold._quant.core import pair_walk
 from hlofold._quant.core.equalize import Second, exact_in
 from hlofold._quant.core.pair_walk import Found, Refused, Start
-from .pair_rules import (CALLS, MAPPED, NOT_HOMOGENEOUS, ROUNDING, RULES, SHAPES, Ctx,
-                         call_rule, cast_leaf, is_zero, single_leaf, varying_axis)
+from .pair_rules import (CALLS, MAPPED, NOT_HOMOGENEOUS, ROUNDING, RULES, Ctx, call_rule,
+                         cast_leaf, is_zero, leaf_with_offset, single_leaf, varying_axis)
 
 
 @dataclasses.dataclass
@@ -146,7 +146,7 @@ def _norm_start(ctx, e):
         if axis is None or axis < 0 or shape[axis] != out[axis] or \
                 not isinstance(e.invars[1 - k], C.Var):
             continue
-        g, offset = _scale_leaf(ctx, g)
+        g, offset = leaf_with_offset(g, ctx.leaves, ctx.producer, ctx.uses)
         gdims = [d for d, n in enumerate(g.aval.shape) if n != 1] if g is not None else []
         if g is not None and len(gdims) == 1 and g.aval.shape[gdims[0]] == out[axis]:
             why = single_leaf(ctx, g, "the norm's scale")
@@ -156,29 +156,6 @@ def _norm_start(ctx, e):
                        f"rounds there, even for powers of two")
             return (why, ctx.leaves[g]) if why else Start(g, axis, gdims[0], offset)
     return None
-
-
-def _scale_leaf(ctx, v):
-    """``(leaf, c)`` where ``v`` is a leaf γ, or ``γ + c`` with ``c`` a literal scalar,
-    through reshapes, broadcasts and casts, each value read once; ``(None, 0)`` otherwise."""
-    offset = None
-    for _ in range(12):
-        if not isinstance(v, C.Var) or len(ctx.uses.get(v, [])) != 1 and v not in ctx.leaves:
-            return None, 0.0
-        if v in ctx.leaves:
-            return v, offset or 0.0
-        p = ctx.producer.get(v)
-        if p is None:
-            return None, 0.0
-        if p.primitive.name in SHAPES:
-            v = p.invars[0]
-            continue
-        lits = [a for a in p.invars if isinstance(a, C.Literal) and np.ndim(a.val) == 0]
-        vs = [a for a in p.invars if isinstance(a, C.Var)]
-        if p.primitive.name != "add" or offset is not None or len(lits) != 1 or len(vs) != 1:
-            return None, 0.0
-        offset, v = float(np.asarray(lits[0].val)), vs[0]
-    return None, 0.0
 
 
 def leaky(ctx, u):
