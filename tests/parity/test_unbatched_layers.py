@@ -102,3 +102,28 @@ def test_a_reshape_that_mixes_the_channels_stops_the_chain():
     out = hlofold.fold_params(f, p, x)
     assert not out.changes and out.report.num_folded == 0, str(out)
     assert _err(f(out.params, x), f(p, x)) == 0.0
+
+
+def test_a_norm_read_by_a_layer_and_a_residual_says_so_on_both_paths():
+    """equimo's stem norm: its result (past its own ``+ β`` and the unbatched conv's
+    ``broadcast_in_dim``) is read by the block's depthwise conv *and* by the residual add.
+    Nothing folds it; the record says it has two readers (it said "its result goes to add,
+    not straight into a convolution", the norm's own β)."""
+    k = jax.random.split(jax.random.key(4), 5)
+    stem = eqx.nn.Conv2d(3, C, 2, stride=2, key=k[4])
+    norm = LayerNorm2d(1 + 0.2 * jax.random.normal(k[0], (C,)),
+                       0.2 * jax.random.normal(k[1], (C,)))
+    conv = eqx.nn.Conv2d(C, C, 3, padding=1, groups=C, key=k[2])
+
+    def f(p, x):
+        def one(x):
+            y = p[1](p[0](x))
+            return p[2](y) + y
+        return jax.vmap(one)(x)
+    p, x = (stem, norm, conv), jax.random.normal(k[3], (2, 3, 12, 12))
+    for rep in (hlofold.fold_params(f, p, x).report, hlofold.fold(f).report(p, x),
+                hlofold.fold_stablehlo(jax.export.export(jax.jit(f))(p, x))[1]):
+        left = [s for s in rep.sites if s.pattern == "unreached_affine"]
+        assert rep.num_folded == 0 and len(left) == 1, str(rep)
+        assert "is read by 2 ops" in left[0].reason, left[0].reason
+        assert "not straight into" not in left[0].reason, left[0].reason

@@ -34,11 +34,20 @@ _AFTER = {
 }
 
 
-def unreached_reason(after: str, then: str) -> str:
-    """Why a per-channel scale after primitive ``after``, whose result goes to ``then``
-    (a primitive, or "output"), folded neither backward nor forward."""
+def unreached_reason(after: str, then: str | tuple[str, ...]) -> str:
+    """Why a per-channel scale after primitive ``after`` folded neither backward nor forward.
+
+    ``then``: where its result goes once the per-channel arithmetic and shape ops after it
+    (its own ``+ β``, a reshape, a cast) are passed — a primitive, "output", or the
+    primitives of several readers (a block input read by a layer and by the residual add)."""
     desc = _AFTER.get(after, "an op that is not per-channel arithmetic")
-    to = ("it is a program output" if then == "output" else
-          f"its result goes to {then}, not straight into a convolution or dense layer")
+    if isinstance(then, tuple) and len(then) > 1:
+        to = (f"its result is read by {len(then)} ops ({', '.join(then)}): a layer that "
+              f"absorbed it would change what the others read")
+    elif isinstance(then, tuple):
+        then = then[0]
+    if isinstance(then, str):
+        to = ("it is a program output" if then == "output" else
+              f"its result goes to {then}, not straight into a convolution or dense layer")
     return Reason("unreached", f"per-channel scale after {after} ({desc}); no convolution or "
                   f"dense output reaches it, and {to}")

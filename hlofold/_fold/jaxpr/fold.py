@@ -304,9 +304,7 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                 after = self._before_chain(x)
                 if after in PATTERNS:        # the root's own record accounts for it
                     break
-                uses = self.uses.get(e.outvars[0], [])
-                then = ("output" if self.out_uses.get(e.outvars[0]) or not uses else
-                        self.jaxpr.eqns[uses[0][0]].primitive.name)
+                then = self._after_chain(e.outvars[0])
                 file, line, fn = C.user_location(e)
                 self.sites.append(FoldSite(
                     pattern="unreached_affine", primitive="mul", status=NOT_REACHED,
@@ -315,6 +313,23 @@ class _Scope(ScopeValues, SitePlanner, SiteEmitter):
                     out_channels=op.size, params=sorted(n for n in self.names(op.source) if n),
                     reason=unreached_reason(after, then)))
                 break
+
+    def _after_chain(self, v) -> str | tuple[str, ...]:
+        """Where ``v`` goes past the per-channel arithmetic and shape ops after it (a norm's
+        own ``+ β``, a reshape): "output", or the primitives of its readers there."""
+        for _ in range(10_000):
+            uses = self.uses.get(v, [])
+            if self.out_uses.get(v) or not uses:
+                return "output"
+            if len(uses) == 1:
+                e = self.jaxpr.eqns[uses[0][0]]
+                acts = [u for u in e.invars if isinstance(u, C.Var) and self.from_root(u)]
+                if (len(acts) == 1 and len(e.outvars) == 1 and
+                        (e.primitive.name in PASS_STEPS or e.primitive.name in AFFINE_STEPS)):
+                    v = e.outvars[0]
+                    continue
+            return tuple(self.jaxpr.eqns[j].primitive.name for j, *_ in uses)
+        return "output"     # pragma: no cover
 
     def _before_chain(self, v) -> str:
         """The primitive before the per-channel arithmetic and shape ops leading to ``v``

@@ -71,15 +71,30 @@ class ChainWalker:
             after = self._before_chain(x)
             if after is None or not self._from_root(x):
                 continue                 # a root's record accounts for it
-            uses = list(op.results[0].uses)
-            then = ("output" if not uses or op_name(uses[0].owner) == "func.return" else
-                    op_name(uses[0].owner).split(".")[-1])
+            then = self._after_chain(op.results[0])
             file, line, lname = location(op)
             self.sites.append(FoldSite(
                 pattern="unreached_affine", primitive=name, status=NOT_REACHED,
                 scope=f"@{fname}", file=file, line=line, name_stack=lname,
                 dtype=str(elem_type(op.results[0])), out_channels=int(size),
                 reason=unreached_reason(after, then)))
+
+    def _after_chain(self, value) -> str | tuple[str, ...]:
+        """Where ``value`` goes past the per-channel arithmetic and shape ops after it (a
+        norm's own ``+ β``, a reshape): "output", or the ops reading it there."""
+        for _ in range(10_000):
+            users = [u.owner for u in value.uses]
+            if not users or any(op_name(u) == "func.return" for u in users):
+                return "output"
+            if len(users) == 1:
+                op, name = users[0], op_name(users[0])
+                acts = [v for v in op.operands if self._from_root(v)]
+                if (len(acts) == 1 and len(op.results) == 1 and
+                        (name in BINARY or name in SHAPE_KIND)):
+                    value = op.results[0]
+                    continue
+            return tuple(op_name(u).split(".")[-1] for u in users)
+        return "output"     # pragma: no cover
 
     def _before_chain(self, value) -> str | None:
         """The op before the per-channel arithmetic and shape ops leading to ``value``
