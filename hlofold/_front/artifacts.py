@@ -28,7 +28,7 @@ from hlofold._ir.stablehlo.shardings import argument_shardings, by_type, set_arg
 from hlofold._ir.stablehlo.weights import (argument_index, as_module_aval, bound_values, check_value,
                                            export_arguments, export_calibration, hoist,
                                            set_arguments)
-from hlofold._quant.core.smooth import check_alpha
+from hlofold._quant.core.smooth import check_alpha, check_calibration
 from hlofold._quant.stablehlo.driver import quantization_ready
 
 ir, stablehlo, _ = C.mlir()
@@ -95,9 +95,8 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                          "give them with params=, not split=")
     if smooth is not None:
         alpha = check_alpha(alpha, "hlofold.fold_stablehlo")
-        smooth = [list(c) if isinstance(c, (list, tuple)) else [c] for c in smooth]
-        if not smooth:
-            raise ValueError("smooth= needs at least one calibration input")
+        smooth = [list(c) if isinstance(c, (list, tuple)) else [c]
+                  for c in check_calibration(smooth, "hlofold.fold_stablehlo")]
     off = C.disabled("stablehlo")
     if off is None:
         art = read_artifact(data)          # bad input is the caller's: raised as it is

@@ -39,6 +39,19 @@ def check_alpha(alpha, who: str) -> float | Search:
                      f"or 16: \"search:w4a8\"); got {alpha!r}")
 
 
+def check_calibration(smooth, who: str) -> list:
+    """``smooth=`` as a list of calibration inputs (each a call's ``args``, or one array for
+    a one-argument model), or a clear error naming ``who`` (``smooth=True`` gave a raw
+    ``TypeError: 'bool' object is not iterable``)."""
+    if not isinstance(smooth, (list, tuple)):
+        raise TypeError(f"{who}: smooth= takes a list of calibration inputs (each a call's "
+                        f"arguments after params, or one array: smooth=[x1, x2]); got "
+                        f"{type(smooth).__name__}")
+    if not smooth:
+        raise ValueError(f"{who}: smooth= needs at least one calibration input")
+    return list(smooth)
+
+
 class Observed:
     """What the calibration inputs gave where a pair's second layers read: each channel's
     largest ``|x|``; for a search of α (``keep``), rows of it too (:data:`.smooth_search.ROWS`,

@@ -18,7 +18,7 @@ import numpy as np
 
 from hlofold import _compat as C
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
-from hlofold._quant.core.smooth import Observed, check_alpha, smooth
+from hlofold._quant.core.smooth import Observed, check_alpha, check_calibration, smooth
 from hlofold._base.channel_axes import Mapped
 from hlofold._quant.core.layer_pairs import by_layer
 from hlofold._quant.core.rotation import orthogonal, rotate
@@ -316,7 +316,8 @@ def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:
     if smooth is None:
         return None
     check_alpha(alpha, "hlofold.fold_params")
-    calib = [jax.tree.leaves(c if isinstance(c, tuple) else (c,)) for c in smooth]
+    calib = [jax.tree.leaves(c if isinstance(c, tuple) else (c,))
+             for c in check_calibration(smooth, "hlofold.fold_params")]
     if not calib or any(len(c) != n_args for c in calib):
         raise ValueError("hlofold.fold_params: each smooth= input must be the model's "
                          f"arguments after params ({n_args} array(s)); got "

@@ -100,6 +100,11 @@ def test_bad_calibration_inputs():
     t = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="smooth= input"):
         hlofold.fold_params(examples.decoder_apply, p, t, smooth=[(t, t)])
+    with pytest.raises(TypeError, match=r"smooth= takes a list of calibration inputs.*got bool"):
+        # (was: TypeError: 'bool' object is not iterable)
+        hlofold.fold_params(examples.decoder_apply, p, t, smooth=True)
+    with pytest.raises(ValueError, match="at least one calibration input"):
+        hlofold.fold_params(examples.decoder_apply, p, t, smooth=[])
 
 
 @pytest.mark.parametrize("seed", range(24))

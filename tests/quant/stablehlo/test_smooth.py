@@ -168,6 +168,8 @@ def test_bad_calibration_inputs_and_split_are_errors():
     params = {i: np.asarray(a) for i, a in enumerate(leaves)}
     with pytest.raises(ValueError, match="at least one calibration input"):
         hlofold.fold_stablehlo(exp, params=params, smooth=[])
+    with pytest.raises(TypeError, match="smooth= takes a list of calibration inputs"):
+        hlofold.fold_stablehlo(exp, params=params, smooth=True)     # (raised from a loop)
     with pytest.raises(StableHLOError, match="calibration input has 2 arrays"):
         hlofold.fold_stablehlo(exp, params=params, smooth=[(x[0], x[0])])
     with pytest.raises(ValueError, match="alpha= must be a number from 0 to 1"):
