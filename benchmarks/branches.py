@@ -392,7 +392,7 @@ def main(argv=None) -> dict:
     res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
            "code": code_info(), "flax": [], "first": [], "timm": []}
     for arch in R.ARCHS:
-        for batch in (1, 8):
+        for batch in (1,) if a.quick else (1, 8):     # --quick: one batch (compiles cost)
             res["flax"].append(flax_part(arch, batch, size, rounds, calls))
             print(res["flax"][-1], flush=True)
             if first:

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -17,6 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 def test_fold_freeze_and_fold_params_on_a_two_process_mesh():
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(

@@ -74,7 +74,7 @@ def conv_bn_pairs(model) -> dict[str, str]:
     return pairs
 
 
-SLOW = {"DenseNet121", "InceptionV3", "EfficientNetV2B0", "MobileNetV3Small"}
+SLOW = {"DenseNet121", "InceptionV3", "EfficientNetV2B0", "MobileNetV3Small", "ResNet50V2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n

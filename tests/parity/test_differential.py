@@ -112,6 +112,7 @@ def test_both_paths_keep_per_token_factors_the_same_way(spec):
         check_both_paths(spec)
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 @pytest.mark.parametrize("net", ["decoder-32", "resnet-101"])
 def test_both_paths_decide_deep_programs_the_same_way(net):
     """Deep programs (issue 30): a 32-layer Llama-style decoder and ResNet-101 get the same

@@ -166,7 +166,7 @@ def test_stablehlo_split_merges_in_the_prepare_module(net):
                    "only" in s.note for s in rep.merged), [s.note for s in rep.merged]
 
 
-@pytest.mark.parametrize("arch", ["repvgg_a0", "mobileone_s0"])
+@pytest.mark.parametrize("arch", ["repvgg_a0", pytest.param("mobileone_s0", marks=pytest.mark.slow)])
 def test_timm_train_time_modules_fold_to_timms_deploy_form(arch):
     text = open(os.path.join(DATA, f"{arch}_torch_xla.mlir")).read()
     meta = json.load(open(os.path.join(DATA, f"{arch}_torch_xla.json")))

@@ -187,7 +187,7 @@ def test_pytorch_xla_batchnorm1d_in_front_of_a_linear_folds_forward():
     assert_close(ref, module_callable(app)(x, *made)[0])
 
 
-@pytest.mark.parametrize("arch", ["repvgg_a0", "mobileone_s0"])
+@pytest.mark.parametrize("arch", ["repvgg_a0", pytest.param("mobileone_s0", marks=pytest.mark.slow)])
 def test_split_keeps_an_identity_branchs_batch_norm_inference_shift(arch):
     text = open(os.path.join(DATA, f"{arch}_torch_xla.mlir")).read()
     names = json.load(open(os.path.join(DATA, f"{arch}_torch_xla.json")))["args"]

@@ -181,6 +181,7 @@ def decisions(report):
 AFTER = "sub·mul·add after the sum"
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 @pytest.mark.filterwarnings("error::RuntimeWarning")      # no scope left unfolded
 @settings(max_examples=40, deadline=None)
 @given(blocks())

@@ -221,6 +221,7 @@ def _structure(closed):
     return out
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 @pytest.mark.parametrize("in_graph", ["guarded", "prepared"])
 def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
     from benchmarks import models
@@ -240,6 +241,7 @@ def test_cloned_templates_equal_a_trace_per_site(monkeypatch, in_graph):
     assert all(s.count("conv") == 1 for s in scopes), scopes
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 @pytest.mark.parametrize("in_graph", ["guarded", "prepared"])
 def test_spliced_activation_side_equals_the_traced_one(monkeypatch, in_graph):
     """A site's activation side (root on the rescaled kernel, shape steps, bias add, guard)

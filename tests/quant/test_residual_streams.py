@@ -187,6 +187,7 @@ def test_a_stream_returned_or_fed_by_the_input_is_left_on_both_paths():
 
 # ------------------------------------------------------------------ other libraries
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 def test_haiku_resnet18_stages_on_both_paths():
     import haiku as hk
 
@@ -205,6 +206,7 @@ def test_haiku_resnet18_stages_on_both_paths():
     assert [len(e.writers) for e in jp.equalized if e.writers] == [2, 2, 2, 2], str(jp)
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 def test_keras_mobilenetv2_streams_on_both_paths():
     """Keras' MobileNetV2: ReLU6 in every block leaves its pairs, but the linear
     bottlenecks' streams carry no activation and are equalized."""

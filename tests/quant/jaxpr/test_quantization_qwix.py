@@ -23,7 +23,7 @@ def _qarrays(tree) -> int:
     return sum(isinstance(a, qwix.QArray) and a.qvalue.dtype == np.int8 for a in leaves)
 
 
-@pytest.mark.parametrize("case", ["resnet", "rmsnorm-block"])
+@pytest.mark.parametrize("case", [pytest.param("resnet", marks=pytest.mark.slow), "rmsnorm-block"])
 def test_fold_params_then_qwix_ptq(case):
     f, v, x = Q.cnn_case(0) if case == "resnet" else Q.block_case("RMSNorm", 0.5, 0)
     ref = f(v, x)

@@ -222,6 +222,7 @@ def test_flax_nn_scan_decoder_rotates(norm):
     assert any("ScanBlock" in r for r in rot.readers), rot.readers
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 def test_rotation_and_a_searched_smoothing_from_many_threads():
     """``fold_params(rotate=True, smooth=, alpha="search:w4a8")`` called from eight threads
     at once, on two models and two seeds (the threads switching every microsecond): each

@@ -219,6 +219,7 @@ def test_a_bfloat16_round_trip_between_layers_makes_the_scales_powers_of_two():
     assert len(out.equalized) == len(rep.equalized) == 1
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 def test_equalize_and_smooth_from_ten_threads_as_from_one():
     """Folds in several threads follow private calls at the same time (a jitted block per
     layer, ``jax.nn.relu``), rewrite scanned stacks' loops layer by layer and walk residual

@@ -352,6 +352,7 @@ def test_bfloat16_weights_rewritten_bit_for_bit(rewrite):
                                   np.asarray(base.call(*x, *bprep), np.float32))
 
 
+@pytest.mark.slow   # a long evidence run: CI runs it in the slow tier
 def test_searched_alpha_is_the_jaxpr_paths():
     """``alpha="search:w4a8"`` on the exported decoder: each pair takes the α the jaxpr path
     takes on the same calibration inputs (the search is the core's; each path reads its rows
