@@ -226,11 +226,13 @@ class Folded(FoldedViews):
                 frz_tree, [copies.get(i, x) for i, x in enumerate(frz_leaves)])
 
         out_trees = []
+        order = tuple(arguments)         # (names only: the traced program, kept for the
+        # fallbacks, must not hold this call's inputs alive)
 
         def flat_fun(*dyn_leaves):       # flat leaves in, flat leaves out
             dyn = jax.tree_util.tree_unflatten(tree, dyn_leaves)
             merged = {k: (static[k] if k in static else frozen[k] if k in frozen else dyn[k])
-                      for k in arguments}
+                      for k in order}
             outs, out_tree = jax.tree_util.tree_flatten(self.signature.call(merged))
             out_trees.append(out_tree)
             return outs

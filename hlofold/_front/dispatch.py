@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -119,6 +120,9 @@ class Fast:
     arrays: tuple                  # parameter jax.Arrays (deleted/donated check)
     get_per_call: Callable         # args leaves -> the per-call inputs, in order
     avals: tuple | None            # their abstract values (all jax.Arrays), else None
+    refs: tuple                    # weak references to them: a leaf passed again is of the
+    # same type (arrays are immutable), its aval not rebuilt (a key array builds it anew,
+    # ~15 µs: a model holding PRNG keys pays that per key per call)
     keys: list                     # their leaf_key (other inputs)
     fn: Callable
     prepared: tuple
@@ -157,7 +161,7 @@ def make_fast(args: tuple, known: list, frozen: Sequence, per_call: list, fn: Ca
         avals = None                # compared by leaf_key instead
     arrays = tuple(x for x in fixed if isinstance(x, jax.Array))
     return Fast(tree, _getter([pos[id(x)] for x in fixed]), tuple(fixed), arrays,
-                _getter([pos[id(x)] for x in per_call]), avals,
+                _getter([pos[id(x)] for x in per_call]), avals, tuple(map(_weak, per_call)),
                 [leaf_key(x) for x in per_call], fn, tuple(prepared), out_tree,
                 out_tree == jax.tree_util.tree_structure(0),
                 tuple(map(type, per_call)) if options else None, _deleted(arrays),
@@ -194,9 +198,11 @@ def fast_call(fast: Fast, args: tuple):
     if fast.avals is None:           # NumPy inputs, Python scalars (typed by x64)
         ok = list(map(leaf_key, per_call)) == fast.keys and \
             jax.config.jax_enable_x64 == fast.x64
-    else:
+    else:                            # the same objects (C loop), else their types
+        same = list(map(is_, per_call, map(_call, fast.refs)))
         try:
-            ok = all(map(eq, map(_aval, per_call), fast.avals))
+            ok = all(same) or all(s or x.aval == a
+                                  for s, x, a in zip(same, per_call, fast.avals))
         except AttributeError:       # not a jax.Array this time
             ok = False
     if not ok or any(map(fast.deleted, fast.arrays)) or (
@@ -214,7 +220,22 @@ def _getter(idx: Sequence[int]) -> Callable:
     return operator.itemgetter(*idx) if idx else (lambda l: ())
 
 
-_aval = operator.attrgetter("aval")
+class _Gone:
+    pass
+
+
+_DEAD = weakref.ref(_Gone())         # refers to nothing: that leaf's type is compared
+
+
+def _weak(x) -> weakref.ref:
+    """A weak reference to a per-call input: the fast path keeps no input alive."""
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return _DEAD
+
+
+_call = getattr(operator, "call", None) or (lambda f: f())   # (3.11+: in C)
 _is_deleted = operator.methodcaller("is_deleted")
 is_, eq = operator.is_, operator.eq
 _unflatten, _all_leaves = jax.tree_util.tree_unflatten, jax.tree_util.all_leaves

@@ -47,6 +47,54 @@ def test_fold_with_key_leaves(freeze):
     assert folded.report(p, x).num_folded >= 1
 
 
+def test_steady_calls_cost_what_jits_do_with_key_leaves(monkeypatch):
+    """Item 8: a key array builds its aval anew on each read (~15 µs); a steady call of
+    ``fold(f)`` read each key leaf's on every call (an NNX ViT holding 6 keys: 1.3–1.45×
+    ``jax.jit``'s 0.27 ms). A leaf passed again is the same immutable array: its type is not
+    read again; a new key of the same type, or of another shape, is still told apart."""
+    f, p, x = _case()
+    x = x.at[0, 0, 0, 0].set(1.0)
+    p = dict(p, k2=jnp.zeros((1, 1, 8, 4)) + p["k2"])        # (not folded: a per-call input)
+    folded, jitted = hlofold.fold(f), jax.jit(f)
+    for _ in range(2):
+        _same(folded(p, x), jitted(p, x))
+    assert folded._fast is not None and folded._fast.avals is not None
+    cls, reads = type(p["stack"]), []
+    prop = cls.__dict__["aval"]
+    monkeypatch.setattr(cls, "aval", property(lambda self: reads.append(1) or prop.fget(self)))
+
+    def count(g, *a):
+        del reads[:]
+        jax.block_until_ready(g(*a))
+        return len(reads)
+    assert count(folded, p, x) <= count(jitted, p, x)          # (was: +2, one per key)
+    _same(folded(p, x), jitted(p, x))
+    new_key = dict(p, rngs={"dropout": jax.random.key(7)})      # same type, new object
+    assert count(folded, new_key, x) <= count(jitted, new_key, x) + 1
+    _same(folded(new_key, x), jitted(new_key, x))
+    monkeypatch.undo()
+    longer = dict(p, stack=jax.random.split(jax.random.key(1), 5))   # another type
+    _same(folded(longer, x), jitted(longer, x))
+    assert [o.shape for o in jax.tree.leaves(folded(longer, x))] == \
+        [o.shape for o in jax.tree.leaves(jitted(longer, x))]
+
+
+def test_the_fast_path_keeps_no_input_alive():
+    """The steady-state checks refer to the per-call inputs weakly: an input batch (or key)
+    the caller drops is freed, as after a ``jax.jit`` call."""
+    import gc
+    import weakref
+    f, p, x = _case()
+    folded = hlofold.fold(f)
+    for _ in range(2):
+        folded(p, x)
+    assert folded._fast is not None
+    ref, key = weakref.ref(x), weakref.ref(p["rngs"]["dropout"])
+    del x, p
+    gc.collect()
+    assert ref() is None and key() is None
+
+
 @pytest.mark.parametrize("kw", [{}, {"equalize": True}, {"smooth": "calib"}])
 def test_fold_params_passes_key_leaves_through(kw):
     f, p, x = _case()
