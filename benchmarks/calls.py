@@ -4,11 +4,14 @@
 
 1. **first call** — ``hlofold.fold(f)`` and ``fold(f, freeze=0)`` vs ``jax.jit(f)``: trace +
    fold + compile + run, each sample in a fresh process (no cache shared), variants
-   interleaved round by round; ResNet-50 in Flax and Haiku at 64 and 224 px;
+   interleaved round by round; ResNet-50 in Flax and Haiku at 64 and 224 px, and the
+   ``flaxmodels`` ResNet-18 at 64 px, batch 2 (the small CNN users start with; where
+   ``flaxmodels`` is installed);
 2. **under the user's jit** — steady calls of ``jax.jit(fold(f))`` vs ``jax.jit(f)`` (and of
    a jitted closure over the parameters), batch 1 and 8, every benchmark network;
 3. **dispatch** — steady calls of ``fold(f)``, ``freeze=`` vs ``jax.jit(f)`` on a one-conv
-   model (per-call overhead);
+   model (per-call overhead), and of ``fold(f)`` on a Flax NNX ViT whose state holds PRNG
+   keys (every norm left by the cost rule: a call that is all dispatch);
 4. **parameters changing every call** — a new parameter pytree per call;
 5. **artifacts** — a folded StableHLO module whose weights are arguments (apply module of
    ``fold_stablehlo(split=True)``) vs the original module, per call;
@@ -46,9 +49,12 @@ from .common import (code_info, kept_runs, machine_info, machine_line, ratio, ru
 
 # --------------------------------------------------------------------------- 1. first call
 
+FIRST_BATCH = {"flaxmodels-resnet18": 2}      # (as issue 69 measured it)
+
+
 def first_call_worker(net: str, size: int, variant: str) -> float:
     """Run in a fresh process: seconds of the first call of ``variant`` (nothing cached)."""
-    f, params, x = W.network(net, size, batch=1)
+    f, params, x = W.network(net, size, batch=FIRST_BATCH.get(net, 1))
     g = {"jit": lambda: jax.jit(f), "fold": lambda: hlofold.fold(f),
          "freeze": lambda: hlofold.fold(f, freeze=0)}[variant]()
     t0 = time.perf_counter()
@@ -73,7 +79,7 @@ def first_calls(nets, sizes, rounds: int, log) -> list[dict]:
                         raise RuntimeError(f"worker {net} {size} {v}: {out.stderr[-2000:]}")
                     times[v].append(float(out.stdout.strip().splitlines()[-1]))
             s = {k: summary(v) for k, v in times.items()}
-            row = {"net": net, "size": size, "seconds": s,
+            row = {"net": net, "size": size, "batch": FIRST_BATCH.get(net, 1), "seconds": s,
                    "fold_vs_jit": ratio(s["fold"], s["jit"]),
                    "freeze_vs_jit": ratio(s["freeze"], s["jit"])}
             log(f"first call {net} {size}px: jit {s['jit']['median']:.2f}s, fold "
@@ -153,6 +159,19 @@ def dispatch(rounds, calls, log) -> dict:
            "freeze_vs_jit": ratio(s["freeze"], s["jit"])}
     log(f"dispatch one conv: jit {s['jit']['median'] * 1e6:.1f}us, fold "
         f"{row['fold_vs_jit']:.2f}x, freeze {row['freeze_vs_jit']:.2f}x")
+    try:
+        g, state, x = W.nnx_vit_keys()
+    except ImportError:                          # (a Flax without NNX)
+        return row
+    fns = {"jit": jax.jit(g), "fold": hlofold.fold(g)}
+    k = interleaved(fns, {v: (state, x) for v in fns}, rounds, max(10, calls // 10))
+    row["nnx_keys"] = {"seconds": k, "fold_vs_jit": ratio(k["fold"], k["jit"]),
+                       "keys": sum(jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)
+                                   for l in jax.tree_util.tree_leaves(state)),
+                       "leaves": len(jax.tree_util.tree_leaves(state)),
+                       "folded": fns["fold"].report(state, x).num_folded}
+    log(f"dispatch NNX ViT with keys: jit {k['jit']['median'] * 1e6:.1f}us, fold "
+        f"{row['nnx_keys']['fold_vs_jit']:.3f}x")
     return row
 
 
@@ -262,7 +281,8 @@ def to_markdown(res: dict) -> str:
          "|---|---|---|---|---|---|"]
     for r in res["first_call"]:
         s = r["seconds"]
-        L.append(f"| {r['net']} {r['size']}px | {sec(s['jit'])} | {sec(s['fold'])} | "
+        b = f", batch {r['batch']}" if r.get("batch", 1) != 1 else ""
+        L.append(f"| {r['net']} {r['size']}px{b} | {sec(s['jit'])} | {sec(s['fold'])} | "
                  f"{sec(s['freeze'])} | **{r['fold_vs_jit']:.2f}×** | "
                  f"**{r['freeze_vs_jit']:.2f}×** |")
     L += ["", "## 2. Under the user's jit (steady state, ms per call)", "",
@@ -283,6 +303,11 @@ def to_markdown(res: dict) -> str:
           f"| {us(d['jit'])} | {us(d['fold'])} | {us(d['freeze'])} | "
           f"**{res['dispatch']['fold_vs_jit']:.2f}×** | "
           f"**{res['dispatch']['freeze_vs_jit']:.2f}×** |"])
+    k = (res["dispatch"] or {}).get("nnx_keys")
+    if k:
+        L += ["", f"Flax NNX ViT (state: {k['leaves']} leaves, {k['keys']} of them PRNG keys; "
+              f"{k['folded']} sites folded): jax.jit(f) {us(k['seconds']['jit'])} µs, fold(f) "
+              f"{us(k['seconds']['fold'])} µs per call: **{k['fold_vs_jit']:.3f}×**."]
     c = res["changing_params"]
     h = c.get("second_half")
     L += ["", "## 4. A new parameter pytree on every call", ""] + ([] if not c else [
@@ -324,6 +349,11 @@ def to_markdown(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _have(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -332,6 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--first-call-worker", nargs=3, metavar=("NET", "SIZE", "VARIANT"))
     ap.add_argument("--parts",
                     default="first,jit,dispatch,changing,artifacts,forward,transformer")
+    ap.add_argument("--first-nets", help="comma-separated networks of part 'first' "
+                    "(default: the ResNet-50s, and flaxmodels' ResNet-18 where installed)")
     ap.add_argument("--keep-from", help="a JSON of an earlier run on this machine: the parts "
                     "not run now are taken from it")
     a = ap.parse_args(argv)
@@ -344,9 +376,12 @@ def main(argv=None) -> int:
     parts = set(a.parts.split(","))
     res = {"quick": q, "machine": machine_info(), "code": code_info()}
     t0 = time.perf_counter()
-    res["first_call"] = first_calls(
-        ["tiny-flax"] if q else ["flax-resnet50", "haiku-resnet50"], [32] if q else [64, 224],
-        2 if q else 5, log) if "first" in parts else []
+    nets = a.first_nets.split(",") if a.first_nets else (
+        ["tiny-flax"] if q else ["flax-resnet50", "haiku-resnet50"])
+    res["first_call"] = first_calls(nets, [32] if q else [64, 224], 2 if q else 5, log) \
+        if "first" in parts else []
+    if "first" in parts and not q and not a.first_nets and _have("flaxmodels"):
+        res["first_call"] += first_calls(["flaxmodels-resnet18"], [64], 7, log)
     res["under_jit"] = under_jit(
         ["tiny-flax"] if q else ["flax-resnet18", "flax-resnet50", "flax-mobilenetv2",
                                  "haiku-resnet50"],

@@ -6,6 +6,8 @@ Networks, as ``(f, params, x)`` with ``f(params, x)``:
 * ``flax-resnet18|50``, ``flax-mobilenetv2``: :mod:`benchmarks.models` (Flax linen);
 * ``haiku-resnet50``: ``haiku.nets.ResNet50``, inference mode;
 * ``tiny-flax``: a ResNet-18 of width 8 (smoke runs);
+* ``flaxmodels-resnet18``: the ``flaxmodels`` library's ResNet-18 (``pip install flaxmodels``;
+  the slow tier's lock pins it), the small CNN users start with;
 * ``fwd-stem``, ``fwd-bn-conv``: affines folded forward into SAME-padded convs, through a
   per-position bias map (:func:`forward_net`).
 """
@@ -59,6 +61,11 @@ def network(name: str, size: int, batch: int = 1):
         return f, params, x
     if name.startswith("fwd-"):
         return forward_net(name, size, batch)
+    if name == "flaxmodels-resnet18":
+        import flaxmodels as fm
+        m = fm.ResNet18(output="logits", pretrained=None, normalize=False, num_classes=10)
+        shapes = jax.eval_shape(lambda k, x: m.init(k, x, train=False), jax.random.key(0), x)
+        return (lambda v, x: m.apply(v, x, train=False)), fill(shapes), x
     from . import models as M
     if name == "tiny-flax":
         model = M.resnet18(num_classes=10, width=8)
@@ -119,6 +126,42 @@ def one_conv():
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return (y - p["mean"]) * jax.lax.rsqrt(p["var"] + 1e-5) * p["scale"] + p["bias"]
     return f, params, x
+
+
+def nnx_vit_keys(d: int = 64, depth: int = 4, tokens: int = 16):
+    """A Flax NNX ViT-style encoder built with ``rngs=`` (LayerNorm → MLP blocks, dropout):
+    its state holds PRNG key leaves (6 here) beside ~40 arrays, every norm left by the cost
+    rule — a steady call is all dispatch (issue 69, item 8). ``(f, state, x)``."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(d, rngs=rngs)
+            self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.drop(self.fc2(jax.nn.gelu(self.fc1(self.norm(x)))))
+
+    class ViT(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(48, d, rngs=rngs)
+            blocks = [Block(rngs) for _ in range(depth)]
+            self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
+            self.norm, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, 10, rngs=rngs)
+            self.rngs = rngs
+
+        def __call__(self, x):
+            x = self.embed(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(self.norm(x).mean(1))
+
+    model = ViT(nnx.Rngs(0, dropout=1))
+    model.eval()
+    graphdef, state = nnx.split(model)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, tokens, 48)), jnp.float32)
+    return (lambda state, x: nnx.merge(graphdef, state)(x)), state, x
 
 
 TESTDATA = os.path.join(os.path.dirname(__file__), os.pardir, "tests", "testdata")

@@ -103,6 +103,8 @@ def test_calls_quick(tmp_path):
     assert all(r["same_program"] and r["same_cost"] for r in res["under_jit"]), \
         "jit(fold(f)) is jit(f): same StableHLO ops, same XLA cost (flops, bytes)"
     assert res["dispatch"]["fold_vs_jit"] > 0
+    k = res["dispatch"]["nnx_keys"]          # a state holding PRNG keys: all dispatch
+    assert k["keys"] == 6 and k["folded"] == 0 and k["seconds"]["fold"]["n"] == 3, k
     assert res["changing_params"]["second_half"]["fold"]["n"] >= 2
     assert len(res["artifacts"]) == 4          # params= and split=, TF module and export
     for r in res["artifacts"]:                   # the folded program does no more work

@@ -43,7 +43,7 @@ def jaxpr_folds(p) -> int:
     return hlofold.fold_jaxpr(closed, in_graph="guarded")[1].num_folded
 
 
-@pytest.mark.parametrize("layers", [32, 96])
+@pytest.mark.parametrize("layers", [pytest.param(32, marks=pytest.mark.slow), 96])
 def test_deep_decoders_fold_every_layer_on_the_stablehlo_path(layers):
     p, text = decoder_module(layers)
     expected = 5 * layers + 1            # q, k, v / gate, up per layer, and the head

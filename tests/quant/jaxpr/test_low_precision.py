@@ -32,7 +32,8 @@ def test_power_of_two_scales_are_exact_in_bfloat16():
     assert list(scales(r1, r2, pow2=True)) == [2.0, 0.25, 1.0]    # √4/1; √9/9 → 1/4; dead
 
 
-@pytest.mark.parametrize("rewrite", ["smooth", "equalize", "search"])
+@pytest.mark.parametrize("rewrite", ["smooth", "equalize",
+                                     pytest.param("search", marks=pytest.mark.slow)])
 def test_bfloat16_decoder_rewritten_bit_for_bit(rewrite):
     """The built-in decoder in bfloat16: the pairs of its float32 form, every scale a power
     of two (a searched α's candidates too), and the outputs exactly those of the fold
