@@ -17,8 +17,9 @@ Each example is a network of 1–6 conv layers of one rank (1D/2D/3D) with
   (another program output, or a reduction),
 * an optional per-input-channel affine in front of the first conv (forward folding), and
   layers without a nonlinearity, so one conv's chain feeds the next conv directly,
-* layers wrapped in ``jax.jit``, ``jax.checkpoint`` (remat), ``lax.scan`` or ``lax.cond`` (two
-  different branches), or a convolution alone in a ``jax.jit`` helper (its chain outside),
+* layers wrapped in ``jax.jit``, a ``jax.jit`` inside a ``jax.jit`` (nested calls),
+  ``jax.checkpoint`` (remat), ``lax.scan`` or ``lax.cond`` (two different branches), or a
+  convolution alone in a ``jax.jit`` helper, once or nested (its chain outside),
 * parameters frozen (constants), passed as inputs, or mixed.
 """
 from __future__ import annotations
@@ -79,7 +80,8 @@ class Chain:
 
 @dataclasses.dataclass
 class Layer:
-    wrap: str                   # "none", "jit", "remat", "scan", "cond", "jitconv"
+    wrap: str                   # "none", "jit", "jitjit", "remat", "scan", "cond", "jitconv",
+    # "jitjitconv" (the conv alone in a helper jitted inside another jitted helper)
     rhs: str                    # rhs layout, e.g. "HWIO"
     out: str                    # output layout
     groups: int
@@ -174,7 +176,8 @@ def specs(draw, dtypes=("float32",) * 4 + ("bfloat16",), params=("input", "froze
     layout = lhs
     n_layers = draw(st.integers(1, 6 if rank < 3 else 4))
     for _ in range(n_layers):
-        wrap = draw(st.sampled_from(["none"] * 5 + ["jit", "remat", "scan", "cond", "jitconv"]))
+        wrap = draw(st.sampled_from(["none"] * 5 + ["jit", "remat", "scan", "cond", "jitconv",
+                                                    "jitjit", "jitjitconv"]))
         cin = cur["C"]
         groups = draw(st.sampled_from([g for g in range(1, cin + 1) if cin % g == 0]))
         if wrap == "scan":
@@ -410,6 +413,9 @@ class _Builder:
             k, run, ch = branch
             if layer.wrap == "jitconv":        # the conv alone in a jitted helper
                 y = jax.jit(lambda h, k: lax.conv_general_dilated(h, k, **kw))(h, k())
+            elif layer.wrap == "jitjitconv":   # ... in a helper called by a jitted helper
+                conv = jax.jit(lambda h, k: lax.conv_general_dilated(h, k, **kw))
+                y = jax.jit(lambda h, k: conv(h, k))(h, k())
             else:
                 y = lax.conv_general_dilated(h, k(), **kw)
             z, layout, aux, outs = run(y, layer.out)
@@ -423,16 +429,17 @@ class _Builder:
             return a, layout, aux, outs
 
         def apply(h):
-            if layer.wrap in ("none", "jitconv"):
+            if layer.wrap in ("none", "jitconv", "jitjitconv"):
                 a, layout, aux, outs = one(h, branches[0])
                 return a, layout, aux, outs
-            if layer.wrap in ("jit", "remat"):
+            if layer.wrap in ("jit", "jitjit", "remat"):
                 box = {}
 
                 def inner(h):
                     a, box["layout"], aux, outs = one(h, branches[0])
                     return a, aux, outs
-                wrap = jax.jit if layer.wrap == "jit" else jax.checkpoint
+                wrap = {"jit": jax.jit, "remat": jax.checkpoint,
+                        "jitjit": lambda g: jax.jit(lambda h: jax.jit(g)(h))}[layer.wrap]
                 a, aux, outs = wrap(inner)(h)
                 return a, box["layout"], aux, list(outs)
             if layer.wrap == "cond":

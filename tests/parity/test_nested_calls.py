@@ -99,3 +99,22 @@ def test_fold_params_says_why_the_doubled_conv_is_not_written_back():
     (site,) = out.report.sites
     assert "not written back" in site.reason and "mul" in site.reason, str(out)
     assert _err(doubled(out.params, x), doubled(p, x)) == 0.0
+
+
+@pytest.mark.parametrize("f", [nested_jit, lambda p, x: jnp.tanh(_outer(x, p["k"]) + 1.0)],
+                         ids=["batchnorm", "bias-literal"])
+def test_a_nested_helper_is_one_site_and_leaves_no_function_behind(f):
+    """Found by the generated programs drawing a conv in a jit in a jit: once the outer call
+    was inlined, the inner function was still called — from the outer one, which nothing
+    called any more — so it stayed in the module and its conv was a second site ("value is
+    an output of the function @<lambda>_0") where the jaxpr path has one."""
+    p, x = _params()
+    text = jax.jit(f, keep_unused=True).lower(p, x).as_text()
+    jrep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(p, x))[1]
+    folded, srep = hlofold.fold_stablehlo(text, in_graph=True)
+    assert len(srep.sites) == len(jrep.sites) == 1, f"{srep}\n{jrep}"
+    assert srep.sites[0].status == jrep.sites[0].status, f"{srep}\n{jrep}"
+    if srep.num_folded:          # (inlined where it folds; a module it leaves is returned)
+        assert "func.func private" not in str(folded), str(folded)
+    got = hlofold.callable(folded)(*jax.tree.leaves(p), x)
+    assert _err(got, jax.jit(f)(p, x)) < TOL

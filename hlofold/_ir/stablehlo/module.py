@@ -151,7 +151,13 @@ def drop_uncalled_private(module, only=None) -> None:
     """Erase the private functions nothing refers to — no ``func.call``, no
     ``stablehlo.composite``'s ``decomposition``, no ``custom_call``'s
     ``called_computations``, anywhere (nested regions included); with ``only``, just those of
-    these names."""
+    these names. Repeated until none is left: a function called only from an erased one
+    (a ``jit`` in a ``jit`` whose outer call was inlined) is erased too."""
+    while _drop_uncalled_once(module, only):
+        pass
+
+
+def _drop_uncalled_once(module, only) -> bool:
     called = set()
 
     def calls_in(op):
@@ -167,6 +173,7 @@ def drop_uncalled_private(module, only=None) -> None:
                     calls_in(inner)
     for fop in module.body.operations:
         calls_in(fop)
+    erased = False
     for fop in list(module.body.operations):
         if op_name(fop) != "func.func" or "sym_visibility" not in fop.attributes or \
                 ir.StringAttr(fop.attributes["sym_visibility"]).value != "private":
@@ -174,6 +181,8 @@ def drop_uncalled_private(module, only=None) -> None:
         name = ir.StringAttr(fop.attributes["sym_name"]).value
         if name not in called and (only is None or name in only):
             fop.erase()
+            erased = True
+    return erased
 
 
 def parse_module(text_or_bytes):
