@@ -112,3 +112,40 @@ def test_fold_params_on_constrained_activations_with_plain_parameters():
     r = subprocess.run([sys.executable, "-c", _CONSTRAINED], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok constrained" in r.stdout, (r.stdout + r.stderr)[-4000:]
+
+
+@pytest.mark.slow   # generated: CI runs it in the slow tier
+@pytest.mark.parametrize("freeze", [0, ()])
+def test_generated_x64_toggles_between_calls(freeze):
+    """Random sequences of calls of one folded function with x64 turned on and off between
+    them, NumPy float64/float32 or JAX inputs, the same or fresh parameter objects: every
+    answer has ``jax.jit``'s dtype and values, and afterwards plain ``jax.jit`` runs every
+    array the sequence used under either setting (nothing left behind)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    f, p0, x0 = _case(2)
+    step = st.tuples(st.booleans(), st.sampled_from(["np64", "np32", "jax"]), st.booleans())
+
+    @hypothesis.settings(max_examples=12, deadline=None)
+    @hypothesis.given(st.lists(step, min_size=2, max_size=5))
+    def run(calls):
+        folded, used = hlofold.fold(f, freeze=freeze), []
+        same = {}                  # per kind, the parameter objects passed again
+        for on, kind, fresh in calls:
+            with x64(on):
+                conv = {"np64": lambda a: np.asarray(a, np.float64),
+                        "np32": lambda a: np.asarray(a, np.float32),
+                        "jax": jax.numpy.asarray}[kind]
+                p = {k: conv(v) for k, v in p0.items()}
+                p = p if fresh or kind == "jax" else same.setdefault(kind, p)
+                x = conv(x0)
+                used.append((p, x))
+                got, want = folded(p, x), jax.jit(f)(p, x)
+                assert got.dtype == want.dtype, (calls, got.dtype, want.dtype)
+                np.testing.assert_allclose(np.asarray(got, np.float64),
+                                           np.asarray(want, np.float64), rtol=1e-5, atol=1e-5)
+        for on in (False, True):
+            with x64(on):
+                for p, x in used:
+                    jax.block_until_ready(jax.jit(f)(p, x))   # (raised after the bug)
+    run()
