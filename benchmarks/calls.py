@@ -30,6 +30,7 @@ doing nothing's median from the same run. The machine is stamped in the output
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -349,11 +350,6 @@ def to_markdown(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-def _have(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -380,7 +376,8 @@ def main(argv=None) -> int:
         ["tiny-flax"] if q else ["flax-resnet50", "haiku-resnet50"])
     res["first_call"] = first_calls(nets, [32] if q else [64, 224], 2 if q else 5, log) \
         if "first" in parts else []
-    if "first" in parts and not q and not a.first_nets and _have("flaxmodels"):
+    if "first" in parts and not q and not a.first_nets and \
+            importlib.util.find_spec("flaxmodels") is not None:
         res["first_call"] += first_calls(["flaxmodels-resnet18"], [64], 7, log)
     res["under_jit"] = under_jit(
         ["tiny-flax"] if q else ["flax-resnet18", "flax-resnet50", "flax-mobilenetv2",

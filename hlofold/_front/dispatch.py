@@ -220,19 +220,17 @@ def _getter(idx: Sequence[int]) -> Callable:
     return operator.itemgetter(*idx) if idx else (lambda l: ())
 
 
-class _Gone:
-    pass
-
-
-_DEAD = weakref.ref(_Gone())         # refers to nothing: that leaf's type is compared
-
-
-def _weak(x) -> weakref.ref:
-    """A weak reference to a per-call input: the fast path keeps no input alive."""
+def _weak(x) -> Callable:
+    """A weak reference to a per-call input (the fast path keeps no input alive); for an
+    input that takes none, one to nothing: its type is compared on every call."""
     try:
         return weakref.ref(x)
     except TypeError:
-        return _DEAD
+        return _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 _call = getattr(operator, "call", None) or (lambda f: f())   # (3.11+: in C)

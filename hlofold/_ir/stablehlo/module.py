@@ -150,17 +150,11 @@ def entering_value(arg, calls):
 def drop_uncalled_private(module, only=None) -> None:
     """Erase the private functions nothing refers to — no ``func.call``, no
     ``stablehlo.composite``'s ``decomposition``, no ``custom_call``'s
-    ``called_computations``, anywhere (nested regions included); with ``only``, just those of
-    these names. Repeated until none is left: a function called only from an erased one
-    (a ``jit`` in a ``jit`` whose outer call was inlined) is erased too."""
-    while _drop_uncalled_once(module, only):
-        pass
-
-
-def _drop_uncalled_once(module, only) -> bool:
-    called = set()
-
-    def calls_in(op):
+    ``called_computations``, anywhere (nested regions included) in what is kept; with
+    ``only``, just those of these names. Read as reachability from what stays, in one walk:
+    a function called only from an erased one (a ``jit`` in a ``jit`` whose outer call was
+    inlined) is erased too."""
+    def refs_in(op, out: set) -> set:
         for region in op.regions:
             for block in region.blocks:
                 for inner in block.operations:
@@ -169,20 +163,29 @@ def _drop_uncalled_once(module, only) -> bool:
                         if key in attrs:
                             a = attrs[key]
                             refs = list(ir.ArrayAttr(a)) if isinstance(a, ir.ArrayAttr) else [a]
-                            called.update(ir.FlatSymbolRefAttr(r).value for r in refs)
-                    calls_in(inner)
-    for fop in module.body.operations:
-        calls_in(fop)
-    erased = False
-    for fop in list(module.body.operations):
-        if op_name(fop) != "func.func" or "sym_visibility" not in fop.attributes or \
-                ir.StringAttr(fop.attributes["sym_visibility"]).value != "private":
-            continue
-        name = ir.StringAttr(fop.attributes["sym_name"]).value
-        if name not in called and (only is None or name in only):
-            fop.erase()
-            erased = True
-    return erased
+                            out.update(ir.FlatSymbolRefAttr(r).value for r in refs)
+                    refs_in(inner, out)
+        return out
+
+    droppable, refs, todo = {}, {}, []
+    for i, op in enumerate(module.body.operations):
+        private = op_name(op) == "func.func" and "sym_visibility" in op.attributes and \
+            ir.StringAttr(op.attributes["sym_visibility"]).value == "private"
+        name = ir.StringAttr(op.attributes["sym_name"]).value if private else i
+        if private and (only is None or name in only):
+            droppable[name] = op
+        else:
+            todo.append(name)             # kept whatever refers to it: what it refers to too
+        refs[name] = refs_in(op, set())
+    reached = set(todo)
+    while todo:
+        for r in refs.get(todo.pop(), ()):
+            if r not in reached:
+                reached.add(r)
+                todo.append(r)
+    for name, op in droppable.items():
+        if name not in reached:
+            op.erase()
 
 
 def parse_module(text_or_bytes):
