@@ -44,6 +44,7 @@ def test_fold_text_with_report_and_verify(tmp_path):
         out, rep}                                        # no temporary files left
 
 
+@pytest.mark.slow
 def test_fold_export_artifact_and_call(tmp_path):
     p = examples.init_resnet(10, width=8)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), jnp.float32)
@@ -60,6 +61,7 @@ def test_fold_export_artifact_and_call(tmp_path):
     assert json.loads((tmp_path / "v.json").read_text())["passed"]
 
 
+@pytest.mark.slow
 def test_verify_with_inputs_and_a_wrong_module(tmp_path):
     src = os.path.join(DATA, "conv_bn_inference_nhwc_args.mlir")
     good = tmp_path / "good.mlir"

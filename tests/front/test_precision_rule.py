@@ -98,6 +98,7 @@ def test_the_stablehlo_path_measures_the_same_precision():
     assert rep.num_folded > 0 and vrep.passed
 
 
+@pytest.mark.slow
 def test_freeze_and_host_prepare_keep_jits_output_sharding():
     """Item 4 (and issue 50 item 9: β sharded otherwise than γ, μ, σ²): parameters sharded
     over both axes of a 4 × 2 mesh; every folded call's output has jax.jit's sharding (24

@@ -74,11 +74,8 @@ def conv_bn_pairs(model) -> dict[str, str]:
     return pairs
 
 
-SLOW = {"DenseNet121", "InceptionV3", "EfficientNetV2B0", "MobileNetV3Small", "ResNet50V2"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in MODELS])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
 def test_keras_application(name):
     size = MODELS[name]
     model = build(name, size)

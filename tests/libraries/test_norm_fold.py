@@ -179,6 +179,7 @@ def check_keras_mlp(inp, x, norm):
 
 # ---------------------------------------------------------------- decoder stacks, by hand
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", ["llama", "gemma"])
 def test_decoder_stack(spelling):
     f, p = decoder(spelling)

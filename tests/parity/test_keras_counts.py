@@ -113,6 +113,7 @@ def decisions(report):
                                 else None) for s in report.sites)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [llama, mbconv, vit], ids=lambda m: m.__name__)
 def test_keras_hub_style_blocks_count_alike_on_both_paths(make):
     f, x, layers, norms = make()

@@ -47,6 +47,7 @@ def net(request):
     return request.param, apply, v, x, jax.jit(apply)(v, x)
 
 
+@pytest.mark.slow
 def test_every_jaxpr_entry_point_runs_the_deploy_form(net):
     kind, apply, v, x, ref = net
     want = repmodels.deploy_convs(kind, 4)
@@ -85,6 +86,7 @@ def test_merge_records_say_what_merged_and_where(net):
     assert "branch sums merged" in str(rep)
 
 
+@pytest.mark.slow
 def test_merge_false_keeps_the_branches_on_every_path(net, tmp_path):
     """``merge=False`` (``fold``, ``fold_jaxpr``, ``fold_stablehlo``, ``--no-merge``): each
     branch's BN folds, no branch merges, the train-time convolutions stay."""

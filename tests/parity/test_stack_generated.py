@@ -107,6 +107,7 @@ def check_every_entry_point(spec: StackSpec, tmp_path) -> None:
     check("CLI", ref, module_callable(open(out).read())(x, *given))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", FIXED, ids=lambda s: (
     f"{s.form}-L{s.layers}{'-rev' if s.reverse else ''}-s{s.start}by{s.step}-{s.body}"))
 def test_fixed_stacks_fold_alike_on_every_entry_point(spec, tmp_path):

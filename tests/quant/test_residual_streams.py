@@ -86,6 +86,7 @@ def _resnet(relu_after=True, project=True, tail=None):
     return m.apply, spread_bn(m.init(jax.random.key(3), IMG))
 
 
+@pytest.mark.slow
 def test_flax_resnet_stages_equalize_as_one_on_both_paths():
     fn, v = _resnet()
     # conv1_i -> conv2_i (3 pairs); the stem's stream (stem, conv2_0, conv2_1 writing; conv1_0,
@@ -265,6 +266,7 @@ def test_sweeps_stopped_before_the_scales_settle_are_said_on_both_paths(monkeypa
             == {False}
 
 
+@pytest.mark.slow
 def test_fold_params_equalizes_streams_from_eight_threads_as_from_one():
     """``fold_params(..., equalize=True)`` called from several threads at once (one model
     function shared, as a server shares it): each gets the single-threaded streams and the
@@ -288,6 +290,7 @@ def test_fold_params_equalizes_streams_from_eight_threads_as_from_one():
         assert all(np.array_equal(a, b) for a, b in zip(leaves, want[k][2]))
 
 
+@pytest.mark.slow
 def test_efficientnet_b0_exported_by_pytorch_xla_equalizes_its_streams():
     """A real exporter's module (torchvision's EfficientNet-B0 through PyTorch/XLA, weights
     as arguments, ``batch_norm_inference``): the MBConv blocks' skip adds make 5 streams (the

@@ -104,6 +104,7 @@ def deep_chain(x, k, g):
     return y
 
 
+@pytest.mark.slow
 def test_a_chain_thousands_of_ops_deep_folds_on_both_paths():
     x = jnp.ones((1, 4, 4, 2))
     k = jnp.asarray([[[[0.5, -0.25, 1.0], [0.125, 0.75, -0.5]]]], jnp.float32)
@@ -140,6 +141,7 @@ def _folded(rep, pattern: str) -> int:
     return sum(s.status == "folded" and s.pattern == pattern for s in rep.sites)
 
 
+@pytest.mark.slow
 def test_efficientnet_from_torch_xla_folds_with_params_and_split():
     text, names, weights, x, y_torch = effnet()
     n_bn = text.count("\"stablehlo.batch_norm_inference\"(")

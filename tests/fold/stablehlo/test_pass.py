@@ -56,7 +56,9 @@ def test_every_testdata_file_has_expectations():
     assert {os.path.basename(f) for f in FILES} == set(EXPECTED)
 
 
-@pytest.mark.parametrize("path", FILES, ids=os.path.basename)
+# the networks PyTorch/XLA exported (tens of layers): the slow tier
+@pytest.mark.parametrize("path", [pytest.param(f, marks=pytest.mark.slow) if "torch_xla" in f
+                                  else f for f in FILES], ids=os.path.basename)
 def test_filecheck_and_numerics(path):
     text = open(path).read()
     folded, report = hlofold.fold_stablehlo(text, in_graph=True)  # argument weights included

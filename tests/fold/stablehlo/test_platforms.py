@@ -28,6 +28,7 @@ def _err(ref, out) -> float:
     return float(jnp.max(jnp.abs(ref - out)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platforms", PLATFORMS, ids="+".join)
 def test_multi_platform_export_folds_as_one_platform(platforms):
     f, P, leaves, x = _resnet()

@@ -122,6 +122,7 @@ def _cli(*args):
                           text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_cli_params(tmp_path):
     w, x = tmp_path / "w.npz", tmp_path / "x.npz"
     np.savez(w, **TF_WEIGHTS)
@@ -218,6 +219,7 @@ def test_split_usage_errors(tmp_path):
     assert not out.exists() and not prep.exists()
 
 
+@pytest.mark.slow
 def test_cli_prepare_module(tmp_path):
     out, prep = tmp_path / "apply.mlir", tmp_path / "prepare.mlir"
     r = _cli("fold", TF_MODULE, "-o", str(out), "--prepare", str(prep), "--per-call", "arg0",

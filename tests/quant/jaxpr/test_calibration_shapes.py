@@ -38,6 +38,7 @@ def test_calibration_of_other_batches_and_lengths(alpha):
     _same_trees(out.params, at.params)
 
 
+@pytest.mark.slow
 def test_a_scanned_stack_calibrated_at_other_lengths():
     g, sp, _, _, x, calib, per_layer = scanned_decoder_program(0, 3, False, 1)
     c = np.asarray(calib[0])

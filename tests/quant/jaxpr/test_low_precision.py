@@ -61,8 +61,8 @@ def test_bfloat16_decoder_rewritten_bit_for_bit(rewrite):
     assert changed >= 2
 
 
-@pytest.mark.parametrize("seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow)
-                                          for s in range(2, 5))])
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
 def test_bfloat16_scanned_stack_bit_for_bit(seed):
     """A generated decoder layer scanned 3 deep, all in bfloat16: each layer's pairs with
     scales of powers of two, the outputs those of the fold alone. (Seeds 1 and 4, reversed,

@@ -131,6 +131,7 @@ def test_a_rotation_keeping_the_ones_is_orthogonal_and_commutes_with_centering(d
         np.testing.assert_allclose(x @ plain, x @ plain.dense(), atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lib", ["flax", "haiku", "equinox", "keras"])
 @pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
 def test_library_decoders_rotate(lib, norm):

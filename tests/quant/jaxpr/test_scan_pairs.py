@@ -36,8 +36,8 @@ def _rows_match(stacked, per_layer, order=None):
             np.testing.assert_allclose(a, np.asarray(b), rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("seed", [*range(4), *(pytest.param(s, marks=pytest.mark.slow)
-                                                for s in range(4, 12))])
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
 def test_generated_scanned_decoders(seed):
     """Random decoder layers (decoder_program's: readers, heads, multi-head v/o, β, ops that
     stop a path) stacked 1–3 deep, forward or reversed, unrolled by 1, 2 or whole: smoothing

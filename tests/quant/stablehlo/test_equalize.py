@@ -144,6 +144,7 @@ def test_constants_in_the_module_and_the_cli(tmp_path):
         hlofold.fold_stablehlo(exp.mlir_module(), split=["arg0"], equalize=True)
 
 
+@pytest.mark.slow
 def test_timm_repvgg_from_pytorch_xla_equalizes_its_merged_chain():
     """RepVGG at inference is a plain chain conv → ReLU → conv: after the merge, every
     block pairs with the next one (the last with the head through the global pool)."""

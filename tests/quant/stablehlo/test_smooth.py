@@ -206,6 +206,7 @@ def _cli_case(tmp_path):
     return run, g, leaves, x, calib, (out, c, prep)
 
 
+@pytest.mark.slow
 def test_the_cli_smooths_with_calibration_inputs(tmp_path):
     from hlofold._ir.stablehlo.artifacts import module_callable
     run, g, leaves, x, calib, (out, c, prep) = _cli_case(tmp_path)
@@ -243,6 +244,7 @@ def _scale_ranges_match(rep, want, unroll: int = 1):
     return got
 
 
+@pytest.mark.slow
 def test_builtin_scanned_decoder_smooths_each_layer_as_on_the_jaxpr_path():
     """The built-in decoder as one scan over stacked layers (a counted ``while`` on
     StableHLO): each layer smoothed with its own scales from its own activations — the
@@ -268,6 +270,7 @@ def test_builtin_scanned_decoder_smooths_each_layer_as_on_the_jaxpr_path():
                    for a in prep), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [*range(2), *(pytest.param(s, marks=pytest.mark.slow)
                                                 for s in range(2, 8))])
 def test_generated_scanned_stacks_smooth_per_layer_as_on_the_jaxpr_path(seed):
@@ -375,6 +378,7 @@ def test_searched_alpha_is_the_jaxpr_paths():
     assert sorted(map(key, got)) == sorted(map(key, mine)), (str(rep), str(want))
 
 
+@pytest.mark.slow
 def test_the_cli_searches_alpha(tmp_path):
     run, *_, (out, c, _) = _cli_case(tmp_path)
     proc = run("--smooth", str(c), "--alpha", "search:w4a8")
