@@ -263,6 +263,21 @@ def test_generated_chains(seed):
     assert len(out.equalized) + len(out.not_equalized) >= len(spec[0]), (spec, str(out))
 
 
+
+@pytest.mark.parametrize("seed", range(12))
+def test_generated_chains_from_degenerate_example_inputs(seed):
+    """Issue 68 item 2 over the generated chains: example inputs of zeros or one constant
+    (which every tree passes on them) — the pairs the chain has, and the outputs on fresh
+    inputs within 1e-5: the rewrite's check ran on random inputs of the example's shapes
+    too."""
+    from tests.helpers.pair_programs import program
+    fn, p, x, expected, spec = program(seed)
+    example = jnp.zeros_like(x) if seed % 2 else jnp.full_like(x, 0.5)
+    out = hlofold.fold_params(fn, p, example, equalize=True)
+    assert len(out.equalized) == expected, (spec, str(out))
+    for r, o in zip(jax.tree.leaves(fn(p, x)), jax.tree.leaves(fn(out.params, x))):
+        assert rel(r, o) <= EXACT, rel(r, o)
+
 def test_layers_in_jitted_helpers_pair():
     """Layers inside ``@jax.jit`` helpers (one per layer, as hand-written code has) pair
     with each other as if written inline."""

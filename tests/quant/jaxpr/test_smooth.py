@@ -116,6 +116,19 @@ def test_generated_decoders(seed):
     smoothed(fn, p, (x,), calib, pairs=expected)
 
 
+
+@pytest.mark.parametrize("seed", range(8))
+def test_generated_decoders_from_degenerate_example_inputs(seed):
+    """Issue 68 item 2 over the generated decoders: the example inputs zeros, calibrated on
+    real activations — the pairs of the layer, the outputs on fresh inputs within 1e-5 (the
+    check ran on random inputs of the example's shapes, not only on the zeros)."""
+    from tests.helpers.pair_programs import decoder_program
+    fn, p, x, calib, expected = decoder_program(seed)
+    out = hlofold.fold_params(fn, p, jnp.zeros_like(x), smooth=calib)
+    assert len(out.equalized) == expected, str(out)
+    ref, got = np.asarray(fn(p, x), np.float64), np.asarray(fn(out.params, x), np.float64)
+    assert np.max(np.abs(ref - got)) <= 1e-5 * max(1.0, np.max(np.abs(ref))), str(out)
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_multi_head_kernels(bias):
     """Flax DenseGeneral q/k/v with (d, heads, head_dim) kernels read a norm: their input
