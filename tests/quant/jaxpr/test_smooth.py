@@ -129,6 +129,25 @@ def test_generated_decoders_from_degenerate_example_inputs(seed):
     ref, got = np.asarray(fn(p, x), np.float64), np.asarray(fn(out.params, x), np.float64)
     assert np.max(np.abs(ref - got)) <= 1e-5 * max(1.0, np.max(np.abs(ref))), str(out)
 
+
+@pytest.mark.parametrize("seed", range(8))
+def test_generated_decoders_calibrated_at_other_shapes(seed):
+    """Issue 68 item 4 over the generated decoders: calibration inputs of batches 1–3 and
+    lengths 2–8, none the example's — the layer's pairs, exact outputs, and each record's
+    scales those of the same rows given one at a time (each calibrated at its own shape)."""
+    from tests.helpers.pair_programs import decoder_program
+    fn, p, x, calib, expected = decoder_program(seed)
+    rng = np.random.default_rng(seed)
+    shaped = [jnp.asarray(np.resize(np.asarray(c), (int(rng.integers(1, 4)),
+                                                     int(rng.integers(2, 9)), c.shape[-1])))
+              for c in calib]
+    out = smoothed(fn, p, (x,), shaped, pairs=expected)
+    rows = hlofold.fold_params(fn, p, x, smooth=[c[i:i + 1] for c in shaped
+                                                  for i in range(c.shape[0])])
+    assert [e.first for e in rows.equalized] == [e.first for e in out.equalized]
+    np.testing.assert_allclose([e.scale_range for e in rows.equalized],
+                               [e.scale_range for e in out.equalized], rtol=1e-6)
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_multi_head_kernels(bias):
     """Flax DenseGeneral q/k/v with (d, heads, head_dim) kernels read a norm: their input
