@@ -54,8 +54,11 @@ def apply_op(name, x, p, key):
     raise ValueError(name)
 
 
-def program(seed: int):
-    """A random chain and the number of pairs equalization must find in it."""
+def program(seed: int, rounding: bool = False):
+    """A random chain and the number of pairs equalization must find in it; with
+    ``rounding``, an activation rounded to bfloat16 between two layers as well
+    (``lax.reduce_precision`` or a cast there and back: a pair through it rescales by powers
+    of two), drawn after the rest (the chain as without it)."""
     rng = np.random.default_rng(seed)
     c, layers, p = 3, [], {}
     n = int(rng.integers(2, 5))
@@ -90,15 +93,25 @@ def program(seed: int):
     if shared:
         expected -= (not stops[-1]) + (n > 1 and not stops[-2])
 
+    x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)), jnp.float32)
+    where = None                         # (layer, position among its ops, spelling)
+    if rounding:
+        i = int(rng.integers(0, n))
+        where = (i, int(rng.integers(0, len(layers[i][1]) + 1)),
+                 str(rng.choice(["reduce_precision", "astype"])))
+
     def fn(params, x):
         for i, (groups, ops) in enumerate(layers):
             x = _conv(x, params[f"k{i}"], groups)
-            for j, name in enumerate(ops):
-                x = apply_op(name, x, params, f"o{i}_{j}")
+            for j, name in enumerate([*ops, None]):
+                if where is not None and where[:2] == (i, j):
+                    x = (lax.reduce_precision(x, 8, 7) if where[2] == "reduce_precision"
+                         else x.astype(jnp.bfloat16).astype(jnp.float32))
+                if name is not None:
+                    x = apply_op(name, x, params, f"o{i}_{j}")
         y = x.mean((1, 2)) @ params["head"]
         return (y, params[f"k{n - 1}"].sum()) if shared else y
-
-    x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)), jnp.float32)
+    fn.rounding = where
     return fn, p, x, expected, (layers, shared)
 
 

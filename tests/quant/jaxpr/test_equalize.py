@@ -264,6 +264,27 @@ def test_generated_chains(seed):
 
 
 
+
+@pytest.mark.parametrize("seed", range(16))
+def test_generated_chains_with_an_activation_rounded_to_bfloat16(seed):
+    """Issue 68 item 1 over the generated chains: an activation rounded to bfloat16
+    (``reduce_precision`` or ``astype`` there and back) somewhere in the chain — the pairs of
+    the chain without it, the pair through the rounding scaled by powers of two only, and
+    the outputs on the example and on fresh inputs within 1e-5."""
+    from tests.helpers.pair_programs import program
+    fn, p, x, expected, spec = program(seed, rounding=True)
+    out = equalized(fn, p, x, pairs=expected)
+    fresh = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x.shape), x.dtype)
+    for r, o in zip(jax.tree.leaves(fn(p, fresh)), jax.tree.leaves(fn(out.params, fresh))):
+        assert rel(r, o) <= EXACT, (fn.rounding, rel(r, o))
+    from tests.helpers.pair_programs import STOP
+    layer = fn.rounding[0]
+    through = [e for e in out.equalized if e.first == f"['k{layer}']"]
+    assert all(e.powers_of_two for e in through), (fn.rounding, str(out))
+    layers, shared = spec
+    if not (shared or any(o in STOP for o in layers[layer][1])):
+        assert through, (fn.rounding, str(out))          # the pair through the rounding
+
 @pytest.mark.parametrize("seed", range(12))
 def test_generated_chains_from_degenerate_example_inputs(seed):
     """Issue 68 item 2 over the generated chains: example inputs of zeros or one constant

@@ -102,6 +102,24 @@ def test_generated_chains_pair_as_on_the_jaxpr_path(seed):
         assert len(rep.equalized) == expected, (layers, str(rep))
 
 
+
+@pytest.mark.parametrize("seed", range(16))
+def test_generated_chains_with_an_activation_rounded_to_bfloat16_as_on_the_jaxpr_path(seed):
+    """The jaxpr path's chains with an activation rounded to bfloat16 (``reduce_precision``
+    or a cast there and back: ``stablehlo.reduce_precision`` / two converts) exported with
+    their weights as arguments: the pairs of the jaxpr path (but for the folded constants
+    above), the one through the rounding by powers of two, outputs within 1e-5."""
+    fn, p, x, expected, (layers, shared) = program(seed, rounding=True)
+    _, rep, _, _ = _equalized(fn, p, x)
+    more = sum("add_const" in ops for _, ops in layers)
+    if shared or more:
+        assert expected <= len(rep.equalized) <= expected + more + 2 * shared, str(rep)
+    else:
+        assert len(rep.equalized) == expected, (fn.rounding, str(rep))
+    want = hlofold.fold_params(fn, p, x, equalize=True)
+    assert sum(e.powers_of_two for e in rep.equalized) >= \
+        sum(e.powers_of_two for e in want.equalized), (fn.rounding, str(rep), str(want))
+
 @pytest.mark.parametrize("act, why", [
     (lambda x: jax.nn.relu6(x), "not positively homogeneous"),
     (jnp.tanh, "stablehlo.tanh on the way is not positively homogeneous"),
