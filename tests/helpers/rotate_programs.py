@@ -130,6 +130,10 @@ BREAKING = {
     "token_sum": ("a sum over tokens", "over other axes than its channels"),
     "scan_ys": ("the stream a scan's per-layer output", "a scan's output other than its carry"),
     "scan_xs": ("the stream scanned over", "other than as its carry"),
+    "rounded": ("the stream rounded to bfloat16's mantissa (reduce_precision)",
+                "rounded to 7 mantissa bits (reduce_precision)"),
+    "stored_bf16": ("the stream stored in bfloat16 (astype there and back)",
+                    "rounded to bfloat16"),
 }
 
 
@@ -159,6 +163,10 @@ def breaking(seed: int, what: str):
             x = x + ys.sum(0)
         elif what == "scan_xs":
             x = x + lax.scan(lambda c, xt: (c, xt @ p["w"]), 0.0, x)[1]
+        elif what == "rounded":
+            x = lax.reduce_precision(x + x @ p["w"], exponent_bits=8, mantissa_bits=7)
+        elif what == "stored_bf16":
+            x = (x + x @ p["w"]).astype(jnp.bfloat16).astype(jnp.float32)
         y = norm("rms_plain", x, p["g"], None) @ p["head"] + p["head_b"]
         if what == "shared_reader":
             y = y + jnp.tanh(p["head"]).sum()

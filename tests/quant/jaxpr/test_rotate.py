@@ -169,7 +169,8 @@ def test_generated_decoders_rotate_exactly(seed):
 
 
 @pytest.mark.parametrize("what", ["max_centered", "channel_shift", "shared_reader",
-                                  "per_channel_mul", "token_sum", "scan_ys", "scan_xs"])
+                                  "per_channel_mul", "token_sum", "scan_ys", "scan_xs",
+                                  "rounded", "stored_bf16"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_what_does_not_commute_with_q_is_refused(what, seed):
     from tests.helpers.rotate_programs import breaking
