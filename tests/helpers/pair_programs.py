@@ -54,11 +54,12 @@ def apply_op(name, x, p, key):
     raise ValueError(name)
 
 
-def program(seed: int, rounding: bool = False):
+def program(seed: int, rounding: bool = False, constrain=None):
     """A random chain and the number of pairs equalization must find in it; with
     ``rounding``, an activation rounded to bfloat16 between two layers as well
     (``lax.reduce_precision`` or a cast there and back: a pair through it rescales by powers
-    of two), drawn after the rest (the chain as without it)."""
+    of two), drawn after the rest (the chain as without it); ``constrain`` (a function of an
+    activation, e.g. a sharding constraint) is applied to each layer's output."""
     rng = np.random.default_rng(seed)
     c, layers, p = 3, [], {}
     n = int(rng.integers(2, 5))
@@ -103,6 +104,7 @@ def program(seed: int, rounding: bool = False):
     def fn(params, x):
         for i, (groups, ops) in enumerate(layers):
             x = _conv(x, params[f"k{i}"], groups)
+            x = x if constrain is None else constrain(x)
             for j, name in enumerate([*ops, None]):
                 if where is not None and where[:2] == (i, j):
                     x = (lax.reduce_precision(x, 8, 7) if where[2] == "reduce_precision"
