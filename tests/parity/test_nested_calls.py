@@ -118,3 +118,45 @@ def test_a_nested_helper_is_one_site_and_leaves_no_function_behind(f):
         assert "func.func private" not in str(folded), str(folded)
     got = hlofold.callable(folded)(*jax.tree.leaves(p), x)
     assert _err(got, jax.jit(f)(p, x)) < TOL
+
+
+@jax.jit
+def _block(x, k, g, b, m, v):
+    y = _conv(x, k)
+    return jax.nn.relu((y - m) * lax.rsqrt(v + 1e-3) * g + b)
+
+
+def _block_twice(p, x):        # one kernel, two BatchNorms: a block helper called per layer
+    y = _block(x, p["k"], p["g1"], p["b1"], p["m1"], p["v1"])
+    return _block(y, p["k"], p["g2"], p["b2"], p["m2"], p["v2"])
+
+
+@pytest.mark.parametrize("twice", [True, False], ids=["called-twice", "called-once"])
+def test_split_prepares_the_weights_of_a_layer_in_a_helper(twice):
+    """Issue 68, item 11: ``split=`` of a jit helper's layer (called per layer with a shared
+    kernel, or once). Its folded kernel and bias were made inside the helper, from the
+    helper's arguments — on every call of apply, which still took every BatchNorm leaf, and
+    the report counted one site for two layers. Now each call's weights are prepared once:
+    both sites folded (as ``fold(f)``), apply holds no weight product and takes the input and
+    what prepare made, its outputs those of the module given."""
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    p = {"k": w(3, 3, C, C), **{f"{n}{i}": w(C) for n in "gbm" for i in (1, 2)},
+         "v1": jnp.abs(w(C)) + .5, "v2": jnp.abs(w(C)) + .5}
+    f = _block_twice if twice else (lambda p, x: _block(x, p["k"], p["g1"], p["b1"], p["m1"],
+                                                         p["v1"]))
+    if not twice:
+        p = {k: v for k, v in p.items() if not k.endswith("2")}
+    x = w(2, 6, 6, C)
+    text = jax.jit(f).lower(p, x).as_text()
+    leaves = jax.tree.leaves(p)
+    apply, rep, prepare = hlofold.fold_stablehlo(text, split=[f"arg{len(leaves)}"])
+    layers = 2 if twice else 1
+    assert rep.num_folded == layers == hlofold.fold(f).report(p, x).num_folded, str(rep)
+    *prepared, ok = hlofold.callable(prepare)(*leaves)
+    assert bool(ok) and len(prepared) == 2 * layers            # a kernel and a bias each
+    assert "stablehlo.multiply" not in apply and "rsqrt" not in apply
+    got = hlofold.callable(apply)(x, *prepared)
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(p, x)), rtol=TOL,
+                               atol=TOL)

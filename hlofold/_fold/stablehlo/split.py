@@ -27,6 +27,7 @@ from hlofold._base.report import FoldReport
 from hlofold._ir.stablehlo.build import PREPARED, all_finite, marked, unmark
 from hlofold._ir.stablehlo.ir import StableHLOError, location, op_name, reads
 from hlofold._ir.stablehlo.module import drop_uncalled_private, main_function, parse_module
+from .calls import inline_layer_calls
 from .fold import fold_module
 from hlofold._ir.stablehlo.shardings import (argument_shardings, from_arguments,
                                              set_argument_shardings, set_result_shardings)
@@ -53,6 +54,11 @@ def split_module(text_or_bytes, per_call: Sequence[Any],
         if not calls or calls[-1] >= n:
             raise StableHLOError(f"per-call arguments {calls}: @main takes {n} arguments "
                                  f"(arg0 .. arg{n - 1}); name at least one of them")
+        # a layer in a private function (a jit helper, called once or per layer): its
+        # folded weights made where @main calls it, where prepare can take them (in the
+        # callee they were computed from its arguments on every call of apply)
+        if inline_layer_calls(module):
+            drop_uncalled_private(module)
         report = fold_module(module, in_graph=True, guard=False, merge=merge)
         kinds, crossing, moved = _classify(main_function(module), set(calls))
         _check_prepared(main_function(module), kinds, calls)
