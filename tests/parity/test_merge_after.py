@@ -9,6 +9,8 @@ on both paths.
   term that is no branch, a branch left out), the affine stays, and the outputs are right.
 * PyTorch/XLA's ``BatchNorm1d → Linear`` head (``batch_norm_inference`` in front of a
   ``dot_general``, weights as arguments): folded forward into the Linear on StableHLO.
+* ``x + branches(x)`` where ``x`` is a layer's output (RepViT's first block): ``x`` is the
+  identity branch, on both paths.
 * ``split=`` of a module whose identity branch is a ``batch_norm_inference`` (timm's
   RepVGG/MobileOne from PyTorch/XLA): the merged bias keeps that BatchNorm's shift (before,
   it was dropped: 2 % off on RepVGG-A0).
@@ -146,6 +148,50 @@ def test_an_affine_after_a_sum_not_merged_whole_stays_on_both_paths(extra):
     got, srep = hlofold.fold_stablehlo(jax.export.export(jax.jit(lambda x: apply(v, x)))(x))
     assert srep.merged and all(AFTER not in s.absorbed for s in srep.merged), srep
     assert_close(ref, got.call(x), depth=4)
+
+
+class StemBlock(nn.Module):
+    """RepViT's first token mixer (timm ``RepVggDw``): its input is the stem's conv +
+    BatchNorm, so the sum's identity term ``x`` is itself a layer's output; ``then``: a
+    residual ``y + bn(conv1x1(y))`` after it, whose identity is the merged block's output."""
+    then: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=True)(
+            nn.Conv(8, (3, 3), strides=2, use_bias=False)(x))
+        y = Block()(x)
+        if self.then:
+            y = y + nn.BatchNorm(use_running_average=True)(
+                nn.Conv(8, (1, 1), use_bias=False)(y))
+        return y
+
+
+@pytest.mark.parametrize("then", [False, True], ids=["block", "then-residual"])
+def test_the_identity_of_a_sum_whose_input_is_a_layers_output_merges_on_both_paths(then):
+    """``x + branches(x)`` with ``x = bn(conv(x'))``: ``x`` is the identity branch, not a
+    branch of ``x'`` (before, on both paths, the identity and the BatchNorm after the sum
+    were left — timm's RepViT kept one BatchNorm its deploy form does not have)."""
+    m = StemBlock(then=then)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 14, 14, 3)), jnp.float32)
+    v = _trained(m.init(jax.random.key(0), x), np.random.default_rng(2))
+    ref = jax.jit(m.apply)(v, x)
+    block = ["3×3 conv g8", "1×1 conv g8", "identity", AFTER]
+    want = [block] + ([["identity", "1×1 conv"]] if then else [])
+    for f in (hlofold.fold(m.apply), hlofold.fold(m.apply, freeze=0)):
+        assert_close(ref, f(v, x), depth=6)
+        rep = f.report(v, x)
+        assert [s.absorbed for s in rep.merged] == want, rep
+        assert not [s for s in rep.sites if s.status == "not-reached"], rep
+        prims = _prims(f.jaxpr(v, x))
+        assert prims.count("conv_general_dilated") == 2 + then, prims
+        assert not {"mul", "sub", "rsqrt", "div"} & set(prims), prims
+    got, srep = hlofold.fold_stablehlo(jax.export.export(jax.jit(lambda x: m.apply(v, x)))(x))
+    assert sorted(s.absorbed for s in srep.merged) == sorted(want), srep
+    assert not [s for s in srep.sites if s.status == "not-reached"], srep
+    text = got.mlir_module()
+    assert _hlo_ops(text, "convolution") == 2 + then and _hlo_ops(text, "multiply") == 0
+    assert_close(ref, got.call(x), depth=6)
 
 
 _HEAD = """module {

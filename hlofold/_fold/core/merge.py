@@ -113,11 +113,21 @@ def group_leaves(leaves: Sequence["Leaf | None"], single) -> list[list[int]]:
     """The candidate merges of one sum: indices of ``leaves`` (None: not a branch) reading
     one input, with a convolution among them. On the way: a conv/pool whose value has other
     readers (``single(leaf)`` false) becomes "shared"; a 1×1 → k×k pair is read as one
-    branch where its input is another branch's; an identity on its own becomes "nonlinear"
-    where its other reading lands on another branch's input."""
+    branch where its input is another branch's; a term that is another branch's input
+    itself, where that input is a layer's output (``x + branches(x)``, ``x = bn(conv(x'))``),
+    is read as the identity, not as a branch of ``x'``; an identity on its own becomes
+    "nonlinear" where its other reading lands on another branch's input."""
     for lf in leaves:
         if lf is not None and lf.kind in ("conv", "pool") and not single(lf.leaf):
             lf.kind, lf.first = "shared", None
+    for lf in leaves:      # x itself, where x is a layer's output (RepViT's first block: the
+        if lf is None or lf.leaf == lf.x:            # stem's conv + BN, then x + branches(x))
+            continue
+        others = [o for o in leaves if o is not None and o is not lf]
+        if any(o.x == lf.leaf and o.kind != "identity" for o in others) and \
+                not any(o.x == lf.x for o in others):
+            lf.kind, lf.x, lf.base, lf.chain, lf.first, lf.alt = \
+                "identity", lf.leaf, None, [], None, None
     plain = [lf.x for lf in leaves if lf is not None and lf.first is None]
     for lf in leaves:
         if lf is not None and lf.first is not None and any(lf.first.x == x for x in plain):
