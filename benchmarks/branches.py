@@ -329,20 +329,34 @@ def settle(folded, *args, limit: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def fresh_grid_row(*row) -> dict:
+    """:func:`grid_row` in a fresh process (``--grid-row``): the row's model is the first
+    program there, as in a user's process (the option's choice is measured on it)."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.branches", "--grid-row",
+                        json.dumps(row)], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu",
+                            "PYTHONPATH": os.path.join(HERE, os.pardir)},
+                       cwd=os.path.join(HERE, os.pardir))
+    if p.returncode:
+        raise RuntimeError(p.stderr[-2000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def grid(rounds: int, rows: list, out: str, first: int = 0) -> dict:
     """``--grid``: :func:`grid_row` for each of ``rows``; written to
     ``branches_grid_cpu_jax<version>.{md,json}`` (one per JAX the grid ran on)."""
     import datetime
     res = {"when": datetime.date.today().isoformat(), "machine": machine_info(),
            "code": code_info(), "rounds": rounds, "rows": []}
-    for row in rows:
-        res["rows"].append(grid_row(*row, rounds, first=first))
+    for row in rows:        # each row in a fresh process: its model the process's first
+        res["rows"].append(fresh_grid_row(*row, rounds, first))       # (issue 69 item 10)
         print(res["rows"][-1], flush=True)
     fmt = lambda s: f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"   # noqa: E731
     L = [f"# Multi-branch stacks next to the deploy form a user writes ({res['when']})", "",
          machine_line(res["machine"]), "",
          f"`python -m benchmarks.branches --grid --rounds {rounds}`: a 4-block stack (16 input "
-         "channels, stride 1) of each kind, trained-looking BatchNorms. Every ratio is to "
+         "channels, stride 1) of each kind, trained-looking BatchNorms, each row in a fresh "
+         "process (its model the first program there). Every ratio is to "
          "**`jax.jit` of the hand-written deploy form with XLA's defaults** in the same round "
          "(median, min–max over rounds; rounds rotate which variant runs first). `fold`: "
          "`hlofold.fold(apply)(variables, x)` as shipped; `jit`: `jax.jit(apply)` of the "
@@ -380,7 +394,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--grid", action="store_true",
                     help="the option grid: stacks of each kind at many sizes, next to the "
                          "deploy form a user writes")
+    ap.add_argument("--grid-row", help=argparse.SUPPRESS)   # one row, in this process
     a = ap.parse_args(argv)
+    if a.grid_row:
+        kind, batch, size, width, rounds, first = json.loads(a.grid_row)
+        print(json.dumps(grid_row(kind, batch, size, width, rounds, first=first), default=str))
+        return {}
     if a.grid:
         return grid(2 if a.quick else a.rounds, QUICK_GRID if a.quick else GRID, a.out,
                     first=1 if a.quick else a.first_runs)

@@ -21,7 +21,10 @@
    analysis of both compiled programs;
 7. **transformer** — a 0.54 B Llama-style decoder under ``fold(f)`` vs ``jax.jit(f)``: first
    call (fresh processes), steady calls, new parameter values, peak memory, and the prepare
-   step both ways (``benchmarks/transformer.py``).
+   step both ways (``benchmarks/transformer.py``);
+8. **the first program of a process** — a merged RepVGG stack whose compile options ``fold``
+   measures on its first calls, from the first call on, fresh processes, next to ``jax.jit``
+   and the hand deploy form (``benchmarks/first_program.py``).
 
 Every figure is a median over rounds with its [min–max]; a ratio is hlofold's median over
 doing nothing's median from the same run. The machine is stamped in the output
@@ -42,7 +45,7 @@ import jax
 
 import hlofold
 
-from . import transformer
+from . import first_program, transformer
 from . import workloads as W
 from .common import (code_info, kept_runs, machine_info, machine_line, ratio, run_of,
                      summary)
@@ -344,6 +347,8 @@ def to_markdown(res: dict) -> str:
                   f"(jit {fc['seconds']['jit']['median']:.2f} s) |" if fc else "– |"))
     if res.get("transformer"):
         L += transformer.markdown(res["transformer"])
+    if res.get("first_program"):
+        L += first_program.markdown(res["first_program"])
     L += ["", "Timings on this VM vary by ±10–20% between rounds; XLA's cost analysis of the "
           "two compiled programs (same compiler, same machine) is the deterministic part of "
           "the comparison."]
@@ -357,7 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--first-call-worker", nargs=3, metavar=("NET", "SIZE", "VARIANT"))
     ap.add_argument("--parts",
-                    default="first,jit,dispatch,changing,artifacts,forward,transformer")
+                    default="first,jit,dispatch,changing,artifacts,forward,transformer,tuning")
     ap.add_argument("--first-nets", help="comma-separated networks of part 'first' "
                     "(default: the ResNet-50s, and flaxmodels' ResNet-18 where installed)")
     ap.add_argument("--keep-from", help="a JSON of an earlier run on this machine: the parts "
@@ -396,11 +401,15 @@ def main(argv=None) -> int:
         if "forward" in parts else []
     res["transformer"] = transformer.measure(q, 2 if q else 5, log) \
         if "transformer" in parts else {}
+    res["first_program"] = first_program.measure(
+        first_program.QUICK_ROWS if q else first_program.ROWS, 1 if q else 5, 30 if q else 200,
+        3 if q else 15, log, history=not q) if "tuning" in parts else []
     if a.keep_from:
         with open(a.keep_from) as fh:
             old = json.load(fh)
         kept = [k for k in ("first_call", "under_jit", "dispatch", "changing_params",
-                            "artifacts", "forward", "transformer") if not res[k] and old.get(k)]
+                            "artifacts", "forward", "transformer", "first_program")
+                if not res[k] and old.get(k)]
         for k in kept:
             res[k] = old[k]
             res.setdefault("kept_from", {})[k] = run_of(old, k)

@@ -117,9 +117,14 @@ def test_calls_quick(tmp_path):
         c = r["cost"]
         assert c["folded"]["flops"] <= c["original"]["flops"], r
         assert c["folded"]["bytes"] <= c["original"]["bytes"] * 1.001, r
+    (fp,) = res["first_program"]     # issue 69 item 10: one fresh process per variant
+    assert fp["runs"] == 1 and set(fp["first_s"]) == set(fp["window_ms"]) == {
+        "fold", "jit", "deploy"}, fp
+    assert fp["kept"] in (["defaults"], ["option"]) and len(fp["right"]) == 1, fp
     md = (tmp_path / "calls.md").read_text()
     for section in ("First call", "Under the user's jit", "Dispatch", "new parameter pytree",
-                    "Artifacts", "Forward folds behind SAME padding"):
+                    "Artifacts", "Forward folds behind SAME padding",
+                    "first program of a process"):
         assert section in md
 
 
