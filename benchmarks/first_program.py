@@ -100,8 +100,8 @@ def worker(variant: str, batch: int, size: int, width: int, calls: int, rounds: 
             per[k].append((time.perf_counter() - t0) / n * 1e3)
     out["steady_ms"] = {k: float(np.median(t)) for k, t in per.items()}
     out["vs_deploy"] = float(np.median([a / b for a, b in zip(per["variant"], per["deploy"])]))
-    best = min(out["steady_ms"]["deploy"], out["steady_ms"]["deploy, option"])
     if variant == "fold":
+        best = min(out["steady_ms"]["deploy"], out["steady_ms"]["deploy, option"])
         kept = out["steady_ms"]["deploy, option" if out["options"] == "option" else "deploy"]
         out["right"] = bool(kept <= best * (1 + TIE))
     return out
