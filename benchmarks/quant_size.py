@@ -51,11 +51,12 @@ t0 = time.perf_counter()
 if mode.startswith("stablehlo"):
     got, rep, prep = hlofold.fold_stablehlo(exp, params=params, **modes[mode])
     dt = time.perf_counter() - t0
-    y, pairs, rot = got.call(t, *prep), len(rep.equalized), None
+    y, pairs, rot = got.call(t, *prep), len(rep.equalized + rep.smoothed), None
 else:
     out = hlofold.fold_params(f, p, t, **modes[mode])
     dt = time.perf_counter() - t0
-    y, pairs, rot = f(out.params, t), len(out.equalized), out.rotation and out.rotation.reason
+    y, pairs, rot = (f(out.params, t), len(out.equalized + out.smoothed),
+                     out.rotation and out.rotation.reason)
 sampler.stop.set(); sampler.join()
 rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
 print(f"{mode}: {dt:.1f} s, peak RSS {rss():.2f} GiB (+{rss()-base:.2f}; sampled: "

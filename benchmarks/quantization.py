@@ -290,7 +290,7 @@ def measure_smooth(f, params, x, calib, wbits: int, run=None, draws: int = 0):
         rows.append([rel_err(ref, run(sm.params))] +
                     [rel_err(ref, run(t.params)) if ok else float("nan") for t in (rot, both)])
     return [rel_err(ref, run(params)), rel_err(ref, run(folded.params)),
-            *np.median(np.asarray(rows), 0), len(sm.equalized)]
+            *np.median(np.asarray(rows), 0), len(sm.smoothed)]
 
 
 SMOOTH_CASES = (("decoder", "built-in decoder, d = 128, 2 layers, 3 massive residual "

@@ -35,6 +35,16 @@ KINDS: dict[str, str] = {
     "branches": "parallel branches that cannot merge into one convolution",
     "stack-layers-differ": "the layers of a scanned stack do not fold alike",
     "internal": "hlofold failed to rewrite the program",
+    # the quantization rewrites' (equalize, smooth, rotate: hlofold._quant)
+    "pair-path": "a rewrite's channels meet an op that does not pass its scales exactly",
+    "pair-readers": "a layer's output is read by more than the next layers",
+    "pair-output": "a layer's output is a program output, or unread, before another layer",
+    "pair-second": "the next layer cannot take the scales (other channels, a shared kernel)",
+    "pair-start": "the first layer's kernel is not a weight the rewrite may scale",
+    "pair-not-float": "a weight of the pair is not floating point",
+    "pair-loop": "layers inside a loop or body the rewrite does not read",
+    "pair-stream": "a layer's output joins a residual stream that cannot be scaled as one",
+    "rotation": "the residual stream cannot be rotated exactly",
 }
 
 
@@ -60,6 +70,11 @@ class Reason(str):
 
     def after(self, prefix: str) -> "Reason":
         return Reason(self.kind, prefix + str(self))
+
+
+def kinded(kind: str, reason: str) -> "Reason":
+    """``reason`` with ``kind`` where it has none yet (a kind a rule set is kept)."""
+    return reason if isinstance(reason, Reason) else Reason(kind, reason)
 
 
 def reason_kind(reason: str | None) -> str | None:

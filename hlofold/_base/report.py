@@ -1,7 +1,6 @@
 """The fold report: one record per candidate site, printable and JSON-ready."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 from typing import Any
@@ -76,10 +75,13 @@ class FoldReport:
     compile_options: dict = dataclasses.field(default_factory=dict)
     # how they were chosen (measured on the first call: hlofold._front.tune), where there was a choice
     compile_note: str | None = None
-    # fold_stablehlo(..., equalize=True / smooth=): the layer pairs equalized (or smoothed)
-    # after the fold, the layers left as they are, why (hlofold._quant.core.equalize's records)
+    # fold_stablehlo(..., equalize=True): the layer pairs equalized after the fold, the
+    # layers left as they are, why (hlofold._quant.core.equalize's records); smooth=: the
+    # same for smoothing
     equalized: list = dataclasses.field(default_factory=list)
     not_equalized: list = dataclasses.field(default_factory=list)
+    smoothed: list = dataclasses.field(default_factory=list)
+    not_smoothed: list = dataclasses.field(default_factory=list)
 
     @property
     def folded(self) -> list[FoldSite]:
@@ -115,6 +117,8 @@ class FoldReport:
                 "compile_note": self.compile_note,
                 "equalized": [dataclasses.asdict(e) for e in self.equalized],
                 "not_equalized": [dataclasses.asdict(e) for e in self.not_equalized],
+                "smoothed": [dataclasses.asdict(e) for e in self.smoothed],
+                "not_smoothed": [dataclasses.asdict(e) for e in self.not_smoothed],
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, **kw) -> str:
@@ -138,19 +142,20 @@ class FoldReport:
             head += f"\nNOTE: compiled with {k}={v}"
         if self.compile_note:
             head += f"\nNOTE: {self.compile_note}"
-        if self.equalized or self.not_equalized:
-            kinds = collections.Counter(e.kind for e in self.equalized) or {"equalized": 0}
-            head += "\n" + "; ".join(f"{k}: {n} layer pairs" for k, n in kinds.items()) + \
-                f"; {len(self.not_equalized)} layers left as they are"
-            for e in self.equalized:
+        for what, done, left in (("equalized", self.equalized, self.not_equalized),
+                                 ("smoothed", self.smoothed, self.not_smoothed)):
+            if not (done or left):
+                continue
+            head += f"\n{what}: {len(done)} layer pairs; {len(left)} layers left as they are"
+            for e in done:
                 head += (f"\n  {e.first} -> {', '.join(e.seconds)} ({e.location}): spread "
                          f"{e.spread_before[0]:.3g} -> {e.spread_after[0]:.3g}" +
                          (f"; a residual stream, written by {', '.join(e.writers)} too"
                           if e.writers else "") +
                          ("; scales powers of two (low-precision: exact)"
                           if e.powers_of_two else "") + e.unsettled())
-            for n in self.not_equalized:
-                head += f"\n  left: {n.kernel} ({n.location}): {n.reason}"
+            for n in left:
+                head += f"\n  left ({n.kind}): {n.kernel} ({n.location}): {n.reason}"
         p = self.precision
         if p and p.get("reference"):
             head += (f"\nprecision vs a float32 reference: unfolded max|Δ| "

@@ -29,6 +29,7 @@ from hlofold._ir.stablehlo.weights import (argument_index, as_module_aval, bound
                                            export_arguments, export_calibration, hoist,
                                            set_arguments)
 from hlofold._quant.core.smooth import check_alpha, check_calibration
+from hlofold._quant.core.rewrites import calibrations, from_options
 from hlofold._quant.stablehlo.driver import quantization_ready
 
 ir, stablehlo, _ = C.mlir()
@@ -80,8 +81,9 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
     calibration inputs give (each the per-call inputs: an array, or a list of them in order),
     moved into the weights: a norm's output gets ``·(1/s)`` (its γ is in the layers after the
     fold), a layer before a gated product its output channels; the layers reading them
-    their input rows (records of kind ``"smoothed"``); ``alpha="search:w4a8"`` chooses
-    each pair's α for that quantization from the calibration rows.
+    their input rows (``report.smoothed`` / ``report.not_smoothed``);
+    ``alpha="search:w4a8"`` chooses each pair's α for that quantization from the
+    calibration rows.
 
     On a JAX whose MLIR bindings changed what this pass reads (``hlofold._compat``), the
     artifact comes back as given (without ``params``/``split``; with them a
@@ -97,12 +99,12 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
         alpha = check_alpha(alpha, "hlofold.fold_stablehlo")
         smooth = [list(c) if isinstance(c, (list, tuple)) else [c]
                   for c in check_calibration(smooth, "hlofold.fold_stablehlo")]
+    rewrites = from_options(equalize=equalize, smooth=smooth, alpha=alpha)
     off = C.disabled("stablehlo")
     if off is None:
         art = read_artifact(data)          # bad input is the caller's: raised as it is
         try:
-            result = _fold(art, data, params, split, in_graph, merge, equalize,
-                           (smooth, alpha))
+            result = _fold(art, data, params, split, in_graph, merge, rewrites)
         except StableHLOError:
             raise
         except Exception as e:
@@ -114,7 +116,7 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                 result[1].compat.append(
                     f"written for StableHLO {writable_target(art.target)}: the artifact "
                     f"targets {art.target}, which these bindings do not write")
-            if (equalize or smooth is not None) and result[1].equalized:
+            if result[1].equalized or result[1].smoothed:
                 check_rewrite(data, result, params)     # (on any JAX, as fold_params does)
             return checked(data, result, params, split) if C.untested() else result
     if params is not None or split is not None:
@@ -123,10 +125,9 @@ def fold_stablehlo(data, *, params=None, split=None, in_graph: bool = IN_GRAPH_D
                                         compat=[str(off)])
 
 
-def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=False,
-          smoothing=(None, 0.5)):
+def _fold(art: Artifact, data, params, split, in_graph, merge=True, rewrites=()):
     if params is not None:
-        return _fold_with_params(art, data, params, merge, equalize, smoothing)
+        return _fold_with_params(art, data, params, merge, rewrites)
     if split is not None:
         if art.kind == EXPORT:
             raise StableHLOError("split= makes two modules; a jax.export artifact is one "
@@ -135,11 +136,11 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=Fal
         prepare, apply, report = split_module(art.module, split, merge)
         return write_artifact(apply, art), report, write_artifact(prepare, art)
     module, report = fold_module_text(art.module, in_graph, merge)
-    calib = smoothing[0] if smoothing[0] is None or art.kind != EXPORT else \
-        export_calibration(art.exported, {}, smoothing[0])
+    if art.kind == EXPORT:
+        rewrites = calibrations(rewrites, lambda c: export_calibration(art.exported, {}, c))
     with module.context, ir.Location.unknown():
-        quantization_ready(module, report, {}, equalize, calib, smoothing[1], hoist)
-    if not report.num_folded and not report.equalized:   # the artifact exactly as given
+        changed = quantization_ready(module, report, {}, rewrites, hoist)
+    if not report.num_folded and not changed:   # the artifact exactly as given
         return as_given(data), report
     with module.context:
         if art.kind != EXPORT:
@@ -151,19 +152,16 @@ def _fold(art: Artifact, data, params, split, in_graph, merge=True, equalize=Fal
     return bytes(new.serialize()), report
 
 
-def _fold_with_params(art: Artifact, data, params, merge=True, equalize=False,
-                      smoothing=(None, 0.5)):
+def _fold_with_params(art: Artifact, data, params, merge=True, rewrites=()):
     if art.kind != EXPORT:
-        module, report, prepared, _ = bind_and_fold(art.module, params, merge, equalize,
-                                                    *smoothing)
+        module, report, prepared, _ = bind_and_fold(art.module, params, merge, rewrites)
         with module.context:
             return write_artifact(module, art), report, prepared
     exp = art.exported
     by_arg, lead = export_arguments(exp, params)
-    calib = None if smoothing[0] is None else export_calibration(
-        exp, {argument_index(k) for k in params}, smoothing[0])
-    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge, equalize,
-                                                   calib, smoothing[1])
+    rewrites = calibrations(rewrites, lambda c: export_calibration(
+        exp, {argument_index(k) for k in params}, c))
+    module, report, prepared, kept = bind_and_fold(art.module, by_arg, merge, rewrites)
     with module.context:
         n_module = len(main_function(module).regions[0].blocks[0].arguments)
         assert len(kept) + len(prepared) == n_module and kept[:lead] == list(range(lead))
@@ -212,11 +210,10 @@ def report_stablehlo(data, in_graph: bool = IN_GRAPH_DEFAULT, merge: bool = True
 
 
 def bind_and_fold(text_or_bytes, params: Mapping[Any, Any], merge: bool = True,
-                  equalize: bool = False, smooth=None, alpha: float = 0.5
-                  ) -> tuple[Any, FoldReport, list, list[int]]:
+                  rewrites: tuple = ()) -> tuple[Any, FoldReport, list, list[int]]:
     """``(apply module, report, prepared values, kept)``: ``params`` (module argument →
-    value) bound and folded (``equalize``: then its layer pairs equalized; ``smooth``: lists
-    of the remaining arguments to calibrate SmoothQuant's scales on), the folded constants
+    value) bound and folded, then ``rewrites`` (:mod:`hlofold._quant.core.rewrites`; a
+    :class:`Smooth`'s calibration inputs lists of the remaining arguments), the folded constants
     hoisted into trailing arguments. ``kept``: the original argument numbers the apply
     module still takes first, in order."""
     values = bound_values(params)
@@ -244,7 +241,7 @@ def bind_and_fold(text_or_bytes, params: Mapping[Any, Any], merge: bool = True,
         # (a site whose weights are not all known now is left as it is: in the graph its
         # rescale would run on every call, slower than the module given)
         report = fold_module(module, in_graph=False, merge=merge)
-        quantization_ready(module, report, names, equalize, smooth, alpha, hoist)
+        quantization_ready(module, report, names, rewrites, hoist)
         prepared = hoist(main)
         hoisted = list(block.arguments)[len(kept):]     # the prepared weights: as their origin
         set_argument_shardings(main, {len(kept) + j: sh

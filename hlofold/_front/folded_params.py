@@ -37,9 +37,12 @@ class FoldedParams:
     params: Any                  # the same pytree, folded
     changes: list[ParamChange]
     report: FoldReport           # every site; folded ones not written back are REFUSED
-    # equalize=True: the layer pairs equalized, and the layers left with the reason
+    # equalize=True: the layer pairs equalized, and the layers left with the reason (and
+    # its kind); smooth=: the same for smoothing
     equalized: list = dataclasses.field(default_factory=list)
     not_equalized: list = dataclasses.field(default_factory=list)
+    smoothed: list = dataclasses.field(default_factory=list)
+    not_smoothed: list = dataclasses.field(default_factory=list)
     rotation: Any = None         # rotate=True: what was rotated, or why not
 
     def __str__(self) -> str:
@@ -53,7 +56,7 @@ class FoldedParams:
                 (s.reason or "").startswith(NOT_WRITTEN)]
         for s in kept:
             lines.append(f"  not written back ({s.file}:{s.line}): {s.reason}")
-        for e in self.equalized:
+        for e in self.equalized + self.smoothed:
             lines.append(f"  {e.kind} {e.first} -> {', '.join(e.seconds)} ({e.location}): "
                          f"{e.alpha_words()}scales {e.scale_range[0]:.3g}-"
                          f"{e.scale_range[1]:.3g}; channel "
@@ -63,8 +66,10 @@ class FoldedParams:
                           if e.writers else "") +
                          ("; scales powers of two (low-precision weights: exact)"
                           if e.powers_of_two else "") + e.unsettled())
-        for e in self.not_equalized:
-            lines.append(f"  not paired {e.kernel} ({e.location}): {e.reason}")
+        for what, left in (("equalized", self.not_equalized),
+                           ("smoothed", self.not_smoothed)):
+            for e in left:
+                lines.append(f"  not {what} {e.kernel} ({e.location}; {e.kind}): {e.reason}")
         if self.rotation is not None:
             lines.append(f"  {self.rotation}")
         return "\n".join(lines)

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlofold import _compat as C
-from hlofold._quant.jaxpr.rewrite import calibration_inputs, rewrite
+from hlofold._quant.core.rewrites import from_options, run as run_rewrites
+from hlofold._quant.jaxpr.rewrite import JaxprView, calibration_inputs
 from .identities import Writer
 from hlofold._fold.jaxpr.fold import plan_sites
 from hlofold._fold.jaxpr.merge import merge_scope
@@ -63,8 +64,8 @@ def fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     activations into the weights (``alpha="search:w4a8"``: each pair's α chosen from the
     calibration rows for that quantization); ``rotate=True`` rotates a pre-norm decoder's
     residual stream by an orthogonal ``Q`` (``seed``; for LayerNorm one keeping the
-    all-ones direction). ``equalized``, ``not_equalized`` and
-    ``rotation`` say what was done, and why not the rest.
+    all-ones direction). ``equalized``, ``smoothed`` and ``rotation`` say what was done,
+    ``not_equalized`` and ``not_smoothed`` why not the rest (each reason with its kind).
 
     On a JAX that changed an internal this needs (``hlofold._compat``), ``params`` come back
     as they are, with no changes, and the report says which change.
@@ -92,7 +93,8 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     arr = [l for (_, l), a in zip(leaves_p, is_arr) if a]
     paths = [jax.tree_util.keystr(p) for (p, _), a in zip(leaves_p, is_arr) if a]
     arg_leaves, arg_tree = jax.tree.flatten(args)
-    calib = calibration_inputs(smooth, len(arg_leaves), alpha)
+    rewrites = from_options(equalize=equalize, rotate=rotate, seed=seed, alpha=alpha,
+                            smooth=calibration_inputs(smooth, len(arg_leaves), alpha))
 
     def rebuild(vals):
         it = iter(vals)
@@ -166,18 +168,19 @@ def _fold_params(fn: Callable, params: Any, *args: Any, equalize: bool = False,
     def place(i, val):           # one leaf at a time: its host copy dropped once placed
         new[i] = _like(arr[i], val)
         return new[i]
-    eq, rotation = rewrite(closed, new, paths, place, _host, equalize=equalize, smooth=calib,
-                           alpha=alpha, rotate=rotate, seed=seed,
-                           retrace=lambda xs: inline_all(jax.make_jaxpr(flat)(*arr, *xs)))
+    done = run_rewrites(rewrites, JaxprView(
+        closed, new, paths, place, _host,
+        retrace=lambda xs: inline_all(jax.make_jaxpr(flat)(*arr, *xs))))
     where = {p: i for i, p in enumerate(paths)}
     for c in changes:
         if c.site.layers is None:
             c.absorbed = {p: np.array(known[where[p]]) if known[where[p]] is not None
                           else None for p in [*c.identity, *([c.bias] if c.bias else [])]}
-    out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), *eq, rotation)
+    out = FoldedParams(rebuild(new), changes, FoldReport(scope.sites), done.equalized,
+                       done.not_equalized, done.smoothed, done.not_smoothed, done.rotation)
     _check(ref, run(*new, *arg_leaves), closed, lambda: jax.jit(flat)(
         *(_widened(a) for a in arr), *(_widened(a) for a in arg_leaves)))
-    if equalize or calib is not None or rotate:
+    if rewrites:
         # a rewrite is checked on inputs of its own too: the example may be degenerate
         # (zeros, as only its shapes and dtypes matter) and hide a rewrite that is wrong
         fresh = fresh_inputs(arg_leaves, seed)

@@ -135,6 +135,6 @@ def test_gemma(kv):
     (left,) = [s for s in out.report.sites if s.status == "refused"]
     assert "also read by gather" in left.reason, left.reason
     sm = hlofold.fold_params(f, v, tok, smooth=[(tok,)])
-    assert sorted(e.first.split("']['")[-2] for e in sm.equalized) == \
+    assert sorted(e.first.split("']['")[-2] for e in sm.smoothed) == \
         ["pre_attention_norm", "pre_attention_norm", "pre_ffw_norm", "pre_ffw_norm"], str(sm)
     assert _err(f(sm.params, tok), f(v, tok)) < 1e-4

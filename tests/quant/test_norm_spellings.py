@@ -49,7 +49,7 @@ def test_the_offset_is_what_the_scale_divides():
 def test_gemma_norm_is_smoothed_as_a_plain_one(offset):
     f, p, x = _mlp(offset)
     out = hlofold.fold_params(f, p, x, smooth=[x])
-    smoothed = [e for e in out.equalized if e.kind == "smoothed"]
+    smoothed = [e for e in out.smoothed if e.kind == "smoothed"]
     assert [(e.first, e.seconds) for e in smoothed] == [("['g']", ["['w1']"])], str(out)
     assert _rel(f(p, x), f(out.params, x)) < TOL
     # the activations the first layer reads are flatter: what smoothing is for
@@ -61,8 +61,8 @@ def test_gemma_norm_is_smoothed_as_a_plain_one(offset):
 def test_a_bfloat16_scale_with_an_offset_is_refused_with_the_reason():
     f, p, x = _mlp(True, jnp.bfloat16)
     out = hlofold.fold_params(f, p, x, smooth=[x])
-    assert not [e for e in out.equalized if e.kind == "smoothed"], str(out)
-    why = [n for n in out.not_equalized if n.kernel == "['g']"]
+    assert not [e for e in out.smoothed if e.kind == "smoothed"], str(out)
+    why = [n for n in out.not_smoothed if n.kernel == "['g']"]
     assert why and "γ + 1" in why[0].reason and "bfloat16" in why[0].reason, str(out)
     assert _rel(f(p, x), f(out.params, x)) < TOL          # (the norm itself folded)
 
@@ -72,7 +72,7 @@ def test_fold_stablehlo_smooths_the_gemma_norm():
     exp = jax.export.export(jax.jit(f))(p, x)
     bound = {f"arg{i}": v for i, v in enumerate(jax.tree.leaves(p))}
     new, rep, prep = hlofold.fold_stablehlo(exp, params=bound, smooth=[[x]])
-    assert any(e.kind == "smoothed" for e in rep.equalized), str(rep)
+    assert any(e.kind == "smoothed" for e in rep.smoothed), str(rep)
     assert _rel(f(p, x), new.call(x, *prep)) < TOL
 
 
@@ -107,5 +107,5 @@ def test_maxtexts_einsum_scale_is_smoothed():
     _, p, x = _mlp(False)
     p = dict(p, g=1 + p["g"])
     out = hlofold.fold_params(f, p, x, smooth=[x])
-    assert [(e.kind, e.first) for e in out.equalized] == [("smoothed", "['g']")], str(out)
+    assert [(e.kind, e.first) for e in out.smoothed] == [("smoothed", "['g']")], str(out)
     assert _rel(f(p, x), f(out.params, x)) < TOL

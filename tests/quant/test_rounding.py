@@ -51,7 +51,8 @@ def test_example_inputs_of_zeros_do_not_hide_the_rounding(rewrite):
     calib = [jnp.asarray(rng.standard_normal((2, 6, 6, 3)), jnp.float32) for _ in range(2)]
     kw = {"equalize": True} if rewrite == "equalize" else {"smooth": calib}
     out = hlofold.fold_params(f, p, zeros, **kw)
-    assert out.equalized and all(e.powers_of_two for e in out.equalized), str(out)
+    done = out.equalized + out.smoothed
+    assert done and all(e.powers_of_two for e in done), str(out)
     plain = hlofold.fold_params(f, p, zeros)
     fresh = jnp.asarray(rng.standard_normal((2, 6, 6, 3)) * 3, jnp.float32)
     np.testing.assert_array_equal(f(out.params, fresh), f(plain.params, fresh))
@@ -60,7 +61,8 @@ def test_example_inputs_of_zeros_do_not_hide_the_rounding(rewrite):
     skw = {"equalize": True} if rewrite == "equalize" else {"smooth": [[c] for c in calib]}
     got, srep, prep = hlofold.fold_stablehlo(exp, params=bound, **skw)
     base, _, pbase = hlofold.fold_stablehlo(exp, params=bound)
-    assert srep.equalized and all(e.powers_of_two for e in srep.equalized), str(srep)
+    done = srep.equalized + srep.smoothed
+    assert done and all(e.powers_of_two for e in done), str(srep)
     np.testing.assert_array_equal(got.call(fresh, *prep), base.call(fresh, *pbase))
 
 
@@ -123,7 +125,7 @@ def test_the_random_check_keeps_an_example_s_placement_and_integer_inputs():
     from benchmarks.quantization import smooth_case
     f, p, x, calib = smooth_case("decoder", 0)
     out = hlofold.fold_params(f, p, *x, smooth=calib)
-    assert out.equalized
+    assert out.smoothed
     assert rel(f(p, *x), f(out.params, *x)) <= 1e-5
 
 

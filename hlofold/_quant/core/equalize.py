@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlofold._base.channel_axes import each
+from hlofold._base.reasons import reason_kind
 
 SWEEPS = 50          # chains settle in a few sweeps; this bounds a pathological one
 SETTLED = 1e-6       # a sweep whose every scale is within this of 1 ends the iteration
@@ -362,8 +363,15 @@ def record(done: Done, first: str, seconds: list, biases: list, location: str,
 
 @dataclasses.dataclass
 class NotEqualized:
-    """A layer (or norm) whose output was not paired with the layers after it, and why."""
+    """A layer (or norm) whose output was not paired with the layers after it, and why:
+    the reason's words and its kind (:data:`hlofold._base.reasons.KINDS`, ``pair-…``), the
+    same on both IR paths."""
 
     kernel: str
     location: str
     reason: str
+    kind: str = ""
+
+    def __post_init__(self):
+        if not self.kind:
+            self.kind = reason_kind(self.reason) or "other"

@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any, Callable, Protocol
 
 from hlofold._base.chain_rules import Refusal
+from hlofold._base.reasons import Reason, kinded
 from hlofold._base.channel_axes import REPEATED, Mapped, settled
 from .equalize import Pair, stops_here
 
@@ -154,20 +155,26 @@ def second_layer(g: PathIR, op, pos: int, axis):
     """The layer ``op`` reading the channels (``axis``) at operand ``pos`` as a
     :class:`Second` — its kernel a weight read once, contracting the channels — or why not."""
     if not g.is_layer(op):
-        return f"{g.name(op)} reads it besides the layers"
+        return Reason("pair-readers", f"{g.name(op)} reads it besides the layers")
     if isinstance(axis, Mapped):      # (a repeat the layer contracts; else copies it keeps)
         got, plain = g.second_over_axes(op, pos, axis), settled(axis)
         return second_layer(g, op, pos, plain) if isinstance(got, str) and \
-            not isinstance(plain, Mapped) else got
+            not isinstance(plain, Mapped) else _second(got)
     if isinstance(axis, tuple):
-        return g.second_over_axes(op, pos, axis)
+        return _second(g.second_over_axes(op, pos, axis))
     ch = g.input_channel(op, pos)
     if isinstance(ch, Refusal):
-        return f"the next {g.name(op)}: {ch.reason}"
+        return Reason("pair-second", f"the next {g.name(op)}: {ch.reason}")
     act_axis, in_axis = ch
     if act_axis != axis:
-        return f"the next {g.name(op)} does not contract the channel axis"
-    return g.second_kernel(op, pos, in_axis)
+        return Reason("pair-second", f"the next {g.name(op)} does not contract the channel "
+                                     f"axis")
+    return _second(g.second_kernel(op, pos, in_axis))
+
+
+def _second(got):
+    """A second layer, or why not (of kind ``pair-second`` where the rule set none)."""
+    return kinded("pair-second", got) if isinstance(got, str) else got
 
 
 def follow(g: PathIR, v, axis):
@@ -179,7 +186,8 @@ def follow(g: PathIR, v, axis):
         low = low or g.low(v)
         u = g.readers(v)
         if any(op is None for op, _ in u):
-            return f"its output is {g.outputs} before another layer reads it"
+            return Reason("pair-output", f"its output is {g.outputs} before another layer "
+                                         f"reads it")
         if len(u) == 3 and (out := g.leaky(u)) is not None:
             v = out                               # (the channel axis stays)
             continue
@@ -187,10 +195,11 @@ def follow(g: PathIR, v, axis):
             seconds = [second_layer(g, op, pos, axis) for op, pos in u]
             if all(not isinstance(x, str) for x in seconds):
                 return seconds, v, axis, low      # (q, k and v; gate and up)
-            return (f"its output is read {len(u)} times, not only by layers (a residual or "
-                    f"another reader would see the scaled channels)")
+            return Reason("pair-readers", f"its output is read {len(u)} times, not only by "
+                          f"layers (a residual or another reader would see the scaled "
+                          f"channels)")
         if not u:
-            return "its output is not read"
+            return Reason("pair-output", "its output is not read")
         op, pos = u[0]
         if g.is_layer(op):
             got = second_layer(g, op, pos, axis)
@@ -241,13 +250,13 @@ def find_pairs(g: PathIR, ops) -> tuple[list[Found], list[Refused]]:
         if start is None:
             continue
         if not isinstance(start, Start):
-            refused.append(Refused(start[1], op, start[0]))
+            refused.append(Refused(start[1], op, kinded("pair-start", start[0])))
             continue
         g.biases = []
         got = follow(g, g.result(op), start.axis)
         k1 = g.key(start.kernel)
-        if isinstance(got, str):
-            refused.append(Refused(k1, op, got))
+        if isinstance(got, str):      # (an op's rule of the path: of kind "pair-path")
+            refused.append(Refused(k1, op, kinded("pair-path", got)))
             continue
         seconds, end, end_axis, low = got
         if any(sec.key in claimed for sec in seconds):

@@ -18,6 +18,8 @@ all (within the directions orthogonal to the mean, the only ones LayerNorm keeps
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 
@@ -103,3 +105,25 @@ def rotate(w, axis: int, q: np.ndarray, dtype=None) -> np.ndarray:
     for i in range(0, rows.shape[0], ROWS):
         out[i:i + ROWS] = rows[i:i + ROWS].astype(np.float64) @ q
     return np.moveaxis(out.reshape(moved.shape), -1, axis)
+
+
+@dataclasses.dataclass
+class Rotation:
+    """The residual stream rotated (``reason`` None) or why not: its width, the matrix, and
+    the pytree paths of the embedding, the layers reading it and those writing into it."""
+
+    reason: str | None
+    width: int = 0
+    kind: str = ""
+    embedding: str = ""
+    readers: list = dataclasses.field(default_factory=list)
+    writers: list = dataclasses.field(default_factory=list)
+    offsets: list = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.reason:
+            return f"not rotated: {self.reason}"
+        off = f", {len(self.offsets)} norm offsets (β)" if self.offsets else ""
+        return (f"rotated the residual stream ({self.width} channels, {self.kind}): "
+                f"embedding {self.embedding}; {len(self.readers)} layers reading it, "
+                f"{len(self.writers)} writing into it{off}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from hlofold._base.reasons import Reason
 from .equalize import Pair
 
 PASSED = -2          # the position of a use that passes the value as it is (LeakyReLU's select)
@@ -255,12 +256,13 @@ def streams(starts: list, walk_from, firsts: set, ident, refused: list, op_of) -
         got, biases = walk_from(w)
         if isinstance(got, Left):
             if got.joined:
-                covered[ident(w.op)] = ("its output joins a residual stream that is left: "
-                                        f"{got.reason}")
+                covered[ident(w.op)] = Reason("pair-stream", "its output joins a residual "
+                                              f"stream that is left: {got.reason}")
             continue
         keys = [x.key for x in got.writers]
         if firsts & set(keys) or len(set(keys)) < len(keys):
-            covered[ident(w.op)] = "its output joins a residual stream whose writers are paired"
+            covered[ident(w.op)] = Reason("pair-stream", "its output joins a residual stream "
+                                                     "whose writers are paired")
             continue
         covered.update({ident(x.op): None for x in got.writers})
         first, rest = got.writers[0], got.writers[1:]

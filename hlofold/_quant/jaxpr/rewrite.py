@@ -1,5 +1,6 @@
-"""Cross-layer equalization and smoothing of a parameter tree: ``fold_params(...,
-equalize=True)``, ``fold_params(..., smooth=[inputs...], alpha=0.5)``.
+"""The quantization rewrites of a parameter tree — ``fold_params(..., equalize=True)``,
+``smooth=[inputs...]``, ``rotate=True`` — as :class:`JaxprView`, the jaxpr adapter's view
+the driver (:func:`hlofold._quant.core.rewrites.run`) applies them to.
 
 The pairs are read from the model's jaxpr (:mod:`hlofold._quant.jaxpr.pairs`), the scales
 computed by the core (:mod:`hlofold._quant.core.equalize`) in float64 from the leaves' values
@@ -17,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._base.reasons import Reason, kinded
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
 from hlofold._quant.core.smooth import Observed, check_alpha, check_calibration, smooth
 from hlofold._base.channel_axes import Mapped
 from hlofold._quant.core.layer_pairs import by_layer
-from hlofold._quant.core.rotation import orthogonal, rotate
+from hlofold._quant.core.rotation import Rotation, orthogonal, rotate
 from hlofold._quant.core.pair_walk import Found, Refused
 from .pairs import find_pairs
 from .residual import find_streams
@@ -41,7 +43,8 @@ def _float_pairs(found, refused, leaves):
         if all(jnp.issubdtype(leaves.dtype(k), jnp.floating) for k in f.pair.keys()):
             ok.append(f)
         else:
-            refused.append(Refused(f.pair.first, f.at, "a weight that is not floating point"))
+            refused.append(Refused(f.pair.first, f.at, Reason(
+                "pair-not-float", "a weight that is not floating point")))
     return ok
 
 
@@ -56,10 +59,11 @@ def _left(refused, paths, jaxpr=None):
     """The starts refused, and (``jaxpr``) the layers of its while loops, with the reasons."""
     return [NotEqualized(paths[int(r.key)], ("" if r.at is None else _where(r.at)) + r.where,
                          r.reason) for r in refused] + [
-        NotEqualized("the layers of a loop", _where(e), LOOP_LAYERS.format(n=n))
+        NotEqualized("the layers of a loop", _where(e),
+                     Reason("pair-loop", LOOP_LAYERS.format(n=n)))
         if e.primitive.name == "while" else
         NotEqualized(f"the layers of a {e.primitive.name}", _where(e),
-                     NESTED_LAYERS.format(n=n, what=e.primitive.name))
+                     Reason("pair-loop", NESTED_LAYERS.format(n=n, what=e.primitive.name)))
         for e, n in (loop_layers(jaxpr) if jaxpr is not None else [])]
 
 
@@ -254,59 +258,42 @@ def smooth_leaves(closed, leaves: HostLeaves, paths: list[str], calibration: lis
     return recs, _left(refused, paths, closed.jaxpr)
 
 
-@dataclasses.dataclass
-class Rotation:
-    """The residual stream rotated (``reason`` None) or why not: its width, the matrix, and
-    the pytree paths of the embedding, the layers reading it and those writing into it."""
-
-    reason: str | None
-    width: int = 0
-    kind: str = ""
-    embedding: str = ""
-    readers: list = dataclasses.field(default_factory=list)
-    writers: list = dataclasses.field(default_factory=list)
-    offsets: list = dataclasses.field(default_factory=list)
-
-    def __str__(self) -> str:
-        if self.reason:
-            return f"not rotated: {self.reason}"
-        off = f", {len(self.offsets)} norm offsets (β)" if self.offsets else ""
-        return (f"rotated the residual stream ({self.width} channels, {self.kind}): "
-                f"embedding {self.embedding}; {len(self.readers)} layers reading it, "
-                f"{len(self.writers)} writing into it{off}")
-
-
 def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation:
     """The residual stream rotated: each leaf it changes handed to ``place(i, value)`` as it
     is made (one rotated leaf on the host at a time); the record, or why not."""
     s = find_stream(jaxpr, len(leaves))
     if isinstance(s, str):
-        return Rotation(s)
+        return _not_rotated(s)
     moved = [s.embedding, *s.readers, *s.writers, *s.shifts]
     low = [i for i in [*s.scales, *(j for j, _ in moved)] if exact_in(leaves.dtype(i))]
     if low:
-        return Rotation(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation rounds "
-                        f"every weight it touches in that dtype (not exact); rotate the "
-                        f"float32 weights and cast after")
+        return _not_rotated(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation "
+                            f"rounds every weight it touches in that dtype (not exact); "
+                            f"rotate the float32 weights and cast after")
     for i in s.scales:
         g = np.asarray(leaves[i])
         if g.size and not np.all(g == g.reshape(-1)[0]):
-            return Rotation(f"{paths[i]} varies per channel where the stream needs one "
-                            f"value for every channel (a norm's γ not folded: fold_params "
-                            f"folds it where all its readers fold)")
+            return _not_rotated(f"{paths[i]} varies per channel where the stream needs one "
+                                f"value for every channel (a norm's γ not folded: "
+                                f"fold_params folds it where all its readers fold)")
     todo = moved
     if len({i for i, _ in todo}) < len(todo):
-        return Rotation("a weight both reads and writes the stream")
+        return _not_rotated("a weight both reads and writes the stream")
     for i, axis in todo:
         a = np.asarray(leaves[i])
         if not np.issubdtype(a.dtype, np.floating) or a.shape[axis] != s.width:
-            return Rotation(f"{paths[i]} is not a float weight over the stream's channels")
+            return _not_rotated(f"{paths[i]} is not a float weight over the stream's "
+                                f"channels")
     q, kind = orthogonal(s.width, seed, keep_ones=s.centered)
     for i, axis in todo:
         place(i, rotate(np.asarray(leaves[i]), axis, q))
     return Rotation(None, s.width, kind, paths[s.embedding[0]],
                     [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers],
                     [paths[i] for i, _ in s.shifts])
+
+
+def _not_rotated(why: str) -> Rotation:
+    return Rotation(kinded("rotation", why))
 
 
 def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:
@@ -325,26 +312,27 @@ def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:
     return calib
 
 
-def rewrite(closed, leaves: list, paths: list[str], place, host, *, equalize: bool,
-            smooth: list | None, alpha: float, rotate: bool, seed: int,
-            retrace=None) -> tuple:
-    """``fold_params``' rewrites after the fold, in order — the stream rotated (smoothing
-    then sees rotated channels), pairs equalized, then smoothed — each on the leaves as the
-    one before left them (``leaves``: changed through ``place(i, value)``; ``host(leaf)``:
-    its value on the host; ``closed``: the program as read, :func:`~hlofold._fold.jaxpr.nested.
-    inline_all`; ``retrace(args)``: the program as read at other argument shapes, for
-    calibration inputs of other shapes). Returns ``((equalized, not_equalized), rotation)``."""
-    eq, rotation = ([], []), None
-    if not (rotate or equalize or smooth is not None):
-        return eq, rotation
-    view = HostLeaves(leaves, host)      # (each leaf read when a rewrite asks for it)
-    if rotate:
-        rotation = rotate_leaves(closed.jaxpr, view, paths, seed, place)
-    if equalize:
-        got, *eq = equalize_leaves(closed.jaxpr, view, paths)
+class JaxprView:
+    """The rewrites' view of a parameter tree read through the model's jaxpr
+    (:class:`~hlofold._quant.core.rewrites.RewriteView`): ``closed``, the program as read
+    (:func:`~hlofold._fold.jaxpr.nested.inline_all`); ``leaves``, its parameter leaves,
+    changed through ``place(i, value)``; ``host(leaf)``, a leaf's value on the host;
+    ``retrace(args)``, the program as read at other argument shapes (calibration inputs of
+    other shapes). Each rewrite runs on the leaves as the one before it left them."""
+
+    def __init__(self, closed, leaves: list, paths: list[str], place, host, retrace=None):
+        self.closed, self.paths, self.place, self.retrace = closed, paths, place, retrace
+        self.leaves = HostLeaves(leaves, host)   # (each leaf read when a rewrite asks)
+
+    def rotate(self, seed: int) -> Rotation:
+        return rotate_leaves(self.closed.jaxpr, self.leaves, self.paths, seed, self.place)
+
+    def equalize(self) -> tuple[list, list]:
+        got, done, left = equalize_leaves(self.closed.jaxpr, self.leaves, self.paths)
         for i, val in got.items():
-            place(i, val)
-    if smooth is not None:
-        done, left = smooth_leaves(closed, view, paths, smooth, alpha, place, retrace)
-        eq = (eq[0] + done, eq[1] + left)
-    return eq, rotation
+            self.place(i, val)
+        return done, left
+
+    def smooth(self, calibration: list, alpha) -> tuple[list, list]:
+        return smooth_leaves(self.closed, self.leaves, self.paths, calibration, alpha,
+                             self.place, self.retrace)

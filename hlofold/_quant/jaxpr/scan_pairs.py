@@ -16,6 +16,7 @@ import dataclasses
 import jax
 
 from hlofold import _compat as C
+from hlofold._base.reasons import Reason
 from hlofold._quant.core.layer_pairs import OUTSIDE, SHARED
 from hlofold._ir.jaxpr.uses import index_uses
 from hlofold._quant.core.pair_walk import Found, Refused
@@ -68,7 +69,8 @@ def scan_pairs(jaxpr, n_leaves: int, norms: bool = False) -> list[ScanPairs]:
             continue
         found, refused = find_pairs(body.jaxpr, 0, norms, leaves=leaves,
                                     outputs="an output of the scan's body")
-        refused += [Refused(str(i), None, AT_COUNTER) for v, i in leaves.items()
+        refused += [Refused(str(i), None, Reason("pair-loop", AT_COUNTER))
+                    for v, i in leaves.items()
                     if i not in rows and _read_at_counter(body.jaxpr, v)]
         where = f" (in a scanned stack of {length} layers)"
         for r in refused:
@@ -78,7 +80,7 @@ def scan_pairs(jaxpr, n_leaves: int, norms: bool = False) -> list[ScanPairs]:
             keys = [int(k) for k in f.pair.keys()]
             why = _why_not(keys, rows, outside)
             if why:
-                sp.refused.append(Refused(f.pair.first, f.at, why, where))
+                sp.refused.append(Refused(f.pair.first, f.at, Reason("pair-loop", why), where))
             else:
                 (sp.stacked if keys[0] in rows else sp.shared).append(f)
         out.append(sp)

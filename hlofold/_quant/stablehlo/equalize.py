@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from hlofold import _compat as C
+from hlofold._base.reasons import Reason
 from hlofold._ir.stablehlo.artifacts import module_callable
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
 from hlofold._quant.core.smooth import Observed, smooth
@@ -50,8 +51,8 @@ def _readable(found, refused, weights):
                for k in f.pair.keys() if k in weights}      # (views: read pair by pair)
         if any(v is None or float_dtype(elem_type(weights[k].const.results[0])) is None
                for k, v in got.items()):
-            refused.append(Refused(f.pair.first, f.at, "a weight that is not floating point "
-                                   "(or not readable)"))
+            refused.append(Refused(f.pair.first, f.at, Reason(
+                "pair-not-float", "a weight that is not floating point (or not readable)")))
             continue
         values.update(got)
         ok.append(f)
@@ -105,10 +106,11 @@ def _left_starts(refused, weights, names) -> list[NotEqualized]:
 def _left(func, refused, weights, names) -> list[NotEqualized]:
     """The starts refused, and the layers of each loop (not read here), with the reasons."""
     return _left_starts(refused, weights, names) + [
-        NotEqualized("the layers of a loop", where(op), LOOP_LAYERS.format(n=n))
+        NotEqualized("the layers of a loop", where(op),
+                     Reason("pair-loop", LOOP_LAYERS.format(n=n)))
         if op_name(op) == "stablehlo.while" else
         NotEqualized(f"the layers of a {op_name(op)}", where(op),
-                     NESTED_LAYERS.format(n=n, what=op_name(op)))
+                     Reason("pair-loop", NESTED_LAYERS.format(n=n, what=op_name(op))))
         for op, n in loop_layers(func)]
 
 

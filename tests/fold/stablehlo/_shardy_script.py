@@ -177,14 +177,14 @@ def run_check(name: str) -> str:
             new, srep, prepared = hlofold.fold_stablehlo(
                 exp, params={i: np.asarray(v) for i, v in enumerate(leaves)}, smooth=calib,
                 alpha=alpha)
-            assert len(srep.equalized) >= 5, srep
-            assert all((e.searched is None) == (alpha == 0.5) for e in srep.equalized), srep
+            assert len(srep.smoothed) >= 5, srep
+            assert all((e.searched is None) == (alpha == 0.5) for e in srep.smoothed), srep
             new_sh = C.exported_input_shardings(new)[1:]
             placed = [jax.device_put(v, NamedSharding(mesh, s.spec if s is not None else P()))
                       for v, s in zip(prepared, new_sh)]
             out = jax.jit(new.call)(x, *placed)
             close(ref, out, f"export smooth= alpha={alpha}")
-        smoothed = f", {len(srep.equalized)} pairs smoothed"
+        smoothed = f", {len(srep.smoothed)} pairs smoothed"
     elif name == "residual":        # equalize=: the streams walked in the sharded module
         new, erep, prepared = hlofold.fold_stablehlo(
             exp, params={i: np.asarray(v) for i, v in enumerate(leaves)}, equalize=True)

@@ -32,7 +32,7 @@ def test_calibration_of_other_batches_and_lengths(alpha):
     rng = np.random.default_rng(1)
     calib = [(_tokens(rng, 3, 11),), (_tokens(rng, 1, 23),)]
     out = hlofold.fold_params(f, p, *x, smooth=calib, alpha=alpha)     # (raised TypeError)
-    assert out.equalized and rel(f(p, *x), f(out.params, *x)) <= 1e-5, str(out)
+    assert out.smoothed and rel(f(p, *x), f(out.params, *x)) <= 1e-5, str(out)
     # the scales are the calibration's, whatever the example's shapes
     at = hlofold.fold_params(f, p, calib[0][0], smooth=calib, alpha=alpha)
     _same_trees(out.params, at.params)
@@ -44,7 +44,7 @@ def test_a_scanned_stack_calibrated_at_other_lengths():
     c = np.asarray(calib[0])
     longer = [jnp.asarray(np.concatenate([c, c[:, :3]], axis=1)), jnp.asarray(c[:1])]
     out = hlofold.fold_params(g, sp, x, smooth=longer)
-    assert len(out.equalized) == per_layer + 1, str(out)
+    assert len(out.smoothed) == per_layer + 1, str(out)
     assert rel(g(sp, x), g(out.params, x)) <= 1e-5
     at = hlofold.fold_params(g, sp, longer[0], smooth=longer)
     _same_trees(out.params, at.params)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import hlofold
+from hlofold._base.reasons import KINDS
 from tests.helpers import assert_close
 
 RNG = np.random.default_rng(5)
@@ -48,6 +49,7 @@ def equalized(fn, params, *args, pairs):
     before = jax.tree.map(np.array, params)
     out = hlofold.fold_params(fn, params, *args, equalize=True)
     assert len(out.equalized) == pairs, str(out)
+    assert all(n.kind in KINDS for n in out.not_equalized), str(out)   # each with its kind
     assert jax.tree.structure(out.params) == jax.tree.structure(params)
     ref, got = fn(params, *args), fn(out.params, *args)
     # the tolerance model of the program itself (its accumulation and depth: a 53-layer

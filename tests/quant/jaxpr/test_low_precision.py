@@ -45,9 +45,9 @@ def test_bfloat16_decoder_rewritten_bit_for_bit(rewrite):
     base = hlofold.fold_params(f, pb, *x)
     out = hlofold.fold_params(f, pb, *x, **kw)
     ref = hlofold.fold_params(f, p, *x, **kw)
-    assert len(out.equalized) == len(ref.equalized) > 0, str(out)
-    assert all(e.powers_of_two for e in out.equalized) and \
-        not any(e.powers_of_two for e in ref.equalized)
+    done, want = out.equalized + out.smoothed, ref.equalized + ref.smoothed
+    assert len(done) == len(want) > 0, str(out)
+    assert all(e.powers_of_two for e in done) and not any(e.powers_of_two for e in want)
     assert "powers of two" in str(out)
     np.testing.assert_array_equal(np.asarray(f(out.params, *x), np.float32),
                                   np.asarray(f(base.params, *x), np.float32))
@@ -72,8 +72,8 @@ def test_bfloat16_scanned_stack_bit_for_bit(seed):
     sp, x, calib = _bf16(sp), _bf16(x), _bf16(calib)
     base = hlofold.fold_params(g, sp, x)
     out = hlofold.fold_params(g, sp, x, smooth=calib)
-    assert len(out.equalized) == per_layer + 1 and all(e.powers_of_two
-                                                       for e in out.equalized), str(out)
+    assert len(out.smoothed) == per_layer + 1 and all(e.powers_of_two
+                                                       for e in out.smoothed), str(out)
     np.testing.assert_array_equal(np.asarray(g(out.params, x), np.float32),
                                   np.asarray(g(base.params, x), np.float32))
 
@@ -146,8 +146,8 @@ def test_float32_weights_computing_in_bfloat16(rewrite):
     kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
     base = hlofold.fold_params(f, p, x)
     out = hlofold.fold_params(f, p, x, **kw)
-    assert len(out.equalized) == (2 if rewrite == "smooth" else 1), str(out)
-    assert all(e.powers_of_two for e in out.equalized)
+    assert len(out.equalized + out.smoothed) == (2 if rewrite == "smooth" else 1), str(out)
+    assert all(e.powers_of_two for e in (out.equalized + out.smoothed))
     np.testing.assert_array_equal(np.asarray(f(out.params, x)), np.asarray(f(base.params, x)))
     leaves, tree = jax.tree.flatten(p)
     g = jax.jit(lambda *a: f(jax.tree.unflatten(tree, a[:-1]), a[-1]))
@@ -155,6 +155,7 @@ def test_float32_weights_computing_in_bfloat16(rewrite):
     params = {i: np.asarray(a) for i, a in enumerate(leaves)}
     sbase, _, bprep = hlofold.fold_stablehlo(exp, params=params)
     got, rep, prep = hlofold.fold_stablehlo(exp, params=params, **kw)
-    assert len(rep.equalized) >= 1 and all(e.powers_of_two for e in rep.equalized), str(rep)
+    done = rep.equalized + rep.smoothed
+    assert len(done) >= 1 and all(e.powers_of_two for e in done), str(rep)
     np.testing.assert_array_equal(np.asarray(got.call(x, *prep)),
                                   np.asarray(sbase.call(x, *bprep)))

@@ -40,7 +40,7 @@ def test_builtin_decoder():
     ref = f(p, *x)
     assert rel(ref, wxa8(f, out.params, *x)) < 0.75 * rel(ref, wxa8(f, p, *x))
     both = rotated(f, p, x, smooth=calib)                           # then smoothing
-    assert len(both.equalized) >= 7
+    assert len(both.smoothed) >= 7
 
 
 @pytest.mark.parametrize("layers,d,seed", [(1, 32, 0), (3, 64, 1), (2, 48, 2), (2, 96, 3)])

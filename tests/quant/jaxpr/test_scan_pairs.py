@@ -49,9 +49,9 @@ def test_generated_scanned_decoders(seed):
         seed, layers, reverse, unroll)
     out = hlofold.fold_params(scanned, sp, x, smooth=calib)
     ref = hlofold.fold_params(unrolled, up, x, smooth=calib)
-    assert len(out.equalized) == per_layer + 1, str(out)            # (+ the final norm)
-    assert len(ref.equalized) == per_layer * layers + 1, str(ref)
-    inside = [e for e in out.equalized if PER_LAYER.format(layers) in e.location]
+    assert len(out.smoothed) == per_layer + 1, str(out)            # (+ the final norm)
+    assert len(ref.smoothed) == per_layer * layers + 1, str(ref)
+    inside = [e for e in out.smoothed if PER_LAYER.format(layers) in e.location]
     assert len(inside) == per_layer, str(out)
     assert all(np.isfinite(e.scale_range).all() for e in inside)
     _exact(scanned, sp, out, x)
@@ -73,8 +73,8 @@ def test_builtin_scanned_decoder():
     sp = examples.stack_decoder(p)
     flat = hlofold.fold_params(f0, p, *x, smooth=calib)
     out = hlofold.fold_params(examples.scanned_decoder_apply, sp, *x, smooth=calib)
-    assert len(flat.equalized) == 2 * 4 + 1 and len(out.equalized) == 4 + 1, str(out)
-    firsts = sorted(e.first for e in out.equalized)
+    assert len(flat.smoothed) == 2 * 4 + 1 and len(out.smoothed) == 4 + 1, str(out)
+    firsts = sorted(e.first for e in out.smoothed)
     assert firsts == ["['final_norm']"] + [f"['layers']['{n}']"
                                             for n in ("attn_norm", "mlp_norm", "up", "v")]
     f = examples.scanned_decoder_apply
@@ -131,11 +131,12 @@ def test_flax_nn_scan(reverse, rewrite, remat):
     out = hlofold.fold_params(m.apply, v, xs[0], **kw)
     ref = hlofold.fold_params(flat.apply, fv, xs[0], **kw)
     n = 2 if rewrite == "smooth" else 1
-    assert len(out.equalized) == n and len(ref.equalized) == 3 * n, str(out)
+    assert len(out.equalized + out.smoothed) == n and \
+        len(ref.equalized + ref.smoothed) == 3 * n, str(out)
     assert all("stack" in e.first and PER_LAYER.format(3) in e.location
-               for e in out.equalized)
+               for e in (out.equalized + out.smoothed))
     assert any("Dense_1" in e.kernel and "residual" in e.reason and "scanned stack" in
-               e.location for e in out.not_equalized), str(out)
+               e.location for e in (out.not_equalized + out.not_smoothed)), str(out)
     _exact(m.apply, v, out, xs[1])
     _rows_match(out.params["params"]["stack"],
                 [ref.params["params"][f"L{i}"] for i in range(3)])
@@ -167,9 +168,9 @@ def test_a_weight_shared_by_every_layer_leaves_the_pair():
         return lax.scan(lambda h, k: (_norm_dense(h, p["g"], *k), None), x,
                         (p["k1"], p["k2"]))[0]
     out = hlofold.fold_params(f, p, xs[0], smooth=xs)
-    assert [e.first for e in out.equalized] == ["['k1']"], str(out)
+    assert [e.first for e in out.smoothed] == ["['k1']"], str(out)
     assert any(e.kernel == "['g']" and "one value for every scanned layer" in e.reason
-               for e in out.not_equalized), str(out)
+               for e in out.not_smoothed), str(out)
     _exact(f, p, out, xs[1])
 
 
@@ -180,8 +181,8 @@ def test_a_weight_read_outside_the_scan_too_leaves_the_pair():
         y = lax.scan(lambda h, k: (_norm_dense(h, *k), None), x, (p["g"], p["k1"], p["k2"]))[0]
         return y, p["k1"].sum()
     out = hlofold.fold_params(f, p, xs[0], smooth=xs)
-    assert [e.first for e in out.equalized] == [], str(out)
-    assert {e.kernel for e in out.not_equalized if "outside the scan" in e.reason} == \
+    assert [e.first for e in out.smoothed] == [], str(out)
+    assert {e.kernel for e in out.not_smoothed if "outside the scan" in e.reason} == \
         {"['g']", "['k1']"}, str(out)
     _exact(f, p, out, xs[1])
 
@@ -196,8 +197,8 @@ def test_weights_shared_by_every_layer_take_one_scale():
         return lax.scan(lambda h, _: (_norm_dense(h, p["g"], p["k1"], p["k2"]), None), x,
                         None, length=3)[0]
     out = hlofold.fold_params(f, p, xs[0], smooth=xs)
-    assert sorted(e.first for e in out.equalized) == ["['g']", "['k1']"], str(out)
-    assert all("one scale for every layer" in e.location for e in out.equalized)
+    assert sorted(e.first for e in out.smoothed) == ["['g']", "['k1']"], str(out)
+    assert all("one scale for every layer" in e.location for e in out.smoothed)
     _exact(f, p, out, xs[1])
 
 
@@ -262,7 +263,7 @@ def test_rows_read_at_a_counter_are_left_with_the_reason():
         return lax.fori_loop(0, 3, lambda i, h: _norm_dense(h, p["g"][i], p["k1"][i],
                                                             p["k2"][i]), x)
     out = hlofold.fold_params(f, p, xs[0], smooth=xs)
-    assert out.equalized == [], str(out)
-    assert {e.kernel for e in out.not_equalized if "loop's counter" in e.reason} == \
+    assert out.smoothed == [], str(out)
+    assert {e.kernel for e in out.not_smoothed if "loop's counter" in e.reason} == \
         {"['g']", "['k1']", "['k2']"}, str(out)
     _exact(f, p, out, xs[1])

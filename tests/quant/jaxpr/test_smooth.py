@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import hlofold
+from hlofold._base.reasons import KINDS
 from benchmarks.quantization import smooth_case, wxa8
 from hlofold import examples
 from tests.quant.jaxpr.test_equalize import rel
@@ -21,8 +22,9 @@ EXACT = 1e-5
 def smoothed(f, p, x, calib, pairs, **kw):
     before = jax.tree.map(np.array, p)
     out = hlofold.fold_params(f, p, *x, smooth=calib, **kw)
-    assert len(out.equalized) == pairs, str(out)
-    assert all(e.kind == "smoothed" for e in out.equalized)
+    assert len(out.smoothed) == pairs, str(out)
+    assert all(e.kind == "smoothed" for e in out.smoothed) and not out.equalized
+    assert all(n.kind in KINDS for n in out.not_smoothed), str(out)    # each with its kind
     for r, o in zip(jax.tree.leaves(f(p, *x)), jax.tree.leaves(f(out.params, *x))):
         assert rel(r, o) <= EXACT, (rel(r, o), str(out))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(p)):
@@ -33,7 +35,7 @@ def smoothed(f, p, x, calib, pairs, **kw):
 def test_decoder_norms_and_gated_product():
     f, p, x, calib = smooth_case("decoder", 0)
     out = smoothed(f, p, x, calib, pairs=9)   # per layer: both norms, v, up; the head
-    first = {e.first: e for e in out.equalized}
+    first = {e.first: e for e in out.smoothed}
     qkv = first["['layers'][0]['attn_norm']"]
     assert qkv.seconds == [f"['layers'][0]['{n}']" for n in "qkv"]
     assert first["['layers'][1]['up']"].seconds == ["['layers'][1]['down']"]
@@ -42,7 +44,7 @@ def test_decoder_norms_and_gated_product():
     # v -> o through attention: split into heads, a batch axis of probs @ v, merged back
     assert first["['layers'][0]['v']"].seconds == ["['layers'][0]['o']"]
     assert any("['layers'][0]['q']" == n.kernel and "split over axes" in n.reason
-               for n in out.not_equalized), str(out)
+               for n in out.not_smoothed), str(out)
     # the point: w8a8 (weights per channel, activations per tensor) errs less
     ref = f(p, *x)
     assert rel(ref, wxa8(f, out.params, *x)) < 0.75 * rel(ref, wxa8(f, p, *x))
@@ -52,8 +54,8 @@ def test_decoder_norms_and_gated_product():
 def test_flax_block(norm):
     f, p, x, calib = smooth_case(norm, 1)
     out = smoothed(f, p, x, calib, pairs=4)
-    assert sorted(len(e.seconds) for e in out.equalized) == [1, 1, 2, 3]   # v, up; gate+up; qkv
-    biases = [b for e in out.equalized for b in e.biases]
+    assert sorted(len(e.seconds) for e in out.smoothed) == [1, 1, 2, 3]   # v, up; gate+up; qkv
+    biases = [b for e in out.smoothed for b in e.biases]
     if norm == "LayerNorm":                   # β divided with γ
         assert any(b.endswith("['bias']") and "LayerNorm" in b for b in biases)
 
@@ -67,9 +69,9 @@ def test_alpha_moves_more_into_weights(block_seed):
     f, p, x, calib = smooth_case("RMSNorm", 2, block_seed=block_seed)
     lo = smoothed(f, p, x, calib, pairs=4, alpha=0.25)
     hi = smoothed(f, p, x, calib, pairs=4, alpha=0.75)
-    span = lambda o: max(e.scale_range[1] / e.scale_range[0] for e in o.equalized)  # noqa: E731
+    span = lambda o: max(e.scale_range[1] / e.scale_range[0] for e in o.smoothed)  # noqa: E731
     assert span(hi) > 1.4 * span(lo)
-    assert {e.alpha for e in lo.equalized} == {0.25} and {e.alpha for e in hi.equalized} == {0.75}
+    assert {e.alpha for e in lo.smoothed} == {0.25} and {e.alpha for e in hi.smoothed} == {0.75}
     assert "α 0.75, scales" in str(hi)
 
 
@@ -90,8 +92,8 @@ def test_post_norm_residual_refused():
          "w2": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
     x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
     out = smoothed(f, p, (x,), [x], pairs=1)                 # w -> relu -> w2 only
-    assert out.equalized[0].first == "['w']"
-    g = next(n for n in out.not_equalized if n.kernel == "['g']")
+    assert out.smoothed[0].first == "['w']"
+    g = next(n for n in out.not_smoothed if n.kernel == "['g']")
     assert "not only by layers" in g.reason
 
 
@@ -125,7 +127,7 @@ def test_generated_decoders_from_degenerate_example_inputs(seed):
     from tests.helpers.pair_programs import decoder_program
     fn, p, x, calib, expected = decoder_program(seed)
     out = hlofold.fold_params(fn, p, jnp.zeros_like(x), smooth=calib)
-    assert len(out.equalized) == expected, str(out)
+    assert len(out.smoothed) == expected, str(out)
     assert rel(fn(p, x), fn(out.params, x)) <= EXACT, str(out)
 
 
@@ -143,9 +145,9 @@ def test_generated_decoders_calibrated_at_other_shapes(seed):
     out = smoothed(fn, p, (x,), shaped, pairs=expected)
     rows = hlofold.fold_params(fn, p, x, smooth=[c[i:i + 1] for c in shaped
                                                   for i in range(c.shape[0])])
-    assert [e.first for e in rows.equalized] == [e.first for e in out.equalized]
-    np.testing.assert_allclose([e.scale_range for e in rows.equalized],
-                               [e.scale_range for e in out.equalized], rtol=1e-6)
+    assert [e.first for e in rows.smoothed] == [e.first for e in out.smoothed]
+    np.testing.assert_allclose([e.scale_range for e in rows.smoothed],
+                               [e.scale_range for e in out.smoothed], rtol=1e-6)
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_multi_head_kernels(bias):
@@ -156,8 +158,8 @@ def test_multi_head_kernels(bias):
     from tests.helpers.blocks import flax_multi_head_block
     f, v, x, calib = flax_multi_head_block(bias)
     out = smoothed(f, v, (x,), calib, pairs=2)
-    assert sorted(len(e.seconds) for e in out.equalized) == [1, 3]
-    vo = next(e for e in out.equalized if len(e.seconds) == 1)
+    assert sorted(len(e.seconds) for e in out.smoothed) == [1, 3]
+    vo = next(e for e in out.smoothed if len(e.seconds) == 1)
     assert "DenseGeneral_2" in vo.first and "DenseGeneral_3" in vo.seconds[0], str(out)
     assert vo.biases == (["['params']['DenseGeneral_2']['bias']"] if bias else [])
     assert vo.scale_range[1] / vo.scale_range[0] > 1.5
@@ -173,7 +175,7 @@ def test_grouped_query_attention_pairs_v_o_through_the_repeat(repeat):
     from tests.helpers.blocks import gqa_block
     f, p, x, calib = gqa_block(repeat)
     out = smoothed(f, p, (x,), calib, pairs=1)
-    assert out.equalized[0].first == "['v']" and out.equalized[0].seconds == ["['o']"]
+    assert out.smoothed[0].first == "['v']" and out.smoothed[0].seconds == ["['o']"]
     hd, kvh = 4, 4 // repeat
     s = np.asarray(p["v"]) / np.asarray(out.params["v"])          # (d, kvh·hd): 1/s per column
     s = s[0]
@@ -198,7 +200,8 @@ def test_sharding_constraints_between_layers_are_passed(rewrite):
         kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
         out = hlofold.fold_params(f, p, x, **kw)
         assert rel(f(p, x), f(out.params, x)) <= EXACT, str(out)
-        got.append([(e.first, e.seconds, e.scale_range) for e in out.equalized])
+        got.append([(e.first, e.seconds, e.scale_range)
+                    for e in (out.smoothed if rewrite == "smooth" else out.equalized)])
     assert got[0] == got[1] and len(got[0]) == (3 if rewrite == "smooth" else 2), got
 
 
@@ -209,7 +212,7 @@ def test_repeated_kv_channels_reaching_a_bias_are_left_with_the_reason():
     f, p, x = repeated_kv_bias_block()
     out = smoothed(f, p, (x,), [x, 2 * x], pairs=0)
     assert any(n.kernel == "['v']" and "repeated over an axis" in n.reason
-               for n in out.not_equalized), str(out)
+               for n in out.not_smoothed), str(out)
 
 
 def test_multi_head_bias_read_elsewhere_stops_the_pair():
@@ -226,7 +229,7 @@ def test_multi_head_bias_read_elsewhere_stops_the_pair():
     x = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
     out = smoothed(f, p, (x,), [x], pairs=0)
     assert any(n.kernel == "['v']" and "read 2 times" in n.reason
-               for n in out.not_equalized), str(out)
+               for n in out.not_smoothed), str(out)
 
 
 def _outlier_inputs(shape, k):
@@ -266,7 +269,7 @@ def test_equinox_layernorm_linear(alpha):
     x = _outlier_inputs((4, 16), 3)
     out = smoothed(f, params, (x,), [_outlier_inputs((4, 16), k) for k in (4, 5)], pairs=2,
                    alpha=alpha)
-    assert any(e.first.endswith(".weight") and len(e.biases) == 1 for e in out.equalized)
+    assert any(e.first.endswith(".weight") and len(e.biases) == 1 for e in out.smoothed)
 
 
 @pytest.mark.parametrize("alpha", [0.5, "search:w4a8"])
@@ -288,7 +291,7 @@ def test_keras_layernorm_dense(alpha):
                    alpha=alpha)
     # Keras' LayerNormalization multiplies γ into a factor it applies to x and to the mean
     # (x·inv + (β − mean·inv)): two readers, so the norm is left, saying so
-    assert any(n.kernel == "[0]" and "read 2 times" in n.reason for n in out.not_equalized)
+    assert any(n.kernel == "[0]" and "read 2 times" in n.reason for n in out.not_smoothed)
 
 
 def test_the_benchmarks_smoothing_draws_keep_the_float_model():
@@ -320,9 +323,9 @@ def test_searched_alpha_is_exact_reported_and_quantizes_better():
     from hlofold._quant.core.smooth_search import GRID
     f, p, x, calib = smooth_case("decoder", 0)
     out = smoothed(f, p, x, calib, pairs=9, alpha="search:w4a8")
-    assert {e.searched for e in out.equalized} == {"search:w4a8"}
-    assert all(e.alpha is None or e.alpha in GRID for e in out.equalized)
-    assert len({e.alpha for e in out.equalized}) > 1, str(out)       # chosen per pair
+    assert {e.searched for e in out.smoothed} == {"search:w4a8"}
+    assert all(e.alpha is None or e.alpha in GRID for e in out.smoothed)
+    assert len({e.alpha for e in out.smoothed}) > 1, str(out)       # chosen per pair
     assert "(searched for w4a8), scales" in str(out)
     fixed = hlofold.fold_params(f, p, *x, smooth=calib)
     ref = f(p, *x)
@@ -342,7 +345,7 @@ def test_search_keeps_the_rows_unsmoothed_where_no_alpha_helps():
     p = {"g": jnp.full(8, 2.0, jnp.float32), "w": jnp.asarray(w)}
     x = jnp.asarray(np.sign(rng.standard_normal((32, 8))), jnp.float32)
     out = smoothed(f, p, (x,), [x], pairs=1, alpha="search:w8a8")
-    e = out.equalized[0]
+    e = out.smoothed[0]
     assert e.alpha is None and e.scale_range == (1.0, 1.0), str(out)
     assert "α none better than unsmoothed (searched for w8a8)" in str(out)
 
@@ -371,7 +374,7 @@ def test_grouped_query_attention_searched(repeat):
     from tests.helpers.blocks import gqa_block
     f, p, x, calib = gqa_block(repeat)
     out = smoothed(f, p, (x,), calib, pairs=1, alpha="search:w4a8")
-    e = out.equalized[0]
+    e = out.smoothed[0]
     assert (e.first, e.seconds, e.searched) == ("['v']", ["['o']"], "search:w4a8")
     rows = np.asarray(out.params["o"]) / np.asarray(p["o"])
     assert np.allclose(rows, rows[:, :1], rtol=1e-5)              # one scale per row
@@ -389,10 +392,10 @@ def test_generated_cnn_chains_searched_with_grouped_layers(seed):
     fn, p, x, _, (layers, _) = program(seed)
     calib = [x, 2 * x + 1]
     want = hlofold.fold_params(fn, p, x, smooth=calib)
-    grouped = [k for e in want.equalized for k in e.seconds
+    grouped = [k for e in want.smoothed for k in e.seconds
                if k.startswith("['k") and layers[int(k[3:-2])][0] > 1]
     assert grouped, str(want)
-    out = smoothed(fn, p, (x,), calib, pairs=len(want.equalized), alpha="search:w4a8")
-    assert [(e.first, e.seconds) for e in out.equalized] == \
-        [(e.first, e.seconds) for e in want.equalized]
-    assert all(e.searched == "search:w4a8" for e in out.equalized)
+    out = smoothed(fn, p, (x,), calib, pairs=len(want.smoothed), alpha="search:w4a8")
+    assert [(e.first, e.seconds) for e in out.smoothed] == \
+        [(e.first, e.seconds) for e in want.smoothed]
+    assert all(e.searched == "search:w4a8" for e in out.smoothed)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import hlofold
+from hlofold._base.reasons import KINDS
 from hlofold._ir.stablehlo.artifacts import input_specs, module_callable
 from tests.quant.jaxpr.test_equalize import IMG, mobile, per_tensor, rel
 from tests.helpers import DATA, assert_close, in_threads
@@ -41,6 +42,7 @@ def _equalized(fn, params, x, **kw):
     out = got.call(x, *prep)
     for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
         assert rel(r, o) <= EXACT, rel(r, o)
+    assert all(n.kind in KINDS for n in rep.not_equalized), str(rep)   # each with its kind
     return got, rep, prep, ref
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hlofold
+from hlofold._base.reasons import KINDS
 from hlofold import examples
 from benchmarks.quantization import smooth_case
 from hlofold._ir.stablehlo.ir import StableHLOError
@@ -32,7 +33,8 @@ def _smoothed(f, p, x, calib, **kw):
     ref, out = g(*leaves, *x), got.call(*x, *prep)
     for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
         assert rel(r, o) <= EXACT, (rel(r, o), str(rep))
-    assert all(e.kind == "smoothed" for e in rep.equalized)
+    assert all(e.kind == "smoothed" for e in rep.smoothed) and not rep.equalized
+    assert all(n.kind in KINDS for n in rep.not_smoothed), str(rep)    # each with its kind
     return rep, prep, exp
 
 
@@ -49,14 +51,14 @@ def _norm_scales_match(prep, written, names):
 def test_decoder_norms_and_gated_product_on_stablehlo():
     f, p, x, calib = smooth_case("decoder", 0)
     rep, prep, _ = _smoothed(f, p, x, calib)
-    norms = [e for e in rep.equalized if e.first.startswith("the norm output")]
-    layers = [e for e in rep.equalized if not e.first.startswith("the norm output")]
+    norms = [e for e in rep.smoothed if e.first.startswith("the norm output")]
+    layers = [e for e in rep.smoothed if not e.first.startswith("the norm output")]
     # per layer both norms (q, k, v; gate and up) and the final norm (the head); per layer
     # up -> down and v -> o (through the heads: reshape, transpose, probs @ v, merged back)
     assert sorted(len(e.seconds) for e in norms) == [1, 2, 2, 3, 3], str(rep)
     assert len(layers) == 4 and all(len(e.seconds) == 1 for e in layers), str(rep)
-    assert not any("reshape" in n.reason for n in rep.not_equalized), str(rep)
-    assert any("split over axes" in n.reason for n in rep.not_equalized), str(rep)   # q, k
+    assert not any("reshape" in n.reason for n in rep.not_smoothed), str(rep)
+    assert any("split over axes" in n.reason for n in rep.not_smoothed), str(rep)   # q, k
     assert max(e.scale_range[1] / e.scale_range[0] for e in norms) > 3    # massive channels
     written = hlofold.fold_params(f, p, *x, smooth=calib).params
     _norm_scales_match(prep, written, [("layers", 0, "attn_norm"), ("layers", 0, "mlp_norm"),
@@ -75,7 +77,7 @@ def test_flax_block_on_stablehlo(norm):
     rep, _, _ = _smoothed(f, p, x, calib)
     # q, k, v after the first norm; gate and up after the second; up -> down; v -> o
     # through the heads — the pairs of fold_params(smooth=) (tests/quant/jaxpr/test_smooth.py)
-    assert sorted(len(e.seconds) for e in rep.equalized) == [1, 1, 2, 3], str(rep)
+    assert sorted(len(e.seconds) for e in rep.smoothed) == [1, 1, 2, 3], str(rep)
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -88,10 +90,10 @@ def test_generated_decoders_on_stablehlo(seed):
     stop_v, stop_up = fn.stops
     rep, _, _ = _smoothed(fn, p, (x,), calib)
     want = expected + (stop_up == "add_const") + (stop_v == "add_const")
-    assert len(rep.equalized) == want, (expected, fn.stops, str(rep))
+    assert len(rep.smoothed) == want, (expected, fn.stops, str(rep))
     if stop_v is None:
         assert not any("split over axes" in n.reason and "dot_general" not in n.reason
-                       for n in rep.not_equalized), str(rep)
+                       for n in rep.not_smoothed), str(rep)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -102,8 +104,8 @@ def test_multi_head_kernels_on_stablehlo(bias):
     from tests.helpers.blocks import flax_multi_head_block
     f, v, x, calib = flax_multi_head_block(bias)
     rep, prep, _ = _smoothed(f, v, (x,), calib)
-    assert sorted(len(e.seconds) for e in rep.equalized) == [1, 3], str(rep)
-    assert len(next(e for e in rep.equalized if len(e.seconds) == 1).biases) == bias
+    assert sorted(len(e.seconds) for e in rep.smoothed) == [1, 3], str(rep)
+    assert len(next(e for e in rep.smoothed if len(e.seconds) == 1).biases) == bias
     written = hlofold.fold_params(f, v, x, smooth=calib).params["params"]
     wants = [written["DenseGeneral_3"]["kernel"]] + \
         ([written["DenseGeneral_2"]["bias"]] if bias else [])
@@ -121,8 +123,8 @@ def test_grouped_query_attention_on_stablehlo(repeat):
     f, p, x, calib = gqa_block(repeat)
     rep, prep, _ = _smoothed(f, p, (x,), calib)
     want = hlofold.fold_params(f, p, x, smooth=calib)
-    assert len(rep.equalized) == len(want.equalized) == 1, str(rep)
-    assert rep.equalized[0].scale_range == pytest.approx(want.equalized[0].scale_range,
+    assert len(rep.smoothed) == len(want.smoothed) == 1, str(rep)
+    assert rep.smoothed[0].scale_range == pytest.approx(want.smoothed[0].scale_range,
                                                          rel=1e-5)
     o = np.asarray(want.params["o"])
     assert any(np.shape(a) == o.shape and np.allclose(a, o, rtol=1e-4, atol=1e-6)
@@ -145,7 +147,8 @@ def test_sharding_constraints_between_layers_are_passed_on_stablehlo(rewrite):
         new, rep, prep = hlofold.fold_stablehlo(
             exp, params={i: np.asarray(a) for i, a in enumerate(leaves)}, **kw)
         assert rel(g(*leaves, x), new.call(x, *prep)) <= EXACT, str(rep)
-        got.append(sorted((len(e.seconds), *e.scale_range) for e in rep.equalized))
+        got.append(sorted((len(e.seconds), *e.scale_range)
+                          for e in (rep.smoothed if rewrite == "smooth" else rep.equalized)))
     assert len(got[0]) == (3 if rewrite == "smooth" else 2), got
     assert np.allclose(got[0], got[1], rtol=1e-6), got
 
@@ -156,8 +159,8 @@ def test_repeated_kv_channels_reaching_a_bias_are_left_on_stablehlo():
     from tests.helpers.blocks import repeated_kv_bias_block
     f, p, x = repeated_kv_bias_block()
     rep, _, _ = _smoothed(f, p, (x,), [[x], [2 * x]])
-    assert rep.equalized == [], str(rep)
-    assert any("repeated over an axis" in n.reason for n in rep.not_equalized), str(rep)
+    assert rep.smoothed == [], str(rep)
+    assert any("repeated over an axis" in n.reason for n in rep.not_smoothed), str(rep)
 
 
 def test_bad_calibration_inputs_and_split_are_errors():
@@ -180,8 +183,8 @@ def test_bad_calibration_inputs_and_split_are_errors():
     # the module's weights as constants: smoothed in place, calibrated the same way
     const = jax.export.export(jax.jit(lambda x: f(p, x)))(*x)
     got, rep = hlofold.fold_stablehlo(const, smooth=calib)
-    assert len(rep.equalized) == 4 and rel(f(p, *x), got.call(*x)) <= EXACT
-    assert {e.alpha for e in rep.equalized} == {0.5}
+    assert len(rep.smoothed) == 4 and rel(f(p, *x), got.call(*x)) <= EXACT
+    assert {e.alpha for e in rep.smoothed} == {0.5}
 
 
 def _cli_case(tmp_path):
@@ -234,8 +237,8 @@ def _scale_ranges_match(rep, want, unroll: int = 1):
     where the first side adds no bias (a norm's β: the jaxpr path measures the norm's output
     after it, this one before, where the fold left the norm; both exact, the scales not the
     same)."""
-    got = [e for e in rep.equalized if "scanned stack" in e.location]
-    exp = [e for e in want.equalized if "scanned stack" in e.location]
+    got = [e for e in rep.smoothed if "scanned stack" in e.location]
+    exp = [e for e in want.smoothed if "scanned stack" in e.location]
     if unroll == 1:
         for e in (e for e in exp if not e.biases):
             assert any(len(g.seconds) == len(e.seconds) and
@@ -256,10 +259,10 @@ def test_builtin_scanned_decoder_smooths_each_layer_as_on_the_jaxpr_path():
     rep, prep, _ = _smoothed(examples.scanned_decoder_apply, sp, x, calib)
     want = hlofold.fold_params(examples.scanned_decoder_apply, sp, *x, smooth=calib)
     got = _scale_ranges_match(rep, want)
-    assert len(got) == 4 and len(rep.equalized) == len(want.equalized) == 5, str(rep)
+    assert len(got) == 4 and len(rep.smoothed) == len(want.smoothed) == 5, str(rep)
     assert all("each of its 2 layers its own scales" in e.location for e in got)
-    assert not any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
-    layers = [sorted((e for e in r.equalized if not e.first.startswith(("the norm", "['"))
+    assert not any("inside this loop" in n.reason for n in rep.not_smoothed), str(rep)
+    layers = [sorted((e for e in r.smoothed if not e.first.startswith(("the norm", "['"))
                      or "norm" not in e.first), key=lambda e: e.spread_before)
               for r in (rep, want)]
     for a, b in zip(*layers):               # (v -> o, up -> down: the same kernels)
@@ -285,10 +288,10 @@ def test_generated_scanned_stacks_smooth_per_layer_as_on_the_jaxpr_path(seed):
     rep, _, _ = _smoothed(fn, sp, (x,), calib)
     want = hlofold.fold_params(fn, sp, x, smooth=calib)
     more = sum(s == "add_const" for s in fn.stops)     # (a folded bias here: see above)
-    exp = [e for e in want.equalized if "scanned stack" in e.location]
+    exp = [e for e in want.smoothed if "scanned stack" in e.location]
     got = _scale_ranges_match(rep, want, unroll)
     assert len(got) == (len(exp) + more) * unroll, (str(rep), str(want))
-    assert not any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+    assert not any("inside this loop" in n.reason for n in rep.not_smoothed), str(rep)
 
 
 def test_a_loop_that_is_not_counted_is_not_smoothed_on_either_path():
@@ -297,11 +300,11 @@ def test_a_loop_that_is_not_counted_is_not_smoothed_on_either_path():
     from tests.helpers.blocks import uncounted_loop
     f, p, x = uncounted_loop()
     rep, _, _ = _smoothed(f, p, (x,), [[x], [2 * x]])
-    assert rep.equalized == [], str(rep)
-    assert any("inside this loop" in n.reason for n in rep.not_equalized), str(rep)
+    assert rep.smoothed == [], str(rep)
+    assert any("inside this loop" in n.reason for n in rep.not_smoothed), str(rep)
     out = hlofold.fold_params(f, p, x, smooth=[x, 2 * x])
-    assert out.equalized == [] and any("inside this while loop" in n.reason
-                                       for n in out.not_equalized), str(out)
+    assert out.smoothed == [] and any("inside this while loop" in n.reason
+                                       for n in out.not_smoothed), str(out)
 
 
 def test_scanned_cnn_stack_smoothed_from_the_cli(tmp_path):
@@ -324,11 +327,11 @@ def test_scanned_cnn_stack_smoothed_from_the_cli(tmp_path):
                            "--smooth", str(c), "--report", str(rpt)], capture_output=True,
                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr
-    sm = json.loads(rpt.read_text())["equalized"]
+    sm = json.loads(rpt.read_text())["smoothed"]
     want = hlofold.fold_params(scanned, p, x, smooth=calib)
-    assert len(sm) == len(want.equalized) == 1, (sm, str(want))
+    assert len(sm) == len(want.smoothed) == 1, (sm, str(want))
     assert "each of its 3 layers its own scales" in sm[0]["location"], sm
-    assert sm[0]["scale_range"] == pytest.approx(list(want.equalized[0].scale_range),
+    assert sm[0]["scale_range"] == pytest.approx(list(want.smoothed[0].scale_range),
                                                  rel=1e-4)
     assert rel(scanned(p, x), module_callable(out.read_text())(x)[0]) <= EXACT
 
@@ -348,9 +351,11 @@ def test_bfloat16_weights_rewritten_bit_for_bit(rewrite):
     kw = {"smooth": calib} if rewrite == "smooth" else {"equalize": True}
     base, _, bprep = hlofold.fold_stablehlo(exp, params=params)
     got, rep, prep = hlofold.fold_stablehlo(exp, params=params, **kw)
-    assert len(rep.equalized) >= 4 and all(e.powers_of_two for e in rep.equalized), str(rep)
+    done, left = ((rep.smoothed, rep.not_smoothed) if rewrite == "smooth" else
+                  (rep.equalized, rep.not_equalized))
+    assert len(done) >= 4 and all(e.powers_of_two for e in done), str(rep)
     assert not any("floating point" in n.reason or "shared weight" in n.reason
-                   for n in rep.not_equalized), str(rep)
+                   for n in left), str(rep)
     np.testing.assert_array_equal(np.asarray(got.call(*x, *prep), np.float32),
                                   np.asarray(base.call(*x, *bprep), np.float32))
 
@@ -364,17 +369,17 @@ def test_searched_alpha_is_the_jaxpr_paths():
     f, p, x, calib = smooth_case("decoder", 0)
     rep, _, _ = _smoothed(f, p, x, calib, alpha="search:w4a8")
     want = hlofold.fold_params(f, p, *x, smooth=calib, alpha="search:w4a8")
-    assert {e.searched for e in rep.equalized} == {"search:w4a8"}
-    assert sorted(e.alpha or -1 for e in rep.equalized) == \
-        sorted(e.alpha or -1 for e in want.equalized), (str(rep), str(want))
+    assert {e.searched for e in rep.smoothed} == {"search:w4a8"}
+    assert sorted(e.alpha or -1 for e in rep.smoothed) == \
+        sorted(e.alpha or -1 for e in want.smoothed), (str(rep), str(want))
     sp = examples.stack_decoder(p)
     rep, _, _ = _smoothed(examples.scanned_decoder_apply, sp, x, calib, alpha="search:w4a8")
-    got = [e for e in rep.equalized if "scanned stack" in e.location]
+    got = [e for e in rep.smoothed if "scanned stack" in e.location]
     assert len(got) == 4 and all(e.searched == "search:w4a8" for e in got), str(rep)
     want = hlofold.fold_params(examples.scanned_decoder_apply, sp, *x, smooth=calib,
                                alpha="search:w4a8")
     key = lambda e: str(e.alpha)                                          # noqa: E731
-    mine = [e for e in want.equalized if "scanned stack" in e.location]
+    mine = [e for e in want.smoothed if "scanned stack" in e.location]
     assert sorted(map(key, got)) == sorted(map(key, mine)), (str(rep), str(want))
 
 
