@@ -29,8 +29,8 @@ from .params import (JIT_NAMES, OPEN_SLOTS, REMAT_NAMES, call_body, call_constra
                      is_closed_param, param_jaxprs, remat_body, scan_body, scan_layout, scan_linear,
                      scan_reverse, while_body, with_call_consts, with_cond_branches,
                      with_remat_body, with_scan_body, with_scan_operands, with_while_body)
-from .mlir import (bfloat16, exported_input_shardings, exported_with_inputs, location_view, mlir,
-                   mlir_context, module_to_portable_artifact, ops_named)
+from .mlir import (bfloat16, constants_in_module, exported_input_shardings, exported_with_inputs,
+                   location_view, mlir, mlir_context, module_to_portable_artifact, ops_named)
 from .xla import YNN_FUSION, option_supported, ynn_fused_convolutions, ynn_single_ops
 
 __all__ = [
@@ -50,7 +50,8 @@ __all__ = [
     "scan_linear", "scan_reverse", "while_body", "with_call_consts",
     "with_cond_branches", "with_remat_body", "with_scan_body", "with_scan_operands",
     "with_while_body",
-    "bfloat16", "exported_input_shardings", "exported_with_inputs", "location_view",
+    "bfloat16", "constants_in_module", "exported_input_shardings", "exported_with_inputs",
+    "location_view",
     "mlir", "mlir_context", "module_to_portable_artifact", "ops_named",
     "YNN_FUSION", "option_supported", "ynn_fused_convolutions", "ynn_single_ops",
 ]

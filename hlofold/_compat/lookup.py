@@ -27,8 +27,8 @@ from typing import Any
 import jax
 
 # The JAX releases CI runs the suite on (.ci/run): the oldest and the newest installable
-# (0.10.x on Python 3.11, 0.11.0 to 0.12.0.1 on Python 3.12+).
-TESTED = ("0.10.0", "0.12.0.1")
+# (0.10.x on Python 3.11, 0.11.0 to 0.12.1 on Python 3.12+).
+TESTED = ("0.10.0", "0.12.1")
 JAX_VERSION: str = jax.__version__
 
 

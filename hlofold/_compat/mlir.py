@@ -5,6 +5,7 @@ The bindings are looked up through :func:`lookup.internal` (feature ``"stablehlo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -75,6 +76,21 @@ def location_view(loc) -> tuple[str, object]:
         if test is not None and test():
             return kind, loc
     return "unknown", loc
+
+
+def constants_in_module():
+    """A context in which a lowering keeps the arrays a function closes over in the module,
+    as constants: JAX 0.12.1 passes them as ``@main`` arguments marked ``jax.const``
+    (``jax_use_simplified_jaxpr_constants``, on by default there), whose values a module's
+    text then lacks — what ``hlofold.lower(..., freeze=)`` promises is a module that holds
+    them ("params baked in"). The option's own context (this thread's lowerings only); on a
+    JAX without it, lowerings as that JAX makes them."""
+    try:
+        from jax._src import config as jax_config
+        state = jax_config.use_simplified_jaxpr_constants
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+    return state(False)
 
 
 def mlir_context():

@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from hlofold import _compat as C
 from .api import Folded, fold
 
 
@@ -27,9 +28,13 @@ def _folded(f: Callable, freeze, kw) -> Folded:
 def lower(f: Callable, *args, freeze: Any = (), **fold_options) -> str:
     """Folded StableHLO text of ``f`` for ``args``: what
     ``jax.jit(f).lower(*args).as_text()`` gives, with every BatchNorm whose parameters are
-    frozen (``freeze=``) folded; with ``in_graph=True`` also those whose parameters are
-    arguments (rescaled in the graph, guarded)."""
-    return _folded(f, freeze, fold_options).lower_with_arguments(*args).as_text()
+    frozen (``freeze=``) folded — their folded kernels and biases constants in the module
+    (on JAX 0.12.1 and later too, which passes the constants of its lowerings as arguments
+    marked ``jax.const``); with ``in_graph=True`` also those whose parameters are arguments
+    (rescaled in the graph, guarded)."""
+    folded = _folded(f, freeze, fold_options)
+    with C.constants_in_module():
+        return folded.lower_with_arguments(*args).as_text()
 
 
 def export(f: Callable, *args_or_specs, platforms: Sequence[str] | None = None,

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from hlofold import _compat as C
+
 # IREE runtime name -> (compiler target backend, runtime driver, compiler flags)
 TARGETS = {"iree:llvm-cpu": ("llvm-cpu", "local-task", ("--iree-llvmcpu-target-cpu=host",)),
             "iree:cuda": ("cuda", "cuda", ())}
@@ -59,8 +61,8 @@ def run(name: str, program: Callable, args: Sequence) -> list[np.ndarray]:
     import iree.compiler as ic
     import iree.runtime as rt
     target, driver, flags = TARGETS[name]
-    with jax.default_device(jax.devices("cpu")[0]):
-        text = jax.jit(program, keep_unused=True).lower(*args).as_text()
+    with jax.default_device(jax.devices("cpu")[0]), C.constants_in_module():
+        text = jax.jit(program, keep_unused=True).lower(*args).as_text()   # (self-contained)
     try:
         vmfb = ic.compile_str(text, target_backends=[target], input_type="stablehlo",
                               extra_args=list(flags + _FLAGS))

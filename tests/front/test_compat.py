@@ -61,19 +61,19 @@ def test_versions_newer_than_the_window_are_untested():
     assert lookup.version_tuple("0.12.0.1") == (0, 12, 0, 1)
     assert lookup.version_tuple("0.11.0.dev20260801") == (0, 11, 0)
     assert lookup.version_tuple("0.10.2rc1") == (0, 10, 2)
-    for v in ("0.10.0", "0.10.2", "0.11.0", "0.11.2", "0.12.0", C.TESTED[1]):
+    for v in ("0.10.0", "0.10.2", "0.11.0", "0.11.2", "0.12.0", "0.12.0.1", C.TESTED[1]):
         assert not lookup.is_untested(v), v
-    for v in ("0.12.1", "0.12.0.2", "0.13.0", "1.0", "0.12.1.dev20261201", "0.12.0.1.dev1",
-              "0.12.0.1rc1"):
+    for v in ("0.12.2", "0.12.1.1", "0.13.0", "1.0", "0.12.2.dev20261201", "0.12.1.dev1",
+              "0.12.1rc1"):
         assert lookup.is_untested(v), v
     assert not C.untested() and not C.CHANGED      # this suite runs inside the window
 
 
 def test_a_newer_jax_warns_once_verifies_and_folds():
-    out = run_script({"version": "0.12.1"})
+    out = run_script({"version": "0.12.2"})
     assert out["untested"] and out["verify_default"] is True
     assert len(out["warnings"]) == 1, out["warnings"]
-    assert f"tested with {C.WINDOW}; this is jax 0.12.1" in out["warnings"][0]
+    assert f"tested with {C.WINDOW}; this is jax 0.12.2" in out["warnings"][0]
     check(out, set(), "")
 
 

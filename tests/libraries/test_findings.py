@@ -18,7 +18,7 @@ from jax.extend.mlir.dialects import stablehlo as shlo
 import hlofold
 from hlofold._front.artifacts import report_stablehlo
 from hlofold._ir.stablehlo.artifacts import module_callable
-from tests.helpers import assert_close
+from tests.helpers import assert_close, lower_with_constants
 
 RNG = np.random.default_rng(13)
 DN = ("NHWC", "HWIO", "NHWC")
@@ -156,7 +156,7 @@ def _one_conv_text(loc=None):
     k = np.asarray(P["k"])
     s, t = np.asarray(P["s"]), np.asarray(P["t"])
     f = jax.jit(lambda x: conv(x, k) * s + t)
-    text = f.lower(X).as_text(debug_info=True)
+    text = lower_with_constants(f, X).as_text(debug_info=True)
     return text
 
 
@@ -338,7 +338,7 @@ def test_unreached_after_a_guarded_site_on_the_stablehlo_path():
         y = jax.nn.relu(conv(x, p["k"]) * p["s"] + p["t"])       # folds (guarded)
         a = y + conv(y, p["k2"])                                  # residual
         return (a - p["m"]) * p["s"] + p["t"]                     # BN after add
-    text = jax.jit(f).lower(P, X).as_text()
+    text = lower_with_constants(jax.jit(f), P, X).as_text()
     rep = report_stablehlo(text, in_graph=True)
     assert rep.num_folded == 1 and rep.folded[0].guarded, str(rep)
     unreached = [s for s in rep.sites if s.status == "not-reached"]
@@ -359,9 +359,9 @@ def test_unreached_normalizations_on_the_stablehlo_path_too(weights):
     """The same rule on both paths: the StableHLO of preact_net gets the same records (also
     when the sites before them are folded in the graph, behind a run-time guard)."""
     if weights == "constants":
-        text = jax.jit(lambda x: preact_net(P, x)).lower(X).as_text()
+        text = lower_with_constants(jax.jit(lambda x: preact_net(P, x)), X).as_text()
     else:
-        text = jax.jit(preact_net).lower(P, X).as_text()
+        text = lower_with_constants(jax.jit(preact_net), P, X).as_text()
     rep = report_stablehlo(text, in_graph=weights.endswith("in_graph"))
     if weights.endswith("in_graph"):
         assert rep.num_folded == 1 and rep.folded[0].guarded, str(rep)

@@ -20,6 +20,7 @@ import hlofold
 from hlofold._ir.stablehlo.artifacts import module_callable
 from hlofold._base.reasons import reason_kind
 from tests.helpers import (assert_close, assert_nothing_left_behind, fold_both, fold_checked,
+                           lower_with_constants,
                            fold_jaxpr_checked, max_err, walk_eqns)
 from tests.helpers.blocks import D, F, H, RNG, X, attention, decoder, flax_linen_block, perturb
 
@@ -55,8 +56,8 @@ def check_stablehlo(f, params, x, rep):
     ref = np.asarray(f(params, x))
     want = [s.note for s in rep.folded]     # per-token factors, consumers: the same words
     for args, lowered, in_graph in [
-            ((*leaves, x), jax.jit(flat).lower(*leaves, x), True),
-            ((x,), jax.jit(lambda x: f(params, x)).lower(x), False)]:
+            ((*leaves, x), lower_with_constants(jax.jit(flat), *leaves, x), True),
+            ((x,), lower_with_constants(jax.jit(lambda x: f(params, x)), x), False)]:
         text = lowered.as_text()
         folded, srep = hlofold.fold_stablehlo(text, in_graph=in_graph)
         assert_nothing_left_behind(text, folded)

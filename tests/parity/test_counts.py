@@ -17,6 +17,7 @@ import pytest
 
 import hlofold
 from hlofold._base.reasons import reason_kind
+from tests.helpers import lower_with_constants
 
 H, K, D = 4, 8, 32
 rng = np.random.default_rng(0)
@@ -70,7 +71,7 @@ def multi_output_then_part(x):
 def both(f):
     closed = jax.make_jaxpr(f)(X)
     _, rep = hlofold.fold_jaxpr(closed)
-    text = jax.jit(f).lower(X).as_text()
+    text = lower_with_constants(jax.jit(f), X).as_text()
     _, srep = hlofold.fold_stablehlo(text)
     return rep, srep
 
@@ -126,7 +127,7 @@ def test_a_keras_layernorm_no_root_reaches_is_named_on_both_paths():
         return m.stateless_call(tv, [], x)[0]
     x = jnp.ones((2, 5, 16))
     _, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(tv, x))
-    _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(tv, x).as_text())
+    _, srep = hlofold.fold_stablehlo(lower_with_constants(jax.jit(f), tv, x).as_text())
     for r in (rep, srep):
         (nr,) = [s for s in r.sites if s.status == "not-reached"]
         assert nr.out_channels == 16 and "after rsqrt" in nr.reason

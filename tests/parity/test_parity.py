@@ -21,7 +21,7 @@ from hlofold._ir.stablehlo.artifacts import module_callable
 from hlofold._fold.jaxpr.emit import is_guard
 from hlofold._base.reasons import reason_kind
 from hlofold._fold.stablehlo.fold import fold_module, parse_module
-from tests.helpers import fold_both
+from tests.helpers import fold_both, lower_with_constants
 
 RNG = np.random.default_rng(7)
 
@@ -115,7 +115,7 @@ def test_float64_folds_to_float64_precision_on_both_paths(params):
             f, args = bn, (x, k, g, b, m, v)
         results, ref = both_paths(f, *args)
         if params == "arguments":     # and with the weights bound on the host (params=)
-            text = jax.jit(f).lower(*args).as_text()
+            text = lower_with_constants(jax.jit(f), *args).as_text()
             apply, rep, prepared = hlofold.fold_stablehlo(
                 text, params={f"arg{i}": a for i, a in enumerate(args) if i})
             results.append(("stablehlo params=", rep,
@@ -306,7 +306,7 @@ def test_a_second_consumer_is_refused_in_the_same_words():
         return y * s, jnp.tanh(y)
     closed = jax.make_jaxpr(f)(x)
     _, rep = hlofold.fold_jaxpr(closed)
-    _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(x).as_text(), in_graph=True)
+    _, srep = hlofold.fold_stablehlo(lower_with_constants(jax.jit(f), x).as_text(), in_graph=True)
     for path, r in (("jaxpr", rep), ("stablehlo", srep)):
         assert r.num_folded == 0, (path, str(r))
         site = _main_site(r)
@@ -331,7 +331,7 @@ def test_kernel_from_an_activation_and_a_canonical_bias_in_the_same_words():
         return conv(x, k) + b
     for f, words in ((attention_like, KERNEL_FROM_ACTIVATION), (biased, CANONICAL_BIAS)):
         _, rep = hlofold.fold_jaxpr(jax.make_jaxpr(f)(x))
-        _, srep = hlofold.fold_stablehlo(jax.jit(f).lower(x).as_text(), in_graph=True)
+        _, srep = hlofold.fold_stablehlo(lower_with_constants(jax.jit(f), x).as_text(), in_graph=True)
         for path, r in (("jaxpr", rep), ("stablehlo", srep)):
             assert r.num_folded == 0, (path, str(r))
             assert any(z.reason == words for z in r.sites), (path, str(r))

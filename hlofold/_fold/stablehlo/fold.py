@@ -35,8 +35,8 @@ from .forward import HloForwardPlanner, conv_specs
 from hlofold._ir.stablehlo.facts import op_facts
 from hlofold._ir.stablehlo.ir import (PASS_KINDS, elem_type, float_dtype, is_float, location,
                                       op_name, owner_op, parent_of, shape_of, type_name)
-from hlofold._ir.stablehlo.module import (drop_uncalled_private, erase_unused, functions, gc_paused,
-                                          parse_module)
+from hlofold._ir.stablehlo.module import (drop_uncalled_private, erase_unused, functions,
+                                          gc_paused, jax_const_arguments, parse_module)
 from .match import UNREACHED_OPS, ChainWalker, HloChain
 from .patterns import Evaluator, lhs_root_info, root_info, root_shapes
 from .values import HloValues
@@ -75,6 +75,13 @@ WEIGHTS_IN_LOOP = Reason(
     "on every iteration of every call; fold with the weight values (fold_stablehlo(..., "
     "params=), hlofold fold --params: each layer folds once and the loop reads the folded "
     "stacks) or in the graph (in_graph=True, --in-graph)")
+
+
+# said with WEIGHTS_ARE_ARGUMENTS where @main marks arguments ``jax.const``
+JAX_CONSTS = ("; {n} of @main's arguments are marked jax.const: constants JAX (0.12.1 and "
+              "later) passes as arguments of a jitted function's lowering (Lowered.as_text()), "
+              "their values not in the module — lower with jax.export (it keeps them in the "
+              "module), or give their values with params=")
 
 
 def enclosing_loop(op, calls: dict, seen: frozenset = frozenset()):
@@ -180,6 +187,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.ct = None                     # in-graph arithmetic type of the current site
         self.guard_parts: dict = {}        # what guards reuse: reductions by rank, a true
         #                                    per block (build.all_finite), the marker
+        self.jax_consts = None             # @main's arguments marked jax.const
         self.symbols = {}
         for op in module.body.operations:
             if op_name(op) == "func.func":
@@ -313,7 +321,11 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         arguments, or a loop's per-iteration values (a stack whose layers differ: that)."""
         loop = enclosing_loop(root, self.eval.calls)
         if loop is None:
-            return WEIGHTS_ARE_ARGUMENTS
+            if self.jax_consts is None:
+                main = functions(self.module).get("main")
+                self.jax_consts = [] if main is None else jax_const_arguments(main)
+            return WEIGHTS_ARE_ARGUMENTS.then(
+                JAX_CONSTS.format(n=len(self.jax_consts)) if self.jax_consts else "")
         why, length = self.left.get(loop, (WEIGHTS_IN_LOOP, None))
         for r in (rec, fwd.record if fwd is not None else None):
             if r is not None and length:

@@ -212,6 +212,16 @@ def main_function(module):
     raise StableHLOError("the module has no @main function")
 
 
+def jax_const_arguments(main) -> list[int]:
+    """The ``@main`` arguments marked ``jax.const``: constants JAX (0.12.1 and later,
+    ``jax_use_simplified_jaxpr_constants``) passes as arguments of a ``Lowered``'s module —
+    their values are not in the module."""
+    if "arg_attrs" not in main.attributes:
+        return []
+    return [i for i, d in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"]))
+            if "jax.const" in ir.DictAttr(d)]
+
+
 def check_stablehlo(module):
     names, inner = set(), set()
     for fop in module.body.operations:

@@ -20,7 +20,7 @@ from hlofold._base.reasons import reason_kind
 from hlofold._ir.stablehlo.artifacts import module_callable
 from hlofold._ir.stablehlo.ir import op_name
 from hlofold._ir.stablehlo.module import parse_module
-from tests.helpers import assert_close, assert_nothing_left_behind, unread_ops
+from tests.helpers import assert_close, assert_nothing_left_behind, unread_ops, lower_with_constants
 from tests.fold.jaxpr.test_stacks import (CNN, CNN_VARS, X, ScannedDecoder, _hand_stack,
                                      _perturbed, branch_stack, fori_stack, nested_stack)
 
@@ -70,7 +70,7 @@ def run(text, *args):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_stacks_in_the_module_fold_per_layer(reverse):
     f, p, x = _hand_stack(reverse=reverse)
-    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 1 and not rep.refused, str(rep)
     assert rep.folded[0].layers == 3
@@ -97,7 +97,7 @@ def test_params_bound_stacks_fold_per_layer_and_the_loop_reads_the_prepared_stac
 
 
 def test_flax_scan_stack_folds_alike_on_both_paths():
-    text = jax.jit(lambda x: CNN.apply(CNN_VARS, x)).lower(X).as_text()
+    text = lower_with_constants(jax.jit(lambda x: CNN.apply(CNN_VARS, x)), X).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     jrep = hlofold.fold(jax.jit(CNN.apply)).report(CNN_VARS, X)
     assert sorted((s.status, s.layers or 1) for s in rep.sites) == \
@@ -162,7 +162,7 @@ def test_an_unrolled_scans_later_layers_fold_their_norms_too(unroll):
 
 def test_the_fori_loop_form_folds_per_layer():
     f, p, x = fori_stack(4)
-    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 1 and rep.folded[0].layers == 4, str(rep)
     (body,) = loop_bodies(folded)
@@ -172,7 +172,7 @@ def test_the_fori_loop_form_folds_per_layer():
 
 def test_nested_stacks_count_every_layer():
     f, p, x = nested_stack()
-    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 1 and rep.folded[0].layers == 6, str(rep)
     assert_close(f(p, x), run(folded, x))
@@ -183,7 +183,7 @@ def test_layers_that_fold_differently_leave_the_loop_with_the_reason():
     var = np.asarray(params["var"]).copy()
     var[1, 2] = -1e-5                  # layer 1: σ² + ε = 0 in one channel: its fold is refused
     params = {**params, "var": jnp.asarray(var)}
-    text = jax.jit(lambda x: f(params, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(params, x)), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 0, str(rep)
     (site,) = rep.refused
@@ -201,7 +201,7 @@ def test_stacks_as_arguments_say_how_to_fold_them():
     """Without the weight values the loop's sites stay, and the reason names what folds
     them per layer (params=) — not the jaxpr path."""
     f, p, x = _hand_stack()
-    text = jax.jit(f).lower(p, x).as_text()
+    text = lower_with_constants(jax.jit(f), p, x).as_text()
     _, rep = hlofold.fold_stablehlo(text)
     (site,) = rep.refused
     assert "stablehlo.while" in site.reason and "params=" in site.reason
@@ -213,7 +213,7 @@ def test_split_prepares_the_stacks_once_and_apply_reads_them():
     bias stacks from the weight stacks (checked finite once); apply's loop runs conv + bias
     reading them at the iteration number — nothing computed from the weights per call."""
     f, p, x = _hand_stack()
-    text = jax.jit(f).lower(p, x).as_text()            # gamma, k, mean, var, x
+    text = lower_with_constants(jax.jit(f), p, x).as_text()            # gamma, k, mean, var, x
     apply, rep, prepare = hlofold.fold_stablehlo(text, split=["arg4"])
     assert rep.num_folded == 1 and rep.folded[0].layers == 3, str(rep)
     (body,) = loop_bodies(apply)
@@ -234,7 +234,7 @@ def test_a_bfloat16_stack_folds_within_the_originals_error():
     f, p, x = _hand_stack()
     pb, xb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16)
     ref = np.asarray(f(p, x))
-    text = jax.jit(lambda x: f(pb, x)).lower(xb).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(pb, x)), xb).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 1 and rep.folded[0].layers == 3, str(rep)
     err = lambda out: float(np.max(np.abs(np.asarray(out, np.float32) - ref)))  # noqa: E731
@@ -254,7 +254,7 @@ def test_a_one_layer_stack_leaves_nothing_behind():
     def f(x):
         return jax.lax.scan(lambda h, kk: (jnp.tanh(-(h @ kk + 1.0) + 2.0), None), x, k)[0]
     x = jnp.ones((2, 4), jnp.float32)
-    text = jax.jit(f).lower(x).as_text()
+    text = lower_with_constants(jax.jit(f), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     assert rep.num_folded == 1 and rep.folded[0].layers == 1, str(rep)
     assert_nothing_left_behind(text, folded)
@@ -263,7 +263,7 @@ def test_a_one_layer_stack_leaves_nothing_behind():
 
 def test_split_of_the_fori_loop_form_leaves_nothing_behind():
     f, p, x = fori_stack(4)
-    text = jax.jit(f).lower(p, x).as_text()                 # k, s, t, x
+    text = lower_with_constants(jax.jit(f), p, x).as_text()                 # k, s, t, x
     apply, rep, prepare = hlofold.fold_stablehlo(text, split=["arg3"])
     assert rep.num_folded == 1 and rep.folded[0].layers == 4, str(rep)
     assert_nothing_left_behind(text, apply)
@@ -283,7 +283,7 @@ def test_summed_branches_in_a_stack_merge_per_layer():
     runs one convolution, outputs equal."""
     f, p, x = branch_stack()
     want = np.asarray(f(p, x))
-    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     (merge,) = rep.merged
     assert merge.layers == 3 and "3 branches" in merge.note, str(rep)
@@ -296,7 +296,7 @@ def test_summed_branches_in_a_stack_merge_per_layer():
     assert sorted(q.shape for q in prepared) == [(3, 3, 3, 8, 8), (3, 8)]
     assert_close(want, new.call(x, *prepared))
     leaves = jax.tree.leaves(p)
-    text = jax.jit(f).lower(p, x).as_text()
+    text = lower_with_constants(jax.jit(f), p, x).as_text()
     apply, rep3, prepare = hlofold.fold_stablehlo(text, split=[f"arg{len(leaves)}"])
     assert [m.layers for m in rep3.merged] == [3], str(rep3)
     *made, ok = module_callable(prepare)(*leaves)
@@ -311,8 +311,8 @@ def test_stack_folds_from_many_threads_alike():
     context): every result is the serial one."""
     from concurrent.futures import ThreadPoolExecutor
     f, p, x = branch_stack()
-    texts = [jax.jit(lambda x: f(p, x)).lower(x).as_text(),
-             jax.jit(lambda x: CNN.apply(CNN_VARS, x)).lower(X).as_text()]
+    texts = [lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text(),
+             lower_with_constants(jax.jit(lambda x: CNN.apply(CNN_VARS, x)), X).as_text()]
     serial = [str(hlofold.fold_stablehlo(t)[0]) for t in texts]
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda i: (i % 2, str(hlofold.fold_stablehlo(texts[i % 2])[0])),
@@ -349,7 +349,7 @@ def test_per_layer_constants_inside_branches_are_read_per_layer():
     its branches): the loop folds, both branches run conv + bias, outputs equal (was: the
     loop left, its layers said to differ)."""
     f, p, x = _branch_in_layer()
-    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text()
     folded, rep = hlofold.fold_stablehlo(text)
     # (the other branch's negation folds forward into its kernel too), as on the jaxpr path
     ff = hlofold.fold(jax.jit(f))
