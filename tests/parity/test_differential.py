@@ -32,7 +32,8 @@ import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
 from hlofold._ir.stablehlo.artifacts import module_callable  # noqa: E402
 from hlofold._base.reasons import reason_kind  # noqa: E402
-from tests.helpers import assert_close, assert_nothing_left_behind  # noqa: E402
+from tests.helpers import (assert_close, assert_nothing_left_behind,  # noqa: E402
+                           lower_with_constants)
 from tests.helpers.programs import LOW, bf16_bound, bound, build, err, specs  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -53,7 +54,7 @@ def check_both_paths(spec):
     f, args = build(spec)
     closed = jax.make_jaxpr(f)(*args)
     new, rep = hlofold.fold_jaxpr(closed)
-    text = jax.jit(f, keep_unused=True).lower(*args).as_text()
+    text = lower_with_constants(jax.jit(f, keep_unused=True), *args).as_text()
     folded_text, srep = hlofold.fold_stablehlo(text, in_graph=True)
     assert_nothing_left_behind(text, folded_text)
     for jp, sp in (("conv_affine", "stablehlo_conv"), ("affine_conv", "stablehlo_affine_conv")):
@@ -127,7 +128,7 @@ def test_both_paths_decide_deep_programs_the_same_way(net):
                                           jnp.ones((1, 16, 16, 3)))
     closed = jax.make_jaxpr(f)(*args)
     new, rep = hlofold.fold_jaxpr(closed)
-    text = jax.jit(f).lower(*args).as_text()
+    text = lower_with_constants(jax.jit(f), *args).as_text()
     folded, srep = hlofold.fold_stablehlo(text, in_graph=True)
     for pattern in ("affine_dot", "dot_affine", "conv_affine"):
         dj, ds = _decisions(rep, pattern), _decisions(srep, "stablehlo_" + pattern)

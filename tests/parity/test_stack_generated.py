@@ -29,6 +29,7 @@ import hlofold  # noqa: E402
 import hlofold._compat as C  # noqa: E402
 from hlofold._ir.stablehlo.artifacts import module_callable  # noqa: E402
 from tests.helpers.stack_programs import FIXED, StackSpec, build, stack_specs  # noqa: E402
+from tests.helpers import lower_with_constants  # noqa: E402
 
 RTOL = 2e-5            # of the output's largest magnitude
 
@@ -79,7 +80,7 @@ def check_every_entry_point(spec: StackSpec, tmp_path) -> None:
     fp = hlofold.fold_params(f, p, x)
     check("fold_params", ref, f(fp.params, x))
     # ---- the StableHLO path: the same sites fold
-    text = jax.jit(lambda x: f(p, x)).lower(x).as_text()
+    text = lower_with_constants(jax.jit(lambda x: f(p, x)), x).as_text()
     folded, srep = hlofold.fold_stablehlo(text)
     check("fold_stablehlo", ref, module_callable(folded)(x))
     assert counts(srep) == counts(jrep) == want, f"{spec}\n{jrep}\n{srep}"
@@ -88,7 +89,7 @@ def check_every_entry_point(spec: StackSpec, tmp_path) -> None:
     applied, prep, prepared = hlofold.fold_stablehlo(exp, params=bound)
     check("params=", ref, applied.call(x, *prepared))
     assert counts(prep) == want, str(prep)
-    args_text = jax.jit(f).lower(p, x).as_text()
+    args_text = lower_with_constants(jax.jit(f), p, x).as_text()
     apply, srep2, prepare = hlofold.fold_stablehlo(args_text, split=[f"arg{len(leaves)}"])
     *made, ok = module_callable(prepare)(*leaves)
     assert bool(ok)
