@@ -24,7 +24,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -35,8 +34,8 @@ from hlofold import _compat as C
 from hlofold._compat import xla as X
 
 from . import repmodels as R
-from .common import (code_info, machine_info, machine_line, now, paired, steady, steady_rounds,
-                     summary, write_doc)
+from .common import (code_info, machine_info, machine_line, now, paired, run_worker, steady,
+                     steady_rounds, summary, write_doc)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -94,16 +93,11 @@ print(time.perf_counter() - t)
 def first_calls(arch: str, batch: int, size: int, runs: int, **make_kw) -> dict:
     """First call (trace, fold, compile, run) in fresh processes, alternating."""
     out = {"jit": [], "fold": []}
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for _ in range(runs):
         for which in out:
-            p = subprocess.run([sys.executable, "-c", _FIRST, arch, str(batch), str(size),
-                                which, json.dumps(make_kw)], capture_output=True, text=True,
-                               env=env,
-                               cwd=os.path.join(HERE, os.pardir))
-            if p.returncode:
-                raise RuntimeError(p.stderr[-2000:])
-            out[which].append(float(p.stdout.split()[-1]) * 1e3)
+            got = run_worker(["-c", _FIRST, arch, batch, size, which, json.dumps(make_kw)],
+                             timeout=None, env={"JAX_PLATFORMS": "cpu"})
+            out[which].append(float(got) * 1e3)
     return {k: summary(v) for k, v in out.items()}
 
 
@@ -332,14 +326,8 @@ def settle(folded, *args, limit: float = 120.0) -> None:
 def fresh_grid_row(*row) -> dict:
     """:func:`grid_row` in a fresh process (``--grid-row``): the row's model is the first
     program there, as in a user's process (the option's choice is measured on it)."""
-    p = subprocess.run([sys.executable, "-m", "benchmarks.branches", "--grid-row",
-                        json.dumps(row)], capture_output=True, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu",
-                            "PYTHONPATH": os.path.join(HERE, os.pardir)},
-                       cwd=os.path.join(HERE, os.pardir))
-    if p.returncode:
-        raise RuntimeError(p.stderr[-2000:])
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(run_worker(["-m", "benchmarks.branches", "--grid-row", json.dumps(row)],
+                                 timeout=None, env={"JAX_PLATFORMS": "cpu"}))
 
 
 def grid(rounds: int, rows: list, out: str, first: int = 0) -> dict:

@@ -37,7 +37,6 @@ import importlib.util
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -48,7 +47,7 @@ import hlofold
 from . import first_program, transformer
 from . import workloads as W
 from .common import (code_info, kept_runs, machine_info, machine_line, ratio, run_of,
-                     summary)
+                     run_worker, summary)
 
 
 # --------------------------------------------------------------------------- 1. first call
@@ -75,13 +74,8 @@ def first_calls(nets, sizes, rounds: int, log) -> list[dict]:
                 order = list(times)
                 random.Random(r).shuffle(order)
                 for v in order:
-                    out = subprocess.run(
-                        [sys.executable, "-m", "benchmarks.calls", "--first-call-worker", net,
-                         str(size), v], capture_output=True, text=True, timeout=600,
-                        env=dict(os.environ, PYTHONPATH=os.getcwd()))
-                    if out.returncode != 0:
-                        raise RuntimeError(f"worker {net} {size} {v}: {out.stderr[-2000:]}")
-                    times[v].append(float(out.stdout.strip().splitlines()[-1]))
+                    times[v].append(float(run_worker(
+                        ["-m", "benchmarks.calls", "--first-call-worker", net, size, v])))
             s = {k: summary(v) for k, v in times.items()}
             row = {"net": net, "size": size, "batch": FIRST_BATCH.get(net, 1), "seconds": s,
                    "fold_vs_jit": ratio(s["fold"], s["jit"]),

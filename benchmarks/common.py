@@ -104,6 +104,24 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}\n" + "".join(frames)
 
 
+def run_worker(argv: list, *, timeout: float | None = 600, env: dict | None = None) -> str:
+    """``python <argv>`` in a fresh process, from the repository root and with it importable
+    (``env`` over this process's environment): the last line it prints; a ``RuntimeError``
+    with the end of its stderr where it fails. The benchmarks' fresh-process measurements
+    (first calls, first programs, workers that must not share a process) all run so."""
+    import subprocess
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]]
+                                     if os.environ.get("PYTHONPATH") else []))
+    p = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
+                       timeout=timeout, cwd=root,
+                       env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    if p.returncode:
+        what = " ".join(str(a) for a in argv if not str(a).startswith("\n"))[:200]
+        raise RuntimeError(f"worker {what}: {p.stderr[-3000:]}")
+    return p.stdout.strip().splitlines()[-1]
+
+
 def code_info() -> dict:
     """Which hlofold was measured: git commit, whether hlofold/ differs from it, and a hash
     of the imported hlofold sources (the repository may change between runs)."""

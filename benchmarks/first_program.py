@@ -31,14 +31,13 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
 
-from .common import code_info, machine_info, machine_line, summary, write_doc
+from .common import code_info, machine_info, machine_line, run_worker, summary, write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, os.pardir, "docs", "benchmarks")
@@ -112,20 +111,16 @@ def measure(rows, runs: int, calls: int, rounds: int, log, history: bool = True)
     (``history``: the ``deploy after jit`` processes too)."""
     variants = VARIANTS if history else VARIANTS[:3]
     res = []
-    env = dict(os.environ, PYTHONPATH=os.path.join(HERE, os.pardir), JAX_PLATFORMS="cpu")
     for batch, size, width in rows:
         got: dict[str, list] = {v: [] for v in variants}
         for r in range(runs):
             order = list(variants)
             random.Random(r).shuffle(order)
             for v in order:
-                p = subprocess.run([sys.executable, "-m", "benchmarks.first_program", "--worker",
-                                    json.dumps([v, batch, size, width, calls, rounds])],
-                                   capture_output=True, text=True, env=env, timeout=600,
-                                   cwd=os.path.join(HERE, os.pardir))
-                if p.returncode:
-                    raise RuntimeError(f"worker {v} {batch} {size} {width}: {p.stderr[-2000:]}")
-                got[v].append(json.loads(p.stdout.strip().splitlines()[-1]))
+                got[v].append(json.loads(run_worker(
+                    ["-m", "benchmarks.first_program", "--worker",
+                     json.dumps([v, batch, size, width, calls, rounds])],
+                    env={"JAX_PLATFORMS": "cpu"})))
         row = {"batch": batch, "size": size, "width": width, "runs": runs, "calls": calls,
                "first_s": {v: summary([g["first_s"] for g in got[v]]) for v in variants},
                "window_ms": {v: {w: summary([g["window_ms"][w] for g in got[v]])

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 
 import numpy as np
 
-from .common import machine_info, machine_line, now, steady, write_doc
+from .common import machine_info, machine_line, now, run_worker, steady, write_doc
 
 FULL = dict(layers=8, d=2048, ffn=5632, vocab=32000)
 QUICK = dict(layers=2, d=128, vocab=512)
@@ -64,10 +63,9 @@ def main() -> None:
         return
     rows = []
     for form in ("unrolled", "scanned"):
-        out = subprocess.run([sys.executable, "-m", "benchmarks.stack_hlo", "--worker", form]
-                             + (["--quick"] if quick else []), capture_output=True, text=True,
-                             check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows.append(json.loads(run_worker(
+            ["-m", "benchmarks.stack_hlo", "--worker", form] + (["--quick"] if quick else []),
+            timeout=None, env={"JAX_PLATFORMS": "cpu"})))
         print(rows[-1], flush=True)
     if quick:
         return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -91,13 +90,10 @@ def worker(variant: str, quick: bool, scanned: bool = False) -> dict:
 
 
 def _run_worker(variant: str, quick: bool, scanned: bool = False) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    got = subprocess.run([sys.executable, "-m", "benchmarks.transformer", "--worker", variant]
-                         + (["--quick"] if quick else []) + (["--scanned"] if scanned else []),
-                         capture_output=True, text=True, env=env, timeout=1800)
-    if got.returncode:
-        raise SystemExit(f"transformer worker {variant} failed:\n{got.stderr[-3000:]}")
-    return json.loads(got.stdout.strip().splitlines()[-1])
+    from .common import run_worker
+    return json.loads(run_worker(
+        ["-m", "benchmarks.transformer", "--worker", variant] + (["--quick"] if quick else [])
+        + (["--scanned"] if scanned else []), timeout=1800, env={"JAX_PLATFORMS": "cpu"}))
 
 
 def measure(quick: bool, rounds: int, log, scanned: bool = False) -> dict:
