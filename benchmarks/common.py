@@ -117,8 +117,8 @@ def run_worker(argv: list, *, timeout: float | None = 600, env: dict | None = No
                        timeout=timeout, cwd=root,
                        env={**os.environ, "PYTHONPATH": path, **(env or {})})
     if p.returncode:
-        what = " ".join(str(a) for a in argv if not str(a).startswith("\n"))[:200]
-        raise RuntimeError(f"worker {what}: {p.stderr[-3000:]}")
+        shown = argv[2:] if argv[0] == "-c" else argv      # (not a -c script's text)
+        raise RuntimeError(f"worker {' '.join(map(str, shown))[:200]}: {p.stderr[-3000:]}")
     return p.stdout.strip().splitlines()[-1]
 
 

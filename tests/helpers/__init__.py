@@ -37,7 +37,7 @@ def lower_with_constants(jitted, *args):
     """``jitted.lower(*args)`` with the arrays it closes over as constants in the module,
     on every JAX (the module a test means by "weights as constants", as TensorFlow's,
     PyTorch/XLA's and ``jax.export``'s are)."""
-    with jax_consts_as_arguments(False):
+    with C.constants_in_module():                 # (hlofold.lower's own context)
         return jitted.lower(*args)
 
 

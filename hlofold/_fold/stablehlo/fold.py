@@ -187,7 +187,7 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         self.ct = None                     # in-graph arithmetic type of the current site
         self.guard_parts: dict = {}        # what guards reuse: reductions by rank, a true
         #                                    per block (build.all_finite), the marker
-        self.jax_consts = None             # @main's arguments marked jax.const
+        self.args_reason = None            # _not_now's reason outside loops (jax.const)
         self.symbols = {}
         for op in module.body.operations:
             if op_name(op) == "func.func":
@@ -321,11 +321,12 @@ class _Pass(ChainWalker, HloForwardPlanner, HloValues, SiteWriter):
         arguments, or a loop's per-iteration values (a stack whose layers differ: that)."""
         loop = enclosing_loop(root, self.eval.calls)
         if loop is None:
-            if self.jax_consts is None:
-                main = functions(self.module).get("main")
-                self.jax_consts = [] if main is None else jax_const_arguments(main)
-            return WEIGHTS_ARE_ARGUMENTS.then(
-                JAX_CONSTS.format(n=len(self.jax_consts)) if self.jax_consts else "")
+            if self.args_reason is None:        # (once: @main's jax.const arguments)
+                main = self.symbols.get("main")
+                n = 0 if main is None else len(jax_const_arguments(main))
+                self.args_reason = WEIGHTS_ARE_ARGUMENTS.then(JAX_CONSTS.format(n=n) if n
+                                                              else "")
+            return self.args_reason
         why, length = self.left.get(loop, (WEIGHTS_IN_LOOP, None))
         for r in (rec, fwd.record if fwd is not None else None):
             if r is not None and length:

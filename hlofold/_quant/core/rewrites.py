@@ -90,10 +90,6 @@ class Smooth:
         into.smoothed += done
         into.not_smoothed += left
 
-    def with_calibration(self, calibration) -> "Smooth":
-        """The same rewrite over the calibration inputs in another form (an export's)."""
-        return dataclasses.replace(self, calibration=tuple(calibration))
-
 
 REWRITES = (Rotate, Equalize, Smooth)
 
@@ -122,8 +118,8 @@ def from_options(*, equalize: bool = False, smooth=None, alpha: Any = 0.5,
 
 def calibrations(rewrites: tuple, convert) -> tuple:
     """``rewrites`` with each :class:`Smooth`'s calibration inputs converted (``convert``)."""
-    return tuple(r.with_calibration(convert(list(r.calibration))) if isinstance(r, Smooth)
-                 else r for r in rewrites)
+    return tuple(dataclasses.replace(r, calibration=tuple(convert(list(r.calibration))))
+                 if isinstance(r, Smooth) else r for r in rewrites)
 
 
 def run(rewrites: tuple, view: RewriteView) -> Rewritten:

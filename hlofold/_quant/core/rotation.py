@@ -22,6 +22,8 @@ import dataclasses
 
 import numpy as np
 
+from hlofold._base.reasons import kinded
+
 
 class Orthogonal:
     """``Q`` applied to rows, ``x @ Q``: a randomized Hadamard matrix as a fast Walsh–Hadamard
@@ -110,7 +112,8 @@ def rotate(w, axis: int, q: np.ndarray, dtype=None) -> np.ndarray:
 @dataclasses.dataclass
 class Rotation:
     """The residual stream rotated (``reason`` None) or why not: its width, the matrix, and
-    the pytree paths of the embedding, the layers reading it and those writing into it."""
+    the pytree paths of the embedding, the layers reading it and those writing into it. A
+    reason is of kind ``rotation`` (:data:`hlofold._base.reasons.KINDS`) unless it has one."""
 
     reason: str | None
     width: int = 0
@@ -119,6 +122,10 @@ class Rotation:
     readers: list = dataclasses.field(default_factory=list)
     writers: list = dataclasses.field(default_factory=list)
     offsets: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if self.reason is not None:
+            self.reason = kinded("rotation", self.reason)
 
     def __str__(self) -> str:
         if self.reason:

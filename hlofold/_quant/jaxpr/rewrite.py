@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlofold import _compat as C
-from hlofold._base.reasons import Reason, kinded
+from hlofold._base.reasons import Reason
 from hlofold._quant.core.equalize import EqualizedPair, NotEqualized, equalize, exact_in, record
 from hlofold._quant.core.smooth import Observed, check_alpha, check_calibration, smooth
 from hlofold._base.channel_axes import Mapped
@@ -263,26 +263,26 @@ def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation
     is made (one rotated leaf on the host at a time); the record, or why not."""
     s = find_stream(jaxpr, len(leaves))
     if isinstance(s, str):
-        return _not_rotated(s)
+        return Rotation(s)
     moved = [s.embedding, *s.readers, *s.writers, *s.shifts]
     low = [i for i in [*s.scales, *(j for j, _ in moved)] if exact_in(leaves.dtype(i))]
     if low:
-        return _not_rotated(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation "
+        return Rotation(f"{paths[low[0]]} is {leaves.dtype(low[0]).name}: a rotation "
                             f"rounds every weight it touches in that dtype (not exact); "
                             f"rotate the float32 weights and cast after")
     for i in s.scales:
         g = np.asarray(leaves[i])
         if g.size and not np.all(g == g.reshape(-1)[0]):
-            return _not_rotated(f"{paths[i]} varies per channel where the stream needs one "
+            return Rotation(f"{paths[i]} varies per channel where the stream needs one "
                                 f"value for every channel (a norm's γ not folded: "
                                 f"fold_params folds it where all its readers fold)")
     todo = moved
     if len({i for i, _ in todo}) < len(todo):
-        return _not_rotated("a weight both reads and writes the stream")
+        return Rotation("a weight both reads and writes the stream")
     for i, axis in todo:
         a = np.asarray(leaves[i])
         if not np.issubdtype(a.dtype, np.floating) or a.shape[axis] != s.width:
-            return _not_rotated(f"{paths[i]} is not a float weight over the stream's "
+            return Rotation(f"{paths[i]} is not a float weight over the stream's "
                                 f"channels")
     q, kind = orthogonal(s.width, seed, keep_ones=s.centered)
     for i, axis in todo:
@@ -290,10 +290,6 @@ def rotate_leaves(jaxpr, leaves, paths: list[str], seed: int, place) -> Rotation
     return Rotation(None, s.width, kind, paths[s.embedding[0]],
                     [paths[i] for i, _ in s.readers], [paths[i] for i, _ in s.writers],
                     [paths[i] for i, _ in s.shifts])
-
-
-def _not_rotated(why: str) -> Rotation:
-    return Rotation(kinded("rotation", why))
 
 
 def calibration_inputs(smooth, n_args: int, alpha: float) -> list | None:

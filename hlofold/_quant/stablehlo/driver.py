@@ -4,7 +4,6 @@
 constants, the fold done) and in its scanned stacks' loops (:mod:`.loop_pairs`, per layer)."""
 from __future__ import annotations
 
-from hlofold._base.reasons import Reason
 from hlofold._fold.stablehlo.calls import inline_layer_calls
 from hlofold._ir.stablehlo.module import drop_uncalled_private, main_function
 from hlofold._quant.core.rewrites import Rewritten, run
@@ -30,8 +29,8 @@ class ModuleView:
                 drop_uncalled_private(self.module)
 
     def rotate(self, seed: int) -> Rotation:
-        return Rotation(Reason("rotation", "rotate= rotates a parameter tree "
-                                           "(hlofold.fold_params), not a StableHLO module"))
+        return Rotation("rotate= rotates a parameter tree (hlofold.fold_params), not a "
+                        "StableHLO module")
 
     def equalize(self) -> tuple[list, list]:
         self._read()
